@@ -1,0 +1,3 @@
+from llmgw_cli.cli.main import main
+
+main()

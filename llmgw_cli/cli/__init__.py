@@ -1,0 +1,1 @@
+"""The command line: one Typer app per command group."""

@@ -1,0 +1,154 @@
+"""docs/configuration.md and the JSON Schema, generated from the spec models.
+
+Generated rather than written so the reference cannot drift from the code: a test
+regenerates both and compares them with the committed files.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import types
+import typing
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from llmgw_cli.core.quantities import format_duration, format_size, parse_duration, parse_size
+from llmgw_cli.core.spec import ClusterSpec
+
+
+def json_schema() -> str:
+    """The cluster file's JSON Schema, as committed in docs/cluster.schema.json."""
+    schema = ClusterSpec.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "llmgw cluster file"
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+def _quantity(info_or_args: Any) -> str | None:
+    """'duration' or 'size' when the metadata carries our parsers."""
+    for meta in info_or_args:
+        func = getattr(meta, "func", None)
+        if func is parse_duration:
+            return "duration"
+        if func is parse_size:
+            return "size"
+    return None
+
+
+def _type_name(annotation: Any, metadata: list[Any] | tuple[Any, ...] = ()) -> str:
+    quantity = _quantity(metadata)
+    if quantity:
+        return quantity
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0], args[1:])
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args if a is not type(None))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(f"`{a}`" for a in args)
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return f"mapping of name to {_type_name(args[1])}"
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return "one of " + ", ".join(f"`{m.value}`" for m in annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return f"[{annotation.__name__}](#{annotation.__name__.lower()})"
+    return {str: "string", int: "integer", bool: "boolean", float: "number"}.get(annotation, str(annotation))
+
+
+def _default(info: FieldInfo) -> str:
+    if info.is_required():
+        return "**required**"
+    if info.default_factory is not None:
+        value = info.default_factory()  # type: ignore[call-arg]
+        if isinstance(value, BaseModel):
+            return "see below"
+        return "empty" if not value else f"`{value}`"
+    value = info.default
+    if value is None or value is PydanticUndefined:
+        return "unset"
+    quantity = _quantity(info.metadata)
+    if quantity == "duration":
+        return f"`{format_duration(value)}`"
+    if quantity == "size":
+        return f"`{format_size(value)}`"
+    if isinstance(value, Enum):
+        value = value.value
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    return f"`{value}`"
+
+
+def _nested(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [cls for arg in typing.get_args(annotation) for cls in _nested(arg)]
+
+
+def _key_path(parent: str, key: str, annotation: Any) -> str:
+    """How a child section is reached: ``nodes[]``, ``profiles.<name>``, ``gateway.timeouts``."""
+    base = f"{parent}.{key}" if parent else key
+    for arg in (annotation, *typing.get_args(annotation)):
+        origin = typing.get_origin(arg)
+        if origin is list:
+            return f"{base}[]"
+        if origin is dict:
+            return f"{base}.<name>"
+    return base
+
+
+def _classes() -> list[tuple[type[BaseModel], str]]:
+    """Every model reachable from ClusterSpec with where it first appears, parents first."""
+    order: list[tuple[type[BaseModel], str]] = [(ClusterSpec, "")]
+    seen: set[type[BaseModel]] = {ClusterSpec}
+    for cls, path in order:
+        for name, info in cls.model_fields.items():
+            for child in _nested(info.annotation):
+                if child not in seen:
+                    seen.add(child)
+                    order.append((child, _key_path(path, info.alias or name, info.annotation)))
+    return order
+
+
+def _section(cls: type[BaseModel], path: str) -> str:
+    doc = inspect.cleandoc(cls.__doc__ or "").replace("\n", " ")
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for name, info in cls.model_fields.items():
+        key = info.alias or name
+        kind = _type_name(info.annotation, info.metadata)
+        meaning = (info.description or "").replace("|", "\\|")
+        rows.append(f"| `{key}` | {kind} | {_default(info)} | {meaning} |")
+    title = f"`{path}` ({cls.__name__})" if path else f"Top level ({cls.__name__})"
+    anchor = f'<a id="{cls.__name__.lower()}"></a>\n'
+    return f"{anchor}### {title}\n\n{doc}\n\n" + "\n".join(rows) + "\n"
+
+
+def configuration_markdown(example: str, example_name: str) -> str:
+    """docs/configuration.md: an example file, then every key of every section."""
+    head = (
+        "# Configuration reference\n\n"
+        "<!-- Generated by scripts/regen from llmgw_cli/core/spec.py; do not edit by hand. -->\n\n"
+        "A cluster file is one YAML document. `llmgw validate -f FILE` checks it and reports\n"
+        "every problem at once with its line and column; `llmgw schema` prints the JSON Schema\n"
+        "(also in [cluster.schema.json](cluster.schema.json)) for editor completion.\n\n"
+        "Durations are written with a unit: `250ms`, `90s`, `10m`, `1h`, `1h30m`, `1d`.\n"
+        "Sizes too: `512MiB`, `80GiB`, `2TB` (binary `KiB/MiB/GiB/TiB`, decimal `KB/MB/GB/TB`).\n"
+        "A bare number is refused, since it could mean either unit.\n\n"
+        "## Scaling, exactly\n\n"
+        "| `scaling` | meaning |\n|---|---|\n"
+        "| absent | off: never started |\n"
+        "| `min: 0, max: 0` | configured and deliberately off |\n"
+        "| `min: 0, max: N` (N >= 1) | on demand: started by the first request, "
+        "stopped after `idle_timeout` |\n"
+        "| `min: N` (N >= 1) | N replicas always running, never evicted; up to `max` |\n\n"
+        "`max` is never filled in for you: a `scaling` block without it is an error.\n\n"
+        f"## Example ({example_name})\n\n```yaml\n{example.rstrip()}\n```\n\n## Keys\n\n"
+    )
+    return head + "\n".join(_section(cls, path) for cls, path in _classes())

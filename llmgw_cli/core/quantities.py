@@ -1,0 +1,97 @@
+"""Durations (``90s``, ``10m``, ``1h30m``) and sizes (``80GiB``) as they appear in the cluster file.
+
+In memory a duration is a ``float`` of seconds and a size an ``int`` of bytes; when a spec
+is written back out (JSON, docs) they take their human form again, so a spec round-trips.
+A bare number is refused: ``idle_timeout: 10`` could mean seconds or minutes, and the
+file should say which.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+DURATION_PATTERN = r"^(\d+(\.\d+)?(ms|s|m|h|d))+$"
+
+_SIZE_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+}
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
+SIZE_PATTERN = r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
+
+
+def parse_duration(text: object) -> float:
+    """Seconds in a duration such as ``90s``, ``10m``, ``1h30m`` or ``250ms``."""
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        raise ValueError(f"expected a duration such as 90s, 10m or 1h, got {text!r}")
+    if not isinstance(text, str):
+        raise ValueError(f"{text} has no unit: write {text}s, {text}m or {text}h")
+    compact = text.strip().replace(" ", "")
+    if not compact or _DURATION_PART.sub("", compact) != "":
+        raise ValueError(f"{text!r} is not a duration: write e.g. 90s, 10m, 1h or 1h30m")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(compact))
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest exact form of ``seconds``: 5400.0 -> ``1h30m``, 0.25 -> ``250ms``."""
+    if seconds == 0:
+        return "0s"
+    if seconds != int(seconds):
+        ms = round(seconds * 1000)
+        return f"{ms}ms" if ms % 1000 else f"{ms // 1000}s"
+    rest = int(seconds)
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        count, rest = divmod(rest, size)
+        if count:
+            parts.append(f"{count}{unit}")
+    return "".join(parts)
+
+
+def parse_size(text: object) -> int:
+    """Bytes in a size such as ``80GiB``, ``512MiB`` or ``2TB``."""
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        raise ValueError(f"expected a size such as 80GiB, got {text!r}")
+    if not isinstance(text, str):
+        raise ValueError(f"{text} has no unit: write e.g. {text}GiB")
+    match = _SIZE.match(text.strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a size: write e.g. 80GiB, 512MiB or 2TB")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+def format_size(size: int) -> str:
+    """The largest binary unit that divides ``size`` exactly: 85899345920 -> ``80GiB``."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if size and size % _SIZE_UNITS[unit] == 0:
+            return f"{size // _SIZE_UNITS[unit]}{unit}"
+    return f"{size}B"
+
+
+Duration = Annotated[
+    float,
+    BeforeValidator(parse_duration),
+    PlainSerializer(format_duration, return_type=str),
+    WithJsonSchema({"type": "string", "pattern": DURATION_PATTERN, "examples": ["90s", "10m"]}),
+]
+"""Seconds, written in the file as ``90s``, ``10m``, ``1h``."""
+
+Size = Annotated[
+    int,
+    BeforeValidator(parse_size),
+    PlainSerializer(format_size, return_type=str),
+    WithJsonSchema({"type": "string", "pattern": SIZE_PATTERN, "examples": ["80GiB"]}),
+]
+"""Bytes, written in the file as ``80GiB``, ``512MiB``."""

@@ -1,0 +1,50 @@
+"""Rendering of the packaged jinja2 templates (systemd units, scripts).
+
+Templates live in the repository's top-level ``templates/`` folder; the wheel carries
+them as ``llmgw_cli/templates``. Both places are looked up, installed copy first, so a
+source checkout and an installed package behave alike.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from llmgw_cli.errors import TemplateError
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def template_dirs() -> list[Path]:
+    """Folders searched for templates, in order."""
+    return [d for d in (_PACKAGE / "templates", _PACKAGE.parent / "templates") if d.is_dir()]
+
+
+@cache
+def _environment() -> jinja2.Environment:
+    dirs = template_dirs()
+    if not dirs:
+        raise TemplateError(f"no templates folder found next to {_PACKAGE}; reinstall llmgw")
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader([str(d) for d in dirs]),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+def render(name: str, **context: Any) -> str:
+    """Render template ``name`` with ``context``; a missing variable is an error, not blank."""
+    try:
+        return _environment().get_template(name).render(**context)
+    except jinja2.TemplateNotFound:
+        raise TemplateError(
+            f"template {name!r} not found in {', '.join(map(str, template_dirs()))}"
+        ) from None
+    except jinja2.UndefinedError as exc:
+        raise TemplateError(f"template {name!r}: {exc.message}") from None

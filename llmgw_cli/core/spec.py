@@ -1,0 +1,389 @@
+"""The cluster file as frozen pydantic models.
+
+Every model forbids unknown keys, so a typo is an error rather than a silently ignored
+setting. The ``description`` of each field is the documentation: docs/configuration.md
+and the JSON Schema are generated from these classes (``scripts/regen``).
+
+Checks that need more than one field of one object (a profile that a model names must
+exist, node names must be unique, ...) live in ``refs.py`` so that they run even when
+another part of the file failed to validate.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from llmgw_cli.core.quantities import Duration, Size
+
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+HF_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
+LISTEN_PATTERN = r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):\d{1,5}$"
+
+
+class Spec(BaseModel):
+    """Base of every cluster-file model: frozen, unknown keys refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+# --- ssh ----------------------------------------------------------------------------
+
+
+class Become(StrEnum):
+    none = "none"
+    sudo = "sudo"
+
+
+class SshOverrides(Spec):
+    """Per-node SSH settings; each one left out falls back to the top-level ``ssh`` block."""
+
+    user: str | None = Field(None, description="Login user on this node.")
+    port: int | None = Field(None, ge=1, le=65535, description="SSH port on this node.")
+    identity_file: str | None = Field(None, description="Private key for this node.")
+    jump_host: str | None = Field(None, description="Jump host for this node (`[user@]host[:port]`).")
+    become: Become | None = Field(None, description="`sudo` or `none` on this node.")
+
+
+class SshSettings(Spec):
+    """How llmgw reaches nodes. Host keys are always checked: a changed key is never bypassed."""
+
+    user: str = Field("root", description="Login user.")
+    port: int = Field(22, ge=1, le=65535, description="SSH port.")
+    identity_file: str | None = Field(
+        None,
+        description="Private key file; a relative path is relative to the cluster file. "
+        "Unset: the SSH agent and the user's default keys.",
+    )
+    known_hosts: str = Field(
+        "~/.ssh/known_hosts",
+        description="known_hosts file checked strictly; a relative path is relative to the cluster file.",
+    )
+    accept_unknown_hosts: bool = Field(
+        False,
+        description="Accept (and record) the key of a host not yet in known_hosts. "
+        "A host whose key changed is refused whatever this says.",
+    )
+    connect_timeout: Duration = Field(10.0, description="Time allowed to connect and authenticate.")
+    command_timeout: Duration = Field(60.0, description="Time allowed for one remote command.")
+    max_parallel: int = Field(64, ge=1, le=4096, description="Nodes talked to at once.")
+    jump_host: str | None = Field(None, description="Jump host (`[user@]host[:port]`) for every node.")
+    become: Become = Field(
+        Become.none,
+        description="`sudo`: the login user is not root, and actions that need root run "
+        "through `sudo -n` (a missing sudo right is reported per node).",
+    )
+
+
+# --- gateway ------------------------------------------------------------------------
+
+
+class UpstreamTimeouts(Spec):
+    """Timeouts between the gateway and an engine, split so a long generation is never cut
+    by one fixed total."""
+
+    connect: Duration = Field(5.0, description="Time to open a connection to a replica.")
+    first_byte: Duration = Field(
+        600.0,
+        description="Time from sending a request to the first byte of the answer. A "
+        "non-streamed answer arrives whole, so this bounds the longest non-streamed generation.",
+    )
+    idle: Duration = Field(120.0, description="Longest silence between two chunks of an answer.")
+
+
+Listen = Annotated[str, Field(pattern=LISTEN_PATTERN)]
+
+
+class GatewaySettings(Spec):
+    """The OpenAI-compatible gateway daemon (`llmgw gateway run`)."""
+
+    host: str = Field(
+        "localhost",
+        description="Where the gateway runs: a node name, `localhost`, or an address.",
+    )
+    listen: Listen = Field("0.0.0.0:8080", description="Public OpenAI API listener.")
+    admin_listen: Listen = Field(
+        "127.0.0.1:9090", description="Admin API and dashboard listener (loopback by default)."
+    )
+    metrics_listen: Listen | None = Field(
+        None, description="Listener serving only `/metrics` and `/health`, for monitoring."
+    )
+    state_dir: str = Field("/var/lib/llmgw", description="Directory of the gateway's own data.")
+    load_wait: Duration = Field(
+        20.0,
+        description="How long a request for a model that is starting waits before it is "
+        "answered 503 with Retry-After.",
+    )
+    timeouts: UpstreamTimeouts = Field(default_factory=UpstreamTimeouts, description="Upstream timeouts.")
+
+
+# --- fabrics and nodes --------------------------------------------------------------
+
+
+class Fabric(Spec):
+    """A network over which multi-node replicas talk (NCCL)."""
+
+    kind: Literal["infiniband", "roce"] = Field(description="`infiniband` or `roce`.")
+    socket_interface: str | None = Field(
+        None, description="Interface for NCCL's bootstrap (`NCCL_SOCKET_IFNAME`), e.g. `eth0`."
+    )
+
+
+def _hca_shorthand(value: Any) -> Any:
+    """``mlx5_0`` or ``mlx5_0:1`` stand for ``{name: mlx5_0, port: 1}``."""
+    if isinstance(value, str):
+        name, _, port = value.partition(":")
+        return {"name": name, "port": int(port)} if port.isdigit() else {"name": value}
+    return value
+
+
+class Hca(Spec):
+    """A declared InfiniBand/RoCE adapter; write `mlx5_0` or `mlx5_0:1` for short."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_]+$", description="Adapter name, e.g. `mlx5_0`.")
+    port: int | None = Field(None, ge=1, description="Port number; unset: every port.")
+
+
+def _weights_shorthand(value: Any) -> Any:
+    return {"path": value} if isinstance(value, str) else value
+
+
+class WeightDir(Spec):
+    """A directory holding model weights; write a bare path for local storage."""
+
+    path: str = Field(pattern=r"^/", description="Absolute directory path on the node.")
+    shared: bool = Field(
+        False, description="Shared storage (NFS, Lustre...) seen by every node of the fabric."
+    )
+
+
+class ExpectedGpus(Spec):
+    """What the node is expected to have; the probe cross-checks it."""
+
+    gpu_class: str = Field(alias="class", description="GPU class, e.g. `H100-80GB`.")
+    count: int = Field(ge=1, le=64, description="Number of GPUs.")
+
+
+class Node(Spec):
+    """A server that runs engines."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="Unique short name (lowercase, digits, `-`).")
+    address: str = Field(description="Host name or IP address that SSH connects to.")
+    connection: Literal["ssh", "local"] = Field(
+        "ssh", description="`local`: this machine itself, without SSH."
+    )
+    ssh: SshOverrides = Field(
+        default_factory=SshOverrides, description="Overrides of the top-level `ssh` settings."
+    )
+    fabric: str | None = Field(None, description="Name of the fabric (under `fabrics`) the node is on.")
+    hcas: list[Annotated[Hca, BeforeValidator(_hca_shorthand)]] = Field(
+        default_factory=list, description="Adapters that attach the node to its fabric."
+    )
+    weights: list[Annotated[WeightDir, BeforeValidator(_weights_shorthand)]] = Field(
+        default_factory=list, description="Directories scanned for model weights."
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
+    gpus: ExpectedGpus | None = Field(None, description="Expected GPUs, checked against the probe.")
+
+
+# --- profiles -----------------------------------------------------------------------
+
+
+class Engine(StrEnum):
+    vllm = "vllm"
+    sglang = "sglang"
+    llama_server = "llama-server"
+
+
+DEFAULT_COMMAND: dict[Engine, list[str]] = {
+    Engine.vllm: ["vllm", "serve"],
+    Engine.sglang: ["python3", "-m", "sglang.launch_server"],
+    Engine.llama_server: ["llama-server"],
+}
+
+
+class Readiness(Spec):
+    """How llmgw decides that a replica is ready."""
+
+    path: str = Field("/health", pattern=r"^/", description="HTTP path that answers 200 when ready.")
+    start_timeout: Duration = Field(
+        600.0, description="Longest time from start to ready before the start counts as failed."
+    )
+
+
+def _port_range_shorthand(value: Any) -> Any:
+    if isinstance(value, str) and "-" in value:
+        first, _, last = value.partition("-")
+        if first.strip().isdigit() and last.strip().isdigit():
+            return {"first": int(first), "last": int(last)}
+    return value
+
+
+class PortRange(Spec):
+    """Ports handed to replicas; write `8100-8199` for short."""
+
+    first: int = Field(ge=1024, le=65535)
+    last: int = Field(ge=1024, le=65535)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PortRange:
+        if self.last < self.first:
+            raise ValueError(f"last ({self.last}) is below first ({self.first})")
+        return self
+
+
+class Profile(Spec):
+    """How to run one engine: binary, arguments, environment."""
+
+    engine: Engine = Field(description="`vllm`, `sglang` or `llama-server`.")
+    command: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Program and leading arguments; unset: `vllm serve`, "
+        "`python3 -m sglang.launch_server` or `llama-server`.",
+    )
+    args: list[str] = Field(default_factory=list, description="Extra arguments for every model.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables.")
+    user: str = Field("llmgw", description="Unprivileged account the engine runs as.")
+    multi_node: Literal["native", "ray"] = Field(
+        "native", description="vLLM only: multi-node replicas with `--nnodes` (native) or Ray."
+    )
+    readiness: Readiness = Field(default_factory=Readiness, description="Readiness check.")
+    ports: Annotated[PortRange, BeforeValidator(_port_range_shorthand)] = Field(
+        default_factory=lambda: PortRange(first=8100, last=8199),
+        description="Port range for replicas of this profile.",
+    )
+
+    @property
+    def argv0(self) -> list[str]:
+        """The command, with the engine's default when none is given."""
+        return list(self.command) if self.command else list(DEFAULT_COMMAND[self.engine])
+
+
+# --- models -------------------------------------------------------------------------
+
+
+class ScalingMode(StrEnum):
+    off = "off"
+    on_demand = "on-demand"
+    always = "always"
+
+
+class Scaling(Spec):
+    """How many replicas run. `min: 0, max: 0` is off; `min: 0, max >= 1` on demand;
+    `min >= 1` that many always running. `max` is never filled in for you."""
+
+    min: int = Field(ge=0, description="Replicas always running (never idled or evicted below this).")
+    max: int = Field(ge=0, description="Most replicas ever running.")
+    idle_timeout: Duration | None = Field(
+        None, description="Stop a replica above `min` after nobody used it this long; unset: never."
+    )
+
+    @model_validator(mode="after")
+    def _max_not_below_min(self) -> Scaling:
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min})")
+        return self
+
+
+class SourceKind(StrEnum):
+    hf_repo = "hf-repo"
+    path = "path"
+    url = "url"
+
+
+def classify_source(source: str) -> SourceKind:
+    """Hugging Face repo id, absolute or ``./`` path, or https URL; anything else is refused."""
+    if source.startswith("https://"):
+        return SourceKind.url
+    if source.startswith(("/", "./")):
+        return SourceKind.path
+    if re.match(HF_REPO_PATTERN, source):
+        return SourceKind.hf_repo
+    if source.startswith("http://"):
+        raise ValueError(f"{source!r}: only https URLs are fetched")
+    raise ValueError(
+        f"{source!r} is not a source: give a Hugging Face repo id (org/name), "
+        "an absolute or ./relative path, or an https URL"
+    )
+
+
+class Model(Spec):
+    """A model in the catalog."""
+
+    name: str = Field(pattern=MODEL_NAME_PATTERN, description="Served name: what clients put in `model`.")
+    source: str = Field(description="Hugging Face repo id, absolute or `./`relative path, or https URL.")
+    sha256: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$", description="Checksum of a single-file source."
+    )
+    profile: str = Field(description="Name of the profile (under `profiles`) that runs it.")
+    gpu_class: str | None = Field(None, description="Only GPUs of this class, e.g. `H100-80GB`.")
+    tensor_parallel: int = Field(1, ge=1, le=64, description="GPUs per node for one replica.")
+    nodes: int = Field(1, ge=1, le=64, description="Nodes per replica (more than 1: multi-node).")
+    gpu_memory: Size | None = Field(None, description="Memory needed on each GPU, e.g. `40GiB`.")
+    args: list[str] = Field(default_factory=list, description="Arguments added to the profile's.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment added to the profile's.")
+    scaling: Scaling | None = Field(None, description="Replica counts; unset: the model is off.")
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, source: str) -> str:
+        classify_source(source)
+        return source
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _power_of_two(cls, tp: int) -> int:
+        if tp & (tp - 1):
+            raise ValueError(f"{tp} is not a power of two (1, 2, 4, 8, ...)")
+        return tp
+
+    @property
+    def source_kind(self) -> SourceKind:
+        return classify_source(self.source)
+
+    @property
+    def mode(self) -> ScalingMode:
+        """off (no scaling block, or max 0), on-demand (min 0), or always (min >= 1)."""
+        if self.scaling is None or self.scaling.max == 0:
+            return ScalingMode.off
+        return ScalingMode.always if self.scaling.min >= 1 else ScalingMode.on_demand
+
+
+# --- the file -----------------------------------------------------------------------
+
+
+class ClusterInfo(Spec):
+    name: str = Field(pattern=NAME_PATTERN, description="Name of the cluster.")
+
+
+class ClusterSpec(Spec):
+    """A whole cluster file."""
+
+    cluster: ClusterInfo = Field(description="The cluster's identity.")
+    ssh: SshSettings = Field(default_factory=SshSettings, description="How nodes are reached.")
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings, description="The gateway daemon.")
+    fabrics: dict[str, Fabric] = Field(default_factory=dict, description="Fabrics by name.")
+    nodes: list[Node] = Field(default_factory=list, description="The servers.")
+    profiles: dict[str, Profile] = Field(default_factory=dict, description="Engine profiles by name.")
+    models: list[Model] = Field(default_factory=list, description="The catalog.")
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    def model(self, name: str) -> Model:
+        return next(m for m in self.models if m.name == name)
+
+
+def is_address(text: str) -> bool:
+    """True for an IP address or a dotted host name (something that is not a node name)."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return "." in text
+    return True

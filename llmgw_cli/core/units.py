@@ -1,0 +1,23 @@
+"""systemd units rendered from the spec (pure: spec in, text out)."""
+
+from __future__ import annotations
+
+from llmgw_cli.core.render import render
+from llmgw_cli.core.spec import ClusterSpec
+
+GATEWAY_UNIT = "llmgw-gateway.service"
+
+
+def gateway_unit(spec: ClusterSpec, *, llmgw_bin: str, config_path: str, user: str = "llmgw") -> str:
+    """The ``llmgw-gateway.service`` unit that runs ``llmgw gateway run`` for ``spec``."""
+    state_dir = spec.gateway.state_dir.rstrip("/")
+    managed = state_dir.removeprefix("/var/lib/") if state_dir.startswith("/var/lib/") else None
+    return render(
+        "llmgw-gateway.service.j2",
+        cluster=spec.cluster.name,
+        llmgw_bin=llmgw_bin,
+        config_path=config_path,
+        user=user,
+        state_dir=state_dir,
+        state_directory=managed,
+    )

@@ -1,0 +1,66 @@
+"""Every error llmgw raises on purpose, and the exit code each one means.
+
+Hierarchy::
+
+    LlmgwError                 exit 1: something failed while doing the work
+    ├── InputError             exit 2: the user's input is wrong; fix it and retry
+    │   ├── SpecError          the cluster file has problems (all of them, located)
+    │   └── UsageError         a command-line argument is wrong
+    └── TemplateError          a packaged template is missing or failed to render
+
+The CLI maps these to messages and exit codes in one place
+(``llmgw_cli.cli.main.main``). Anything else escaping is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LlmgwError(Exception):
+    """Base of every deliberate llmgw error."""
+
+    exit_code = 1
+
+
+class InputError(LlmgwError):
+    """The input is wrong; the message says what to change."""
+
+    exit_code = 2
+
+
+class UsageError(InputError):
+    """A command-line argument is wrong."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One located problem in a cluster file.
+
+    ``line`` and ``column`` are 1-based; 0 means the position is unknown.
+    ``where`` is the dotted path of the offending key, e.g. ``models[2].scaling``.
+    """
+
+    file: str
+    line: int
+    column: int
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        pos = f"{self.file}:{self.line}:{self.column}" if self.line else self.file
+        return f"{pos}: {self.where}: {self.message}" if self.where else f"{pos}: {self.message}"
+
+
+class SpecError(InputError):
+    """A cluster file has one or more problems; ``problems`` lists all of them."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        count = len(problems)
+        super().__init__(f"{count} problem{'s' if count != 1 else ''} in the cluster file")
+
+
+class TemplateError(LlmgwError):
+    """A packaged template could not be found or rendered."""
