@@ -56,11 +56,26 @@ class _Builder:
         self.duplicates: list[tuple[Loc, str, tuple[int, int]]] = []
         self._scalars = yaml.SafeLoader("")
 
+    def _merged(self, node: yaml.Node, loc: Loc) -> dict[Any, Any]:
+        """The mapping(s) of a ``<<:`` merge key; later keys of the mapping override them."""
+        sources = node.value if isinstance(node, yaml.SequenceNode) else [node]
+        merged: dict[Any, Any] = {}
+        own_position = self.positions.values[loc]
+        for source in reversed(sources):  # earlier sources win, as in YAML 1.1
+            value = self.build(source, loc)
+            if isinstance(value, dict):
+                merged.update(value)
+        self.positions.values[loc] = own_position
+        return merged
+
     def build(self, node: yaml.Node, loc: Loc = ()) -> Any:
         self.positions.values[loc] = _mark(node)
         if isinstance(node, yaml.MappingNode):
             result: dict[Any, Any] = {}
             for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    result.update(self._merged(value_node, loc))
+                    continue
                 key = self._scalars.construct_object(key_node, deep=True)
                 if not isinstance(key, str | int | float | bool) or key is None:
                     key = str(key)
@@ -142,8 +157,13 @@ def _problem(filename: str, positions: Positions, error: ErrorDetails) -> Proble
         line, col = positions.of_key(loc)
         return Problem(filename, line, col, where(parent), _unknown_key_message(parent, str(loc[-1])))
     message = error["msg"].removeprefix("Value error, ")
-    if kind not in ("value_error", "assertion_error") and not isinstance(error["input"], dict | list):
-        message += f" (got {error['input']!r})"
+    value = error["input"]
+    if value is None:
+        message = "has no value: give one, or remove the key"
+    elif kind not in ("value_error", "assertion_error") and not isinstance(value, dict | list):
+        message += f" (got {value!r})"
+        if isinstance(value, bool) and kind == "string_type":
+            message += "; YAML reads unquoted yes/no/on/off as booleans: quote the value"
     line, col = positions.of_value(loc)
     return Problem(filename, line, col, where(loc), message)
 

@@ -1,0 +1,78 @@
+"""A non-editable install in a fresh venv works from another directory, templates included."""
+
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (built,) = out.glob("llmgw-*.whl")
+    return built
+
+
+def test_wheel_carries_the_templates(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "llmgw_cli/templates/llmgw-gateway.service.j2" in names
+    assert not [n for n in names if n.startswith(("tests/", "inventories/"))]
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    env_dir = tmp_path_factory.mktemp("fresh-venv")
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    subprocess.run(
+        [str(env_dir / "bin/python"), "-m", "pip", "install", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return env_dir / "bin/llmgw"
+
+
+def run(llmgw: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(llmgw), *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+def test_installed_llmgw_validates_and_prints_schema(installed: Path, tmp_path: Path) -> None:
+    for name in ("lab.yaml", "hgx-two-fabrics.yaml", "single-box.yaml"):
+        result = run(installed, "validate", "-f", str(ROOT / "inventories" / name), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    schema = run(installed, "schema", cwd=tmp_path)
+    assert schema.returncode == 0
+    assert schema.stdout == (ROOT / "docs/cluster.schema.json").read_text()
+
+
+def test_installed_llmgw_renders_templates_from_the_package(installed: Path, tmp_path: Path) -> None:
+    result = run(
+        installed, "render", "gateway-unit", "-f", str(ROOT / "inventories/single-box.yaml"), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    # the installed copy is found, not the source checkout's templates/ folder
+    where = subprocess.run(
+        [
+            str(installed.parent / "python"),
+            "-c",
+            "from llmgw_cli.core.render import template_dirs; print(template_dirs()[0])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
+    assert "site-packages/llmgw_cli/templates" in where.stdout
+    assert f"ExecStart={installed.resolve()} gateway run -f /etc/llmgw/cluster.yaml" in result.stdout

@@ -1,0 +1,42 @@
+"""Rendered units pass `systemd-analyze verify`; any warning on stderr counts as a failure
+(unknown keys and bad values are only warnings there, with exit code 0)."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.units import GATEWAY_UNIT, gateway_unit
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"),
+]
+
+
+def verify(unit_text: str, folder: Path) -> subprocess.CompletedProcess[str]:
+    path = folder / GATEWAY_UNIT
+    path.write_text(unit_text)
+    return subprocess.run(
+        ["systemd-analyze", "verify", str(path)], capture_output=True, text=True, cwd=folder, timeout=60
+    )
+
+
+@pytest.mark.parametrize("inventory", ["lab.yaml", "hgx-two-fabrics.yaml", "single-box.yaml"])
+def test_gateway_unit_verifies_cleanly(inventory: str, tmp_path: Path) -> None:
+    spec = parse_cluster((ROOT / "inventories" / inventory).read_text())
+    unit = gateway_unit(spec, llmgw_bin="/bin/true", config_path="/etc/llmgw/cluster.yaml")
+    result = verify(unit, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if GATEWAY_UNIT in line] == []
+
+
+def test_verify_would_catch_a_broken_unit(tmp_path: Path) -> None:
+    """The check above can fail: a typo'd key is reported on stderr."""
+    spec = parse_cluster((ROOT / "inventories/lab.yaml").read_text())
+    unit = gateway_unit(spec, llmgw_bin="/bin/true", config_path="/c").replace("RestartSec=", "RestartSek=")
+    result = verify(unit, tmp_path)
+    assert "RestartSek" in result.stderr
