@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -16,8 +15,11 @@ app = typer.Typer(help="Render files llmgw generates (systemd units) to stdout."
 
 
 def _llmgw_bin() -> str:
-    found = shutil.which("llmgw")
-    return str(Path(found).resolve()) if found else str(Path(sys.argv[0]).resolve())
+    """This very llmgw (not whichever one is first on PATH), as the unit should run it."""
+    argv0 = Path(sys.argv[0])
+    if argv0.name == "llmgw":
+        return str(argv0.absolute())
+    return f"{sys.executable} -m llmgw_cli"
 
 
 @app.command("gateway-unit")
