@@ -1,0 +1,90 @@
+"""Facts about nodes, as probed. Frozen values: gather first, then decide."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Fact(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GpuHealth(StrEnum):
+    healthy = "healthy"
+    faulty = "faulty"
+
+
+class Gpu(Fact):
+    """One card as nvidia-smi reports it. ``memory_*`` in MiB; None when not readable."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total: int | None
+    memory_used: int | None
+    pci_bus_id: str | None
+    health: GpuHealth
+    reasons: tuple[str, ...] = ()
+
+
+class Topology(Fact):
+    """``nvidia-smi topo -m``: link kind between GPU pairs (``NV18``, ``PIX``, ``SYS``...)
+    and from each GPU to each NIC (by adapter name when the legend gives it)."""
+
+    gpus: tuple[int, ...]
+    links: dict[str, str]  # "i-j" -> kind, for i < j
+    nics: dict[str, str]  # column label (NIC0 / mlx5_0) -> adapter name
+    gpu_nic: dict[str, str]  # "i-<adapter>" -> kind
+
+    def link(self, a: int, b: int) -> str:
+        return self.links[f"{min(a, b)}-{max(a, b)}"]
+
+    def nvlink_peers(self, gpu: int) -> int:
+        """How many other GPUs this one reaches over NVLink."""
+        return sum(1 for other in self.gpus if other != gpu and self.link(gpu, other).startswith("NV"))
+
+
+class PortState(StrEnum):
+    active = "ACTIVE"
+    init = "INIT"
+    down = "DOWN"
+    armed = "ARMED"
+    unknown = "UNKNOWN"
+
+
+class IbPort(Fact):
+    """One port of an InfiniBand/RoCE adapter, from sysfs."""
+
+    hca: str
+    port: int
+    state: PortState
+    phys_state: str
+    rate_gbps: float | None
+    link_layer: str
+
+    @property
+    def reason(self) -> str:
+        """Why a port that is not ACTIVE does not carry traffic, in operator terms."""
+        if self.state is PortState.active:
+            return "active"
+        if self.state is PortState.init:
+            return "INIT: link up but no subnet manager has configured it"
+        if self.state is PortState.down:
+            return f"DOWN ({self.phys_state or 'unknown physical state'}): no link"
+        return f"{self.state.value} ({self.phys_state})"
+
+
+class UnitState(Fact):
+    """What ``systemctl show`` says about one unit."""
+
+    name: str
+    load_state: str
+    active_state: str
+    sub_state: str
+    result: str
+    main_pid: int
+    n_restarts: int
+    exec_main_code: int | None
+    exec_main_status: int | None
