@@ -6,7 +6,9 @@ Hierarchy::
     ├── InputError             exit 2: the user's input is wrong; fix it and retry
     │   ├── SpecError          the cluster file has problems (all of them, located)
     │   └── UsageError         a command-line argument is wrong
-    └── TemplateError          a packaged template is missing or failed to render
+    ├── TemplateError          a packaged template is missing or failed to render
+    └── NodeError              one node could not be reached or a command on it failed;
+                               carries the node and a kind (unreachable, auth, hostkey-...)
 
 The CLI maps these to messages and exit codes in one place
 (``llmgw_cli.cli.main.main``). Anything else escaping is a bug and keeps its
@@ -64,3 +66,12 @@ class SpecError(InputError):
 
 class TemplateError(LlmgwError):
     """A packaged template could not be found or rendered."""
+
+
+class NodeError(LlmgwError):
+    """Talking to one node failed. ``kind`` is one of: unreachable, auth, hostkey-changed,
+    hostkey-unknown, timeout, command-missing, sudo, failed."""
+
+    def __init__(self, node: str, kind: str, reason: str) -> None:
+        self.node, self.kind, self.reason = node, kind, reason
+        super().__init__(f"{node}: {reason}")

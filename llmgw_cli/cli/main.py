@@ -13,6 +13,7 @@ from rich.text import Text
 from llmgw_cli import __version__
 from llmgw_cli.cli import render
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
+from llmgw_cli.cli.status import status
 from llmgw_cli.cli.views import problems_view, spec_summary
 from llmgw_cli.core.docgen import json_schema
 from llmgw_cli.errors import LlmgwError, SpecError
@@ -26,6 +27,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(render.app, name="render")
+app.command()(status)
 
 out = Console()
 err = Console(stderr=True)

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
+from llmgw_cli.core.summary import Summary
 from llmgw_cli.errors import Problem
 
 
@@ -41,3 +42,82 @@ def spec_summary(spec: ClusterSpec, path: str) -> RenderableType:
     )
     table.add_row("gateway", f"{spec.gateway.host} listening on {spec.gateway.listen}")
     return table
+
+
+def _rate(gbps: float | None) -> str:
+    return f"{gbps:g} Gb/s" if gbps is not None else "-"
+
+
+def status_view(summary: Summary, seconds: float) -> RenderableType:
+    """Nodes, GPUs by class, fabrics and models; unreachable nodes are shown, never hidden."""
+    nodes = Table(title=f"Nodes (probed in {seconds:.2f}s)", title_justify="left")
+    for col in ("node", "address", "state", "GPUs", "topology", "fabric", "memory", "models"):
+        nodes.add_column(col)
+    findings = Table(title="Findings", title_justify="left")
+    findings.add_column("node")
+    findings.add_column("finding", overflow="fold")
+    for r in summary.nodes:
+        if not r.reachable:
+            nodes.add_row(
+                r.name, r.address, Text("unreachable", style="red"), "-", "-", r.fabric or "-", "-", "-"
+            )
+            findings.add_row(r.name, Text(r.error or "unreachable", style="red"))
+            continue
+        gpus = f"{r.gpus} x {r.gpu_class}" if r.gpus else "none"
+        if r.faulty:
+            gpus += f" ({r.faulty} faulty)"
+        fabric = (
+            "-"
+            if r.fabric is None
+            else (f"{r.fabric} {_rate(r.rate_gbps)}" if r.fabric_ok else f"{r.fabric}: {r.fabric_reason}")
+        )
+        notes = [*r.faulty_reasons, *([r.expected] if r.expected else []), *r.warnings]
+        if r.fabric and not r.fabric_ok:
+            notes.insert(0, f"fabric {r.fabric} not advertised: {r.fabric_reason}")
+        for note in notes:
+            findings.add_row(r.name, Text(note, style="yellow"))
+        nodes.add_row(
+            r.name,
+            r.address,
+            Text("ok", style="green"),
+            Text(gpus, style="yellow" if r.faulty else ""),
+            r.topology,
+            Text(fabric, style="" if r.fabric_ok or r.fabric is None else "yellow"),
+            f"{r.memory_gib:g} GiB" if r.memory_gib else "-",
+            str(len(r.models)),
+        )
+    classes = Table(title="GPUs by class", title_justify="left")
+    for col in ("class", "total", "used", "free", "faulty"):
+        classes.add_column(col, justify="right" if col != "class" else "left")
+    for c in summary.classes:
+        classes.add_row(c.gpu_class, str(c.total), str(c.used), str(c.free), str(c.faulty))
+    fabrics = Table(title="Fabrics", title_justify="left")
+    for col in ("fabric", "kind", "nodes", "advertising", "free whole nodes", "rate", "models held"):
+        fabrics.add_column(col)
+    for f in summary.fabrics:
+        fabrics.add_row(
+            f.name,
+            f.kind,
+            str(f.nodes),
+            str(f.advertising),
+            str(f.free_nodes),
+            _rate(f.rate_gbps),
+            ", ".join(f.models_held) or "-",
+        )
+    models = Table(title="Models", title_justify="left")
+    for col in ("model", "mode", "running / min", "max", "where"):
+        models.add_column(col)
+    for m in summary.models:
+        style = "red" if m.running < m.desired else ""
+        models.add_row(
+            m.name,
+            m.mode,
+            Text(f"{m.running} / {m.desired}", style=style),
+            str(m.maximum),
+            ", ".join(m.where) or "-",
+        )
+    parts: list[RenderableType] = [nodes]
+    if findings.row_count:
+        parts.append(findings)
+    parts += [t for t in (classes, fabrics) if t.row_count]
+    return Group(*parts, models)

@@ -88,3 +88,65 @@ class UnitState(Fact):
     n_restarts: int
     exec_main_code: int | None
     exec_main_status: int | None
+
+
+class ModelFiles(Fact):
+    """One entry of a weights directory: a model folder or a single file (GGUF)."""
+
+    directory: str
+    name: str
+    shared: bool
+    size: int
+    complete: bool
+    reason: str  # why it is not complete; "" when it is
+
+
+class WeightsDir(Fact):
+    path: str
+    shared: bool
+    present: bool
+    free_bytes: int | None
+    models: tuple[ModelFiles, ...]
+
+
+class Engine(Fact):
+    path: str
+    found: bool
+    missing_libraries: tuple[str, ...] = ()
+
+    @property
+    def usable(self) -> bool:
+        return self.found and not self.missing_libraries
+
+
+class Cpu(Fact):
+    model: str
+    flags_missing: tuple[str, ...]
+    virtual: bool
+
+
+class NodeFacts(Fact):
+    """Everything one probe of one node found. ``error`` set means the node could not be
+    probed; the other fields are then empty, and the node is shown, never hidden."""
+
+    node: str
+    error: str | None = None
+    error_kind: str | None = None
+    gpus: tuple[Gpu, ...] = ()
+    lost_gpus: tuple[str, ...] = ()
+    gpu_tool: str = "missing"  # "ok" | "missing" | "failed: <reason>"
+    topology: Topology | None = None
+    ib_ports: tuple[IbPort, ...] = ()
+    cpu: Cpu | None = None
+    memory_total_kib: int | None = None
+    memory_available_kib: int | None = None
+    weights: tuple[WeightsDir, ...] = ()
+    units: tuple[UnitState, ...] = ()
+    unit_labels: dict[str, dict[str, str]] = {}
+    engines: tuple[Engine, ...] = ()
+    clock: float | None = None
+    probe_seconds: float | None = None
+
+    @property
+    def reachable(self) -> bool:
+        return self.error is None

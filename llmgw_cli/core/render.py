@@ -7,6 +7,7 @@ source checkout and an installed package behave alike.
 
 from __future__ import annotations
 
+import shlex
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ def _environment() -> jinja2.Environment:
     dirs = template_dirs()
     if not dirs:
         raise TemplateError(f"no templates folder found next to {_PACKAGE}; reinstall llmgw")
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader([str(d) for d in dirs]),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
@@ -36,6 +37,8 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
         autoescape=False,
     )
+    env.filters["shellquote"] = shlex.quote
+    return env
 
 
 def render(name: str, **context: Any) -> str:

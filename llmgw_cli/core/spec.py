@@ -379,6 +379,11 @@ class ClusterSpec(Spec):
     def model(self, name: str) -> Model:
         return next(m for m in self.models if m.name == name)
 
+    def ssh_for(self, node: Node) -> SshSettings:
+        """The top-level ``ssh`` settings with the node's overrides applied."""
+        overrides = node.ssh.model_dump(exclude_none=True)
+        return self.ssh.model_copy(update=overrides) if overrides else self.ssh
+
 
 def is_address(text: str) -> bool:
     """True for an IP address or a dotted host name (something that is not a node name)."""

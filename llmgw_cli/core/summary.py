@@ -1,0 +1,188 @@
+"""The one Summary of the fleet: the capacity numbers shown by ``llmgw status``, the
+dashboard and the metrics all come from ``summarize``, so they cannot drift apart.
+
+Counting rules: a faulty card is neither used nor free; a GPU is used when an active
+llmgw unit names it (label ``X-Llmgw-Gpus``); a whole node is free when it is reachable,
+advertises its fabric and none of its cards is used or faulty.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from llmgw_cli.core.facts import Fact, GpuHealth, NodeFacts
+from llmgw_cli.core.hardware import fabric_status, gpu_class
+from llmgw_cli.core.spec import ClusterSpec, Node
+
+LABEL_MODEL = "Model"
+LABEL_GPUS = "Gpus"
+
+
+class NodeRow(Fact):
+    name: str
+    address: str
+    reachable: bool
+    error: str | None
+    gpu_class: str | None
+    gpus: int
+    used: int
+    faulty: int
+    faulty_reasons: tuple[str, ...]
+    expected: str | None  # mismatch against the declared `gpus`, or None
+    topology: str  # "NVLink (7 peers)", "PCIe only", "unknown"
+    fabric: str | None
+    fabric_ok: bool
+    fabric_reason: str
+    rate_gbps: float | None
+    memory_gib: float | None
+    models: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+class ClassRow(Fact):
+    gpu_class: str
+    total: int
+    used: int
+    free: int
+    faulty: int
+
+
+class FabricRow(Fact):
+    name: str
+    kind: str
+    nodes: int
+    advertising: int
+    free_nodes: int
+    rate_gbps: float | None
+    models_held: tuple[str, ...]
+
+
+class ModelRow(Fact):
+    name: str
+    mode: str
+    desired: int
+    maximum: int
+    running: int
+    where: tuple[str, ...]
+
+
+class Summary(Fact):
+    nodes: tuple[NodeRow, ...]
+    classes: tuple[ClassRow, ...]
+    fabrics: tuple[FabricRow, ...]
+    models: tuple[ModelRow, ...]
+
+
+def _active_units(facts: NodeFacts) -> list[dict[str, str]]:
+    active = {u.name for u in facts.units if u.active_state in ("active", "activating", "reloading")}
+    return [labels for unit, labels in facts.unit_labels.items() if unit in active]
+
+
+def _topology(facts: NodeFacts) -> str:
+    if facts.topology is None:
+        return "unknown"
+    peers = max((facts.topology.nvlink_peers(g) for g in facts.topology.gpus), default=0)
+    return f"NVLink ({peers} peers)" if peers else "PCIe only"
+
+
+def _node_row(node: Node, facts: NodeFacts) -> NodeRow:
+    fabric = fabric_status(node, facts)
+    used_uuids = {u for labels in _active_units(facts) for u in labels.get(LABEL_GPUS, "").split(",") if u}
+    faulty = [g for g in facts.gpus if g.health is GpuHealth.faulty]
+    classes = sorted({gpu_class(g.name) for g in facts.gpus})
+    expected = None
+    if node.gpus and facts.reachable:
+        found = f"{len(facts.gpus)} x {'/'.join(classes) or 'none'}"
+        if len(facts.gpus) != node.gpus.count or [c.upper() for c in classes] != [
+            node.gpus.gpu_class.upper()
+        ]:
+            expected = f"declared {node.gpus.count} x {node.gpus.gpu_class}, found {found}"
+    warnings = []
+    if facts.cpu and facts.cpu.flags_missing:
+        warnings.append(f"CPU lacks {', '.join(facts.cpu.flags_missing)} (a VM on the kvm64 model?)")
+    warnings += [f"engine {e.path} not installed" for e in facts.engines if not e.found]
+    warnings += [
+        f"engine {e.path} cannot load {', '.join(e.missing_libraries)}"
+        for e in facts.engines
+        if e.missing_libraries
+    ]
+    warnings += [f"weights folder {w.path} is missing" for w in facts.weights if not w.present]
+    if facts.lost_gpus:
+        warnings.append(f"nvidia-smi cannot open GPU(s) {', '.join(facts.lost_gpus)}")
+    if facts.reachable and facts.gpu_tool != "ok":
+        warnings.append(f"nvidia-smi {facts.gpu_tool}")
+    return NodeRow(
+        name=node.name,
+        address=node.address,
+        reachable=facts.reachable,
+        error=facts.error,
+        gpu_class=classes[0] if len(classes) == 1 else ("/".join(classes) or None),
+        gpus=len(facts.gpus),
+        used=sum(1 for g in facts.gpus if g.uuid in used_uuids and g.health is GpuHealth.healthy),
+        faulty=len(faulty),
+        faulty_reasons=tuple(f"GPU {g.index}: {'; '.join(g.reasons)}" for g in faulty),
+        expected=expected,
+        topology=_topology(facts),
+        fabric=node.fabric,
+        fabric_ok=fabric.advertises,
+        fabric_reason=fabric.reason,
+        rate_gbps=fabric.rate_gbps,
+        memory_gib=round(facts.memory_total_kib / 2**20, 1) if facts.memory_total_kib else None,
+        models=tuple(sorted({m.name for w in facts.weights for m in w.models if m.complete})),
+        warnings=tuple(warnings),
+    )
+
+
+def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Summary:
+    """The fleet's numbers from the spec and one snapshot of facts."""
+    rows = [_node_row(n, facts.get(n.name) or NodeFacts(node=n.name, error="not probed")) for n in spec.nodes]
+    classes: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for node in spec.nodes:
+        f = facts.get(node.name)
+        if f is None or not f.reachable:
+            continue
+        used = {u for lab in _active_units(f) for u in lab.get(LABEL_GPUS, "").split(",") if u}
+        for g in f.gpus:
+            counts = classes[gpu_class(g.name)]
+            counts[0] += 1
+            if g.health is GpuHealth.faulty:
+                counts[2] += 1
+            elif g.uuid in used:
+                counts[1] += 1
+    class_rows = tuple(
+        ClassRow(gpu_class=c, total=t, used=u, faulty=x, free=t - u - x)
+        for c, (t, u, x) in sorted(classes.items())
+    )
+    fabric_rows = []
+    for name, fabric in spec.fabrics.items():
+        members = [r for r in rows if r.fabric == name]
+        rates = [r.rate_gbps for r in members if r.fabric_ok and r.rate_gbps is not None]
+        fabric_rows.append(
+            FabricRow(
+                name=name,
+                kind=fabric.kind,
+                nodes=len(members),
+                advertising=sum(1 for r in members if r.fabric_ok),
+                free_nodes=sum(1 for r in members if r.fabric_ok and r.gpus and not r.used and not r.faulty),
+                rate_gbps=min(rates) if rates else None,
+                models_held=tuple(sorted({m for r in members for m in r.models})),
+            )
+        )
+    running: dict[str, list[str]] = defaultdict(list)
+    for node in spec.nodes:
+        f = facts.get(node.name)
+        for labels in _active_units(f) if f else []:
+            if LABEL_MODEL in labels:
+                running[labels[LABEL_MODEL]].append(node.name)
+    model_rows = tuple(
+        ModelRow(
+            name=m.name,
+            mode=m.mode.value,
+            desired=m.scaling.min if m.scaling else 0,
+            maximum=m.scaling.max if m.scaling else 0,
+            running=len(running[m.name]) // max(m.nodes, 1),
+            where=tuple(sorted(set(running[m.name]))),
+        )
+        for m in spec.models
+    )
+    return Summary(nodes=tuple(rows), classes=class_rows, fabrics=tuple(fabric_rows), models=model_rows)

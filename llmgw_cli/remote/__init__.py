@@ -1,0 +1,1 @@
+"""The imperative shell's reach into nodes: transports, probing, executing plans."""

@@ -1,0 +1,66 @@
+"""Gather facts from every node at once: one connection and one script per node.
+
+Gather first, then decide: the result is one frozen snapshot that placement, planning
+and the views read; nothing probes again in the middle of a decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.parse.probe import parse_probe, probe_script
+from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.errors import NodeError
+from llmgw_cli.remote.connect import transport_for
+
+Progress = Callable[[str, str], None]
+"""Called with (node, event): "connecting", "done" or "failed"."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    nodes: tuple[NodeFacts, ...]
+    seconds: float
+
+    def node(self, name: str) -> NodeFacts:
+        return next(n for n in self.nodes if n.node == name)
+
+
+async def _probe_one(spec: ClusterSpec, node: Node, base: Path, progress: Progress) -> NodeFacts:
+    started = time.monotonic()
+    transport = transport_for(spec, node, base)
+    progress(node.name, "connecting")
+    try:
+        result = await transport.run("sh -s", stdin=probe_script(spec, node))
+        facts = parse_probe(node, result.stdout)
+        progress(node.name, "done")
+        return facts.model_copy(update={"probe_seconds": time.monotonic() - started})
+    except NodeError as exc:
+        progress(node.name, "failed")
+        return NodeFacts(
+            node=node.name, error=exc.reason, error_kind=exc.kind, probe_seconds=time.monotonic() - started
+        )
+    finally:
+        await transport.close()
+
+
+async def gather(
+    spec: ClusterSpec, base: Path, nodes: list[str] | None = None, progress: Progress | None = None
+) -> Snapshot:
+    """Probe ``nodes`` (default: all), at most ``ssh.max_parallel`` at once."""
+    started = time.monotonic()
+    chosen = [n for n in spec.nodes if nodes is None or n.name in nodes]
+    limit = asyncio.Semaphore(spec.ssh.max_parallel)
+    report = progress or (lambda _node, _event: None)
+
+    async def bounded(node: Node) -> NodeFacts:
+        async with limit:
+            return await _probe_one(spec, node, base, report)
+
+    facts = await asyncio.gather(*(bounded(n) for n in chosen))
+    return Snapshot(nodes=tuple(facts), seconds=time.monotonic() - started)

@@ -1,0 +1,167 @@
+"""SSH transport on asyncssh: the only module that imports asyncssh.
+
+Host keys are checked strictly against the configured known_hosts. A host missing from
+it is refused unless ``accept_unknown_hosts`` is set (then its key is recorded); a host
+whose key differs from the recorded one is always refused, with a message that says
+how to check and fix it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncssh
+
+from llmgw_cli.core.spec import Become, SshSettings
+from llmgw_cli.errors import NodeError
+from llmgw_cli.remote.transport import CommandResult, atomic_write_command
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    """Everything needed to reach one node, paths already resolved."""
+
+    node: str
+    host: str
+    settings: SshSettings
+    known_hosts: Path
+    identity_file: Path | None
+
+
+def _split_jump(jump: str, default_user: str) -> tuple[str, str, int]:
+    user, _, rest = jump.rpartition("@")
+    host, _, port = rest.partition(":")
+    return (user or default_user, host, int(port) if port.isdigit() else 22)
+
+
+def _is_known(known_hosts: Path, host: str, port: int) -> bool:
+    if not known_hosts.exists():
+        return False
+    try:
+        return bool(asyncssh.read_known_hosts(str(known_hosts)).match(host, "", port)[0])
+    except (OSError, ValueError):
+        return False
+
+
+class SshTransport:
+    """One asyncssh connection to one node, opened on first use and reused."""
+
+    def __init__(self, target: SshTarget) -> None:
+        self.node = target.node
+        self._target = target
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._jump: asyncssh.SSHClientConnection | None = None
+        self._lock = asyncio.Lock()
+
+    async def _connect_options(self) -> dict[str, object]:
+        t = self._target
+        s = t.settings
+        options: dict[str, object] = {
+            "port": s.port,
+            "username": s.user,
+            "connect_timeout": s.connect_timeout,
+            "known_hosts": str(t.known_hosts),
+            "agent_path": None if t.identity_file else (),
+        }
+        if t.identity_file:
+            options["client_keys"] = [str(t.identity_file)]
+        if s.jump_host:
+            user, host, port = _split_jump(s.jump_host, s.user)
+            self._jump = await asyncssh.connect(
+                host,
+                port=port,
+                username=user,
+                known_hosts=str(t.known_hosts),
+                connect_timeout=s.connect_timeout,
+                **({"client_keys": [str(t.identity_file)]} if t.identity_file else {}),
+            )
+            options["tunnel"] = self._jump
+        return options
+
+    async def _open(self) -> asyncssh.SSHClientConnection:
+        t = self._target
+        known = _is_known(t.known_hosts, t.host, t.settings.port)
+        try:
+            options = await self._connect_options()
+            if not known and t.settings.accept_unknown_hosts:
+                options["known_hosts"] = None
+            conn = await asyncssh.connect(t.host, **options)
+        except asyncssh.HostKeyNotVerifiable as exc:
+            if known:
+                raise NodeError(
+                    self.node,
+                    "hostkey-changed",
+                    f"host key of {t.host} does not match {t.known_hosts}: the machine was reinstalled "
+                    "or someone is in between. Check the new key out of band, then replace its line "
+                    f"(ssh-keygen -R {t.host} -f {t.known_hosts}). llmgw never bypasses a changed key.",
+                ) from None
+            raise NodeError(
+                self.node,
+                "hostkey-unknown",
+                f"{t.host} is not in {t.known_hosts}: add its key (ssh-keyscan, checked out of band) "
+                f"or set ssh.accept_unknown_hosts: true to record it on first contact ({exc.reason})",
+            ) from None
+        except asyncssh.PermissionDenied:
+            raise NodeError(
+                self.node, "auth", f"authentication refused for {t.settings.user}@{t.host} (check the key)"
+            ) from None
+        except (TimeoutError, asyncssh.TimeoutError):
+            raise NodeError(
+                self.node, "timeout", f"no answer from {t.host} within {t.settings.connect_timeout:g}s"
+            ) from None
+        except (OSError, asyncssh.Error) as exc:
+            raise NodeError(self.node, "unreachable", f"cannot connect to {t.host}: {exc}") from None
+        if not known and t.settings.accept_unknown_hosts:
+            self._record_host_key(conn)
+        return conn
+
+    def _record_host_key(self, conn: asyncssh.SSHClientConnection) -> None:
+        key = conn.get_server_host_key()
+        if key is None:
+            return
+        t = self._target
+        name = t.host if t.settings.port == 22 else f"[{t.host}]:{t.settings.port}"
+        t.known_hosts.parent.mkdir(parents=True, exist_ok=True)
+        with t.known_hosts.open("a", encoding="ascii") as fh:
+            fh.write(f"{name} {key.export_public_key('openssh').decode().strip()}\n")
+
+    async def _connection(self) -> asyncssh.SSHClientConnection:
+        async with self._lock:
+            if self._conn is None:
+                self._conn = await self._open()
+            return self._conn
+
+    async def run(self, command: str, *, root: bool = False, stdin: str | None = None) -> CommandResult:
+        conn = await self._connection()
+        sudo = root and self._target.settings.become is Become.sudo
+        full = f"sudo -n sh -c {shlex.quote(command)}" if sudo else command
+        timeout = self._target.settings.command_timeout
+        try:
+            proc = await conn.run(full, input=stdin, check=False, timeout=timeout)
+        except (TimeoutError, asyncssh.TimeoutError):
+            raise NodeError(self.node, "timeout", f"command timed out after {timeout:g}s") from None
+        except (OSError, asyncssh.Error) as exc:
+            raise NodeError(self.node, "unreachable", f"connection lost: {exc}") from None
+        out = proc.stdout if isinstance(proc.stdout, str) else ""
+        err = proc.stderr if isinstance(proc.stderr, str) else ""
+        status = proc.exit_status if proc.exit_status is not None else 255
+        if sudo and status == 1 and "sudo:" in err and ("password" in err or "not allowed" in err):
+            raise NodeError(
+                self.node, "sudo", f"sudo -n refused for {self._target.settings.user}: {err.strip()}"
+            )
+        return CommandResult(status, out, err)
+
+    async def write_file(self, path: str, content: str, *, mode: int = 0o644, root: bool = False) -> None:
+        result = await self.run(atomic_write_command(path, mode), root=root, stdin=content)
+        if not result.ok:
+            raise NodeError(self.node, "failed", f"cannot write {path}: {result.stderr.strip()}")
+
+    async def close(self) -> None:
+        for conn in (self._conn, self._jump):
+            if conn is not None:
+                conn.close()
+                await conn.wait_closed()
+        self._conn = self._jump = None

@@ -1,0 +1,52 @@
+"""How llmgw talks to a node: run a command, write a file atomically.
+
+Two implementations: ``ssh.SshTransport`` (asyncssh, one connection per node per run,
+reused for every command) and ``local.LocalTransport`` (``connection: local``).
+
+Contract: a transport is used by one task at a time per node; ``run`` never raises for a
+non-zero exit (the caller reads ``exit_status``) but raises ``NodeError`` when the node
+could not be reached, the command timed out, or a root action was refused by sudo.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    exit_status: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0
+
+
+class Transport(Protocol):
+    node: str
+
+    async def run(self, command: str, *, root: bool = False, stdin: str | None = None) -> CommandResult:
+        """Run ``command`` with ``sh -c`` semantics; ``root`` runs it through ``sudo -n`` when
+        the node's login is not root."""
+        ...
+
+    async def write_file(self, path: str, content: str, *, mode: int = 0o644, root: bool = False) -> None:
+        """Write ``content`` to ``path`` atomically: a temporary file beside it, then rename."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def atomic_write_command(path: str, mode: int) -> str:
+    """Shell that copies stdin into ``path`` through a temporary file and a rename, so a
+    reader (or an interrupted run) never sees a half-written file."""
+    q = shlex.quote(path)
+    tmp = shlex.quote(f"{path}.llmgw-tmp")
+    return (
+        f'umask 077 && mkdir -p "$(dirname {q})" && cat > {tmp} && chmod {mode:o} {tmp} '
+        f"&& mv -f {tmp} {q} || {{ rc=$?; rm -f {tmp}; exit $rc; }}"
+    )

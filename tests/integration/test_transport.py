@@ -1,0 +1,130 @@
+"""Transports against real things: an OpenSSH server on loopback, and local subprocesses.
+Every failure is attributed to its node with a kind and a reason a person can act on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw_cli.core.spec import SshSettings
+from llmgw_cli.errors import NodeError
+from llmgw_cli.remote.local import LocalTransport
+from llmgw_cli.remote.ssh import SshTarget, SshTransport
+
+from .sshd import Sshd, free_port, keygen, running_sshd
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        shutil.which("sshd") is None and not Path("/usr/sbin/sshd").exists(), reason="no sshd"
+    ),
+    pytest.mark.skipif(os.geteuid() != 0, reason="sshd for root logins needs root"),
+]
+
+
+@pytest.fixture
+def sshd(tmp_path: Path) -> Iterator[Sshd]:
+    with running_sshd(tmp_path / "sshd") as server:
+        yield server
+
+
+def transport(server: Sshd, **overrides: object) -> SshTransport:
+    settings = SshSettings.model_validate({"port": server.port, "connect_timeout": "5s", **overrides})
+    return SshTransport(SshTarget("n1", "127.0.0.1", settings, server.known_hosts, server.client_key))
+
+
+async def use(t: SshTransport, command: str = "echo hi") -> str:
+    try:
+        return (await t.run(command)).stdout
+    finally:
+        await t.close()
+
+
+def error_of(t: SshTransport, command: str = "echo hi") -> NodeError:
+    with pytest.raises(NodeError) as info:
+        asyncio.run(use(t, command))
+    assert info.value.node == "n1"
+    return info.value
+
+
+def test_one_connection_runs_many_commands_and_writes_atomically(sshd: Sshd, tmp_path: Path) -> None:
+    target = tmp_path / "out" / "unit.service"
+
+    async def scenario() -> list[str]:
+        t = transport(sshd)
+        try:
+            outputs = [(await t.run(f"echo {i}")).stdout.strip() for i in range(3)]
+            await t.write_file(str(target), "[Unit]\n", mode=0o600)
+            failed = await t.run("exit 3")
+            outputs.append(str(failed.exit_status))
+            return outputs
+        finally:
+            await t.close()
+
+    assert asyncio.run(scenario()) == ["0", "1", "2", "3"]
+    assert target.read_text() == "[Unit]\n"
+    assert oct(target.stat().st_mode & 0o777) == "0o600"
+    assert not list(target.parent.glob("*.llmgw-tmp"))
+
+
+def test_changed_host_key_is_refused_and_explained(sshd: Sshd) -> None:
+    sshd.rotate_host_key()
+    err = error_of(transport(sshd, accept_unknown_hosts=True))  # never bypassed, even so
+    assert err.kind == "hostkey-changed"
+    assert "does not match" in err.reason
+    assert "ssh-keygen -R" in err.reason
+
+
+def test_unknown_host_refused_unless_accepted_then_recorded(sshd: Sshd) -> None:
+    sshd.known_hosts.write_text("")
+    assert error_of(transport(sshd)).kind == "hostkey-unknown"
+    assert asyncio.run(use(transport(sshd, accept_unknown_hosts=True))) == "hi\n"
+    assert f"[127.0.0.1]:{sshd.port} ssh-ed25519 " in sshd.known_hosts.read_text()
+    assert asyncio.run(use(transport(sshd))) == "hi\n"  # now known: strict checking passes
+
+
+def test_wrong_key_is_an_authentication_error(sshd: Sshd, tmp_path: Path) -> None:
+    keygen(tmp_path / "other")
+    t = SshTransport(
+        SshTarget("n1", "127.0.0.1", SshSettings(port=sshd.port), sshd.known_hosts, tmp_path / "other")
+    )
+    err = error_of(t)
+    assert err.kind == "auth"
+    assert "authentication refused for root@127.0.0.1" in err.reason
+
+
+def test_closed_port_is_unreachable(sshd: Sshd) -> None:
+    settings = SshSettings(port=free_port())
+    err = error_of(SshTransport(SshTarget("n1", "127.0.0.1", settings, sshd.known_hosts, sshd.client_key)))
+    assert err.kind == "unreachable"
+
+
+def test_command_timeout(sshd: Sshd) -> None:
+    err = error_of(transport(sshd, command_timeout="500ms"), "sleep 5")
+    assert err.kind == "timeout"
+    assert "timed out after 0.5s" in err.reason
+
+
+def test_jump_host(sshd: Sshd) -> None:
+    # the node is reached through the jump host (here the same sshd, forwarding to itself)
+    t = transport(sshd, jump_host=f"root@127.0.0.1:{sshd.port}")
+    assert asyncio.run(use(t, "echo via-jump")) == "via-jump\n"
+
+
+def test_local_transport(tmp_path: Path) -> None:
+    async def scenario() -> tuple[str, int]:
+        t = LocalTransport("ws", command_timeout=5)
+        await t.write_file(str(tmp_path / "f"), "data")
+        out = await t.run("cat " + str(tmp_path / "f"))
+        code = (await t.run("exit 4")).exit_status
+        return out.stdout, code
+
+    assert asyncio.run(scenario()) == ("data", 4)
+    with pytest.raises(NodeError) as info:
+        asyncio.run(LocalTransport("ws", command_timeout=0.2).run("sleep 3"))
+    assert info.value.kind == "timeout"

@@ -1,0 +1,226 @@
+"""From probe output to facts to the Summary and the status view (pure parts, no SSH)."""
+
+import io
+from pathlib import Path
+
+from rich.console import Console
+
+from llmgw_cli.cli.views import status_view
+from llmgw_cli.core.facts import GpuHealth, NodeFacts
+from llmgw_cli.core.hardware import fabric_status, gpu_class
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.parse.probe import parse_probe, probe_script, split_sections
+from llmgw_cli.core.parse.weights import judge
+from llmgw_cli.core.summary import summarize
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+SPEC = parse_cluster(
+    """\
+cluster: {name: t}
+fabrics: {ib: {kind: infiniband}}
+nodes:
+  - {name: a, address: 10.0.0.1, fabric: ib, hcas: [mlx5_0, mlx5_1], weights: [/data/models],
+     gpus: {class: H100-80GB, count: 8}}
+  - {name: b, address: 10.0.0.2, fabric: ib, hcas: [mlx5_0, mlx5_1], weights: [/data/models]}
+  - {name: c, address: 10.0.0.3, fabric: ib}
+profiles:
+  vllm: {engine: vllm, command: [/opt/vllm/bin/vllm, serve]}
+models:
+  - {name: llama, source: /data/models/llama, profile: vllm, scaling: {min: 1, max: 2}}
+  - {name: big, source: /data/models/big, profile: vllm, tensor_parallel: 8, nodes: 2,
+     scaling: {min: 0, max: 1}}
+"""
+)
+
+
+def strip(name: str) -> str:
+    return "\n".join(line for line in (FIXTURES / name).read_text().splitlines() if not line.startswith("#"))
+
+
+def csv_rows(faulty: int | None = None) -> str:
+    rows = []
+    for line in strip("nvidia-smi_query-gpu_h100-sxm-x8.csv").splitlines():
+        i, uuid, name, total, used, _util, bus = line.split(", ")
+        if faulty is not None and int(i) == faulty:
+            total = used = "[GPU requires reset]"
+        rows.append(", ".join([i, uuid, name, total, used, bus]))
+    return "\n".join(rows)
+
+
+def ib(state1: str = "4: ACTIVE") -> str:
+    base = "/sys/class/infiniband"
+    return "\n".join(
+        [
+            f"{base}/mlx5_0/ports/1/state:4: ACTIVE",
+            f"{base}/mlx5_1/ports/1/state:{state1}",
+            f"{base}/mlx5_0/ports/1/phys_state:5: LinkUp",
+            f"{base}/mlx5_1/ports/1/phys_state:5: LinkUp",
+            f"{base}/mlx5_0/ports/1/rate:400 Gb/sec (4X NDR)",
+            f"{base}/mlx5_1/ports/1/rate:200 Gb/sec (4X HDR)",
+            f"{base}/mlx5_0/ports/1/link_layer:InfiniBand",
+            f"{base}/mlx5_1/ports/1/link_layer:InfiniBand",
+        ]
+    )
+
+
+def output(*, faulty: int | None = None, ib_state: str = "4: ACTIVE", unit_active: bool = False) -> str:
+    uuids = [line.split(", ")[1] for line in strip("nvidia-smi_query-gpu_h100-sxm-x8.csv").splitlines()]
+    unit = "llmgw-llama-0.service"
+    return f"""\
+@@ host
+clock 1700000000.5
+MemTotal:       2113511424 kB
+MemAvailable:   2000000000 kB
+@@ cpu
+processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse avx avx2 fma
+@@ gpus
+{csv_rows(faulty)}
+@rc 0
+@@ topo
+{strip("topo_hgx-h100_8gpu_nv18_1nic_TABS.txt")}
+@@ ib
+{ib(ib_state)}
+@@ weights
+@dir /data/models
+@free_kib 1048576
+d\t4096\tllama
+f\t10\tllama/config.json
+f\t1000\tllama/model-00001-of-00002.safetensors
+f\t1000\tllama/model-00002-of-00002.safetensors
+f\t100\tllama/model.safetensors.index.json
+@shard\tllama\tmodel-00001-of-00002.safetensors
+@shard\tllama\tmodel-00002-of-00002.safetensors
+d\t4096\tbig
+f\t1000\tbig/model-00001-of-00002.safetensors.incomplete
+@@ engines
+@engine /opt/vllm/bin/vllm found
+@@ units
+Id={unit}
+LoadState=loaded
+ActiveState={"active" if unit_active else "inactive"}
+SubState=running
+MainPID=77
+NRestarts=0
+@@ labels
+/etc/systemd/system/{unit}:X-Llmgw-Model=llama
+/etc/systemd/system/{unit}:X-Llmgw-Gpus={uuids[0]},{uuids[1]}
+@@ end
+"""
+
+
+def test_probe_script_names_every_weights_dir_and_engine() -> None:
+    script = probe_script(SPEC, SPEC.nodes[0])
+    assert "d=/data/models\n" in script
+    assert "b=/opt/vllm/bin/vllm\n" in script
+    assert "--query-gpu=index,uuid,name,memory.total,memory.used,pci.bus_id" in script
+
+
+def test_sections_keep_empty_ones() -> None:
+    assert split_sections("@@ a\nx\n@@ b\n@@ c\ny\n") == {"a": "x", "b": "", "c": "y"}
+
+
+def test_parse_probe_reads_every_section() -> None:
+    facts = parse_probe(SPEC.nodes[0], output(faulty=3))
+    assert len(facts.gpus) == 8
+    assert facts.gpus[3].health is GpuHealth.faulty
+    assert facts.topology is not None
+    assert facts.topology.nvlink_peers(0) == 7
+    assert facts.cpu is not None
+    assert facts.cpu.flags_missing == ()
+    assert facts.memory_total_kib == 2113511424
+    (weights,) = facts.weights
+    assert weights.free_bytes == 2**30
+    assert {m.name: m.complete for m in weights.models} == {"big": False, "llama": True}
+    assert facts.units[0].main_pid == 77
+    assert facts.unit_labels["llmgw-llama-0.service"]["Model"] == "llama"
+    assert facts.engines[0].usable
+    assert facts.clock == 1700000000.5
+
+
+def test_weights_judging() -> None:
+    entries = [
+        ("d", 0, "empty"),
+        ("d", 0, "conf-only"),
+        ("f", 5, "conf-only/config.json"),
+        ("d", 0, "sharded"),
+        ("f", 5, "sharded/a.safetensors"),
+        ("f", 0, "x.gguf"),
+        ("f", 9, "y.gguf"),
+        ("f", 9, "z.gguf.part"),
+        ("f", 9, "README.md"),
+    ]
+    found = {
+        m.name: m.reason for m in judge("/d", False, entries, {"sharded": {"a.safetensors", "b.safetensors"}})
+    }
+    assert found == {
+        "conf-only": "no weight files (*.safetensors, *.bin, *.gguf)",
+        "empty": "empty folder",
+        "sharded": "1 shard(s) named in the index are missing (e.g. b.safetensors)",
+        "x.gguf": "empty file",
+        "y.gguf": "",
+        "z.gguf.part": "partial download",
+    }
+
+
+def test_fabric_status_rules() -> None:
+    a = SPEC.nodes[0]
+    ok = fabric_status(a, parse_probe(a, output()))
+    assert ok.advertises
+    assert ok.rate_gbps == 200.0  # the slowest active link
+    init = fabric_status(a, parse_probe(a, output(ib_state="2: INIT")))
+    assert not init.advertises
+    assert init.reason == "mlx5_1 INIT: link up but no subnet manager has configured it"
+    missing = fabric_status(a, parse_probe(a, output().replace("mlx5_1", "mlx5_7")))
+    assert missing.reason == "declared adapter mlx5_1 not found"
+    c = SPEC.nodes[2]  # no adapters declared: any active port will do
+    assert fabric_status(c, parse_probe(c, output())).advertises
+    unreachable = NodeFacts(node="c", error="no route", error_kind="unreachable")
+    assert fabric_status(c, unreachable).reason == "not probed: no route"
+
+
+def test_gpu_classes() -> None:
+    assert gpu_class("NVIDIA H100 80GB HBM3") == "H100-80GB"
+    assert gpu_class("NVIDIA A100 80GB PCIe") == "A100-80GB-PCIE"
+    assert gpu_class("NVIDIA GeForce RTX 4090") == "RTX4090"
+    assert gpu_class("NVIDIA H200") == "H200"
+
+
+def test_summary_counts_faulty_as_neither_used_nor_free() -> None:
+    facts = {
+        "a": parse_probe(SPEC.nodes[0], output(faulty=3, unit_active=True)),
+        "b": parse_probe(SPEC.nodes[1], output()),
+        "c": NodeFacts(node="c", error="connection refused", error_kind="unreachable"),
+    }
+    summary = summarize(SPEC, facts)
+    (h100,) = summary.classes
+    assert (h100.total, h100.used, h100.faulty, h100.free) == (16, 2, 1, 13)
+    (fabric,) = summary.fabrics
+    assert (fabric.nodes, fabric.advertising, fabric.free_nodes, fabric.rate_gbps) == (3, 2, 1, 200.0)
+    assert fabric.models_held == ("llama",)
+    llama = summary.models[0]
+    assert (llama.running, llama.desired, llama.where) == (1, 1, ("a",))
+    node_a = summary.nodes[0]
+    assert node_a.faulty_reasons == ("GPU 3: nvidia-smi reports [GPU requires reset]",)
+    assert node_a.expected is None
+    assert summary.nodes[1].expected is None  # b declares no GPUs: nothing to cross-check
+    assert not summary.nodes[2].reachable
+
+
+def test_status_view_shows_unreachable_nodes_and_reasons() -> None:
+    facts = {
+        "a": parse_probe(SPEC.nodes[0], output(ib_state="2: INIT")),
+        "b": parse_probe(SPEC.nodes[1], output(faulty=5)),
+        "c": NodeFacts(node="c", error="host key of 10.0.0.3 does not match", error_kind="hostkey-changed"),
+    }
+    console = Console(file=io.StringIO(), width=160, color_system=None)
+    console.print(status_view(summarize(SPEC, facts), 0.42))
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "Nodes (probed in 0.42s)" in text
+    assert "unreachable" in text
+    assert "host key of 10.0.0.3 does not match" in text
+    assert "fabric ib not advertised: mlx5_1 INIT: link up but no subnet manager has configured it" in text
+    assert "GPU 5: nvidia-smi reports [GPU requires reset]" in text
+    assert "8 x H100-80GB (1 faulty)" in text
