@@ -224,3 +224,25 @@ def test_status_view_shows_unreachable_nodes_and_reasons() -> None:
     assert "fabric ib not advertised: mlx5_1 INIT: link up but no subnet manager has configured it" in text
     assert "GPU 5: nvidia-smi reports [GPU requires reset]" in text
     assert "8 x H100-80GB (1 faulty)" in text
+
+
+def test_optional_health_query_marks_cards_faulty() -> None:
+    text = output().replace(
+        "@@ topo",
+        "@@ gpuhealth\n0, No, No, No, No, 0\n1, [N/A], [N/A], Yes, No, 0\n2, Yes, No, No, No, 0\n"
+        "3, No, No, No, No, 7\n@@ topo",
+    )
+    facts = parse_probe(SPEC.nodes[0], text)
+    faulty = {g.index: g.reasons for g in facts.gpus if g.health is GpuHealth.faulty}
+    assert faulty == {
+        1: ("row remapping pending (reset needed)",),
+        2: ("reset required",),
+        3: ("7 uncorrected ECC errors since boot",),
+    }
+
+
+def test_health_query_refused_by_old_driver_changes_nothing() -> None:
+    text = output().replace(
+        "@@ topo", '@@ gpuhealth\nField "remapped_rows.pending" is not a valid field to query.\n@@ topo'
+    )
+    assert all(g.health is GpuHealth.healthy for g in parse_probe(SPEC.nodes[0], text).gpus)

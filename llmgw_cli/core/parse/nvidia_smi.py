@@ -61,3 +61,37 @@ def parse_query_gpu(text: str, fields: tuple[str, ...] = QUERY_FIELDS) -> tuple[
             )
         )
     return gpus, lost
+
+
+HEALTH_FIELDS = (
+    "index",
+    "reset_status.reset_required",
+    "reset_status.drain_and_reset_recommended",
+    "remapped_rows.pending",
+    "remapped_rows.failure",
+    "ecc.errors.uncorrected.volatile.total",
+)
+_HEALTH_REASONS = {
+    "reset_status.reset_required": "reset required",
+    "reset_status.drain_and_reset_recommended": "drain and reset recommended",
+    "remapped_rows.pending": "row remapping pending (reset needed)",
+    "remapped_rows.failure": "row remapping failed (memory repair exhausted)",
+}
+
+
+def parse_health(text: str) -> dict[int, list[str]]:
+    """Fault reasons per GPU index from the optional health query (REFERENCE.md 1.4).
+    Cells that read ``[N/A]``/``[Not Supported]`` say nothing either way."""
+    faults: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(HEALTH_FIELDS) or not cells[0].isdigit():
+            continue
+        row = dict(zip(HEALTH_FIELDS, cells, strict=True))
+        reasons = [why for field, why in _HEALTH_REASONS.items() if row[field].lower() == "yes"]
+        ecc = row["ecc.errors.uncorrected.volatile.total"]
+        if ecc.isdigit() and int(ecc) > 0:
+            reasons.append(f"{ecc} uncorrected ECC errors since boot")
+        if reasons:
+            faults[int(cells[0])] = reasons
+    return faults

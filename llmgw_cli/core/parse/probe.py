@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from llmgw_cli.core.facts import Cpu, Engine, NodeFacts, WeightsDir
+from llmgw_cli.core.facts import Cpu, Engine, GpuHealth, NodeFacts, WeightsDir
 from llmgw_cli.core.parse.cpuinfo import parse_cpuinfo
 from llmgw_cli.core.parse.infiniband import parse_ib_ports
-from llmgw_cli.core.parse.nvidia_smi import QUERY_FIELDS, parse_query_gpu
+from llmgw_cli.core.parse.nvidia_smi import HEALTH_FIELDS, QUERY_FIELDS, parse_health, parse_query_gpu
 from llmgw_cli.core.parse.systemctl import parse_show, unit_state
 from llmgw_cli.core.parse.topo import parse_topology
 from llmgw_cli.core.parse.weights import judge
@@ -28,6 +28,7 @@ def probe_script(spec: ClusterSpec, node: Node) -> str:
     return render(
         "probe.sh.j2",
         gpu_fields=",".join(QUERY_FIELDS),
+        health_fields=",".join(HEALTH_FIELDS),
         weight_dirs=[w.path for w in node.weights],
         engine_binaries=engine_binaries(spec),
     )
@@ -130,6 +131,13 @@ def parse_probe(node: Node, text: str) -> NodeFacts:
     clock, total, available = _host(sections.get("host", ""))
     gpu_text = sections.get("gpus", "")
     gpus, lost = parse_query_gpu(gpu_text)
+    faults = parse_health(sections.get("gpuhealth", ""))
+    gpus = [
+        g.model_copy(update={"health": GpuHealth.faulty, "reasons": (*g.reasons, *faults[g.index])})
+        if g.index in faults
+        else g
+        for g in gpus
+    ]
     if "@missing" in gpu_text:
         tool = "missing"
     elif "@rc 0" in gpu_text or gpus:
