@@ -1,0 +1,79 @@
+"""Synthetic NodeFacts for tests of the pure core (placement, summary)."""
+
+from __future__ import annotations
+
+import itertools
+
+from llmgw_cli.core.facts import (
+    Gpu,
+    GpuHealth,
+    IbPort,
+    ModelFiles,
+    NodeFacts,
+    PortState,
+    Topology,
+    WeightsDir,
+)
+
+
+def topology(n: int, link: str = "NV18", pairs: bool = False) -> Topology:
+    """NVSwitch-like (every pair ``link``) or bridged pairs (0-1, 2-3 ``link``, others SYS)."""
+    links = {}
+    for a, b in itertools.combinations(range(n), 2):
+        links[f"{a}-{b}"] = link if not pairs or (a // 2 == b // 2) else "SYS"
+    return Topology(gpus=tuple(range(n)), links=links, nics={}, gpu_nic={})
+
+
+def node_facts(
+    name: str,
+    *,
+    gpus: int = 8,
+    gpu_name: str = "NVIDIA H100 80GB HBM3",
+    memory: int = 81559,
+    faulty: tuple[int, ...] = (),
+    topo: Topology | str | None = "nvswitch",
+    ib: dict[str, str] | None = None,
+    models: tuple[str, ...] = (),
+) -> NodeFacts:
+    cards = tuple(
+        Gpu(
+            index=i,
+            uuid=f"GPU-{name}-{i}",
+            name=gpu_name,
+            memory_total=memory,
+            memory_used=0,
+            pci_bus_id=None,
+            health=GpuHealth.faulty if i in faulty else GpuHealth.healthy,
+            reasons=("reset required",) if i in faulty else (),
+        )
+        for i in range(gpus)
+    )
+    if topo == "nvswitch":
+        topo = topology(gpus)
+    elif topo == "pairs":
+        topo = topology(gpus, "NV4", pairs=True)
+    assert not isinstance(topo, str)
+    ports = tuple(
+        IbPort(
+            hca=hca,
+            port=1,
+            state=PortState(state),
+            phys_state="LinkUp",
+            rate_gbps=400.0,
+            link_layer="InfiniBand",
+        )
+        for hca, state in (ib or {"mlx5_0": "ACTIVE"}).items()
+    )
+    weights = (
+        WeightsDir(
+            path="/data/models",
+            shared=False,
+            present=True,
+            free_bytes=None,
+            models=tuple(
+                ModelFiles(directory="/data/models", name=m, shared=False, size=1, complete=True, reason="")
+                for m in models
+            ),
+        ),
+    )
+    return NodeFacts(node=name, gpus=cards, gpu_tool="ok", topology=topo, ib_ports=ports, weights=weights)
