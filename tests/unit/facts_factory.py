@@ -12,6 +12,7 @@ from llmgw_cli.core.facts import (
     NodeFacts,
     PortState,
     Topology,
+    UnitState,
     WeightsDir,
 )
 
@@ -77,3 +78,35 @@ def node_facts(
         ),
     )
     return NodeFacts(node=name, gpus=cards, gpu_tool="ok", topology=topo, ib_ports=ports, weights=weights)
+
+
+def with_units(
+    facts: dict[str, NodeFacts], units: list[tuple[str, str, str]], state: str = "active"
+) -> dict[str, NodeFacts]:
+    """``facts`` as the nodes would report them once ``units`` (node, name, text) run."""
+    out = dict(facts)
+    for node, name, text in units:
+        labels = {
+            line.split("=", 1)[0].removeprefix("X-Llmgw-"): line.split("=", 1)[1]
+            for line in text.splitlines()
+            if line.startswith("X-Llmgw-")
+        }
+        f = out[node]
+        unit = UnitState(
+            name=name,
+            load_state="loaded",
+            active_state=state,
+            sub_state="running",
+            result="success",
+            main_pid=100,
+            n_restarts=0,
+            exec_main_code=None,
+            exec_main_status=None,
+        )
+        out[node] = f.model_copy(
+            update={
+                "units": (*[u for u in f.units if u.name != name], unit),
+                "unit_labels": {**f.unit_labels, name: labels},
+            }
+        )
+    return out

@@ -1,0 +1,287 @@
+"""Desired vs actual -> a Plan: a value listing every action with its reason.
+
+``+`` create a replica, ``~`` replace one whose spec changed (or restart one that failed),
+``-`` delete one whose model was removed or switched off, ``=`` leave one alone and say
+why. What ``--dry-run`` prints is exactly what ``apply`` executes; a plan saved as JSON
+carries a digest of the facts it was made from, so applying it later refuses when the
+nodes have changed since.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Literal
+
+from llmgw_cli.core.engines import Member, replica_unit, spec_hash
+from llmgw_cli.core.facts import Fact, NodeFacts
+from llmgw_cli.core.hardware import fabric_status
+from llmgw_cli.core.placement import Replica, Slot, place
+from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode
+
+Op = Literal["+", "~", "-", "="]
+
+
+class UnitFile(Fact):
+    node: str
+    name: str
+    text: str
+
+
+class Running(Fact):
+    """A replica found on the nodes, rebuilt from its units' labels."""
+
+    model: str
+    replica: int
+    spec_hash: str
+    port: int
+    members: tuple[str, ...]  # node names, rank order
+    gpus: dict[str, tuple[str, ...]]  # node -> GPU UUIDs
+    states: dict[str, str]  # node -> ActiveState
+    unit: str
+
+    @property
+    def failed(self) -> bool:
+        return any(s == "failed" for s in self.states.values()) or len(self.states) < len(self.members)
+
+
+class Action(Fact):
+    op: Op
+    model: str
+    replica: int
+    nodes: tuple[str, ...]
+    reason: str
+    write: tuple[UnitFile, ...] = ()
+    remove: tuple[tuple[str, str], ...] = ()  # (node, unit name)
+    port: int | None = None
+
+
+class Plan(Fact):
+    actions: tuple[Action, ...]
+    unplaced: tuple[tuple[str, str], ...]  # (model, reason)
+    warnings: tuple[str, ...]
+    facts_digest: str
+
+    @property
+    def changes(self) -> list[Action]:
+        return [a for a in self.actions if a.op != "="]
+
+
+def running_replicas(facts: dict[str, NodeFacts]) -> list[Running]:
+    """Replicas as the nodes report them: units grouped by their model and replica labels."""
+    found: dict[tuple[str, int], Running] = {}
+    for name, f in sorted(facts.items()):
+        states = {u.name: u.active_state for u in f.units}
+        for unit, labels in f.unit_labels.items():
+            if "Model" not in labels or not labels.get("Replica", "").isdigit():
+                continue
+            key = (labels["Model"], int(labels["Replica"]))
+            port = labels.get("Port", "")
+            current = found.get(key) or Running(
+                model=key[0],
+                replica=key[1],
+                spec_hash=labels.get("Spec-Hash", ""),
+                port=int(port) if port.isdigit() else 0,
+                members=tuple(labels.get("Members", name).split(",")),
+                gpus={},
+                states={},
+                unit=unit,
+            )
+            gpus = tuple(g for g in labels.get("Gpus", "").split(",") if g)
+            found[key] = current.model_copy(
+                update={
+                    "gpus": {**current.gpus, name: gpus},
+                    "states": {**current.states, name: states.get(unit, "not-loaded")},
+                }
+            )
+    return [found[k] for k in sorted(found)]
+
+
+def facts_digest(facts: dict[str, NodeFacts]) -> str:
+    """Digest of the facts a plan depends on (cards, their health, units and their states,
+    fabric ports), not of what changes by itself (clock, free memory)."""
+    view = {
+        name: {
+            "error": f.error,
+            "gpus": [(g.uuid, g.health.value) for g in f.gpus],
+            "units": sorted((u.name, u.active_state) for u in f.units),
+            "labels": f.unit_labels,
+            "ib": [(p.hca, p.port, p.state.value) for p in f.ib_ports],
+        }
+        for name, f in sorted(facts.items())
+    }
+    return hashlib.sha256(json.dumps(view, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _as_replica(facts: dict[str, NodeFacts], r: Running) -> Replica:
+    slots = []
+    for node in r.members:
+        uuids = r.gpus.get(node, ())
+        indices = tuple(g.index for g in facts[node].gpus if g.uuid in uuids) if node in facts else ()
+        slots.append(Slot(node, indices, uuids))
+    return Replica(r.model, tuple(slots))
+
+
+def _used_ports(running: list[Running]) -> dict[str, set[int]]:
+    used: dict[str, set[int]] = defaultdict(set)
+    for r in running:
+        for node in r.members:
+            used[node] |= {r.port, r.port + 1}
+    return used
+
+
+def _next_port(
+    spec: ClusterSpec, model: Model, node: str, used: dict[str, set[int]], count: int
+) -> int | None:
+    ports = spec.profiles[model.profile].ports
+    for port in range(ports.first, ports.last + 2 - count):
+        if all(p not in used[node] for p in range(port, port + count)):
+            used[node] |= set(range(port, port + count))
+            return port
+    return None
+
+
+def _nccl(spec: ClusterSpec, facts: dict[str, NodeFacts], node: str) -> str:
+    status = fabric_status(spec.node(node), facts[node])
+    active = [f"{p.hca}:{p.port}" for p in status.ports]
+    return "=" + ",".join(active) if active else ""
+
+
+def _units(
+    spec: ClusterSpec, facts: dict[str, NodeFacts], model: Model, replica: Replica, *, index: int, port: int
+) -> tuple[UnitFile, ...]:
+    nodes = {n.name: n for n in spec.nodes}
+    members = tuple(
+        Member(nodes[slot.node], rank, slot.uuids, _nccl(spec, facts, slot.node))
+        for rank, slot in enumerate(replica.slots)
+    )
+    units = (
+        replica_unit(spec, model, replica=index, member=m, port=port, members=members, dist_port=port + 1)
+        for m in members
+    )
+    return tuple(UnitFile(node=u.node, name=u.name, text=u.text) for u in units)
+
+
+@dataclass
+class _Sorted:
+    """Running replicas sorted by what happens to them."""
+
+    delete: list[Action] = field(default_factory=list)
+    keep: list[Running] = field(default_factory=list)
+    replace: dict[str, list[Running]] = field(default_factory=lambda: defaultdict(list))
+
+
+def _sort_running(spec: ClusterSpec, running: list[Running]) -> _Sorted:
+    models = {m.name: m for m in spec.models}
+    out = _Sorted()
+    for r in running:
+        model = models.get(r.model)
+        if model is None or model.mode is ScalingMode.off:
+            why = "model removed from the cluster file" if model is None else "model is switched off"
+            removal = tuple((n, r.unit) for n in r.members)
+            out.delete.append(
+                Action(op="-", model=r.model, replica=r.replica, nodes=r.members, reason=why, remove=removal)
+            )
+        elif r.spec_hash != spec_hash(spec, model) or r.failed:
+            out.replace[r.model].append(r)
+        else:
+            out.keep.append(r)
+    return out
+
+
+def _keep_actions(spec: ClusterSpec, keep: list[Running]) -> list[Action]:
+    counts = Counter(r.model for r in keep)
+    actions = []
+    for r in keep:
+        model = spec.model(r.model)
+        if model.mode is not ScalingMode.always:
+            reason = "on demand: started and stopped by the gateway"
+        elif model.scaling and counts[r.model] > model.scaling.min:
+            reason = "above min: the gateway scales it back when idle"
+        else:
+            reason = "unchanged"
+        actions.append(
+            Action(op="=", model=r.model, replica=r.replica, nodes=r.members, reason=reason, port=r.port)
+        )
+    return actions
+
+
+def _wanted(spec: ClusterSpec, sorted_: _Sorted) -> dict[str, int]:
+    """New replicas per model: one per replacement, plus always-on models up to ``min``."""
+    counts = Counter(r.model for r in sorted_.keep)
+    want = {name: len(rs) for name, rs in sorted_.replace.items()}
+    for model in spec.models:
+        if model.mode is ScalingMode.always and model.scaling:
+            missing = model.scaling.min - counts[model.name] - len(sorted_.replace.get(model.name, []))
+            want[model.name] = want.get(model.name, 0) + max(missing, 0)
+    return want
+
+
+def make_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
+    """The plan that brings the nodes to the spec: ``min`` replicas of each always-on model,
+    nothing lost or restarted that already matches."""
+    running = running_replicas(facts)
+    sorted_ = _sort_running(spec, running)
+    actions = sorted_.delete + _keep_actions(spec, sorted_.keep)
+    placement = place(spec, facts, [_as_replica(facts, r) for r in sorted_.keep], _wanted(spec, sorted_))
+    used = _used_ports(sorted_.keep)
+    taken: dict[str, set[int]] = defaultdict(set)
+    for r in running:
+        taken[r.model].add(r.replica)
+    unplaced = [(u.model, u.reason) for u in placement.unplaced]
+    for replica in placement.replicas:
+        model = spec.model(replica.model)
+        head = replica.slots[0].node
+        port = _next_port(spec, model, head, used, 2 if model.nodes > 1 else 1)
+        if port is None:
+            unplaced.append((model.name, f"no free port in profile {model.profile}'s range on {head}"))
+            continue
+        old = sorted_.replace[model.name]
+        previous = old.pop(0) if old else None
+        index = (
+            previous.replica if previous else min(set(range(len(taken[model.name]) + 1)) - taken[model.name])
+        )
+        taken[model.name].add(index)
+        writes = _units(spec, facts, model, replica, index=index, port=port)
+        nodes = tuple(s.node for s in replica.slots)
+        if previous is None:
+            reason = "below min" if model.mode is ScalingMode.always else "requested"
+            actions.append(
+                Action(
+                    op="+",
+                    model=model.name,
+                    replica=index,
+                    nodes=nodes,
+                    write=writes,
+                    port=port,
+                    reason=reason,
+                )
+            )
+            continue
+        why = "failed; started again" if previous.spec_hash == spec_hash(spec, model) else "spec changed"
+        written = {(w.node, w.name) for w in writes}
+        stale = tuple((n, previous.unit) for n in previous.members if (n, previous.unit) not in written)
+        actions.append(
+            Action(
+                op="~",
+                model=model.name,
+                replica=index,
+                nodes=nodes,
+                write=writes,
+                remove=stale,
+                port=port,
+                reason=why,
+            )
+        )
+    for name, left in sorted_.replace.items():
+        unplaced += [
+            (name, f"replica {r.replica} needs replacing but does not fit; left as it is") for r in left
+        ]
+    order = {"-": 0, "~": 1, "+": 2, "=": 3}
+    actions.sort(key=lambda a: (order[a.op], a.model, a.replica))
+    warnings = tuple(dict.fromkeys(w for rep in placement.replicas for w in rep.warnings))
+    return Plan(
+        actions=tuple(actions), unplaced=tuple(unplaced), warnings=warnings, facts_digest=facts_digest(facts)
+    )

@@ -1,0 +1,147 @@
+"""The plan: desired vs actual, as a value (pure; the lab tests run it for real)."""
+
+from __future__ import annotations
+
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.plan import Plan, make_plan
+from llmgw_cli.core.spec import ClusterSpec
+
+from .facts_factory import node_facts, with_units
+
+CLUSTER = """\
+cluster: {name: t}
+fabrics: {ib: {kind: infiniband}}
+nodes:
+  - {name: a, address: 10.0.0.1, fabric: ib, hcas: [mlx5_0]}
+  - {name: b, address: 10.0.0.2, fabric: ib, hcas: [mlx5_0]}
+  - {name: c, address: 10.0.0.3, fabric: ib, hcas: [mlx5_0]}
+profiles:
+  vllm: {engine: vllm, ports: 8100-8199}
+models:
+  - {name: small, source: org/small, profile: vllm, scaling: {min: 2, max: 3}}
+  - {name: mid, source: org/mid, profile: vllm, tensor_parallel: 4, args: [--x], scaling: {min: 1, max: 1}}
+  - {name: big, source: org/big, profile: vllm, tensor_parallel: 8, nodes: 2, scaling: {min: 1, max: 1}}
+  - {name: lazy, source: org/lazy, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+"""
+
+
+def spec(text: str = CLUSTER) -> ClusterSpec:
+    return parse_cluster(text)
+
+
+def fresh() -> dict[str, NodeFacts]:
+    return {n: node_facts(n) for n in "abc"}
+
+
+def applied(plan: Plan, facts: dict[str, NodeFacts]) -> dict[str, NodeFacts]:
+    out = dict(facts)
+    for action in plan.actions:
+        for node, name in action.remove:
+            f = out[node]
+            out[node] = f.model_copy(
+                update={
+                    "units": tuple(u for u in f.units if u.name != name),
+                    "unit_labels": {k: v for k, v in f.unit_labels.items() if k != name},
+                }
+            )
+        out = with_units(out, [(w.node, w.name, w.text) for w in action.write])
+    return out
+
+
+def ops(plan: Plan) -> list[tuple[str, str, int]]:
+    return [(a.op, a.model, a.replica) for a in plan.actions]
+
+
+def test_fresh_cluster_gets_min_replicas_of_always_on_models_only() -> None:
+    plan = make_plan(spec(), fresh())
+    assert ops(plan) == [("+", "big", 0), ("+", "mid", 0), ("+", "small", 0), ("+", "small", 1)]
+    big = plan.actions[0]
+    assert len(big.write) == 2  # one unit per node of the 2-node replica
+    assert {w.node for w in big.write} == set(big.nodes)
+    assert plan.unplaced == ()
+
+
+def test_second_plan_changes_nothing() -> None:
+    s = spec()
+    facts = applied(make_plan(s, fresh()), fresh())
+    again = make_plan(s, facts)
+    assert again.changes == []
+    assert {a.reason for a in again.actions} == {"unchanged"}
+    assert len(again.actions) == 4
+
+
+def test_changing_one_models_args_replaces_only_its_replica() -> None:
+    facts = applied(make_plan(spec(), fresh()), fresh())
+    changed = make_plan(spec(CLUSTER.replace("args: [--x]", "args: [--y]")), facts)
+    assert [(a.op, a.model, a.reason) for a in changed.changes] == [("~", "mid", "spec changed")]
+    (mid,) = changed.changes
+    assert "--y" in mid.write[0].text
+    assert mid.replica == 0  # the same unit name is rewritten in place
+
+
+def test_removing_a_model_deletes_its_units() -> None:
+    facts = applied(make_plan(spec(), fresh()), fresh())
+    text = CLUSTER.replace(
+        "  - {name: mid, source: org/mid, profile: vllm, tensor_parallel: 4, args: [--x], scaling: {min: 1, max: 1}}\n",
+        "",
+    )
+    plan = make_plan(spec(text), facts)
+    (delete,) = plan.changes
+    assert (delete.op, delete.model, delete.reason) == ("-", "mid", "model removed from the cluster file")
+    assert delete.remove == ((delete.nodes[0], "llmgw-mid-0.service"),)
+
+
+def test_switching_a_model_off_deletes_it() -> None:
+    facts = applied(make_plan(spec(), fresh()), fresh())
+    plan = make_plan(spec(CLUSTER.replace("scaling: {min: 2, max: 3}", "scaling: {min: 0, max: 0}")), facts)
+    assert sorted((a.op, a.model, a.reason) for a in plan.changes) == [
+        ("-", "small", "model is switched off"),
+        ("-", "small", "model is switched off"),
+    ]
+
+
+def test_failed_replica_is_started_again() -> None:
+    s = spec()
+    plan = make_plan(s, fresh())
+    facts = applied(plan, fresh())
+    mid = next(a for a in plan.actions if a.model == "mid")
+    facts = with_units(facts, [(w.node, w.name, w.text) for w in mid.write], state="failed")
+    again = make_plan(s, facts)
+    assert [(a.op, a.model, a.reason) for a in again.changes] == [("~", "mid", "failed; started again")]
+
+
+def test_on_demand_replica_is_left_to_the_gateway() -> None:
+    s = spec()
+    facts = applied(make_plan(s, fresh()), fresh())
+    lazy_unit = make_plan(spec(CLUSTER.replace("min: 0, max: 1", "min: 1, max: 1")), facts)
+    facts = applied(lazy_unit, facts)
+    again = make_plan(s, facts)
+    assert again.changes == []
+    lazy = next(a for a in again.actions if a.model == "lazy")
+    assert lazy.reason == "on demand: started and stopped by the gateway"
+
+
+def test_ports_do_not_collide_on_a_node() -> None:
+    facts = applied(make_plan(spec(), fresh()), fresh())
+    for f in facts.values():
+        held: list[int] = []
+        for labels in f.unit_labels.values():
+            port = int(labels["Port"])
+            multi = "," in labels["Members"]
+            held += [port, port + 1] if multi else [port]  # a multi-node head also listens on port + 1
+        assert len(held) == len(set(held)), (f.node, held)
+        assert all(8100 <= p <= 8199 for p in held)
+
+
+def test_plan_round_trips_through_json() -> None:
+    plan = make_plan(spec(), fresh())
+    assert Plan.model_validate_json(plan.model_dump_json()) == plan
+
+
+def test_facts_digest_changes_when_a_card_fails() -> None:
+    s = spec()
+    before = make_plan(s, fresh()).facts_digest
+    facts = fresh()
+    facts["a"] = node_facts("a", faulty=(2,))
+    assert make_plan(s, facts).facts_digest != before
