@@ -12,6 +12,7 @@ from rich.text import Text
 
 from llmgw_cli import __version__
 from llmgw_cli.cli import render
+from llmgw_cli.cli.apply import apply, plan
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.status import status
 from llmgw_cli.cli.views import problems_view, spec_summary
@@ -28,6 +29,8 @@ app = typer.Typer(
 )
 app.add_typer(render.app, name="render")
 app.command()(status)
+app.command()(plan)
+app.command()(apply)
 
 out = Console()
 err = Console(stderr=True)

@@ -8,6 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
 from llmgw_cli.core.summary import Summary
 from llmgw_cli.errors import Problem
@@ -121,3 +122,34 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
         parts.append(findings)
     parts += [t for t in (classes, fabrics) if t.row_count]
     return Group(*parts, models)
+
+
+_OP_STYLE = {"+": "green", "~": "yellow", "-": "red", "=": "dim"}
+
+
+def plan_view(plan: Plan, *, show_unchanged: bool = True) -> RenderableType:
+    """The plan terraform-style: one line per replica, then what could not be placed."""
+    lines: list[RenderableType] = []
+    for a in plan.actions:
+        if a.op == "=" and not show_unchanged:
+            continue
+        where = ", ".join(a.nodes)
+        port = f":{a.port}" if a.port else ""
+        lines.append(
+            Text(f"{a.op} {a.model} #{a.replica} on {where}{port}  ({a.reason})", style=_OP_STYLE[a.op])
+        )
+    for model, reason in plan.unplaced:
+        lines.append(Text(f"! {model}: {reason}", style="bold red"))
+    lines += [Text(f"warning: {w}", style="yellow") for w in plan.warnings]
+    counts = Counter(a.op for a in plan.actions)
+    if plan.changes:
+        summary = (
+            f"Plan: {counts['+']} to create, {counts['~']} to replace, {counts['-']} to delete, "
+            f"{counts['=']} unchanged."
+        )
+    else:
+        summary = f"No changes. {counts['=']} replica(s) as they should be."
+    if plan.unplaced:
+        summary += f" {len(plan.unplaced)} replica(s) cannot be placed (see !)."
+    lines.append(Text(summary, style="bold"))
+    return Group(*lines)

@@ -43,8 +43,10 @@ class Running(Fact):
     unit: str
 
     @property
-    def failed(self) -> bool:
-        return any(s == "failed" for s in self.states.values()) or len(self.states) < len(self.members)
+    def down(self) -> bool:
+        """Some member is not running (failed, stopped, or its unit missing on a node)."""
+        up = ("active", "activating", "reloading")
+        return any(s not in up for s in self.states.values()) or len(self.states) < len(self.members)
 
 
 class Action(Fact):
@@ -184,7 +186,7 @@ def _sort_running(spec: ClusterSpec, running: list[Running]) -> _Sorted:
             out.delete.append(
                 Action(op="-", model=r.model, replica=r.replica, nodes=r.members, reason=why, remove=removal)
             )
-        elif r.spec_hash != spec_hash(spec, model) or r.failed:
+        elif r.spec_hash != spec_hash(spec, model) or r.down:
             out.replace[r.model].append(r)
         else:
             out.keep.append(r)
@@ -260,7 +262,7 @@ def make_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
                 )
             )
             continue
-        why = "failed; started again" if previous.spec_hash == spec_hash(spec, model) else "spec changed"
+        why = "not running; started again" if previous.spec_hash == spec_hash(spec, model) else "spec changed"
         written = {(w.node, w.name) for w in writes}
         stale = tuple((n, previous.unit) for n in previous.members if (n, previous.unit) not in written)
         actions.append(

@@ -3,7 +3,8 @@
 Two implementations: ``ssh.SshTransport`` (asyncssh, one connection per node per run,
 reused for every command) and ``local.LocalTransport`` (``connection: local``).
 
-Contract: a transport is used by one task at a time per node; ``run`` never raises for a
+Contract: several tasks may use one transport at once (asyncssh multiplexes sessions over
+the node's one connection, opened under a lock on first use); ``run`` never raises for a
 non-zero exit (the caller reads ``exit_status``) but raises ``NodeError`` when the node
 could not be reached, the command timed out, or a root action was refused by sudo.
 """

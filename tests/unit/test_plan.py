@@ -98,14 +98,17 @@ def test_switching_a_model_off_deletes_it() -> None:
     ]
 
 
-def test_failed_replica_is_started_again() -> None:
+def test_failed_or_stopped_replica_is_started_again() -> None:
     s = spec()
     plan = make_plan(s, fresh())
     facts = applied(plan, fresh())
     mid = next(a for a in plan.actions if a.model == "mid")
-    facts = with_units(facts, [(w.node, w.name, w.text) for w in mid.write], state="failed")
-    again = make_plan(s, facts)
-    assert [(a.op, a.model, a.reason) for a in again.changes] == [("~", "mid", "failed; started again")]
+    for state in ("failed", "inactive"):
+        down = with_units(facts, [(w.node, w.name, w.text) for w in mid.write], state=state)
+        again = make_plan(s, down)
+        assert [(a.op, a.model, a.reason) for a in again.changes] == [
+            ("~", "mid", "not running; started again")
+        ]
 
 
 def test_on_demand_replica_is_left_to_the_gateway() -> None:

@@ -1,0 +1,97 @@
+"""`llmgw plan` and `llmgw apply`: load -> gather -> plan -> view -> confirm -> execute."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
+from llmgw_cli.cli.status import probe_with_progress
+from llmgw_cli.cli.views import plan_view
+from llmgw_cli.core.plan import Plan, facts_digest, make_plan
+from llmgw_cli.errors import InputError, LlmgwError
+from llmgw_cli.remote.execute import execute
+
+out = Console()
+err = Console(stderr=True)
+
+
+class ApplyFailed(LlmgwError):
+    """Some node or replica failed; the others were applied."""
+
+
+def _unplaced_is_failure(chosen: Plan) -> None:
+    if chosen.unplaced:
+        raise ApplyFailed(f"{len(chosen.unplaced)} replica(s) could not be placed; the plan above says why")
+
+
+def plan(
+    file: ClusterFile = DEFAULT_FILE,
+    save: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Save the plan as JSON for `apply PLAN`.")
+    ] = None,
+) -> None:
+    """Probe the nodes and show what `apply` would do, changing nothing."""
+    spec = read_cluster(file)
+    snapshot = probe_with_progress(file, None, err)
+    result = make_plan(spec, {f.node: f for f in snapshot.nodes})
+    out.print(plan_view(result), soft_wrap=True)
+    if save:
+        save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
+        out.print(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}")
+
+
+def apply(
+    saved: Annotated[Path | None, typer.Argument(help="A plan saved by `llmgw plan --out`.")] = None,
+    file: ClusterFile = DEFAULT_FILE,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan and stop.")] = False,
+    wait: Annotated[bool, typer.Option(help="Wait until started replicas answer their health check.")] = True,
+) -> None:
+    """Bring the nodes to the cluster file: start, replace and stop replicas, then wait for health.
+
+    A second run changes nothing. With a saved PLAN, refuses when the nodes changed since.
+    Exit code 0 when everything applied and became ready, 1 when something failed.
+    """
+    spec = read_cluster(file)
+    snapshot = probe_with_progress(file, None, err)
+    facts = {f.node: f for f in snapshot.nodes}
+    if saved is not None:
+        chosen = Plan.model_validate_json(saved.read_text(encoding="utf-8"))
+        if chosen.facts_digest != facts_digest(facts):
+            raise InputError(f"{saved}: the nodes changed since this plan was made; run `llmgw plan` again")
+    else:
+        chosen = make_plan(spec, facts)
+    out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
+    unreachable = [f.node for f in snapshot.nodes if not f.reachable]
+    if unreachable:
+        err.print(Text(f"unreachable, left out: {', '.join(unreachable)}", style="yellow"))
+    if dry_run:
+        return
+    if not chosen.changes:
+        _unplaced_is_failure(chosen)
+        return
+    if not yes:
+        if not sys.stdin.isatty():
+            raise InputError("not a terminal: pass --yes to apply without confirmation")
+        typer.confirm("Apply these changes?", abort=True)
+
+    def report(subject: str, message: str) -> None:
+        err.print(f"  {subject}: {message}", highlight=False)
+
+    outcomes = asyncio.run(execute(spec, file.resolve().parent, chosen, report, wait=wait))
+    failed = [o for o in outcomes if not o.ok]
+    for o in failed:
+        err.print(Text(f"FAILED {o.subject}: {o.message}", style="red"))
+    if failed:
+        raise ApplyFailed(f"{len(failed)} of {len(outcomes)} steps failed; fix them and run apply again")
+    _unplaced_is_failure(chosen)
+    out.print(
+        Text(f"Applied: {len(chosen.changes)} change(s), every started replica is ready.", style="green")
+    )

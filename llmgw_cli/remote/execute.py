@@ -1,0 +1,183 @@
+"""Run a Plan on the nodes, then wait until each started replica is ready.
+
+Per node, in this order: service accounts and the engine key file; stop and remove what
+goes; write every unit atomically (temporary file + rename); one ``daemon-reload``;
+enable and (re)start what comes. Nodes are worked on in parallel; a node that fails is
+reported with its reason and the others carry on. Nothing is half-written by an
+interruption, and the next ``apply`` reads the nodes again and converges.
+
+Readiness follows the engines' semantics (REFERENCE.md 4.4): connection refused means
+starting, 503 means loading, 200 means ready; a unit that fails meanwhile is reported
+with the last lines of its journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shlex
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from llmgw_cli.core.engines import ENGINE_ENV_FILE, ENGINE_KEY_VAR, UNIT_DIR
+from llmgw_cli.core.parse.systemctl import parse_show, unit_state
+from llmgw_cli.core.plan import Action, Plan
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.errors import NodeError
+from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.transport import Transport
+
+Report = Callable[[str, str], None]
+"""Called with (subject, message) as work progresses."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    subject: str  # a node, or "model#replica"
+    ok: bool
+    message: str
+
+
+@dataclass
+class _NodeWork:
+    remove: list[str]
+    write: dict[str, str]
+    start: list[str]
+    restart: list[str]
+    users: set[str]
+
+
+def _work_by_node(spec: ClusterSpec, plan: Plan) -> dict[str, _NodeWork]:
+    work: dict[str, _NodeWork] = defaultdict(lambda: _NodeWork([], {}, [], [], set()))
+    for action in plan.changes:
+        model = next((m for m in spec.models if m.name == action.model), None)
+        for node, name in action.remove:
+            work[node].remove.append(name)
+        for unit in action.write:
+            w = work[unit.node]
+            w.write[unit.name] = unit.text
+            (w.restart if action.op == "~" else w.start).append(unit.name)
+            if model is not None:
+                w.users.add(spec.profiles[model.profile].user)
+    return work
+
+
+async def _engine_key(transports: dict[str, Transport]) -> str:
+    """The cluster's engine key: the one already on a node, else a new one."""
+    for t in transports.values():
+        try:
+            result = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
+        except NodeError:
+            continue
+        for line in result.stdout.splitlines():
+            if line.startswith(f"{ENGINE_KEY_VAR}="):
+                return line.split("=", 1)[1].strip()
+    return secrets.token_urlsafe(32)
+
+
+async def _apply_node(t: Transport, w: _NodeWork, key: str) -> None:
+    q = shlex.quote
+    for user in sorted(w.users):
+        cmd = f"id -u {q(user)} >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin {q(user)}"
+        await _must(t, cmd, f"create service user {user}")
+    present = await t.run(f"test -s {ENGINE_ENV_FILE}", root=True)
+    if not present.ok:
+        await t.write_file(ENGINE_ENV_FILE, f"{ENGINE_KEY_VAR}={key}\n", mode=0o600, root=True)
+    for name in w.remove + w.restart:
+        await t.run(f"systemctl stop {q(name)}", root=True)
+    for name in w.remove:
+        if name not in w.write:
+            await t.run(
+                f"systemctl disable {q(name)} 2>/dev/null; rm -f {q(f'{UNIT_DIR}/{name}')}", root=True
+            )
+    for name, text in sorted(w.write.items()):
+        await t.write_file(f"{UNIT_DIR}/{name}", text, mode=0o644, root=True)
+    await _must(t, "systemctl daemon-reload", "systemctl daemon-reload")
+    units = sorted(set(w.start + w.restart))
+    if units:
+        await _must(t, "systemctl enable --now " + " ".join(q(u) for u in units), "start units")
+
+
+async def _must(t: Transport, command: str, what: str) -> None:
+    result = await t.run(command, root=True)
+    if not result.ok:
+        raise NodeError(t.node, "failed", f"{what}: {(result.stderr or result.stdout).strip()}")
+
+
+async def _wait_ready(
+    spec: ClusterSpec, action: Action, transports: dict[str, Transport], report: Report
+) -> Outcome:
+    model = spec.model(action.model)
+    profile = spec.profiles[model.profile]
+    head = action.nodes[0]
+    unit = next(w.name for w in action.write if w.node == head)
+    url = f"http://{spec.node(head).address}:{action.port}{profile.readiness.path}"
+    subject = f"{action.model}#{action.replica}"
+    deadline = time.monotonic() + profile.readiness.start_timeout
+    last = "starting"
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                response = await client.get(url)
+                state = "ready" if response.status_code == 200 else f"loading ({response.status_code})"
+            except httpx.TransportError:
+                state = "starting"
+            if state == "ready":
+                report(subject, "ready")
+                return Outcome(subject, True, f"ready on {head}:{action.port}")
+            if state != last:
+                report(subject, state)
+                last = state
+            failed = await _failed(transports[head], unit)
+            if failed:
+                return Outcome(subject, False, failed)
+            await asyncio.sleep(0.5)
+    return Outcome(subject, False, f"not ready after {profile.readiness.start_timeout:g}s ({last}); {url}")
+
+
+async def _failed(t: Transport, unit: str) -> str | None:
+    """The reason and journal tail if the unit has failed (or keeps restarting), else None."""
+    show = await t.run(f"systemctl show -p Id,ActiveState,SubState,Result,NRestarts,ExecMainStatus {unit}")
+    blocks = parse_show(show.stdout)
+    if not blocks:
+        return None
+    state = unit_state(blocks[0])
+    if state.active_state != "failed" and state.n_restarts == 0:
+        return None
+    journal = await t.run(f"journalctl -u {shlex.quote(unit)} -n 15 --no-pager -o cat", root=True)
+    why = f"{unit} {state.active_state} ({state.result}, exit {state.exec_main_status}, restarts {state.n_restarts})"
+    return why + "\n" + journal.stdout.strip()
+
+
+async def execute(
+    spec: ClusterSpec, base: Path, plan: Plan, report: Report, *, wait: bool = True
+) -> list[Outcome]:
+    """Carry out ``plan``; one Outcome per node worked on and per replica waited for."""
+    work = _work_by_node(spec, plan)
+    transports = {name: transport_for(spec, spec.node(name), base) for name in work}
+    outcomes: list[Outcome] = []
+    try:
+        key = await _engine_key(transports)
+
+        async def one(node: str) -> Outcome:
+            try:
+                await _apply_node(transports[node], work[node], key)
+            except NodeError as exc:
+                report(node, f"failed: {exc.reason}")
+                return Outcome(node, False, exc.reason)
+            report(node, "units in place")
+            return Outcome(node, True, "units in place")
+
+        outcomes = list(await asyncio.gather(*(one(n) for n in sorted(work))))
+        broken = {o.subject for o in outcomes if not o.ok}
+        if wait:
+            started = [a for a in plan.changes if a.write and not set(a.nodes) & broken]
+            outcomes += await asyncio.gather(*(_wait_ready(spec, a, transports, report) for a in started))
+    finally:
+        await asyncio.gather(*(t.close() for t in transports.values()))
+    return outcomes
