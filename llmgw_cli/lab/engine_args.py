@@ -1,0 +1,360 @@
+"""Command lines, GPUs and model sources of the simulated engines.
+
+Everything here is a function of its arguments (plus reading the model directory it is
+pointed at), so the start-up checks are unit-tested without starting a server. A check
+that fails raises ``EngineStartError`` carrying the log line a real engine would print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NoReturn
+
+Kind = Literal["vllm", "sglang"]
+
+SGLANG_MODULE = "sglang.launch_server"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_HEALTHY = {"", "ok", "healthy", "good"}
+
+
+class EngineStartError(Exception):
+    """The engine cannot start; the message is the log line it dies with."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the simulated engine was asked to serve, normalised across vLLM and SGLang."""
+
+    kind: Kind
+    model: str
+    served_names: tuple[str, ...]
+    host: str
+    port: int
+    tp: int
+    pp: int
+    nnodes: int
+    node_rank: int
+    headless: bool
+    api_key: str | None
+    max_model_len: int | None
+    executor_backend: str | None
+    enable_metrics: bool
+
+    @property
+    def serves_api(self) -> bool:
+        """Workers of a multi-node engine run no HTTP server."""
+        return not self.headless and self.node_rank == 0
+
+    @property
+    def gpus_per_node(self) -> int:
+        return max(1, (self.tp * self.pp) // max(1, self.nnodes))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits 2 with the usual ``prog: error:`` line, as vLLM and SGLang do."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage()
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _max_len(text: str) -> int:
+    # vLLM accepts human-readable lengths such as 32k.
+    match = re.fullmatch(r"(\d+)([kKmM]?)", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid length {text!r}")
+    scale = {"": 1, "k": 1000, "K": 1024, "m": 1_000_000, "M": 1024 * 1024}[match.group(2)]
+    return int(match.group(1)) * scale
+
+
+def _vllm_parser() -> _Parser:
+    p = _Parser(prog="vllm serve", add_help=True)
+    p.add_argument("model_tag", nargs="?")
+    p.add_argument("--model")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=_max_len)
+    p.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni", "external_launcher"])
+    p.add_argument("--api-key")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29501)
+    p.add_argument("--headless", action="store_true")
+    # Common flags that change nothing in the simulation but must be accepted.
+    for flag in (
+        "--download-dir",
+        "--revision",
+        "--dtype",
+        "--max-num-seqs",
+        "--quantization",
+        "--uvicorn-log-level",
+        "--kv-cache-dtype",
+        "--tokenizer",
+        "--seed",
+        "--swap-space",
+    ):
+        p.add_argument(flag)
+    for flag in (
+        "--trust-remote-code",
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--disable-log-requests",
+        "--disable-log-stats",
+        "--enable-chunked-prefill",
+    ):
+        p.add_argument(flag, action="store_true")
+    return p
+
+
+def _sglang_parser() -> _Parser:
+    p = _Parser(prog="launch_server.py", add_help=True)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp", "--tp-size", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--dp", "--dp-size", dest="dp", type=int, default=1)
+    p.add_argument("--served-model-name")
+    p.add_argument("--context-length", type=int)
+    p.add_argument("--mem-fraction-static", type=float)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--dist-init-addr")
+    p.add_argument("--api-key")
+    for flag in (
+        "--tokenizer-path",
+        "--dtype",
+        "--quantization",
+        "--revision",
+        "--download-dir",
+        "--chunked-prefill-size",
+        "--max-running-requests",
+        "--log-level",
+        "--random-seed",
+    ):
+        p.add_argument(flag)
+    for flag in ("--trust-remote-code", "--enable-metrics", "--disable-cuda-graph", "--skip-server-warmup"):
+        p.add_argument(flag, action="store_true")
+    return p
+
+
+def parse_argv(argv: list[str]) -> EngineConfig:
+    """Parse ``vllm serve ...`` or ``sglang [-m sglang.launch_server] ...`` after the kind.
+
+    The lab's wrappers call ``engine_sim vllm "$@"`` for ``/opt/vllm/bin/vllm`` and
+    ``engine_sim sglang "$@"`` for the SGLang interpreter, so the SGLang form arrives
+    with the interpreter's ``-m sglang.launch_server`` in front. Bad flags exit 2.
+    """
+    if not argv or argv[0] not in ("vllm", "sglang"):
+        raise SystemExit(
+            "usage: python -m llmgw_cli.lab.engine_sim {vllm serve|sglang -m sglang.launch_server} ..."
+        )
+    if argv[0] == "vllm":
+        return _parse_vllm(argv[1:])
+    return _parse_sglang(argv[1:])
+
+
+def _parse_vllm(argv: list[str]) -> EngineConfig:
+    if not argv or argv[0] != "serve":
+        top = _Parser(prog="vllm")
+        top.add_argument("subparser", choices=["serve"])
+        top.parse_args(argv[:1])
+    ns = _vllm_parser().parse_args(argv[1:])
+    model = ns.model_tag or ns.model
+    if not model:
+        _vllm_parser().error("the following arguments are required: model_tag")
+    if ns.node_rank > 0 and not ns.headless:
+        _vllm_parser().error("--node-rank > 0 requires --headless (the API server runs on node rank 0)")
+    return EngineConfig(
+        kind="vllm",
+        model=model,
+        served_names=tuple(ns.served_model_name or [model]),
+        host=ns.host or "0.0.0.0",  # vLLM's default None means all interfaces
+        port=ns.port,
+        tp=ns.tensor_parallel_size,
+        pp=ns.pipeline_parallel_size,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        headless=ns.headless,
+        api_key=ns.api_key,
+        max_model_len=ns.max_model_len,
+        executor_backend=ns.distributed_executor_backend,
+        enable_metrics=True,
+    )
+
+
+def _parse_sglang(argv: list[str]) -> EngineConfig:
+    if argv[:1] == ["-m"]:
+        module = argv[1] if len(argv) > 1 else ""
+        if module != SGLANG_MODULE:
+            raise SystemExit(f"python3: No module named {module or '(none)'}")
+        argv = argv[2:]
+    ns = _sglang_parser().parse_args(argv)
+    return EngineConfig(
+        kind="sglang",
+        model=ns.model_path,
+        served_names=(ns.served_model_name or ns.model_path,),
+        host=ns.host,
+        port=ns.port,
+        tp=ns.tp,
+        pp=1,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        headless=False,
+        api_key=ns.api_key,
+        max_model_len=ns.context_length,
+        executor_backend=None,
+        enable_metrics=ns.enable_metrics,
+    )
+
+
+@dataclass(frozen=True)
+class SimGpu:
+    """One line of the node's ``/etc/lab/gpus.csv``."""
+
+    index: int
+    name: str
+    memory_mib: str
+    uuid: str
+    health: str = ""
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.strip().lower() in _HEALTHY
+
+
+def parse_gpus_csv(text: str) -> list[SimGpu]:
+    """``index,name,memory_MiB,uuid,driver_version[,health,...]``; blank and # lines skipped."""
+    gpus = []
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) < 4 or not cells[0].isdigit():
+            continue
+        health = cells[5] if len(cells) > 5 else ""
+        gpus.append(SimGpu(int(cells[0]), cells[1], cells[2], cells[3], health))
+    return gpus
+
+
+def _find_gpu(entry: str, gpus: list[SimGpu]) -> SimGpu | None:
+    if entry.isdigit():
+        return next((g for g in gpus if g.index == int(entry)), None)
+    # CUDA accepts full UUIDs and unique prefixes ("GPU-8932f937").
+    wanted = entry if entry.startswith("GPU-") else f"GPU-{entry}"
+    matches = [
+        g for g in gpus if (g.uuid if g.uuid.startswith("GPU-") else f"GPU-{g.uuid}").startswith(wanted)
+    ]
+    return matches[0] if len(matches) == 1 else None
+
+
+def select_gpus(visible: str | None, gpus: list[SimGpu], needed: int) -> list[SimGpu]:
+    """The GPUs a CUDA process would get, or the error a real engine dies with.
+
+    Unset ``CUDA_VISIBLE_DEVICES`` means every GPU, of which the engine uses the first
+    ``needed``. When it is set, llmgw chose the devices, so the count must equal the
+    per-node share exactly: more would leave GPUs reserved but idle, a placement bug.
+    """
+    if visible is None:
+        chosen = gpus[:needed]
+    else:
+        chosen = []
+        for entry in (e.strip() for e in visible.split(",") if e.strip()):
+            gpu = _find_gpu(entry, gpus)
+            if gpu is None:
+                raise EngineStartError(
+                    f"RuntimeError: CUDA error: invalid device ordinal: CUDA_VISIBLE_DEVICES={visible} "
+                    f"names {entry!r}, which this node does not have"
+                )
+            if gpu in chosen:
+                raise EngineStartError(
+                    f"RuntimeError: CUDA error: CUDA_VISIBLE_DEVICES={visible} lists GPU {gpu.index} twice"
+                )
+            chosen.append(gpu)
+        if not chosen:
+            raise EngineStartError("RuntimeError: No CUDA GPUs are available")
+        if len(chosen) > needed:
+            raise EngineStartError(
+                f"ValueError: CUDA_VISIBLE_DEVICES={visible} exposes {len(chosen)} GPUs but this node's "
+                f"share of the world is {needed} (lab check: GPUs would be reserved but idle)"
+            )
+    if len(chosen) < needed:
+        raise EngineStartError(
+            f"ValueError: World size ({needed}) is larger than the number of available GPUs ({len(chosen)}) "
+            f"in this node. CUDA_VISIBLE_DEVICES={visible}"
+        )
+    for gpu in chosen:
+        if not gpu.healthy:
+            raise EngineStartError(
+                f"RuntimeError: CUDA error: uncorrectable ECC error encountered on GPU {gpu.index} "
+                f"({gpu.uuid}, health {gpu.health!r})"
+            )
+    return chosen
+
+
+def check_model_source(model: str, kind: Kind, offline: bool) -> int | None:
+    """Check a local model directory or accept a hub id; return its max context if known."""
+    path = Path(model)
+    if path.exists():
+        if path.is_file():
+            if path.suffix == ".gguf":
+                return None
+            raise EngineStartError(f"ValueError: {model} is a file, not a model directory")
+        return _check_local_dir(path, kind)
+    if model.startswith(("/", "./", "../", "~")) or not _REPO_ID.match(model):
+        raise EngineStartError(
+            f"huggingface_hub.errors.HFValidationError: Repo id must be in the form 'repo_name' or "
+            f"'namespace/repo_name': '{model}'. Use `repo_type` argument if needed."
+        )
+    if offline:
+        raise EngineStartError(
+            f"OSError: We couldn't connect to 'https://huggingface.co' to load the files, and couldn't "
+            f"find them in the cached files. Check your internet connection for {model}."
+        )
+    return None
+
+
+def _check_local_dir(path: Path, kind: Kind) -> int | None:
+    config = path / "config.json"
+    if not config.is_file():
+        if kind == "sglang":
+            raise EngineStartError(f"OSError: {path} does not appear to have a file named config.json.")
+        raise EngineStartError(
+            f"ValueError: Invalid repository ID or local directory specified: '{path}'. Please verify "
+            "the following requirements: 1. Provide a valid Hugging Face repository ID. 2. Specify a "
+            "local directory that contains a recognized configuration file."
+        )
+    partial = sorted(p.name for p in path.iterdir() if p.suffix in (".part", ".incomplete"))
+    if partial:
+        raise EngineStartError(
+            f"safetensors_rust.SafetensorError: Error while deserializing header: MetadataIncompleteBuffer "
+            f"(incomplete download in {path}: {', '.join(partial)})"
+        )
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EngineStartError(f"json.decoder.JSONDecodeError: {index}: {exc}") from exc
+        for shard in sorted(shards):
+            if not (path / shard).is_file():
+                raise EngineStartError(
+                    f"FileNotFoundError: [Errno 2] No such file or directory: '{path / shard}'"
+                )
+    elif not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise EngineStartError(f"RuntimeError: Cannot find any model weights with `{path}`")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise EngineStartError(f"json.decoder.JSONDecodeError: {config}: {exc}") from exc
+    value = data.get("max_position_embeddings") if isinstance(data, dict) else None
+    return value if isinstance(value, int) else None
