@@ -313,12 +313,8 @@ async def run(cfg: EngineConfig, max_model_len: int, timing: Timing) -> int:
             lambda r, w: serve_connection(r, w, app.handle), cfg.host, cfg.port, reuse_address=True
         )
     except OSError as exc:
-        log(
-            cfg.kind,
-            "ERROR",
-            f"[Errno {exc.errno}] error while attempting to bind on address "
-            f"('{cfg.host}', {cfg.port}): {exc.strerror}",
-        )
+        # asyncio words it as uvicorn does: "error while attempting to bind on address ..."
+        print(f"ERROR:    [Errno {exc.errno}] {exc.strerror}", flush=True)
         return 1
     if cfg.kind == "vllm":
         log(cfg.kind, "INFO", f"Starting vLLM API server 0 on http://{cfg.host}:{cfg.port}")
