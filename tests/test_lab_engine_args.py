@@ -239,3 +239,13 @@ def test_hub_id_is_a_cache_hit_unless_offline(tmp_path: Path) -> None:
 def test_missing_absolute_path_is_an_invalid_repo_id(tmp_path: Path) -> None:
     with pytest.raises(EngineStartError, match="Repo id must be in the form"):
         check_model_source(str(tmp_path / "absent"), "vllm", offline=False)
+
+
+def test_data_parallel_counts_and_ray_share_is_unknown() -> None:
+    assert parse_argv(["vllm", "serve", "m", "-tp", "2", "-dp", "2"]).gpus_per_node == 4
+    assert parse_argv(["sglang", "--model-path", "m", "--tp", "2", "--dp", "2"]).gpus_per_node == 4
+    ray = parse_argv(["vllm", "serve", "m", "-tp", "8", "-pp", "2", "--distributed-executor-backend", "ray"])
+    assert ray.gpus_per_node is None
+    assert [g.index for g in select_gpus("0,1,2,3,4,5,6", GPUS, ray.gpus_per_node)] == list(range(7))
+    with pytest.raises(EngineStartError, match="GPU 7"):
+        select_gpus(None, GPUS, ray.gpus_per_node)  # all visible, GPU 7 is unhealthy

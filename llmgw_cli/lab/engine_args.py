@@ -36,6 +36,7 @@ class EngineConfig:
     port: int
     tp: int
     pp: int
+    dp: int
     nnodes: int
     node_rank: int
     headless: bool
@@ -50,8 +51,19 @@ class EngineConfig:
         return not self.headless and self.node_rank == 0
 
     @property
-    def gpus_per_node(self) -> int:
-        return max(1, (self.tp * self.pp) // max(1, self.nnodes))
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def gpus_per_node(self) -> int | None:
+        """GPUs this process drives on its own node.
+
+        With Ray the head's world spans the Ray cluster, whose size the command does not
+        say, so the share is unknown: ``None``, and only the devices themselves are checked.
+        """
+        if self.executor_backend == "ray" and self.nnodes == 1:
+            return None
+        return max(1, self.world_size // max(1, self.nnodes))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -182,6 +194,7 @@ def _parse_vllm(argv: list[str]) -> EngineConfig:
         port=ns.port,
         tp=ns.tensor_parallel_size,
         pp=ns.pipeline_parallel_size,
+        dp=ns.data_parallel_size,
         nnodes=ns.nnodes,
         node_rank=ns.node_rank,
         headless=ns.headless,
@@ -207,6 +220,7 @@ def _parse_sglang(argv: list[str]) -> EngineConfig:
         port=ns.port,
         tp=ns.tp,
         pp=1,
+        dp=ns.dp,
         nnodes=ns.nnodes,
         node_rank=ns.node_rank,
         headless=False,
@@ -257,15 +271,16 @@ def _find_gpu(entry: str, gpus: list[SimGpu]) -> SimGpu | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def select_gpus(visible: str | None, gpus: list[SimGpu], needed: int) -> list[SimGpu]:
+def select_gpus(visible: str | None, gpus: list[SimGpu], needed: int | None) -> list[SimGpu]:
     """The GPUs a CUDA process would get, or the error a real engine dies with.
 
     Unset ``CUDA_VISIBLE_DEVICES`` means every GPU, of which the engine uses the first
     ``needed``. When it is set, llmgw chose the devices, so the count must equal the
     per-node share exactly: more would leave GPUs reserved but idle, a placement bug.
+    ``needed=None`` (share unknown, Ray) checks only that the devices exist and are healthy.
     """
     if visible is None:
-        chosen = gpus[:needed]
+        chosen = gpus if needed is None else gpus[:needed]
     else:
         chosen = []
         for entry in (e.strip() for e in visible.split(",") if e.strip()):
@@ -282,12 +297,12 @@ def select_gpus(visible: str | None, gpus: list[SimGpu], needed: int) -> list[Si
             chosen.append(gpu)
         if not chosen:
             raise EngineStartError("RuntimeError: No CUDA GPUs are available")
-        if len(chosen) > needed:
+        if needed is not None and len(chosen) > needed:
             raise EngineStartError(
                 f"ValueError: CUDA_VISIBLE_DEVICES={visible} exposes {len(chosen)} GPUs but this node's "
                 f"share of the world is {needed} (lab check: GPUs would be reserved but idle)"
             )
-    if len(chosen) < needed:
+    if needed is not None and len(chosen) < needed:
         raise EngineStartError(
             f"ValueError: World size ({needed}) is larger than the number of available GPUs ({len(chosen)}) "
             f"in this node. CUDA_VISIBLE_DEVICES={visible}"
