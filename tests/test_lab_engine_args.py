@@ -103,7 +103,8 @@ def test_sglang_with_and_without_interpreter_module() -> None:
     rest = ["--model-path", "/data/models/Q", "--tp", "2", "--port", "8201", "--mem-fraction-static", "0.85"]
     via_python = parse_argv(["sglang", "-m", "sglang.launch_server", *rest])
     bare = parse_argv(["sglang", *rest])
-    assert via_python == bare
+    twice = parse_argv(["sglang", "-m", "sglang.launch_server", "-m", "sglang.launch_server", *rest])
+    assert via_python == bare == twice
     assert (bare.kind, bare.model, bare.served_names, bare.host, bare.tp) == (
         "sglang",
         "/data/models/Q",

@@ -206,7 +206,9 @@ def _parse_vllm(argv: list[str]) -> EngineConfig:
 
 
 def _parse_sglang(argv: list[str]) -> EngineConfig:
-    if argv[:1] == ["-m"]:
+    # The interpreter wrapper passes "-m sglang.launch_server ..."; a wrapper that also
+    # names the module itself would pass it twice, which is harmless here.
+    while argv[:1] == ["-m"]:
         module = argv[1] if len(argv) > 1 else ""
         if module != SGLANG_MODULE:
             raise SystemExit(f"python3: No module named {module or '(none)'}")
