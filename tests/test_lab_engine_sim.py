@@ -339,3 +339,17 @@ def test_sigterm_exits_0_promptly(tmp_path: Path, phase: str) -> None:
         assert time.monotonic() - start < 1.0
     finally:
         engine.stop()
+
+
+def test_errors_are_shaped_like_vllm(vllm: tuple[Engine, int]) -> None:
+    _, port = vllm
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 4096 tokens"):
+        client(port).chat.completions.create(model="qwen3", messages=MESSAGES, max_tokens=5000)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=auth) as http:
+        assert http.get("/v1/nothing").status_code == 404
+        assert http.get("/v1/chat/completions").status_code == 405
+        bad = http.post("/v1/chat/completions", content=b"{not json")
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
+        no_model = http.post("/v1/chat/completions", json={"messages": MESSAGES})
+        assert no_model.status_code == 200 and no_model.json()["model"] == "qwen3"
