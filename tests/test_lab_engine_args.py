@@ -1,4 +1,4 @@
-"""Start-up checks of the simulated engines: flags, GPUs, model sources (no processes)."""
+"""Flags and start-up checks (GPUs, model sources) of the simulated engines, no processes."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.lab.engine_args import (
+from llmgw_cli.lab.engine_args import parse_argv
+from llmgw_cli.lab.engine_checks import (
     EngineStartError,
     SimGpu,
     check_model_source,
-    parse_argv,
     parse_gpus_csv,
     select_gpus,
 )
