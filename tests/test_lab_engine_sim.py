@@ -313,12 +313,30 @@ def test_port_in_use_exits_1(vllm: tuple[Engine, int], tmp_path: Path) -> None:
         engine.stop()
 
 
-@pytest.mark.parametrize("phase", ["loading", "serving", "headless"])
+@pytest.mark.parametrize("phase", ["loading", "serving", "headless", "sglang-worker"])
 def test_sigterm_exits_0_promptly(tmp_path: Path, phase: str) -> None:
     port = free_port()
     args = ["vllm", "serve", "org/m", "--host", "127.0.0.1", "--port", str(port)]
     if phase == "headless":
         args += ["--nnodes", "2", "--node-rank", "1", "--headless", "--master-addr", "127.0.0.1"]
+    if phase == "sglang-worker":
+        args = [
+            "sglang",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            "org/m",
+            "--port",
+            str(port),
+            "--tp",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--dist-init-addr",
+            "127.0.0.1:5000",
+        ]
     engine = Engine(
         args, tmp_path / "engine.log", {"LLMGW_LAB_LOAD_SECONDS": "30" if phase == "loading" else "0"}
     )
@@ -327,8 +345,8 @@ def test_sigterm_exits_0_promptly(tmp_path: Path, phase: str) -> None:
             engine.wait_for_log("Loading weights of")
         elif phase == "serving":
             engine.wait_listening(port)
-        else:
-            engine.wait_for_log("Headless worker node rank 1 of 2")
+        else:  # workers serve no API but stay up
+            engine.wait_for_log("worker node rank 1 of 2")
             time.sleep(0.2)
             with pytest.raises(httpx.ConnectError):
                 httpx.get(f"http://127.0.0.1:{port}/health")
