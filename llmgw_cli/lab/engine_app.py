@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,11 @@ class EngineApp:
         except (ConnectionError, asyncio.CancelledError):
             resp.keep_alive = False
             raise
+        except Exception:  # a simulator bug: answer 500 as uvicorn does, keep serving
+            traceback.print_exc()
+            resp.keep_alive = False
+            if not resp.status:
+                await resp.send(500, b"Internal Server Error", "text/plain; charset=utf-8")
         self._log_access(req, resp.status)
 
     async def _route(self, req: Request, resp: Response) -> None:
