@@ -1,0 +1,224 @@
+"""Command lines of the simulated engines: vLLM's and SGLang's flags, one config.
+
+Pure: argv in, ``EngineConfig`` out; bad flags exit 2 with argparse's error line, as
+the real engines do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from typing import Literal, NoReturn
+
+Kind = Literal["vllm", "sglang"]
+
+SGLANG_MODULE = "sglang.launch_server"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the simulated engine was asked to serve, normalised across vLLM and SGLang."""
+
+    kind: Kind
+    model: str
+    served_names: tuple[str, ...]
+    host: str
+    port: int
+    tp: int
+    pp: int
+    dp: int
+    nnodes: int
+    node_rank: int
+    headless: bool
+    api_key: str | None
+    max_model_len: int | None
+    executor_backend: str | None
+    enable_metrics: bool
+
+    @property
+    def serves_api(self) -> bool:
+        """Workers of a multi-node engine run no HTTP server."""
+        return not self.headless and self.node_rank == 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def gpus_per_node(self) -> int | None:
+        """GPUs this process drives on its own node.
+
+        With Ray the head's world spans the Ray cluster, whose size the command does not
+        say, so the share is unknown: ``None``, and only the devices themselves are checked.
+        """
+        if self.executor_backend == "ray" and self.nnodes == 1:
+            return None
+        return max(1, self.world_size // max(1, self.nnodes))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits 2 with the usual ``prog: error:`` line, as vLLM and SGLang do."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage()
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _max_len(text: str) -> int:
+    # vLLM accepts human-readable lengths such as 32k.
+    match = re.fullmatch(r"(\d+)([kKmM]?)", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid length {text!r}")
+    scale = {"": 1, "k": 1000, "K": 1024, "m": 1_000_000, "M": 1024 * 1024}[match.group(2)]
+    return int(match.group(1)) * scale
+
+
+def _vllm_parser() -> _Parser:
+    p = _Parser(prog="vllm serve", add_help=True)
+    p.add_argument("model_tag", nargs="?")
+    p.add_argument("--model")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=_max_len)
+    p.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni", "external_launcher"])
+    p.add_argument("--api-key")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29501)
+    p.add_argument("--headless", action="store_true")
+    # Common flags that change nothing in the simulation but must be accepted.
+    for flag in (
+        "--download-dir",
+        "--revision",
+        "--dtype",
+        "--max-num-seqs",
+        "--quantization",
+        "--uvicorn-log-level",
+        "--kv-cache-dtype",
+        "--tokenizer",
+        "--seed",
+        "--swap-space",
+    ):
+        p.add_argument(flag)
+    for flag in (
+        "--trust-remote-code",
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--disable-log-requests",
+        "--disable-log-stats",
+        "--enable-chunked-prefill",
+    ):
+        p.add_argument(flag, action="store_true")
+    return p
+
+
+def _sglang_parser() -> _Parser:
+    p = _Parser(prog="launch_server.py", add_help=True)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp", "--tp-size", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--dp", "--dp-size", dest="dp", type=int, default=1)
+    p.add_argument("--served-model-name")
+    p.add_argument("--context-length", type=int)
+    p.add_argument("--mem-fraction-static", type=float)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--dist-init-addr")
+    p.add_argument("--api-key")
+    for flag in (
+        "--tokenizer-path",
+        "--dtype",
+        "--quantization",
+        "--revision",
+        "--download-dir",
+        "--chunked-prefill-size",
+        "--max-running-requests",
+        "--log-level",
+        "--random-seed",
+    ):
+        p.add_argument(flag)
+    for flag in ("--trust-remote-code", "--enable-metrics", "--disable-cuda-graph", "--skip-server-warmup"):
+        p.add_argument(flag, action="store_true")
+    return p
+
+
+def parse_argv(argv: list[str]) -> EngineConfig:
+    """Parse ``vllm serve ...`` or ``sglang [-m sglang.launch_server] ...`` after the kind.
+
+    The lab's wrappers call ``engine_sim vllm "$@"`` for ``/opt/vllm/bin/vllm`` and
+    ``engine_sim sglang "$@"`` for the SGLang interpreter, so the SGLang form arrives
+    with the interpreter's ``-m sglang.launch_server`` in front. Bad flags exit 2.
+    """
+    if not argv or argv[0] not in ("vllm", "sglang"):
+        raise SystemExit(
+            "usage: python -m llmgw_cli.lab.engine_sim {vllm serve|sglang -m sglang.launch_server} ..."
+        )
+    if argv[0] == "vllm":
+        return _parse_vllm(argv[1:])
+    return _parse_sglang(argv[1:])
+
+
+def _parse_vllm(argv: list[str]) -> EngineConfig:
+    if not argv or argv[0] != "serve":
+        top = _Parser(prog="vllm")
+        top.add_argument("subparser", choices=["serve"])
+        top.parse_args(argv[:1])
+    ns = _vllm_parser().parse_args(argv[1:])
+    model = ns.model_tag or ns.model
+    if not model:
+        _vllm_parser().error("the following arguments are required: model_tag")
+    if ns.node_rank > 0 and not ns.headless:
+        _vllm_parser().error("--node-rank > 0 requires --headless (the API server runs on node rank 0)")
+    return EngineConfig(
+        kind="vllm",
+        model=model,
+        served_names=tuple(ns.served_model_name or [model]),
+        host=ns.host or "0.0.0.0",  # vLLM's default None means all interfaces
+        port=ns.port,
+        tp=ns.tensor_parallel_size,
+        pp=ns.pipeline_parallel_size,
+        dp=ns.data_parallel_size,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        headless=ns.headless,
+        api_key=ns.api_key,
+        max_model_len=ns.max_model_len,
+        executor_backend=ns.distributed_executor_backend,
+        enable_metrics=True,
+    )
+
+
+def _parse_sglang(argv: list[str]) -> EngineConfig:
+    # The interpreter wrapper passes "-m sglang.launch_server ..."; a wrapper that also
+    # names the module itself would pass it twice, which is harmless here.
+    while argv[:1] == ["-m"]:
+        module = argv[1] if len(argv) > 1 else ""
+        if module != SGLANG_MODULE:
+            raise SystemExit(f"python3: No module named {module or '(none)'}")
+        argv = argv[2:]
+    ns = _sglang_parser().parse_args(argv)
+    return EngineConfig(
+        kind="sglang",
+        model=ns.model_path,
+        served_names=(ns.served_model_name or ns.model_path,),
+        host=ns.host,
+        port=ns.port,
+        tp=ns.tp,
+        pp=1,
+        dp=ns.dp,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        headless=False,
+        api_key=ns.api_key,
+        max_model_len=ns.context_length,
+        executor_backend=None,
+        enable_metrics=ns.enable_metrics,
+    )
