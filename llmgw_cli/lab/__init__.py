@@ -1,0 +1,1 @@
+"""The simulated cluster: nodes (namespaces + sshd + systemd) and simulated engines."""
