@@ -6,7 +6,10 @@ Hierarchy::
     ├── InputError             exit 2: the user's input is wrong; fix it and retry
     │   ├── SpecError          the cluster file has problems (all of them, located)
     │   └── UsageError         a command-line argument is wrong
-    └── TemplateError          a packaged template is missing or failed to render
+    ├── TemplateError          a packaged template is missing or failed to render
+    └── LabError               the lab cluster could not be booted, changed or removed
+        └── LabUnavailable     exit 2: this machine cannot run the lab (not Linux, not root,
+                               a tool missing)
 
 The CLI maps these to messages and exit codes in one place
 (``llmgw_cli.cli.main.main``). Anything else escaping is a bug and keeps its
@@ -64,3 +67,13 @@ class SpecError(InputError):
 
 class TemplateError(LlmgwError):
     """A packaged template could not be found or rendered."""
+
+
+class LabError(LlmgwError):
+    """The lab cluster (``llmgw lab ...``) failed; the message says which node and why."""
+
+
+class LabUnavailable(LabError):
+    """This machine cannot run the lab: not Linux, not root, or a required tool is missing."""
+
+    exit_code = 2

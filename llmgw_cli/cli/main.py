@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from llmgw_cli import __version__
-from llmgw_cli.cli import render
+from llmgw_cli.cli import lab, render
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.views import problems_view, spec_summary
 from llmgw_cli.core.docgen import json_schema
@@ -26,6 +26,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(render.app, name="render")
+app.add_typer(lab.app, name="lab")
 
 out = Console()
 err = Console(stderr=True)

