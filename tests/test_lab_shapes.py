@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.errors import UsageError
-from llmgw_cli.lab import cluster, fault, shapes, smi, weights
+from llmgw_cli.errors import LabUnavailable, UsageError
+from llmgw_cli.lab import cluster, fault, host, shapes, smi, weights
 from llmgw_cli.lab.host import LabRecord, NodeRecord
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lab"
@@ -222,9 +222,6 @@ def test_every_lab_inventory_validates(n: int, shape: str) -> None:
 
 
 def test_lab_refuses_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmgw_cli.errors import LabUnavailable
-    from llmgw_cli.lab import host
-
     monkeypatch.setattr(host.sys, "platform", "linux")
     monkeypatch.setattr(host.os, "geteuid", lambda: 1000)
     with pytest.raises(LabUnavailable, match="needs root"):
