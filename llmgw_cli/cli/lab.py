@@ -123,15 +123,23 @@ def _record(state: Path) -> host.LabRecord:
     return record
 
 
+def _ports_cell(ports: dict[str, str]) -> str:
+    """``3 ACTIVE, mlx5_1:1 DOWN``: the odd ones out by name."""
+    active = sum(1 for v in ports.values() if v == "ACTIVE")
+    odd = [f"{k} {v}" for k, v in ports.items() if v != "ACTIVE"]
+    return ", ".join(([f"{active} ACTIVE"] if active else []) + odd)
+
+
 def status_view(rows: list[NodeStatus]) -> Table:
     table = Table(title="lab nodes")
-    for col in ("node", "address", "shape", "running", "link", "sshd", "GPUs needing reset", "IB ports"):
-        table.add_column(col)
+    for col in ("node", "address", "shape", "running", "link", "sshd", "GPUs", "IB ports"):
+        table.add_column(col, no_wrap=col != "IB ports")
     for s in rows:
-        ports = " ".join(f"{k}={v}" for k, v in s.ports.items())
-        bad = ", ".join(map(str, s.gpus_bad)) or ("none" if s.alive else "")
+        gpus = f"{s.gpu_count}" + (
+            f", reset required: {', '.join(map(str, s.gpus_bad))}" if s.gpus_bad else " ok"
+        )
         table.add_row(s.name, s.ip, s.shape, "yes" if s.alive else "no", s.link,
-                      "up" if s.ssh else "down", bad, ports)  # fmt: skip
+                      "up" if s.ssh else "down", gpus if s.alive else "", _ports_cell(s.ports))  # fmt: skip
     return table
 
 

@@ -1,0 +1,142 @@
+"""`llmgw lab up` + `down` leave the host exactly as they found it.
+
+Runs before the session lab (see conftest): it boots and removes its own small lab and
+compares snapshots of everything the lab touches or that a systemd leaking onto the
+host would touch: /tmp, sysctls, network namespaces, links, mounts, cgroups, processes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import STATE, lab_unavailable, llmgw
+
+pytestmark = pytest.mark.integration
+SYSTEMD_TMP_NAMES = {".X11-unix", ".ICE-unix", ".font-unix", ".XIM-unix", ".Test-unix"}
+
+
+def _sysctl_names() -> set[str]:
+    """The lab's own sysctl plus every one systemd-sysctl would set from the host's config."""
+    names = {"fs.inotify.max_user_instances", "fs.inotify.max_user_watches", "net.ipv4.ip_forward",
+             "net.ipv4.conf.all.forwarding", "kernel.hostname", "kernel.pid_max"}  # fmt: skip
+    for d in ("/usr/lib/sysctl.d", "/etc/sysctl.d", "/run/sysctl.d"):
+        for conf in sorted(Path(d).glob("*.conf")):
+            for line in conf.read_text().splitlines():
+                key = line.split("=", 1)[0].strip().lstrip("-")
+                if "=" in line and key and not key.startswith(("#", ";")) and "*" not in key:
+                    names.add(key.replace("/", "."))
+    return names
+
+
+def _sysctls() -> dict[str, str]:
+    values = {}
+    for name in _sysctl_names():
+        path = Path("/proc/sys") / name.replace(".", "/")
+        try:
+            values[name] = path.read_text().strip()
+        except OSError:
+            continue
+    return values
+
+
+def _processes_outside_host_namespaces() -> set[int]:
+    mine = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("mnt", "net", "pid")}
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(proc / "ns" / ns) != ident for ns, ident in mine.items()):
+                found.add(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _run(*cmd: str) -> list[str]:
+    return sorted(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines())
+
+
+def _cgroup_dirs() -> list[str]:
+    """Every cgroup directory three levels deep, in all hierarchies (v1 and v2)."""
+    root = Path("/sys/fs/cgroup")
+    return sorted(str(p) for pattern in ("*", "*/*", "*/*/*") for p in root.glob(pattern) if p.is_dir())
+
+
+def snapshot() -> dict[str, object]:
+    return {
+        "sysctl": _sysctls(),
+        "netns": _run("ip", "netns", "list"),
+        "links": _run("ip", "-o", "link", "show"),
+        "mounts": _run("findmnt", "-rn", "-o", "TARGET,SOURCE,FSTYPE"),
+        "cgroups": _cgroup_dirs(),
+        "foreign_ns_pids": _processes_outside_host_namespaces(),
+        "run_netns": Path("/run/netns").exists(),
+        "state_dir": STATE.exists(),
+    }
+
+
+@pytest.fixture
+def canaries() -> Iterator[list[Path]]:
+    """Files a systemd running on the host root would delete from /tmp (old, and fresh)."""
+    old = Path("/tmp/llmgw-lab-canary-old")
+    old.mkdir(exist_ok=True)
+    (old / "f").write_text("keep")
+    month_ago = time.time() - 60 * 86400
+    os.utime(old / "f", (month_ago, month_ago))
+    os.utime(old, (month_ago, month_ago))
+    fresh = Path("/tmp/llmgw-lab-canary-fresh")
+    fresh.write_text("keep")
+    yield [old / "f", fresh]
+    (old / "f").unlink(missing_ok=True)
+    old.rmdir()
+    fresh.unlink(missing_ok=True)
+
+
+def test_up_then_down_leaves_the_host_unchanged(canaries: list[Path]) -> None:
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(reason)
+    llmgw("lab", "down", "--state", str(STATE), check=False)
+    tmp_before = set(os.listdir("/tmp"))
+    before = snapshot()
+    assert before["run_netns"] is False or _run("ip", "netns", "list") == [], "another lab is up"
+
+    llmgw("lab", "up", "--nodes", "3", "--state", str(STATE))
+    during = snapshot()
+    # the snapshot sees the lab (so equality afterwards means something)
+    assert len(during["netns"]) == 3  # type: ignore[arg-type]
+    assert any("lgwbr0" in line for line in during["links"])  # type: ignore[attr-defined]
+    assert any(str(STATE) in line for line in during["mounts"])  # type: ignore[attr-defined]
+    assert len(during["foreign_ns_pids"]) > len(before["foreign_ns_pids"])  # type: ignore[arg-type]
+    again = llmgw("lab", "up", "--nodes", "3", "--state", str(STATE), check=False)
+    assert again.returncode == 1 and "already up" in again.stderr
+
+    llmgw("lab", "down", "--state", str(STATE))
+    after = snapshot()
+    assert after["foreign_ns_pids"] <= before["foreign_ns_pids"]  # type: ignore[operator]
+    for key in ("sysctl", "netns", "links", "mounts", "cgroups", "run_netns", "state_dir"):
+        assert after[key] == before[key], key
+    for canary in canaries:
+        assert canary.read_text() == "keep"
+    tmp_after = set(os.listdir("/tmp"))
+    assert not (tmp_after - tmp_before) & SYSTEMD_TMP_NAMES
+    assert not any(name.startswith("systemd-private-") for name in tmp_after - tmp_before)
+    if os.environ.get("CI") == "true":  # a machine of its own: nothing else writes /tmp
+        assert tmp_after == tmp_before
+
+
+def test_failed_arguments_create_nothing() -> None:
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(reason)
+    before = snapshot()
+    done = llmgw("lab", "up", "--nodes", "0", "--state", str(STATE), check=False)
+    assert done.returncode == 2 and "--nodes must be" in done.stderr
+    assert snapshot() == before
