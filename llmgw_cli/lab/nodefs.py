@@ -17,7 +17,14 @@ from llmgw_cli.lab import shapes, smi, weights
 from llmgw_cli.lab.host import NodeRecord
 
 LAB_UID = 4242  # the `llmgw` account engines run as (profiles default to `user: llmgw`)
+# Units that would act on the host through shared kernel state (modules, binfmt, the
+# sysctls are read-only anyway) or that a node does not need (consoles, clocks, utmp).
 MASKED = (
+    "systemd-modules-load.service",
+    "systemd-sysctl.service",
+    "systemd-binfmt.service",
+    "proc-sys-fs-binfmt_misc.automount",
+    "systemd-remount-fs.service",
     "systemd-update-utmp.service",
     "systemd-journal-flush.service",
     "e2scrub_reap.service",
@@ -28,7 +35,7 @@ MASKED = (
 )
 LAB_TARGET = """[Unit]
 Description=llmgw lab node
-Wants=systemd-journald.service ssh.service dbus.socket
+Wants=systemd-journald.service ssh.service dbus.socket systemd-user-sessions.service
 AllowIsolate=yes
 """
 
@@ -150,7 +157,10 @@ def prepare(state_dir: Path, node: NodeRecord, inputs: NodeInputs) -> tuple[str,
     _write(upper / "etc/systemd/system/lab.target", LAB_TARGET)
     for unit in MASKED:
         (upper / "etc/systemd/system" / unit).symlink_to("/dev/null")
-    _write(upper / "etc/systemd/journald.conf.d/lab.conf", "[Journal]\nStorage=volatile\nRuntimeMaxUse=32M\n")
+    _write(
+        upper / "etc/systemd/journald.conf.d/lab.conf",
+        "[Journal]\nStorage=volatile\nRuntimeMaxUse=16M\nRuntimeMaxFileSize=1M\n",
+    )
     _accounts(upper)
     # simulated hardware
     doc = shapes.gpu_state(shape, node.name)

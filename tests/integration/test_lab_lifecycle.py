@@ -78,6 +78,7 @@ def snapshot() -> dict[str, object]:
         "cgroups": _cgroup_dirs(),
         "foreign_ns_pids": _processes_outside_host_namespaces(),
         "run_netns": Path("/run/netns").exists(),
+        "kernel_modules": sorted(line.split()[0] for line in Path("/proc/modules").read_text().splitlines()),
         "state_dir": STATE.exists(),
     }
 
@@ -121,7 +122,7 @@ def test_up_then_down_leaves_the_host_unchanged(canaries: list[Path]) -> None:
     llmgw("lab", "down", "--state", str(STATE))
     after = snapshot()
     assert after["foreign_ns_pids"] <= before["foreign_ns_pids"]  # type: ignore[operator]
-    for key in ("sysctl", "netns", "links", "mounts", "cgroups", "run_netns", "state_dir"):
+    for key in ("sysctl", "netns", "links", "mounts", "cgroups", "run_netns", "state_dir", "kernel_modules"):
         assert after[key] == before[key], key
     for canary in canaries:
         assert canary.read_text() == "keep"
