@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_cli.lab import shapes
+
 from .conftest import STATE, lab_unavailable, llmgw
 
 pytestmark = pytest.mark.integration
@@ -69,6 +71,12 @@ def _cgroup_dirs() -> list[str]:
     return sorted(str(p) for pattern in ("*", "*/*", "*/*/*") for p in root.glob(pattern) if p.is_dir())
 
 
+def _modules() -> list[str]:
+    """Loaded kernel modules (none to compare on a kernel built without module support)."""
+    modules = Path("/proc/modules")
+    return sorted(line.split()[0] for line in modules.read_text().splitlines()) if modules.exists() else []
+
+
 def snapshot() -> dict[str, object]:
     return {
         "sysctl": _sysctls(),
@@ -78,7 +86,7 @@ def snapshot() -> dict[str, object]:
         "cgroups": _cgroup_dirs(),
         "foreign_ns_pids": _processes_outside_host_namespaces(),
         "run_netns": Path("/run/netns").exists(),
-        "kernel_modules": sorted(line.split()[0] for line in Path("/proc/modules").read_text().splitlines()),
+        "kernel_modules": _modules(),
         "state_dir": STATE.exists(),
     }
 
@@ -109,8 +117,26 @@ def test_up_then_down_leaves_the_host_unchanged(canaries: list[Path]) -> None:
     before = snapshot()
     assert before["run_netns"] is False or _run("ip", "netns", "list") == [], "another lab is up"
 
-    llmgw("lab", "up", "--nodes", "3", "--state", str(STATE))
+    llmgw("lab", "up", "--nodes", "3", "--shape", "mixed", "--state", str(STATE))
     during = snapshot()
+    # mixed: node02 is a PCIe box with bridged pairs, node03 an HGX one
+    config = str(STATE / "ssh_config")
+    topo = subprocess.run(
+        ["ssh", "-F", config, "node02", "nvidia-smi topo -m"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    assert topo == shapes.topo_matrix(shapes.PCIE)
+    listing = subprocess.run(
+        ["ssh", "-F", config, "node03", "nvidia-smi -L"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    assert listing.count("NVIDIA H100 80GB HBM3") == 8
     # the snapshot sees the lab (so equality afterwards means something)
     assert len(during["netns"]) == 3  # type: ignore[arg-type]
     assert any("lgwbr0" in line for line in during["links"])  # type: ignore[attr-defined]
