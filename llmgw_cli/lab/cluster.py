@@ -195,7 +195,11 @@ def _await_boot(state: Path, nodes: list[NodeRecord], timeout: float, progress: 
             elif upid and not _pid_alive(upid):
                 raise LabError(f"{node.name} died while booting:\n{_tail(d / 'console.log')}")
         if pending and time.monotonic() > deadline:
-            raise LabError(f"sshd did not answer within {timeout:.0f}s on: {', '.join(sorted(pending))}")
+            first = sorted(pending)[0]
+            raise LabError(
+                f"sshd did not answer within {timeout:.0f}s on: {', '.join(sorted(pending))}; "
+                f"{first}'s console:\n{_tail(nodefs.node_dir(state, first) / 'console.log')}"
+            )
         if pending:
             time.sleep(0.05)
     progress("every sshd answers")
