@@ -16,7 +16,7 @@ from pathlib import Path
 from llmgw_cli.errors import LabError, UsageError
 from llmgw_cli.lab import nodefs
 from llmgw_cli.lab.host import LabRecord, NodeRecord, sh
-from llmgw_cli.lab.shapes import PortState, ShapeKind, node_shape, port_files
+from llmgw_cli.lab.shapes import PortState, ShapeKind, node_shape, port_files, port_lid
 
 USAGE = (
     "faults: ib-port HCA[:PORT] init|down|active, gpu N reset-required|healthy, "
@@ -97,11 +97,10 @@ def inject(record: LabRecord, node: NodeRecord, fault: Fault) -> str:
         port_dir = root / "sys/class/infiniband" / fault.target / "ports" / str(fault.port)
         if hca is None or not port_dir.is_dir():
             raise UsageError(f"{node.name} has no InfiniBand port {fault.target}:{fault.port}")
-        lid = node.index * 16 + int(fault.target.rsplit("_", 1)[-1]) + 1
-        files = port_files(hca, PortState(fault.action), lid)
+        files = port_files(hca, PortState(fault.action), port_lid(node.index, hca))
         for name, text in files.items():
             _atomic_write(port_dir / name, text)
-        return f"{node.name}: {fault.target} port {fault.port} is {files['state'].strip()}"
+        return f"{node.name}: {fault.target} port {fault.port} is {files['state'].strip().split(': ')[-1]}"
     if fault.kind == "gpu":
         return _gpu(root, node, int(fault.target), fault.action)
     if fault.kind == "node":
@@ -110,7 +109,7 @@ def inject(record: LabRecord, node: NodeRecord, fault: Fault) -> str:
         return f"{node.name}: link {link}"
     if fault.kind == "ssh":
         in_node(node, "systemctl", fault.action, "ssh.service")
-        return f"{node.name}: sshd {fault.action}ed".replace("stoped", "stopped")
+        return f"{node.name}: sshd {'stopped' if fault.action == 'stop' else 'started'}"
     return _hostkey(root, node, fault.action)
 
 

@@ -230,6 +230,11 @@ _PORT_FILES: dict[PortState, tuple[str, str, str, str]] = {
 }
 
 
+def port_lid(node_index: int, hca: Hca) -> int:
+    """The LID a subnet manager would give port 1 of ``hca`` on node ``node_index``."""
+    return node_index * 16 + int(hca.name.rsplit("_", 1)[-1]) + 1
+
+
 def port_files(hca: Hca, state: PortState, lid: int) -> dict[str, str]:
     """The sysfs files of one adapter port, by name, in the kernel's formats."""
     st, phys, lid_text, sm_lid = _PORT_FILES[state]
@@ -253,8 +258,8 @@ def hca_files(hca: Hca, node_index: int) -> dict[str, str]:
         "hca_type": "MT4129\n",
         "fw_ver": "28.41.1000\n",
     }
-    lid = node_index * 16 + int(hca.name.rsplit("_", 1)[-1]) + 1
-    files.update({f"ports/1/{k}": v for k, v in port_files(hca, PortState.active, lid).items()})
+    active = port_files(hca, PortState.active, port_lid(node_index, hca))
+    files.update({f"ports/1/{k}": v for k, v in active.items()})
     return files
 
 

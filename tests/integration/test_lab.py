@@ -113,15 +113,19 @@ def test_cluster_file_validates_and_matches_the_committed_one(lab: Lab) -> None:
 
 def test_fault_ib_port(lab: Lab) -> None:
     read = "cat /sys/class/infiniband/mlx5_1/ports/1/state /sys/class/infiniband/mlx5_1/ports/1/phys_state"
+    lid = "cat /sys/class/infiniband/mlx5_1/ports/1/lid"
     assert lab.ssh("node03", read).stdout == "4: ACTIVE\n5: LinkUp\n"
+    assigned = lab.ssh("node03", lid).stdout
     lab.fault("node03", "ib-port", "mlx5_1", "init")
     assert lab.ssh("node03", read).stdout == "2: INIT\n5: LinkUp\n"
+    assert lab.ssh("node03", lid).stdout == "0xffff\n"  # no subnet manager, no LID
     lab.fault("node03", "ib-port", "mlx5_1", "down")
     assert lab.ssh("node03", read).stdout == "1: DOWN\n2: Polling\n"
     status = llmgw("lab", "status", "--state", str(lab.state)).stdout
     assert "mlx5_1:1 DOWN" in status and status.count("4 ACTIVE") == 3, status
     lab.fault("node03", "ib-port", "mlx5_1", "active")
     assert lab.ssh("node03", read).stdout == "4: ACTIVE\n5: LinkUp\n"
+    assert lab.ssh("node03", lid).stdout == assigned != "0xffff\n"
     assert lab.ssh("node04", read).stdout == "4: ACTIVE\n5: LinkUp\n"
 
 
