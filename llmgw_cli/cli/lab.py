@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmgw_cli.errors import LabError, UsageError
-from llmgw_cli.lab import cluster, fault, host, weights
+from llmgw_cli.lab import cluster, fault, host, teardown, weights
 from llmgw_cli.lab.shapes import ShapeKind
 from llmgw_cli.lab.status import NodeStatus, lab_status
 
@@ -115,7 +115,7 @@ def up(
 @app.command()
 def down(state: StateDir = DEFAULT_STATE) -> None:
     """Remove the lab: processes, namespaces, mounts, bridge, cgroups; restore sysctls."""
-    for warning in cluster.down(state):
+    for warning in teardown.down(state):
         err.print(f"[yellow]warning:[/] {warning}")
 
 

@@ -1,8 +1,7 @@
-"""Boot and remove the lab: N nodes, each its own netns, sshd and systemd as PID 1.
+"""Boot the lab: N nodes, each its own netns, sshd and systemd as PID 1.
 
 ``up`` records what it is about to create (``lab.json``) before creating it, and undoes
-everything with ``down`` when any step fails. ``down`` is safe to repeat and also works
-from the fixed names alone when the record is gone.
+everything with ``teardown.down`` when any step fails.
 
 Contract: one lab per machine (the bridge and subnet are fixed). Node processes are
 not children of the caller: ``setsid -f`` hands them to the host's init, so ``up`` can
@@ -13,9 +12,7 @@ the kernel kills the rest of its PID namespace).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -27,6 +24,7 @@ from llmgw_cli.core.render import render
 from llmgw_cli.errors import LabError, UsageError
 from llmgw_cli.lab import host, nodefs, shapes
 from llmgw_cli.lab.host import LabRecord, NodeRecord, sh
+from llmgw_cli.lab.teardown import down, read_pid
 
 NODE_INIT = Path(__file__).with_name("node-init.sh")
 MAX_NODES = 200
@@ -173,13 +171,6 @@ def _pid_alive(pid: int) -> bool:
     return pid > 0 and Path(f"/proc/{pid}").exists()
 
 
-def _read_pid(path: Path) -> int:
-    try:
-        return int(path.read_text().strip() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
-
-
 def _await_boot(state: Path, nodes: list[NodeRecord], timeout: float, progress: Progress) -> list[NodeRecord]:
     """Wait for every sshd's banner, then for every systemd to finish booting."""
     deadline = time.monotonic() + timeout
@@ -189,7 +180,7 @@ def _await_boot(state: Path, nodes: list[NodeRecord], timeout: float, progress: 
             if node.name not in pending:
                 continue
             d = nodefs.node_dir(state, node.name)
-            upid = _read_pid(d / "unshare.pid")
+            upid = read_pid(d / "unshare.pid")
             if banner(node.ip):
                 pending.discard(node.name)
             elif upid and not _pid_alive(upid):
@@ -205,7 +196,7 @@ def _await_boot(state: Path, nodes: list[NodeRecord], timeout: float, progress: 
     progress("every sshd answers")
     booted = []
     for node in nodes:
-        upid = _read_pid(nodefs.node_dir(state, node.name) / "unshare.pid")
+        upid = read_pid(nodefs.node_dir(state, node.name) / "unshare.pid")
         children = Path(f"/proc/{upid}/task/{upid}/children").read_text().split()
         booted.append(node.model_copy(update={"unshare_pid": upid, "pid1": int(children[0])}))
     waits = [
@@ -253,68 +244,3 @@ def inventory(record: LabRecord) -> str:
         state_dir=record.state_dir,
         big_tp=min(8, max(s.gpu_count for s in node_shapes)),  # tp 8 needs an 8-GPU node
     )
-
-
-def down(state_dir: Path, progress: Progress = _quiet) -> list[str]:
-    """Remove everything ``up`` created; returns warnings about what could not be removed."""
-    host.require_host()
-    state = state_dir.resolve()
-    record = host.load_record(state)
-    warnings: list[str] = []
-    cgroup = Path(record.cgroup) if record else host.cgroup_root() / host.CGROUP_NAME
-    for pidfile in state.glob("nodes/*/unshare.pid"):
-        pid = _read_pid(pidfile)
-        if _is_node_init(pid):
-            os.kill(pid, signal.SIGKILL)
-    for _ in range(100):
-        pids = host.cgroup_pids(cgroup)
-        if not pids:
-            break
-        for pid in pids:  # only processes the lab started live in its cgroup
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
-    else:
-        warnings.append(f"processes still in {cgroup}: {host.cgroup_pids(cgroup)}")
-    try:
-        host.remove_cgroup(cgroup)
-    except OSError as exc:
-        warnings.append(f"could not remove {cgroup}: {exc}")
-    for ns in host.netns_names():
-        sh("ip", "netns", "del", ns, check=False)
-    if Path(f"/sys/class/net/{host.BRIDGE}").exists():
-        sh("ip", "link", "del", host.BRIDGE, check=False)
-    if record and record.inotify_orig is not None:
-        host.write_sysctl(host.INOTIFY, record.inotify_orig)
-    warnings += _unmount_state(state)
-    run_netns = Path("/run/netns")
-    if host.is_mountpoint(run_netns) and not any(run_netns.iterdir()):
-        sh("umount", str(run_netns), check=False)
-        run_netns.rmdir()
-    progress("lab removed")
-    return warnings
-
-
-def _is_node_init(pid: int) -> bool:
-    try:
-        return b"node-init.sh" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def _unmount_state(state: Path) -> list[str]:
-    if host.is_mountpoint(state):
-        for _ in range(10):
-            if sh("umount", str(state), check=False).returncode == 0:
-                break
-            time.sleep(0.1)
-        else:
-            sh("umount", "-l", str(state), check=False)
-            return [f"{state} was busy; detached it lazily"]
-    try:
-        state.rmdir()
-    except FileNotFoundError:
-        pass
-    except OSError:
-        return [f"{state} is not empty; left it in place"]
-    return []
