@@ -181,6 +181,7 @@ def test_weights_complete_and_partial() -> None:
         ("ib-port", ["mlx5_1", "init"], fault.Fault("ib-port", "init", "mlx5_1", 1)),
         ("ib-port", ["mlx5_0:2", "down"], fault.Fault("ib-port", "down", "mlx5_0", 2)),
         ("gpu", ["3", "reset-required"], fault.Fault("gpu", "reset-required", "3")),
+        ("gpu", ["0", "lost"], fault.Fault("gpu", "lost", "0")),
         ("node", ["unreachable"], fault.Fault("node", "unreachable")),
         ("ssh", ["stop"], fault.Fault("ssh", "stop")),
         ("hostkey", ["rotate"], fault.Fault("hostkey", "rotate")),
@@ -230,3 +231,18 @@ def test_lab_refuses_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(LabUnavailable, match="needs Linux"):
         host.require_host()
     assert LabUnavailable.exit_code == 2
+
+
+def test_lost_gpu_has_no_row_and_fails_the_command(tmp_path: Path) -> None:
+    path = _doc(tmp_path)
+    doc = json.loads(path.read_text())
+    doc["gpus"][1]["state"] = "lost"
+    path.write_text(json.dumps(doc))
+    out, _, code = smi.run(["--query-gpu=index,name", "--format=csv,noheader"], str(path))
+    lines = out.splitlines()
+    assert code == 15 and len(lines) == 8  # seven rows plus the message, in GPU order
+    assert lines[1] == "Unable to determine the device handle for GPU 0000:64:00.0: Unknown Error"
+    assert lines[0] == "0, NVIDIA H100 80GB HBM3" and lines[2].startswith("2, ")
+    listing, _, code = smi.run(["-L"], str(path))
+    assert code == 15 and "GPU 1:" not in listing and "GPU 2: NVIDIA" in listing
+    assert smi.run(["-q", "-i", "0"], str(path))[2] == 0  # asking only for a healthy GPU succeeds

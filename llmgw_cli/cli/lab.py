@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import subprocess
 import sys
 import time
@@ -137,25 +139,30 @@ def _ports_cell(ports: dict[str, str]) -> str:
 def status_view(rows: list[NodeStatus]) -> Table:
     table = Table(title="lab nodes")
     for col in ("node", "address", "shape", "running", "link", "sshd", "GPUs", "IB ports"):
-        table.add_column(col, no_wrap=col != "IB ports")
+        table.add_column(col, no_wrap=col not in ("GPUs", "IB ports"))
     for s in rows:
-        gpus = f"{s.gpu_count}" + (
-            f", reset required: {', '.join(map(str, s.gpus_bad))}" if s.gpus_bad else " ok"
-        )
+        gpus = f"{s.gpu_count}" + (f", unhealthy: {', '.join(s.gpus_bad)}" if s.gpus_bad else " ok")
         table.add_row(s.name, s.ip, s.shape, "yes" if s.alive else "no", s.link,
                       "up" if s.ssh else "down", gpus if s.alive else "", _ports_cell(s.ports))  # fmt: skip
     return table
 
 
 @app.command()
-def status(state: StateDir = DEFAULT_STATE) -> None:
-    """Show each node: running, link, sshd, GPUs needing reset, InfiniBand port states."""
-    out.print(status_view(lab_status(_record(state))))
+def status(
+    state: StateDir = DEFAULT_STATE,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per node, for scripts.")] = False,
+) -> None:
+    """Show each node: running, link, sshd, unhealthy GPUs, InfiniBand port states."""
+    rows = lab_status(_record(state))
+    if as_json:
+        sys.stdout.write(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
+    else:
+        out.print(status_view(rows))
 
 
 @app.command(
     "fault",
-    epilog="Faults: ib-port HCA[:PORT] init|down|active; gpu N reset-required|healthy; "
+    epilog="Faults: ib-port HCA[:PORT] init|down|active; gpu N reset-required|lost|healthy; "
     "node unreachable|reachable; ssh stop|start; hostkey rotate|restore.",
 )
 def fault_cmd(

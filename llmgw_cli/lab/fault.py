@@ -19,12 +19,12 @@ from llmgw_cli.lab.host import LabRecord, NodeRecord, sh
 from llmgw_cli.lab.shapes import PortState, ShapeKind, node_shape, port_files, port_lid
 
 USAGE = (
-    "faults: ib-port HCA[:PORT] init|down|active, gpu N reset-required|healthy, "
+    "faults: ib-port HCA[:PORT] init|down|active, gpu N reset-required|lost|healthy, "
     "node unreachable|reachable, ssh stop|start, hostkey rotate|restore"
 )
 _CHOICES = {
     "ib-port": ("init", "down", "active"),
-    "gpu": ("reset-required", "healthy"),
+    "gpu": ("reset-required", "lost", "healthy"),
     "node": ("unreachable", "reachable"),
     "ssh": ("stop", "start"),
     "hostkey": ("rotate", "restore"),

@@ -6,7 +6,9 @@ llmgw. The output formats follow real captures: ``--query-gpu`` joins cells with
 ``", "``, ``nounits`` drops units but keeps them in the header, an unreadable cell is a
 bracketed string, an unknown field rejects the whole query. A GPU whose ``state`` is
 ``reset-required`` shows what a real one does: ``[GPU requires reset]`` cells,
-``Reset Required : Yes``, ``System is not in ready state``.
+``Reset Required : Yes``, ``System is not in ready state``. A ``lost`` GPU (fallen off
+the bus) has no row: ``Unable to determine the device handle for GPU <bus>: Unknown
+Error`` in its place, the other GPUs still answer, and the exit status is 15.
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ def query(doc: Doc, fields: list[str], fmt: str, only: int | None = None) -> tup
     if "noheader" not in opts:
         lines.append(", ".join(f"{f} [{_FIELDS[f][0]}]" if _FIELDS[f][0] else f for f in fields))
     for gpu in _selected(doc, only):
+        if _lost(gpu):
+            lines.append(_no_handle(gpu))
+            continue
         cells = []
         for f in fields:
             unit, value, resettable = _FIELDS[f]
@@ -102,7 +107,21 @@ def query(doc: Doc, fields: list[str], fmt: str, only: int | None = None) -> tup
             text = value(doc, gpu)
             cells.append(f"{text} {unit}" if units and unit and not text.startswith("[") else text)
         lines.append(", ".join(cells))
-    return "".join(line + "\n" for line in lines), 0
+    return "".join(line + "\n" for line in lines), _status(doc, only)
+
+
+def _lost(gpu: Gpu) -> bool:
+    return bool(gpu.get("state") == "lost")
+
+
+def _no_handle(gpu: Gpu) -> str:
+    """What nvidia-smi prints for a GPU that fell off the bus (4-digit PCI domain)."""
+    return f"Unable to determine the device handle for GPU {gpu['bus_id'][4:].lower()}: Unknown Error"
+
+
+def _status(doc: Doc, only: int | None) -> int:
+    """15: a GPU is inaccessible (fallen off the bus), as in nvidia-smi's return codes."""
+    return 15 if any(_lost(g) for g in _selected(doc, only)) else 0
 
 
 def _selected(doc: Doc, only: int | None) -> list[Gpu]:
@@ -111,7 +130,10 @@ def _selected(doc: Doc, only: int | None) -> list[Gpu]:
 
 def listing(doc: Doc) -> str:
     """``nvidia-smi -L``."""
-    return "".join(f"GPU {g['index']}: {g['name']} (UUID: {g['uuid']})\n" for g in doc["gpus"])
+    return "".join(
+        _no_handle(g) + "\n" if _lost(g) else f"GPU {g['index']}: {g['name']} (UUID: {g['uuid']})\n"
+        for g in doc["gpus"]
+    )
 
 
 def _kv(indent: int, key: str, value: object) -> str:
@@ -131,6 +153,9 @@ def details(doc: Doc, only: int | None = None, now: float | None = None) -> str:
     out += _kv(0, "CUDA Version", doc["cuda_version"]) + "\n"
     out += _kv(0, "Attached GPUs", len(doc["gpus"]))
     for g in _selected(doc, only):
+        if _lost(g):
+            out += _no_handle(g) + "\n"
+            continue
         bad = _broken(g)
         not_ready = "System is not in ready state"
         total, reserved = g["memory_total_mib"], g["memory_reserved_mib"]
@@ -238,20 +263,16 @@ def run(argv: list[str], state_path: str = STATE_PATH, topo_path: str = TOPO_PAT
         except OSError:
             return NO_DRIVER, "", 9
     if "-L" in argv or "--list-gpus" in argv:
-        return listing(doc), "", 0
+        return listing(doc), "", _status(doc, None)
     fields = _option(argv, "--query-gpu")
     if fields is not None:
-        out, code = query(
-            doc,
-            [f.strip() for f in fields.split(",") if f.strip()],
-            _option(argv, "--format") or "",
-            _index(argv),
-        )
-        return (out, "", 0) if code == 0 else ("", out, code)
+        names = [f.strip() for f in fields.split(",") if f.strip()]
+        out, code = query(doc, names, _option(argv, "--format") or "", _index(argv))
+        return ("", out, code) if code == 2 else (out, "", code)
     if "-q" in argv or "--query" in argv:
-        return details(doc, _index(argv)), "", 0
+        return details(doc, _index(argv)), "", _status(doc, _index(argv))
     if not argv:
-        return details(doc), "", 0
+        return details(doc), "", _status(doc, None)
     return "", f"fake nvidia-smi: unsupported arguments: {' '.join(argv)}\n", 2
 
 

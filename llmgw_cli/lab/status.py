@@ -19,7 +19,7 @@ class NodeStatus:
     link: str = "?"
     ssh: bool = False
     ports: dict[str, str] = field(default_factory=dict)
-    gpus_bad: list[int] = field(default_factory=list)
+    gpus_bad: list[str] = field(default_factory=list)  # e.g. "3 (reset-required)"
     gpu_count: int = 0
 
 
@@ -36,7 +36,7 @@ def node_status(node: NodeRecord) -> NodeStatus:
         hca, port = state.parts[-4], state.parts[-2]
         ports[f"{hca}:{port}"] = state.read_text().strip().split(": ", 1)[-1]
     doc = json.loads((root / "etc/lab/gpus.json").read_text())
-    bad = [g["index"] for g in doc["gpus"] if g.get("state") != "healthy"]
+    bad = [f"{g['index']} ({g['state']})" for g in doc["gpus"] if g.get("state") != "healthy"]
     return NodeStatus(
         node.name,
         node.ip,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import time
@@ -123,6 +124,13 @@ def test_fault_ib_port(lab: Lab) -> None:
     assert lab.ssh("node03", read).stdout == "1: DOWN\n2: Polling\n"
     status = llmgw("lab", "status", "--state", str(lab.state)).stdout
     assert "mlx5_1:1 DOWN" in status and status.count("4 ACTIVE") == 3, status
+    nodes = json.loads(llmgw("lab", "status", "--json", "--state", str(lab.state)).stdout)
+    assert nodes[2]["ports"] == {
+        "mlx5_0:1": "ACTIVE",
+        "mlx5_1:1": "DOWN",
+        "mlx5_2:1": "ACTIVE",
+        "mlx5_3:1": "ACTIVE",
+    }
     lab.fault("node03", "ib-port", "mlx5_1", "active")
     assert lab.ssh("node03", read).stdout == "4: ACTIVE\n5: LinkUp\n"
     assert lab.ssh("node03", lid).stdout == assigned != "0xffff\n"
@@ -141,6 +149,22 @@ def test_fault_gpu_reset_required(lab: Lab) -> None:
     finally:
         lab.fault("node02", "gpu", "5", "healthy")
     assert lab.ssh("node02", query).stdout.splitlines()[5].endswith(", No")
+
+
+def test_fault_gpu_lost(lab: Lab) -> None:
+    lab.fault("node01", "gpu", "7", "lost")
+    try:
+        done = lab.ssh("node01", "nvidia-smi --query-gpu=index,uuid --format=csv,noheader")
+        assert done.returncode == 15
+        assert done.stdout.splitlines()[7] == (
+            "Unable to determine the device handle for GPU 0000:ca:00.0: Unknown Error"
+        )
+        status = json.loads(llmgw("lab", "status", "--json", "--state", str(lab.state)).stdout)
+        assert [n["gpus_bad"] for n in status] == [["7 (lost)"], [], [], []]
+        assert "7 (lost)" in llmgw("lab", "status", "--state", str(lab.state)).stdout
+    finally:
+        lab.fault("node01", "gpu", "7", "healthy")
+    assert lab.ssh("node01", "nvidia-smi -L").returncode == 0
 
 
 def test_fault_node_unreachable(lab: Lab) -> None:
