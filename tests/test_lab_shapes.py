@@ -246,3 +246,15 @@ def test_lost_gpu_has_no_row_and_fails_the_command(tmp_path: Path) -> None:
     listing, _, code = smi.run(["-L"], str(path))
     assert code == 15 and "GPU 1:" not in listing and "GPU 2: NVIDIA" in listing
     assert smi.run(["-q", "-i", "0"], str(path))[2] == 0  # asking only for a healthy GPU succeeds
+
+
+def test_reset_status_block_is_laid_out_like_the_capture(tmp_path: Path) -> None:
+    path = _doc(tmp_path)
+    doc = json.loads(path.read_text())
+    doc["gpus"][2]["state"] = "reset-required"
+    path.write_text(json.dumps(doc))
+    real = _fixture("nvidia-smi_faulty_gpu_excerpts.txt")
+    block = real[real.index("GPU Reset Status") :].splitlines()[:3]
+    ours = smi.run(["-q", "-i", "2"], str(path))[0].splitlines()
+    start = ours.index("    GPU Reset Status")
+    assert [line[4:] for line in ours[start : start + 3]] == block  # same columns, one level deeper
