@@ -185,6 +185,7 @@ def test_weights_complete_and_partial() -> None:
         ("node", ["unreachable"], fault.Fault("node", "unreachable")),
         ("ssh", ["stop"], fault.Fault("ssh", "stop")),
         ("hostkey", ["rotate"], fault.Fault("hostkey", "rotate")),
+        ("clear", [], fault.Fault("clear", "clear")),
     ],
 )
 def test_parse_fault(kind: str, args: list[str], expected: fault.Fault) -> None:
@@ -193,7 +194,13 @@ def test_parse_fault(kind: str, args: list[str], expected: fault.Fault) -> None:
 
 @pytest.mark.parametrize(
     ("kind", "args"),
-    [("gpu", ["x", "healthy"]), ("gpu", ["1", "broken"]), ("disk", ["full"]), ("ssh", ["1", "stop"])],
+    [
+        ("gpu", ["x", "healthy"]),
+        ("gpu", ["1", "broken"]),
+        ("disk", ["full"]),
+        ("ssh", ["1", "stop"]),
+        ("clear", ["now"]),
+    ],
 )
 def test_parse_fault_refuses(kind: str, args: list[str]) -> None:
     with pytest.raises(UsageError):

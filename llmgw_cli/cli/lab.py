@@ -163,15 +163,15 @@ def status(
 @app.command(
     "fault",
     epilog="Faults: ib-port HCA[:PORT] init|down|active; gpu N reset-required|lost|healthy; "
-    "node unreachable|reachable; ssh stop|start; hostkey rotate|restore.",
+    "node unreachable|reachable; ssh stop|start; hostkey rotate|restore; clear (heal every fault).",
 )
 def fault_cmd(
     node: Annotated[str, typer.Argument(help="Node name, e.g. node02.")],
-    kind: Annotated[str, typer.Argument(help="ib-port, gpu, node, ssh or hostkey.")],
-    args: Annotated[list[str], typer.Argument(help="What to do (see below).")],
+    kind: Annotated[str, typer.Argument(help="ib-port, gpu, node, ssh, hostkey or clear.")],
+    args: Annotated[list[str] | None, typer.Argument(help="What to do (see below).")] = None,
     state: StateDir = DEFAULT_STATE,
 ) -> None:
     """Inject or clear a fault on a running node."""
-    wanted = fault.parse_fault(kind, args)
+    wanted = fault.parse_fault(kind, args or [])
     record = _record(state)
     out.print(fault.inject(record, fault.find_node(record, node), wanted))

@@ -16,11 +16,19 @@ from pathlib import Path
 from llmgw_cli.errors import LabError, UsageError
 from llmgw_cli.lab import nodefs
 from llmgw_cli.lab.host import LabRecord, NodeRecord, sh
-from llmgw_cli.lab.shapes import PortState, ShapeKind, node_shape, port_files, port_lid
+from llmgw_cli.lab.shapes import (
+    PortState,
+    ShapeKind,
+    gpu_state,
+    gpu_state_json,
+    node_shape,
+    port_files,
+    port_lid,
+)
 
 USAGE = (
     "faults: ib-port HCA[:PORT] init|down|active, gpu N reset-required|lost|healthy, "
-    "node unreachable|reachable, ssh stop|start, hostkey rotate|restore"
+    "node unreachable|reachable, ssh stop|start, hostkey rotate|restore, clear (all of them healed)"
 )
 _CHOICES = {
     "ib-port": ("init", "down", "active"),
@@ -28,6 +36,7 @@ _CHOICES = {
     "node": ("unreachable", "reachable"),
     "ssh": ("stop", "start"),
     "hostkey": ("rotate", "restore"),
+    "clear": (),
 }
 
 
@@ -43,6 +52,10 @@ def parse_fault(kind: str, args: list[str]) -> Fault:
     """``llmgw lab fault NODE <kind> <args...>`` as a value; a wrong form is a UsageError."""
     if kind not in _CHOICES:
         raise UsageError(f"unknown fault {kind!r}; {USAGE}")
+    if kind == "clear":
+        if args:
+            raise UsageError(f"clear takes no arguments; {USAGE}")
+        return Fault(kind, kind)
     takes_target = kind in ("ib-port", "gpu")
     if len(args) != (2 if takes_target else 1):
         raise UsageError(f"wrong arguments for {kind!r}; {USAGE}")
@@ -107,6 +120,8 @@ def inject(record: LabRecord, node: NodeRecord, fault: Fault) -> str:
         link = "down" if fault.action == "unreachable" else "up"
         sh("ip", "link", "set", f"lgwv{node.index}", link)
         return f"{node.name}: link {link}"
+    if fault.kind == "clear":
+        return _clear(record, root, node)
     if fault.kind == "ssh":
         in_node(node, "systemctl", fault.action, "ssh.service")
         return f"{node.name}: sshd {'stopped' if fault.action == 'stop' else 'started'}"
@@ -148,3 +163,19 @@ def _hostkey(root: Path, node: NodeRecord, action: str) -> str:
         saved_pub.unlink()
     in_node(node, "systemctl", "restart", "ssh.service")
     return f"{node.name}: host key {'rotated' if action == 'rotate' else 'restored'}"
+
+
+def _clear(record: LabRecord, root: Path, node: NodeRecord) -> str:
+    """Every fault healed: hardware as booted, link up, original host key, sshd running."""
+    shape = node_shape(ShapeKind(record.shape), node.index)
+    _atomic_write(root / "etc/lab/gpus.json", gpu_state_json(shape, node.name))
+    _atomic_write(root / "etc/lab/gpus.csv", nodefs.gpus_csv(gpu_state(shape, node.name)))
+    for hca in shape.hcas:
+        port_dir = root / "sys/class/infiniband" / hca.name / "ports/1"
+        for name, text in port_files(hca, PortState.active, port_lid(node.index, hca)).items():
+            _atomic_write(port_dir / name, text)
+    sh("ip", "link", "set", f"lgwv{node.index}", "up")
+    if (root / "etc/ssh/lab/ssh_host_ed25519_key.orig").exists():
+        return _hostkey(root, node, "restore").replace("host key restored", "cleared")
+    in_node(node, "systemctl", "start", "ssh.service")
+    return f"{node.name}: cleared"

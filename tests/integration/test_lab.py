@@ -294,3 +294,23 @@ def test_llama_server_serves_smollm2_when_built(lab: Lab) -> None:
             assert b'"smollm2"' in response.read()
     finally:
         lab.ssh("node01", f"systemctl stop {unit}; rm -f /etc/systemd/system/{unit}; systemctl daemon-reload")
+
+
+def test_fault_clear_heals_every_fault(lab: Lab) -> None:
+    pristine = {
+        cmd: lab.ssh("node02", cmd).stdout
+        for cmd in ("nvidia-smi -L", "cat /sys/class/infiniband/*/ports/1/*")
+    }
+    lab.fault("node02", "gpu", "1", "reset-required")
+    lab.fault("node02", "gpu", "6", "lost")
+    lab.fault("node02", "ib-port", "mlx5_3", "init")
+    lab.fault("node02", "ib-port", "mlx5_0", "down")
+    lab.fault("node02", "hostkey", "rotate")
+    lab.fault("node02", "ssh", "stop")
+    lab.fault("node02", "node", "unreachable")
+    lab.fault("node02", "clear")
+    for cmd, before in pristine.items():
+        assert lab.ssh("node02", cmd).stdout == before
+    assert lab.ssh(
+        "node02", "nvidia-smi --query-gpu=reset_status.reset_required --format=csv,noheader"
+    ).stdout == ("No\n" * 8)
