@@ -38,9 +38,11 @@ def down(state_dir: Path, progress: Progress = _quiet) -> list[str]:
     record = host.load_record(state)
     warnings: list[str] = []
     cgroup = Path(record.cgroup) if record else host.cgroup_root() / host.CGROUP_NAME
+    seen = {pid: _starttime(pid) for pid in host.cgroup_pids(cgroup)}
     for pidfile in state.glob("nodes/*/unshare.pid"):
         pid = read_pid(pidfile)
         if _is_node_init(pid):
+            seen[pid] = _starttime(pid)
             os.kill(pid, signal.SIGKILL)
     for _ in range(100):
         pids = host.cgroup_pids(cgroup)
@@ -52,6 +54,18 @@ def down(state_dir: Path, progress: Progress = _quiet) -> list[str]:
         time.sleep(0.05)
     else:
         warnings.append(f"processes still in {cgroup}: {host.cgroup_pids(cgroup)}")
+
+    # killed nodes' PID 1s are zombies until the host's init reaps them: wait for that,
+    # so that nothing of the lab is left when down returns
+    def unreaped() -> list[int]:
+        return [pid for pid, start in seen.items() if start is not None and _starttime(pid) == start]
+
+    for _ in range(100):
+        if not unreaped():
+            break
+        time.sleep(0.05)
+    else:
+        warnings.append(f"not reaped yet by the host's init: {unreaped()}")
     try:
         host.remove_cgroup(cgroup)
     except OSError as exc:
@@ -69,6 +83,15 @@ def down(state_dir: Path, progress: Progress = _quiet) -> list[str]:
         run_netns.rmdir()
     progress("lab removed")
     return warnings
+
+
+def _starttime(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot): tells a PID from its reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def _is_node_init(pid: int) -> bool:

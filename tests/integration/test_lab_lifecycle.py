@@ -7,6 +7,7 @@ host would touch: /tmp, sysctls, network namespaces, links, mounts, cgroups, pro
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -47,18 +48,22 @@ def _sysctls() -> dict[str, str]:
     return values
 
 
-def _processes_outside_host_namespaces() -> set[int]:
-    mine = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("mnt", "net", "pid")}
-    found = set()
+def _namespaces_of_processes() -> dict[str, set[int]]:
+    """namespace id (e.g. ``net:[4026532301]``) -> the PIDs in it, for mnt/net/pid/uts/ipc/cgroup."""
+    found: dict[str, set[int]] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
-        try:
-            if any(os.readlink(proc / "ns" / ns) != ident for ns, ident in mine.items()):
-                found.add(int(proc.name))
-        except OSError:
-            continue
+        for ns in ("mnt", "net", "pid", "uts", "ipc", "cgroup"):
+            try:
+                found.setdefault(os.readlink(proc / "ns" / ns), set()).add(int(proc.name))
+            except OSError:
+                continue
     return found
+
+
+def record_cgroup() -> str:
+    return str(json.loads((STATE / "lab.json").read_text())["cgroup"])
 
 
 def _run(*cmd: str) -> list[str]:
@@ -84,7 +89,6 @@ def snapshot() -> dict[str, object]:
         "links": _run("ip", "-o", "link", "show"),
         "mounts": _run("findmnt", "-rn", "-o", "TARGET,SOURCE,FSTYPE"),
         "cgroups": _cgroup_dirs(),
-        "foreign_ns_pids": _processes_outside_host_namespaces(),
         "run_netns": Path("/run/netns").exists(),
         "kernel_modules": _modules(),
         "state_dir": STATE.exists(),
@@ -160,13 +164,18 @@ def test_up_then_down_leaves_the_host_unchanged(canaries: list[Path]) -> None:
     assert len(during["netns"]) == 3  # type: ignore[arg-type]
     assert any("lgwbr0" in line for line in during["links"])  # type: ignore[attr-defined]
     assert any(str(STATE) in line for line in during["mounts"])  # type: ignore[attr-defined]
-    assert len(during["foreign_ns_pids"]) > len(before["foreign_ns_pids"])  # type: ignore[arg-type]
+    # the lab's own namespaces: those of the processes in its cgroup, but not the host's
+    lab_pids = {int(p) for f in Path(record_cgroup()).rglob("cgroup.procs") for p in f.read_text().split()}
+    host_ns = {os.readlink(f"/proc/self/ns/{ns}") for ns in ("mnt", "net", "pid", "uts", "ipc", "cgroup")}
+    lab_ns = {ns for ns, pids in _namespaces_of_processes().items() if pids & lab_pids} - host_ns
+    assert len(lab_ns) >= 3 * 6 - 3  # each node: own mnt, net, pid, uts, ipc, cgroup (a few shared ids ok)
     again = llmgw("lab", "up", "--nodes", "3", "--state", str(STATE), check=False)
     assert again.returncode == 1 and "already up" in again.stderr
 
     llmgw("lab", "down", "--state", str(STATE))
     after = snapshot()
-    assert after["foreign_ns_pids"] <= before["foreign_ns_pids"]  # type: ignore[operator]
+    left = {ns: pids for ns, pids in _namespaces_of_processes().items() if ns in lab_ns}
+    assert not left, f"processes still in the lab's namespaces: {left}"
     for key in ("sysctl", "netns", "links", "mounts", "cgroups", "run_netns", "state_dir", "kernel_modules"):
         assert after[key] == before[key], key
     for canary in canaries:
