@@ -7,8 +7,11 @@ Hierarchy::
     │   ├── SpecError          the cluster file has problems (all of them, located)
     │   └── UsageError         a command-line argument is wrong
     ├── TemplateError          a packaged template is missing or failed to render
-    └── NodeError              one node could not be reached or a command on it failed;
-                               carries the node and a kind (unreachable, auth, hostkey-...)
+    ├── NodeError              one node could not be reached or a command on it failed;
+    │                          carries the node and a kind (unreachable, auth, hostkey-...)
+    └── LabError               the lab cluster could not be booted, changed or removed
+        └── LabUnavailable     exit 2: this machine cannot run the lab (not Linux, not root,
+                               a tool missing)
 
 The CLI maps these to messages and exit codes in one place
 (``llmgw_cli.cli.main.main``). Anything else escaping is a bug and keeps its
@@ -75,3 +78,13 @@ class NodeError(LlmgwError):
     def __init__(self, node: str, kind: str, reason: str) -> None:
         self.node, self.kind, self.reason = node, kind, reason
         super().__init__(f"{node}: {reason}")
+
+
+class LabError(LlmgwError):
+    """The lab cluster (``llmgw lab ...``) failed; the message says which node and why."""
+
+
+class LabUnavailable(LabError):
+    """This machine cannot run the lab: not Linux, not root, or a required tool is missing."""
+
+    exit_code = 2

