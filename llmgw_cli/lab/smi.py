@@ -22,7 +22,7 @@ from typing import Any
 STATE_PATH = "/etc/lab/gpus.json"
 TOPO_PATH = "/etc/lab/topo.txt"
 RESET = "[GPU requires reset]"
-NO_DRIVER = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest NVIDIA driver is installed and running.\n"  # noqa: E501
+NO_DRIVER = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest NVIDIA driver is installed and running.\n"
 
 Gpu = dict[str, Any]
 Doc = dict[str, Any]
