@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from llmgw_cli.core.engines import ENGINE_ENV_FILE, ENGINE_KEY_VAR, UNIT_DIR
+from llmgw_cli.core.facts import UnitState
 from llmgw_cli.core.parse.systemctl import parse_show, unit_state
 from llmgw_cli.core.plan import Action, Plan
 from llmgw_cli.core.spec import ClusterSpec
@@ -118,6 +119,7 @@ async def _wait_ready(
     unit = next(w.name for w in action.write if w.node == head)
     url = f"http://{spec.node(head).address}:{action.port}{profile.readiness.path}"
     subject = f"{action.model}#{action.replica}"
+    watch = await _UnitWatch.start(transports[head], unit)
     deadline = time.monotonic() + profile.readiness.start_timeout
     last = "starting"
     async with httpx.AsyncClient(timeout=5.0) as client:
@@ -133,25 +135,50 @@ async def _wait_ready(
             if state != last:
                 report(subject, state)
                 last = state
-            failed = await _failed(transports[head], unit)
+            failed = await watch.failure()
             if failed:
                 return Outcome(subject, False, failed)
             await asyncio.sleep(0.5)
     return Outcome(subject, False, f"not ready after {profile.readiness.start_timeout:g}s ({last}); {url}")
 
 
-async def _failed(t: Transport, unit: str) -> str | None:
-    """The reason and journal tail if the unit has failed (or keeps restarting), else None."""
-    show = await t.run(f"systemctl show -p Id,ActiveState,SubState,Result,NRestarts,ExecMainStatus {unit}")
-    blocks = parse_show(show.stdout)
-    if not blocks:
-        return None
-    state = unit_state(blocks[0])
-    if state.active_state != "failed" and state.n_restarts == 0:
-        return None
-    journal = await t.run(f"journalctl -u {shlex.quote(unit)} -n 15 --no-pager -o cat", root=True)
-    why = f"{unit} {state.active_state} ({state.result}, exit {state.exec_main_status}, restarts {state.n_restarts})"
-    return why + "\n" + journal.stdout.strip()
+@dataclass
+class _UnitWatch:
+    """Notices a unit that failed or restarted since the watch began (systemd keeps NRestarts
+    and the journal across a unit's earlier lives, so both are taken relative to the start)."""
+
+    transport: Transport
+    unit: str
+    restarts: int
+    since: str
+
+    @classmethod
+    async def start(cls, transport: Transport, unit: str) -> _UnitWatch:
+        state = await cls._state(transport, unit)
+        clock = await transport.run("date +%s")
+        since = clock.stdout.strip() if clock.ok else ""
+        return cls(transport, unit, state.n_restarts if state else 0, since)
+
+    @staticmethod
+    async def _state(t: Transport, unit: str) -> UnitState | None:
+        show = await t.run(
+            f"systemctl show -p Id,ActiveState,SubState,Result,NRestarts,ExecMainStatus {shlex.quote(unit)}"
+        )
+        blocks = parse_show(show.stdout)
+        return unit_state(blocks[0]) if blocks else None
+
+    async def failure(self) -> str | None:
+        """The reason and journal tail if the unit failed or restarted, else None."""
+        state = await self._state(self.transport, self.unit)
+        if state is None or (state.active_state != "failed" and state.n_restarts <= self.restarts):
+            return None
+        since = f"--since @{self.since}" if self.since.isdigit() else ""
+        journal = await self.transport.run(
+            f"journalctl -u {shlex.quote(self.unit)} {since} -n 15 --no-pager -o cat", root=True
+        )
+        restarts = state.n_restarts - self.restarts
+        why = f"{self.unit} {state.active_state} ({state.result}, exit status {state.exec_main_status}, {restarts} restart(s))"
+        return why + "\n" + journal.stdout.strip()
 
 
 async def execute(
