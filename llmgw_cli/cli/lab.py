@@ -67,8 +67,13 @@ def smollm2_gguf() -> Path | None:
     return None
 
 
+# A node's /root is a clean home and its /tmp a fresh tmpfs: what lives there is hidden.
+_HIDDEN_IN_NODES = (Path("/root"), Path("/tmp"))
+
+
 def _root_dirs(python: str) -> tuple[Path, ...]:
-    """Where ``python``, its venv and llmgw live, when that is under /root (hidden in nodes)."""
+    """Where ``python``, its venv and llmgw live, when that is somewhere a node cannot see
+    (under /root or /tmp, e.g. a checkout in /tmp): these are bound into every node."""
     probe = "import sys, llmgw_cli; print(sys.prefix); print(sys.base_prefix); print(llmgw_cli.__file__)"
     try:
         done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=30, check=False)
@@ -78,8 +83,7 @@ def _root_dirs(python: str) -> tuple[Path, ...]:
         raise UsageError(f"--python {python} cannot import llmgw_cli: {done.stderr.strip()[-300:]}")
     prefix, base, package = done.stdout.split()
     dirs = {Path(prefix).resolve(), Path(base).resolve(), Path(package).resolve().parent.parent}
-    root = Path("/root")
-    return tuple(sorted(d for d in dirs if d.is_relative_to(root) and d != root))
+    return tuple(sorted(d for d in dirs if any(d.is_relative_to(h) and d != h for h in _HIDDEN_IN_NODES)))
 
 
 @app.command()

@@ -37,6 +37,10 @@ mount -t tmpfs -o mode=1777,nosuid,nodev,size=256m tmp "$R/tmp"
 # extra read-only files (model weights shared by every node): "SOURCE<TAB>TARGET" lines
 if [ -f "$S/binds" ]; then
   while IFS="$(printf '\t')" read -r src dst; do
+    # targets on the node's fresh /tmp do not exist yet
+    if [ ! -e "$R$dst" ]; then
+      if [ -d "$src" ]; then mkdir -p "$R$dst"; else mkdir -p "$(dirname "$R$dst")"; : > "$R$dst"; fi
+    fi
     mount --bind "$src" "$R$dst"; mount -o remount,bind,ro "$R$dst"
   done < "$S/binds"
 fi

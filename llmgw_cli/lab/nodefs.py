@@ -176,8 +176,9 @@ def prepare(state_dir: Path, node: NodeRecord, inputs: NodeInputs) -> tuple[str,
     _models(upper, node.index)
     _engines(upper, inputs)
     binds = ""
-    for src in inputs.root_dirs:  # the node's /root is a clean, opaque home: show these again
-        (upper / src.relative_to("/")).mkdir(parents=True, exist_ok=True)
+    for src in inputs.root_dirs:  # hidden in nodes (clean /root, fresh /tmp): show these again
+        if src.is_relative_to("/root"):
+            (upper / src.relative_to("/")).mkdir(parents=True, exist_ok=True)
         binds += f"{src}\t{src}\n"
     (upper / "root").chmod(0o711)  # let the `llmgw` account reach them
     if inputs.gguf is not None:
