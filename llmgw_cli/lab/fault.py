@@ -137,6 +137,7 @@ def _gpu(root: Path, node: NodeRecord, index: int, action: str) -> str:
     gpus[0]["state"] = action
     _atomic_write(path, json.dumps(doc, indent=1) + "\n")
     _atomic_write(root / "etc/lab/gpus.csv", nodefs.gpus_csv(doc))
+    nodefs.write_smi_replay(root)
     return f"{node.name}: GPU {index} is {action}"
 
 
@@ -170,6 +171,7 @@ def _clear(record: LabRecord, root: Path, node: NodeRecord) -> str:
     shape = node_shape(ShapeKind(record.shape), node.index)
     _atomic_write(root / "etc/lab/gpus.json", gpu_state_json(shape, node.name))
     _atomic_write(root / "etc/lab/gpus.csv", nodefs.gpus_csv(gpu_state(shape, node.name)))
+    nodefs.write_smi_replay(root)
     for hca in shape.hcas:
         port_dir = root / "sys/class/infiniband" / hca.name / "ports/1"
         for name, text in port_files(hca, PortState.active, port_lid(node.index, hca)).items():

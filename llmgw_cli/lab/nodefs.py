@@ -13,6 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmgw_cli.core.parse.nvidia_smi import HEALTH_FIELDS, QUERY_FIELDS
 from llmgw_cli.lab import shapes, smi, weights
 from llmgw_cli.lab.host import NodeRecord
 
@@ -49,6 +50,47 @@ class NodeInputs:
     llama_server: Path | None
     gguf: Path | None
     root_dirs: tuple[Path, ...] = ()  # host dirs under /root (Python, venv) bound into nodes
+
+
+SMI_PROGRAM = "/usr/lib/lab/nvidia-smi.py"
+SMI_REPLAY = "etc/lab/smi-replay"
+
+
+def _replayed() -> list[list[str]]:
+    """The nvidia-smi calls llmgw's probe makes: answered from files, not by starting Python."""
+    fmt = "--format=csv,noheader,nounits"
+    return [
+        [f"--query-gpu={','.join(QUERY_FIELDS)}", fmt],
+        [f"--query-gpu={','.join(HEALTH_FIELDS)}", fmt],
+        ["topo", "-m"],
+    ]
+
+
+def smi_front() -> str:
+    """/usr/bin/nvidia-smi: replays the probe's calls, hands anything else to the Python fake.
+
+    Every node shares the host's 2 cores; a Python start-up per call made the simulation,
+    not llmgw, the largest cost of probing 32 nodes. Real nodes run nvidia-smi on their own.
+    """
+    cases = "".join(f'  "{" ".join(argv)}") n={i};;\n' for i, argv in enumerate(_replayed()))
+    return (
+        "#!/bin/sh\n"
+        "# Answers to llmgw's probe calls are rendered whenever the GPU state changes (lab up, lab fault).\n"
+        f'r=/{SMI_REPLAY}\ncase "$*" in\n{cases}  *) exec {SMI_PROGRAM} "$@";;\nesac\n'
+        'read -r rc < "$r/$n.rc"\ncat "$r/$n.out"\n[ -s "$r/$n.err" ] && cat "$r/$n.err" >&2\nexit "$rc"\n'
+    )
+
+
+def write_smi_replay(root: Path) -> None:
+    """Render the replayed answers from the node's current /etc/lab state (``root`` is its /)."""
+    folder = root / SMI_REPLAY
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, argv in enumerate(_replayed()):
+        out, err, code = smi.run(argv, str(root / "etc/lab/gpus.json"), str(root / "etc/lab/topo.txt"))
+        for suffix, text in ((".out", out), (".err", err), (".rc", f"{code}\n")):
+            tmp = folder / f".{i}{suffix}.tmp"
+            tmp.write_text(text)
+            tmp.replace(folder / f"{i}{suffix}")
 
 
 def node_dir(state_dir: Path, name: str) -> Path:
@@ -169,7 +211,9 @@ def prepare(state_dir: Path, node: NodeRecord, inputs: NodeInputs) -> tuple[str,
     _write(upper / "etc/lab/topo.txt", shapes.topo_matrix(shape))
     _write(upper / "etc/lab/shape", shape.kind + "\n")
     smi_source = Path(smi.__file__).read_text(encoding="utf-8")
-    _write(upper / "usr/bin/nvidia-smi", f"#!{inputs.python} -IS\n" + smi_source, 0o755)
+    _write(upper / SMI_PROGRAM.lstrip("/"), f"#!{inputs.python} -IS\n" + smi_source, 0o755)
+    _write(upper / "usr/bin/nvidia-smi", smi_front(), 0o755)
+    write_smi_replay(upper)
     _sysclass(d, shape, node.index)
     _write(d / "cpuinfo", shapes.cpuinfo(shape))
     _write(d / "meminfo", shapes.meminfo(shape))
