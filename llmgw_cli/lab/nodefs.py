@@ -194,7 +194,8 @@ def prepare(state_dir: Path, node: NodeRecord, inputs: NodeInputs) -> tuple[str,
     _write(upper / "root/.bashrc", 'PS1="\\h# "\n')
     _write(upper / "root/.profile", 'PS1="\\h# "\n')
     key = host_key(upper / "etc/ssh/lab/ssh_host_ed25519_key", node.name)
-    _write(upper / "etc/ssh/lab/authorized_keys", inputs.client_pubkey + "\n", 0o600)
+    # readable by every account: the lab key also logs in operators made for `become: sudo` tests
+    _write(upper / "etc/ssh/lab/authorized_keys", inputs.client_pubkey + "\n", 0o644)
     _write(upper / "etc/ssh/sshd_config.d/00-lab.conf", sshd_config(node.ip))
     _write(upper / "etc/systemd/system/lab.target", LAB_TARGET)
     for unit in MASKED:
