@@ -9,14 +9,16 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.live import Live
 from rich.text import Text
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.status import probe_with_progress
-from llmgw_cli.cli.views import plan_view
+from llmgw_cli.cli.views import plan_view, progress_view
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan
+from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError, LlmgwError
-from llmgw_cli.remote.execute import execute
+from llmgw_cli.remote.execute import Outcome, execute
 
 out = Console()
 err = Console(stderr=True)
@@ -24,6 +26,24 @@ err = Console(stderr=True)
 
 class ApplyFailed(LlmgwError):
     """Some node or replica failed; the others were applied."""
+
+
+async def _execute_with_progress(spec: ClusterSpec, file: Path, chosen: Plan, wait: bool) -> list[Outcome]:
+    """Run the plan with a live table of nodes and replicas on a terminal, lines otherwise."""
+    states: dict[str, str] = {}
+    live = Live(console=err, transient=False, auto_refresh=False) if err.is_terminal else None
+
+    def report(subject: str, message: str) -> None:
+        states[subject] = message
+        if live is None:
+            err.print(f"  {subject}: {message}", highlight=False)
+        else:
+            live.update(progress_view(states), refresh=True)
+
+    if live is None:
+        return await execute(spec, file.resolve().parent, chosen, report, wait=wait)
+    with live:
+        return await execute(spec, file.resolve().parent, chosen, report, wait=wait)
 
 
 def _unplaced_is_failure(chosen: Plan) -> None:
@@ -82,10 +102,7 @@ def apply(
             raise InputError("not a terminal: pass --yes to apply without confirmation")
         typer.confirm("Apply these changes?", abort=True)
 
-    def report(subject: str, message: str) -> None:
-        err.print(f"  {subject}: {message}", highlight=False)
-
-    outcomes = asyncio.run(execute(spec, file.resolve().parent, chosen, report, wait=wait))
+    outcomes = asyncio.run(_execute_with_progress(spec, file, chosen, wait))
     failed = [o for o in outcomes if not o.ok]
     for o in failed:
         err.print(Text(f"FAILED {o.subject}: {o.message}", style="red"))

@@ -153,3 +153,16 @@ def plan_view(plan: Plan, *, show_unchanged: bool = True) -> RenderableType:
         summary += f" {len(plan.unplaced)} replica(s) cannot be placed (see !)."
     lines.append(Text(summary, style="bold"))
     return Group(*lines)
+
+
+def progress_view(states: dict[str, str]) -> RenderableType:
+    """What apply is doing now: one row per node and per replica, latest state last."""
+    table = Table(show_header=False, box=None, padding=(0, 1))
+    for subject, state in states.items():
+        style = (
+            "green"
+            if state in ("ready", "units in place")
+            else ("red" if state.startswith("failed") else "yellow")
+        )
+        table.add_row(subject, Text(state, style=style))
+    return table

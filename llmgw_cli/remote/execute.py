@@ -120,6 +120,7 @@ async def _wait_ready(
     url = f"http://{spec.node(head).address}:{action.port}{profile.readiness.path}"
     subject = f"{action.model}#{action.replica}"
     watch = await _UnitWatch.start(transports[head], unit)
+    report(subject, "starting")
     deadline = time.monotonic() + profile.readiness.start_timeout
     last = "starting"
     async with httpx.AsyncClient(timeout=5.0) as client:
