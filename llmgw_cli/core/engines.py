@@ -80,7 +80,13 @@ def engine_args(
     path = model_path(model, member.node)
     tp, count, rank = model.tensor_parallel, model.nodes, member.rank
     argv = profile.argv0
-    if profile.engine is Engine.vllm:
+    if profile.engine is Engine.vllm and count > 1 and profile.multi_node == "ray":
+        if rank > 0:  # a Ray worker node: joins the head's cluster and holds its GPUs
+            return [ray_program(profile), "start", f"--address={head.address}:{dist_port}", "--block"]
+        argv += [path, "--host", "0.0.0.0", "--port", str(port), "--served-model-name", model.name]
+        argv += ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(count)]
+        argv += ["--distributed-executor-backend", "ray", "--api-key", key]
+    elif profile.engine is Engine.vllm:
         argv += [path, "--host", "0.0.0.0", "--port", str(port), "--served-model-name", model.name]
         argv += ["--tensor-parallel-size", str(tp), "--api-key", key]
         if count > 1:
@@ -97,6 +103,21 @@ def engine_args(
     else:
         argv += ["-m", path, "--host", "0.0.0.0", "--port", str(port), "-a", model.name, "--api-key", key]
     return argv + list(profile.args) + list(model.args)
+
+
+def ray_program(profile: Profile) -> str:
+    """Ray's CLI from the same environment as the engine (``/opt/vllm/bin/ray`` beside
+    ``/opt/vllm/bin/vllm``), else ``ray`` on PATH."""
+    program = profile.argv0[0]
+    return program.rsplit("/", 1)[0] + "/ray" if "/" in program else "ray"
+
+
+def pre_start(spec: ClusterSpec, model: Model, member: Member, dist_port: int) -> list[str] | None:
+    """What runs before the engine: the Ray head of a ``multi_node: ray`` replica."""
+    profile = spec.profiles[model.profile]
+    if profile.engine is Engine.vllm and model.nodes > 1 and profile.multi_node == "ray" and member.rank == 0:
+        return [ray_program(profile), "start", "--head", f"--port={dist_port}"]
+    return None
 
 
 def systemd_quote(arg: str) -> str:
@@ -140,6 +161,7 @@ def replica_unit(
     head = members[0].node
     profile = spec.profiles[model.profile]
     argv = engine_args(spec, model, member, port=port, head=head, dist_port=dist_port)
+    pre = pre_start(spec, model, member, dist_port)
     env = environment(spec, model, member)
     text = render(
         "llmgw-replica.service.j2",
@@ -153,6 +175,7 @@ def replica_unit(
         user=profile.user,
         spec_hash=spec_hash(spec, model),
         exec_start=" ".join(systemd_quote(a) for a in argv),
+        exec_start_pre=" ".join(systemd_quote(a) for a in pre) if pre else "",
         environment=[systemd_quote(f"{k}={v}") for k, v in sorted(env.items())],
         env_file=ENGINE_ENV_FILE,
     )

@@ -221,30 +221,18 @@ def _wanted(spec: ClusterSpec, sorted_: _Sorted) -> dict[str, int]:
     return want
 
 
-def _needs_ray(spec: ClusterSpec, model: Model) -> bool:
-    return model.nodes > 1 and spec.profiles[model.profile].multi_node == "ray"
-
-
 def make_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
     """The plan that brings the nodes to the spec: ``min`` replicas of each always-on model,
     nothing lost or restarted that already matches."""
     running = running_replicas(facts)
     sorted_ = _sort_running(spec, running)
     actions = sorted_.delete + _keep_actions(spec, sorted_.keep)
-    want = _wanted(spec, sorted_)
-    unsupported = [m.name for m in spec.models if want.get(m.name) and _needs_ray(spec, m)]
-    for name in unsupported:
-        del want[name]
-    placement = place(spec, facts, [_as_replica(facts, r) for r in sorted_.keep], want)
+    placement = place(spec, facts, [_as_replica(facts, r) for r in sorted_.keep], _wanted(spec, sorted_))
     used = _used_ports(sorted_.keep)
     taken: dict[str, set[int]] = defaultdict(set)
     for r in running:
         taken[r.model].add(r.replica)
     unplaced = [(u.model, u.reason) for u in placement.unplaced]
-    unplaced += [
-        (n, "multi-node replicas with Ray (multi_node: ray) are not supported yet; use native")
-        for n in unsupported
-    ]
     for replica in placement.replicas:
         model = spec.model(replica.model)
         head = replica.slots[0].node

@@ -161,6 +161,10 @@ def _engines(upper: Path, inputs: NodeInputs) -> None:
     for path, kind in (("opt/vllm/bin/vllm", "vllm"), ("opt/sglang/bin/python3", "sglang")):
         script = f'#!/bin/sh\nexec {inputs.python} -m llmgw_cli.lab.engine_sim {kind} "$@"\n'
         _write(upper / path, script, 0o755)
+    # Ray's CLI beside vLLM, as a vLLM venv has it (for `multi_node: ray` profiles)
+    _write(
+        upper / "opt/vllm/bin/ray", f'#!/bin/sh\nexec {inputs.python} -m llmgw_cli.lab.ray_sim "$@"\n', 0o755
+    )
     if inputs.llama_server is not None:
         link = upper / "usr/local/bin/llama-server"
         link.parent.mkdir(parents=True, exist_ok=True)

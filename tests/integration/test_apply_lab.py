@@ -193,3 +193,37 @@ def test_killed_apply_converges_on_the_next_run(clean: Lab) -> None:
     assert again.returncode == 0, again.stdout + again.stderr
     third = apply(clean.cluster_file)
     assert "No changes." in third.stdout
+
+
+def test_multi_node_replica_with_ray(clean: Lab, tmp_path: Path) -> None:
+    cluster = cluster_variant(
+        clean,
+        tmp_path,
+        replace=(
+            (
+                "profiles:\n",
+                "profiles:\n  vllm-ray:\n    engine: vllm\n    command: [/opt/vllm/bin/vllm, serve]\n    multi_node: ray\n    ports: 8400-8499\n",
+            ),
+            (
+                "source: /data/models/Llama-3.1-405B-Instruct\n    profile: vllm",
+                "source: /data/models/Llama-3.1-8B-Instruct\n    profile: vllm-ray",
+            ),
+            (
+                "    nodes: 2\n    scaling: {min: 0, max: 1, idle_timeout: 5m}",
+                "    nodes: 2\n    scaling: {min: 1, max: 1, idle_timeout: 5m}",
+            ),
+        ),
+    )
+    done = apply(cluster)
+    assert done.returncode == 0, done.stdout + done.stderr
+    unit = "llmgw-llama-3.1-405b-instruct-0.service"
+    members = [node for node, units in llmgw_units(clean).items() if unit in units]
+    assert len(members) == 2
+    head, worker = members
+    head_unit = clean.ssh(head, f"cat /etc/systemd/system/{unit}").stdout
+    if "ExecStartPre" not in head_unit:  # rank order follows placement, not names
+        head, worker = worker, head
+    assert unit_props(clean, worker, unit)["ActiveState"] == "active"
+    journal = clean.ssh(worker, f"journalctl -u {unit} -o cat --no-pager").stdout
+    assert "Ray runtime started (joined" in journal
+    assert "No changes." in apply(cluster).stdout

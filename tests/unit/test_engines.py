@@ -134,3 +134,16 @@ def test_systemd_quote(arg: str, quoted: str) -> None:
 
 def test_slug() -> None:
     assert slug("Qwen/Qwen2.5-7B-Instruct") == "qwen-qwen2.5-7b-instruct"
+
+
+def test_vllm_multi_node_with_ray() -> None:
+    model = HGX.model("llama-3.1-405b-instruct")  # its profile is vllm-ray
+    ms = members(2)
+    head = replica_unit(HGX, model, replica=0, member=ms[0], port=8200, members=ms, dist_port=8201)
+    worker = replica_unit(HGX, model, replica=0, member=ms[1], port=8200, members=ms, dist_port=8201)
+    assert "\nExecStartPre=/opt/vllm/bin/ray start --head --port=8201\n" in head.text
+    assert "--distributed-executor-backend ray" in head.text
+    assert "--tensor-parallel-size 8 --pipeline-parallel-size 2" in head.text
+    assert f"\nExecStart=/opt/vllm/bin/ray start --address={ms[0].node.address}:8201 --block\n" in worker.text
+    assert "ExecStartPre" not in worker.text
+    assert f"Environment=VLLM_HOST_IP={ms[1].node.address}" in worker.text

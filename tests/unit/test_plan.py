@@ -145,16 +145,3 @@ def test_facts_digest_changes_when_a_card_fails() -> None:
     facts = fresh()
     facts["a"] = node_facts("a", faulty=(2,))
     assert make_plan(s, facts).facts_digest != before
-
-
-def test_ray_multi_node_is_refused_with_a_reason_not_rendered_as_native() -> None:
-    text = CLUSTER.replace(
-        "profiles:\n  vllm: {engine: vllm, ports: 8100-8199}",
-        "profiles:\n  vllm: {engine: vllm, ports: 8100-8199, multi_node: ray}",
-    )
-    plan = make_plan(spec(text), fresh())
-    assert (
-        "big",
-        "multi-node replicas with Ray (multi_node: ray) are not supported yet; use native",
-    ) in plan.unplaced
-    assert all(a.model != "big" for a in plan.actions)
