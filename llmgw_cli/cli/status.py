@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json as json_module
+import os
 import sys
 from typing import Annotated
 
@@ -63,4 +64,6 @@ def status(
         report = {"probe_seconds": round(snapshot.seconds, 3), **summary.model_dump(mode="json")}
         sys.stdout.write(json_module.dumps(report, indent=2) + "\n")
         return
-    Console().print(status_view(summary, snapshot.seconds))
+    # Piped output (a log, a pager) gets room for the tables instead of rich's 80 columns.
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+    Console(width=width).print(status_view(summary, snapshot.seconds))
