@@ -248,33 +248,29 @@ def make_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
         taken[model.name].add(index)
         writes = _units(spec, facts, model, replica, index=index, port=port)
         nodes = tuple(s.node for s in replica.slots)
+        stale: tuple[tuple[str, str], ...] = ()
         if previous is None:
+            op = "+"
             reason = "below min" if model.mode is ScalingMode.always else "requested"
-            actions.append(
-                Action(
-                    op="+",
-                    model=model.name,
-                    replica=index,
-                    nodes=nodes,
-                    write=writes,
-                    port=port,
-                    reason=reason,
-                )
+        else:
+            op = "~"
+            reason = (
+                "not running; started again"
+                if previous.spec_hash == spec_hash(spec, model)
+                else "spec changed"
             )
-            continue
-        why = "not running; started again" if previous.spec_hash == spec_hash(spec, model) else "spec changed"
-        written = {(w.node, w.name) for w in writes}
-        stale = tuple((n, previous.unit) for n in previous.members if (n, previous.unit) not in written)
+            written = {(w.node, w.name) for w in writes}
+            stale = tuple((n, previous.unit) for n in previous.members if (n, previous.unit) not in written)
         actions.append(
             Action(
-                op="~",
+                op=op,
                 model=model.name,
                 replica=index,
                 nodes=nodes,
                 write=writes,
                 remove=stale,
                 port=port,
-                reason=why,
+                reason=reason,
             )
         )
     for name, left in sorted_.replace.items():
