@@ -14,6 +14,7 @@ import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.core.engines import ENGINE_ENV_FILE
+from llmgw_cli.gateway.accesslog import AccessLog
 from llmgw_cli.gateway.server import serve
 from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource, StaticSource
 from llmgw_cli.gateway.state import Gateway, read_engine_key
@@ -56,7 +57,6 @@ def run(
     source: ReplicaSource = StaticSource.from_file(replicas) if replicas else ProbeSource(file.parent)
     store = SqliteStore(spec.gateway.state_dir)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
-    logging.getLogger("llmgw.access").setLevel(logging.INFO if access_log else logging.WARNING)
     gateway = Gateway(
         spec,
         source,
@@ -66,6 +66,7 @@ def run(
         discover_every=discover_every if replicas is None else 3600.0,
         health_every=health_every,
         flush_every=flush_every,
+        access_log=AccessLog(sys.stderr.buffer) if access_log else None,
     )
     try:  # optional: uvloop makes the event loop cheaper when it is installed
         runner: Callable[[Coroutine[Any, Any, None]], None] = importlib.import_module("uvloop").run

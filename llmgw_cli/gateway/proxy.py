@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,6 @@ from llmgw_cli.core.routing import Health, ModelState, Replica, model_state
 from llmgw_cli.gateway.state import Gateway
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
-access = logging.getLogger("llmgw.access")
 
 STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_ATTEMPTS = 3
@@ -104,24 +102,22 @@ async def forward(request: web.Request) -> web.StreamResponse:
                 now=time.time(),
             )
         gw.metrics.observe(outcome.model, outcome.status, outcome.prompt, outcome.completion, seconds)
-        if access.isEnabledFor(logging.INFO):
-            access.info(
-                json.dumps(
-                    {
-                        "path": request.path,
-                        "key": outcome.key,
-                        "model": outcome.model,
-                        "replica": outcome.replica,
-                        "status": outcome.status,
-                        "stream": outcome.stream,
-                        "prompt_tokens": outcome.prompt,
-                        "completion_tokens": outcome.completion,
-                        "attempts": outcome.attempts,
-                        "first_byte_ms": round(outcome.first_byte_ms, 3),
-                        "ms": round(seconds * 1000, 3),
-                    },
-                    separators=(",", ":"),
-                )
+        if gw.access_log is not None:
+            gw.access_log.write(
+                {
+                    "ts": round(time.time(), 3),
+                    "path": request.path,
+                    "key": outcome.key,
+                    "model": outcome.model,
+                    "replica": outcome.replica,
+                    "status": outcome.status,
+                    "stream": outcome.stream,
+                    "prompt_tokens": outcome.prompt,
+                    "completion_tokens": outcome.completion,
+                    "attempts": outcome.attempts,
+                    "first_byte_ms": round(outcome.first_byte_ms, 3),
+                    "ms": round(seconds * 1000, 3),
+                }
             )
 
 
@@ -220,16 +216,8 @@ async def _route(
     request: web.Request, gw: Gateway, outcome: Outcome, body: bytes, started: float
 ) -> web.StreamResponse:
     name = outcome.model
-    timeouts = gw.spec.gateway.timeouts
-    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
-    if gw.engine_key:
-        headers["Authorization"] = f"Bearer {gw.engine_key}"
-    timeout = aiohttp.ClientTimeout(
-        total=None,
-        connect=timeouts.connect,
-        sock_connect=timeouts.connect,
-        sock_read=timeouts.idle if outcome.stream else timeouts.first_byte,
-    )
+    headers = gw.upstream_headers
+    timeout = gw.stream_timeout if outcome.stream else gw.plain_timeout
     assert gw.session is not None
     tried: set[str] = set()
     replica = gw.pool.pick(name, time.monotonic())
@@ -248,7 +236,7 @@ async def _route(
         try:
             try:
                 upstream = await gw.session.post(
-                    f"http://{replica.address}{request.path}", data=body, headers=headers, timeout=timeout
+                    gw.url(replica.address, request.path), data=body, headers=headers, timeout=timeout
                 )
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
                 # Nothing reached the client and the engine did not answer: try another replica.

@@ -9,7 +9,6 @@ never mutate them in place. Disk work (the store) runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -18,11 +17,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
+from yarl import URL
 
 from llmgw_cli.core.keys import ApiKey
 from llmgw_cli.core.routing import Pool
 from llmgw_cli.core.spec import ClusterSpec, Model
 from llmgw_cli.errors import InputError
+from llmgw_cli.gateway.accesslog import AccessLog
 from llmgw_cli.gateway.metrics import Metrics
 from llmgw_cli.gateway.sources import ReplicaSource
 from llmgw_cli.gateway.store import Store
@@ -101,6 +102,7 @@ class Gateway:
         health_every: float = 2.0,
         flush_every: float = 5.0,
         keys_every: float = 5.0,
+        access_log: AccessLog | None = None,
     ) -> None:
         self.spec = spec
         self.catalog: dict[str, Model] = {m.name: m for m in spec.models}
@@ -113,6 +115,7 @@ class Gateway:
             "health": health_every,
             "flush": flush_every,
             "keys": keys_every,
+            "log": 0.2,
         }
         self.pool = Pool()
         self.meter = Meter()
@@ -122,6 +125,32 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.health_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.access_log = access_log
+        self._urls: dict[tuple[str, str], URL] = {}
+        self._upstream_settings()
+
+    def _upstream_settings(self) -> None:
+        """What every upstream request shares, built once per configuration, not per request."""
+        timeouts = self.spec.gateway.timeouts
+        self.upstream_headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+        if self.engine_key:
+            self.upstream_headers["Authorization"] = f"Bearer {self.engine_key}"
+        # sock_read bounds every read. A non-streamed answer arrives whole, so first_byte;
+        # engines open a stream at once (the role chunk), so idle bounds every gap of it.
+        self.plain_timeout = aiohttp.ClientTimeout(
+            total=None, connect=timeouts.connect, sock_connect=timeouts.connect, sock_read=timeouts.first_byte
+        )
+        self.stream_timeout = aiohttp.ClientTimeout(
+            total=None, connect=timeouts.connect, sock_connect=timeouts.connect, sock_read=timeouts.idle
+        )
+
+    def url(self, address: str, path: str) -> URL:
+        found = self._urls.get((address, path))
+        if found is None:
+            if len(self._urls) > 10_000:  # replicas come and go: never grow without bound
+                self._urls.clear()
+            found = self._urls[(address, path)] = URL(f"http://{address}{path}")
+        return found
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -143,17 +172,20 @@ class Gateway:
             ("health", self.check_health),
             ("flush", self.flush),
             ("keys", self.load_keys),
+            ("log", self.flush_log),
         ):
             self._tasks.append(asyncio.create_task(self._every(name, job), name=f"gateway-{name}"))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        await self.flush()
+        try:
+            await self.flush()
+        except Exception:
+            log.exception("could not write the last usage totals")
+        self.flush_log()
         for session in (self.session, self.health_session):
             if session is not None:
                 await session.close()
@@ -185,6 +217,7 @@ class Gateway:
             log.warning("listener addresses changed in the cluster file: they apply at the next restart")
         self.spec = spec
         self.catalog = {m.name: m for m in spec.models}
+        self._upstream_settings()
         await self.load_keys()
         await self.discover()
         await self.check_health()
@@ -229,6 +262,10 @@ class Gateway:
                 return resp.status
         except (aiohttp.ClientError, TimeoutError, OSError):
             return None
+
+    def flush_log(self) -> None:
+        if self.access_log is not None:
+            self.access_log.flush()
 
     async def flush(self) -> None:
         rows = self.meter.take()

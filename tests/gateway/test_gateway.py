@@ -196,7 +196,7 @@ def test_client_disconnect_ends_the_upstream_request(setup: Setup) -> None:
         time.sleep(0.05)
     else:
         pytest.fail("the upstream stream was still open 2 s after the client left")
-    time.sleep(0.2)
+    time.sleep(0.5)
     assert '"status":499' in gw.log.read_text()
 
 
@@ -225,7 +225,7 @@ def test_one_log_line_per_request(setup: Setup) -> None:
     setup.gw.client(setup.keys["chat-only"]).chat.completions.create(
         model="chat", messages=MESSAGES, max_tokens=3
     )
-    time.sleep(0.2)
+    time.sleep(0.5)
     lines = [json.loads(line) for line in setup.gw.log.read_text().splitlines() if line.startswith("{")]
     mine = [x for x in lines if x["key"] == "bob" and x["status"] == 200]
     assert len(mine) == 1
