@@ -42,7 +42,9 @@ _COMPLETION = json.dumps(
         "object": "chat.completion",
         "created": 0,
         "model": "bench",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok " * 16}, "finish_reason": "length"}],
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok " * 16}, "finish_reason": "length"}
+        ],
         "usage": {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21},
     }
 ).encode()
@@ -188,17 +190,25 @@ class Client(asyncio.Protocol):
 
 def _request(port: int, stream: bool, key: str) -> bytes:
     body = json.dumps(
-        {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "stream": stream},
+        {
+            "model": "bench",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 16,
+            "stream": stream,
+        },
         separators=(",", ":"),
     ).encode()
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
-        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (port, key.encode(), len(body), body)
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (port, key.encode(), len(body), body)
     )
 
 
 async def _connect(port: int, request: bytes) -> Client:
-    _, protocol = await asyncio.get_running_loop().create_connection(lambda: Client(request), "127.0.0.1", port)
+    _, protocol = await asyncio.get_running_loop().create_connection(
+        lambda: Client(request), "127.0.0.1", port
+    )
     return protocol
 
 
@@ -265,18 +275,26 @@ def rss_mib(pid: int) -> float:
 
 
 def ms(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] * 1000 if q < 100 else max(values) * 1000
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] * 1000
+        if q < 100
+        else max(values) * 1000
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--seconds", type=float, default=5.0, help="Duration of each throughput run.")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--latency-requests", type=int, default=2000)
     parser.add_argument("--gateway-cpu", default="0")
     parser.add_argument("--client-cpu", default="1")
-    parser.add_argument("--no-access-log", action="store_true", help="Gateway without its per-request log line.")
+    parser.add_argument(
+        "--no-access-log", action="store_true", help="Gateway without its per-request log line."
+    )
     args = parser.parse_args()
     if args.upstream:
         run_upstream(args.upstream)
@@ -297,7 +315,9 @@ def main() -> None:
                 },
                 "nodes": [{"name": "n1", "address": "127.0.0.1", "connection": "local"}],
                 "profiles": {"p": {"engine": "vllm"}},
-                "models": [{"name": "bench", "source": "org/bench", "profile": "p", "scaling": {"min": 1, "max": 1}}],
+                "models": [
+                    {"name": "bench", "source": "org/bench", "profile": "p", "scaling": {"min": 1, "max": 1}}
+                ],
             }
         )
     )
@@ -311,7 +331,9 @@ def main() -> None:
         text=True,
     ).stdout.strip()
     procs = [
-        subprocess.Popen(["taskset", "-c", args.client_cpu, sys.executable, __file__, "--upstream", str(up_port)])
+        subprocess.Popen(
+            ["taskset", "-c", args.client_cpu, sys.executable, __file__, "--upstream", str(up_port)]
+        )
     ]
     gw_log = (work / "gateway.log").open("wb")
     gw_cmd = ["taskset", "-c", args.gateway_cpu, *llmgw, "gateway", "run", "-f", str(work / "cluster.yaml")]
@@ -343,7 +365,9 @@ def main() -> None:
             p.wait(30)
         gw_log.close()
 
-    print(f"gateway RSS after the runs: {rss:.1f} MiB; log lines: {sum(1 for _ in (work / 'gateway.log').open('rb'))}")
+    print(
+        f"gateway RSS after the runs: {rss:.1f} MiB; log lines: {sum(1 for _ in (work / 'gateway.log').open('rb'))}"
+    )
     print("| mode | target | c=1 p50 ms | c=1 p99 ms | c=1 TTFB p50 ms | c=1 TTFB p99 ms | c=64 req/s |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
