@@ -132,6 +132,47 @@ def run_upstream(port: int) -> None:
     asyncio.run(main())
 
 
+# --- a minimal aiohttp proxy: the stack's own ceiling on this machine ------------------
+
+
+def run_minimal(port: int, upstream: int) -> None:
+    """Key check, JSON body read, pass-through: what the issue's peers measured, no more."""
+    import aiohttp  # noqa: PLC0415 (child mode only)
+    from aiohttp import web  # noqa: PLC0415
+
+    async def main() -> None:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        target = f"http://127.0.0.1:{upstream}/v1/chat/completions"
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            if request.headers.get("Authorization") is None:
+                return web.Response(status=401)
+            body = await request.read()
+            json.loads(body)
+            async with session.post(
+                target, data=body, headers={"Content-Type": "application/json", "Accept-Encoding": "identity"}
+            ) as up:
+                if not up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    return web.Response(
+                        status=up.status, body=await up.read(), content_type="application/json"
+                    )
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await out.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=2048).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
 # --- the load client ------------------------------------------------------------------
 
 
@@ -267,6 +308,35 @@ def wait_port(port: int, seconds: float = 30) -> None:
     raise SystemExit(f"nothing listens on {port}")
 
 
+LITELLM_KEY = "sk-bench-master"
+
+
+def start_litellm(
+    binary: str, cpu: str, work: Path, upstream: int, procs: list[subprocess.Popen[bytes]]
+) -> int:
+    """LiteLLM proxy, one worker, pinned like llmgw, routing ``bench`` to the same upstream."""
+    port = free_port()
+    config = {
+        "model_list": [
+            {
+                "model_name": "bench",
+                "litellm_params": {
+                    "model": "openai/bench",
+                    "api_base": f"http://127.0.0.1:{upstream}/v1",
+                    "api_key": ENGINE_KEY,
+                },
+            }
+        ],
+        "general_settings": {"master_key": LITELLM_KEY},
+    }
+    (work / "litellm.yaml").write_text(json.dumps(config))
+    log = (work / "litellm.log").open("wb")
+    cmd = ["taskset", "-c", cpu, binary, "--config", str(work / "litellm.yaml"), "--host", "127.0.0.1"]
+    procs.append(subprocess.Popen([*cmd, "--port", str(port), "--num_workers", "1"], stdout=log, stderr=log))
+    wait_port(port, seconds=120)
+    return port
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -282,11 +352,22 @@ def ms(values: list[float], q: float) -> float:
     )
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915 (one linear script)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--minimal", type=int, nargs=2, help=argparse.SUPPRESS)  # child mode
+    parser.add_argument(
+        "--with-minimal",
+        action="store_true",
+        help="Also measure a minimal aiohttp proxy (the stack's ceiling).",
+    )
+    parser.add_argument(
+        "--litellm",
+        metavar="BIN",
+        help="Also measure LiteLLM proxy: the `litellm` executable of a venv with litellm[proxy].",
+    )
     parser.add_argument("--seconds", type=float, default=5.0, help="Duration of each throughput run.")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--latency-requests", type=int, default=2000)
@@ -298,6 +379,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.upstream:
         run_upstream(args.upstream)
+        return
+    if args.minimal:
+        run_minimal(*args.minimal)
         return
 
     os.sched_setaffinity(0, {int(args.client_cpu)})
@@ -344,13 +428,36 @@ def main() -> None:
         wait_port(up_port)
         procs.append(subprocess.Popen(gw_cmd, stdout=gw_log, stderr=subprocess.STDOUT))
         wait_port(gw_port)
+        targets = [("direct", up_port), ("llmgw", gw_port)]
+        if args.with_minimal:
+            min_port = free_port()
+            procs.append(
+                subprocess.Popen(
+                    [
+                        "taskset",
+                        "-c",
+                        args.gateway_cpu,
+                        sys.executable,
+                        __file__,
+                        "--minimal",
+                        str(min_port),
+                        str(up_port),
+                    ]
+                )
+            )
+            wait_port(min_port)
+            targets.append(("minimal-aiohttp", min_port))
+        if args.litellm:
+            targets.append(("litellm", start_litellm(args.litellm, args.gateway_cpu, work, up_port, procs)))
         time.sleep(1.0)  # first health check done
         results: dict[str, dict[str, float]] = {}
         for stream in (False, True):
             mode = "stream50" if stream else "plain"
-            for target, port in (("direct", up_port), ("llmgw", gw_port)):
-                totals, firsts = asyncio.run(latency(port, stream, key, args.latency_requests))
-                rps = asyncio.run(throughput(port, stream, key, args.concurrency, args.seconds))
+            for target, port in targets:
+                token = LITELLM_KEY if target == "litellm" else key
+                count = min(args.latency_requests, 300) if target == "litellm" else args.latency_requests
+                totals, firsts = asyncio.run(latency(port, stream, token, count))
+                rps = asyncio.run(throughput(port, stream, token, args.concurrency, args.seconds))
                 results[f"{mode}/{target}"] = {
                     "p50_ms": ms(totals, 50),
                     "p99_ms": ms(totals, 99),
