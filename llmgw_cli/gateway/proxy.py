@@ -226,6 +226,7 @@ async def _route(
         if replica is None:
             return _unavailable(gw, name)
     last_error = ""
+    stale_retried = False
     while replica is not None and outcome.attempts < MAX_ATTEMPTS:
         current = replica
         outcome.attempts += 1
@@ -239,10 +240,15 @@ async def _route(
                     gw.url(replica.address, request.path), data=body, headers=headers, timeout=timeout
                 )
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-                # Nothing reached the client and the engine did not answer: try another replica.
-                gw.pool.failed(replica, time.monotonic())
+                # Nothing reached the client and the engine did not answer: try again.
                 gw.metrics.retries[name] += 1
                 last_error = str(exc) or type(exc).__name__
+                if isinstance(exc, aiohttp.ServerDisconnectedError) and not stale_retried:
+                    # Most likely a pooled keep-alive connection the engine had closed
+                    # (llama-server closes after every stream): once, on the same replica.
+                    stale_retried = True
+                    continue
+                gw.pool.failed(replica, time.monotonic())
                 replica = gw.pool.pick(name, time.monotonic(), frozenset(tried))
                 continue
             except (aiohttp.ClientError, TimeoutError) as exc:

@@ -101,6 +101,7 @@ class Gateway:
         (directory / "engine.env").write_text(f"LLMGW_ENGINE_KEY={engine_key}\n")
         self.log = directory / "gateway.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.clients: list[openai.OpenAI] = []
 
     def write(self, models: list[dict[str, object]], replicas: dict[str, list[str]]) -> None:
         spec = {
@@ -133,16 +134,26 @@ class Gateway:
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         assert self.proc is not None
+        self.close_clients()
         return stop(self.proc, sig)
 
     def client(self, key: str, **kwargs: object) -> openai.OpenAI:
-        return openai.OpenAI(
+        """An openai client, closed with ``close_clients`` (or ``stop``): an unclosed one
+        leaks sockets that fail a later test under ``-W error``."""
+        client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{self.port}/v1",
             api_key=key,
             max_retries=0,
             timeout=30,
             **kwargs,  # type: ignore[arg-type]
         )
+        self.clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.clients.clear()
 
     def admin(self, path: str, key: str) -> httpx.Response:
         return httpx.get(

@@ -366,6 +366,13 @@ def test_sighup_reloads_and_sigterm_drains_streams(tmp_path: Path) -> None:
             client.chat.completions.create(model="slow", messages=MESSAGES, max_tokens=16, stream=True)
         )
         next(stream)
+        gw.cluster.write_text(gw.cluster.read_text() + "\nbogus: 1\n")  # a broken file is refused
+        gw.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and "reload refused" not in gw.log.read_text():
+            time.sleep(0.1)
+        assert "reload refused" in gw.log.read_text()
+        assert client.chat.completions.create(model="slow", messages=MESSAGES, max_tokens=1).choices
         gw.write([model("slow", "always"), model("new", "off")], {"slow": [engine.address]})
         gw.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 5
@@ -387,6 +394,7 @@ def test_sighup_reloads_and_sigterm_drains_streams(tmp_path: Path) -> None:
         assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == 16
         assert gw.proc.wait(10) == 0
     finally:
+        gw.close_clients()
         if gw.proc.poll() is None:
             gw.stop()
         engine.stop()
