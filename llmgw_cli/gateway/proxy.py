@@ -9,8 +9,8 @@ from the tail of the stream, so no chunk is parsed on the way.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +61,19 @@ def _usage_from(data: Any) -> tuple[int, int]:
         return 0, 0
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     return (prompt if isinstance(prompt, int) else 0, completion if isinstance(completion, int) else 0)
+
+
+_USAGE_FIELD = re.compile(rb'"(prompt|completion)_tokens"\s*:\s*(\d+)')
+
+
+def body_usage(data: bytes) -> tuple[int, int]:
+    """Usage of a whole JSON answer without parsing it: an embeddings answer can be
+    megabytes of floats, and ``usage`` sits at its end (vLLM, SGLang, llama-server)."""
+    at = data.rfind(b'"usage"')
+    if at < 0:
+        return 0, 0
+    found = {m.group(1): int(m.group(2)) for m in _USAGE_FIELD.finditer(data, at, at + 400)}
+    return found.get(b"prompt", 0), found.get(b"completion", 0)
 
 
 def stream_usage(tail: bytes) -> tuple[int, int]:
@@ -290,8 +303,7 @@ async def _relay(
                 "upstream_error",
             )
         if upstream.status == 200:
-            with contextlib.suppress(ValueError):
-                outcome.prompt, outcome.completion = _usage_from(json.loads(data))
+            outcome.prompt, outcome.completion = body_usage(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
     out = web.StreamResponse(
         status=upstream.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}

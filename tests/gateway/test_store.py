@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from llmgw_cli.core.keys import ApiKey, bearer, hash_token, parse_expiry
 from llmgw_cli.errors import InputError
-from llmgw_cli.gateway.proxy import stream_usage
+from llmgw_cli.gateway.proxy import body_usage, stream_usage
 from llmgw_cli.gateway.state import Admission, read_engine_key
 from llmgw_cli.gateway.store import SqliteStore, Usage
 from llmgw_cli.gateway.usage import Meter, merged
@@ -120,3 +121,18 @@ def test_admission_cancelled_waiter_gives_up_its_place() -> None:
         return gate.active["m"]
 
     assert asyncio.run(scenario()) == 1
+
+
+def test_body_usage_reads_the_usage_object_without_parsing() -> None:
+    answer = {
+        "object": "list",
+        "data": [{"embedding": [0.1] * 50, "index": 0}],
+        "usage": {"prompt_tokens": 12, "total_tokens": 12},
+    }
+    assert body_usage(json.dumps(answer).encode()) == (12, 0)
+    chat = {
+        "choices": [{"message": {"content": '"usage": {"prompt_tokens": 99}'}}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 9},
+    }
+    assert body_usage(json.dumps(chat).encode()) == (4, 9)
+    assert body_usage(b'{"error": {"message": "bad"}}') == (0, 0)
