@@ -12,6 +12,7 @@ import asyncio
 import json
 import re
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
 STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_ATTEMPTS = 3
-TAIL = 16384  # bytes of a stream kept to find the usage chunk at its end
+TAIL_READS = 16  # reads of a stream kept to find the usage chunk at its end
 
 
 def error(
@@ -309,11 +310,12 @@ async def _relay(
         status=upstream.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
     )
     await out.prepare(request)
-    tail = b""
+    # The last reads only: copying a growing tail on every read cost more than the relay.
+    tail: deque[bytes] = deque(maxlen=TAIL_READS)
     try:
         async for chunk in upstream.content.iter_any():
             await out.write(chunk)
-            tail = (tail + chunk)[-TAIL:]
+            tail.append(chunk)
     except (aiohttp.ClientError, TimeoutError):
         # Bytes already reached the client: the stream can only be cut. The client sees
         # no [DONE]; the log line says so.
@@ -324,6 +326,6 @@ async def _relay(
         upstream.close()  # the client left: stop the generation upstream
         outcome.status = 499
         return out
-    outcome.prompt, outcome.completion = stream_usage(tail)
+    outcome.prompt, outcome.completion = stream_usage(b"".join(tail))
     await out.write_eof()
     return out
