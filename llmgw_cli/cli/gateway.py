@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import logging
 import sys
 from collections.abc import Callable, Coroutine
@@ -13,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
-from llmgw_cli.core.engines import ENGINE_ENV_FILE
+from llmgw_cli.core.engines import ENGINE_ENV_FILE, ENGINE_KEY_VAR
 from llmgw_cli.gateway.accesslog import AccessLog
 from llmgw_cli.gateway.server import serve
 from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource, StaticSource
@@ -40,7 +41,8 @@ def run(
         typer.Option(
             "--engine-key-file",
             envvar="LLMGW_ENGINE_KEY_FILE",
-            help="Env file with LLMGW_ENGINE_KEY=..., the key the engines require.",
+            help="Env file with LLMGW_ENGINE_KEY=..., the key the engines require "
+            "($LLMGW_ENGINE_KEY, when set, is used instead).",
         ),
     ] = Path(ENGINE_ENV_FILE),
     discover_every: Annotated[float, typer.Option(help="Seconds between probes of the nodes.")] = 15.0,
@@ -53,7 +55,9 @@ def run(
     SIGHUP reloads the cluster file; SIGTERM drains requests in flight, then exits.
     """
     spec = read_cluster(file)
-    engine_key = read_engine_key(engine_key_file)
+    # $LLMGW_ENGINE_KEY first: a systemd unit can pass the root-only engine.env with
+    # EnvironmentFile= to a gateway that runs unprivileged and cannot read the file itself.
+    engine_key = os.environ.get(ENGINE_KEY_VAR) or read_engine_key(engine_key_file)
     source: ReplicaSource = StaticSource.from_file(replicas) if replicas else ProbeSource(file.parent)
     store = SqliteStore(spec.gateway.state_dir)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from llmgw_cli.core.keys import bearer, hash_token
 from llmgw_cli.core.routing import model_state
+from llmgw_cli.errors import LlmgwError
 from llmgw_cli.gateway.proxy import GATEWAY, error, forward
 from llmgw_cli.gateway.state import Gateway, log
 from llmgw_cli.gateway.usage import merged
@@ -128,7 +129,10 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
             await runner.setup()
             runners.append(runner)
             host, port = split_listen(listen)
-            await web.TCPSite(runner, host, port, backlog=2048).start()
+            try:
+                await web.TCPSite(runner, host, port, backlog=2048).start()
+            except OSError as exc:
+                raise LlmgwError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
             log.info("listening on %s", listen)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
@@ -141,7 +145,7 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
         log.info("stopping: draining requests in flight for up to %ss", settings.drain_timeout)
         started = time.monotonic()
     finally:
-        # The public runner first: it stops accepting, then waits for its handlers.
+        # Each listener stops accepting, then waits for its handlers (up to drain_timeout).
         await asyncio.gather(*(r.cleanup() for r in runners))
         await gw.stop()
     log.info("stopped after draining %.1fs", time.monotonic() - started)
