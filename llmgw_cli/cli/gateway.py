@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import os
 import logging
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
