@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -472,9 +473,10 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
             p.wait(30)
         gw_log.close()
 
-    print(
-        f"gateway RSS after the runs: {rss:.1f} MiB; log lines: {sum(1 for _ in (work / 'gateway.log').open('rb'))}"
-    )
+    with (work / "gateway.log").open("rb") as lines:
+        count = sum(1 for _ in lines)
+    shutil.rmtree(work)
+    print(f"gateway RSS after the runs: {rss:.1f} MiB; log lines: {count}")
     print("| mode | target | c=1 p50 ms | c=1 p99 ms | c=1 TTFB p50 ms | c=1 TTFB p99 ms | c=64 req/s |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
