@@ -12,6 +12,7 @@ the pending usage, and return.
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import time
 from typing import Any
@@ -139,6 +140,10 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(gw.reload()))
+        # Everything loaded so far (modules, the spec, keys) lives as long as the process:
+        # move it out of the garbage collector's sight, so collections triggered by
+        # per-request garbage do not rescan it.
+        gc.freeze()
         if ready is not None:
             ready.set()
         await stop.wait()
