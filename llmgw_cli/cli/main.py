@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from llmgw_cli import __version__
-from llmgw_cli.cli import lab, render
+from llmgw_cli.cli import gateway, keys, lab, render
 from llmgw_cli.cli.apply import apply, plan
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.status import status
@@ -32,6 +32,8 @@ app.command()(status)
 app.command()(plan)
 app.command()(apply)
 app.add_typer(lab.app, name="lab")
+app.add_typer(gateway.app, name="gateway")
+app.add_typer(keys.app, name="keys")
 
 out = Console()
 err = Console(stderr=True)

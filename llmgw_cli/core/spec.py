@@ -120,6 +120,20 @@ class GatewaySettings(Spec):
         "answered 503 with Retry-After.",
     )
     timeouts: UpstreamTimeouts = Field(default_factory=UpstreamTimeouts, description="Upstream timeouts.")
+    max_request_size: Size = Field(
+        4 * 1024 * 1024, description="Largest request body accepted; a bigger one is answered 413."
+    )
+    model_concurrency: int = Field(
+        256, ge=1, description="Requests forwarded at once to one model (all its replicas together)."
+    )
+    model_queue: int = Field(
+        1024,
+        ge=0,
+        description="Requests that wait for a slot of one model; one more is answered 429.",
+    )
+    drain_timeout: Duration = Field(
+        30.0, description="On SIGTERM, how long in-flight requests and streams may still run."
+    )
 
 
 # --- fabrics and nodes --------------------------------------------------------------

@@ -1,0 +1,497 @@
+#!/usr/bin/env python3
+"""Gateway overhead: one fast fake upstream reached directly and through `llmgw gateway run`.
+
+    .venv/bin/python bench/gateway.py                     # defaults below
+    .venv/bin/python bench/gateway.py --seconds 10 --latency-requests 3000
+
+The gateway runs with everything on (key check, usage metering and batch writes, metrics,
+one JSON log line per request to a file) pinned to CPU 0 with ``taskset -c 0``; the fake
+upstream and this load client share CPU 1. The upstream and the client are raw asyncio
+protocols (no HTTP library) so that they cost little next to the gateway.
+
+Measured per mode (non-streaming; a 50-chunk SSE stream, each chunk written separately):
+- concurrency 1: p50/p99 latency direct and through the gateway, and the difference;
+  for streams, time to the first byte (TTFB);
+- concurrency 64: requests/s for ``--seconds``;
+- the gateway's RSS after the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_KEY = "bench-engine-key"
+CHUNKS = 50
+
+# --- the fake upstream ----------------------------------------------------------------
+
+_COMPLETION = json.dumps(
+    {
+        "id": "cmpl-1",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "bench",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok " * 16}, "finish_reason": "length"}
+        ],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21},
+    }
+).encode()
+_PLAIN = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(_COMPLETION)
+    + _COMPLETION
+)
+_HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _event(payload: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+_TOKEN = _chunk(
+    _event(
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "bench",
+            "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
+        }
+    )
+)
+_STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+_STREAM_TAIL = (
+    _chunk(
+        _event(
+            {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": "bench",
+                "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": CHUNKS, "total_tokens": CHUNKS + 5},
+            }
+        )
+    )
+    + _chunk(b"data: [DONE]\n\n")
+    + b"0\r\n\r\n"
+)
+
+
+class Upstream(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+        self.buf = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            length = 0
+            at = head.find(b"content-length:")
+            if at >= 0:
+                length = int(head[at + 15 : head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None])
+            if len(self.buf) < end + 4 + length:
+                return
+            body = self.buf[end + 4 : end + 4 + length]
+            self.buf = self.buf[end + 4 + length :]
+            if head.startswith(b"get"):
+                self.transport.write(_HEALTH)
+            elif b'"stream":true' in body.replace(b" ", b""):
+                self.transport.write(_STREAM_HEAD)
+                for _ in range(CHUNKS):
+                    self.transport.write(_TOKEN)
+                self.transport.write(_STREAM_TAIL)
+            else:
+                self.transport.write(_PLAIN)
+
+
+def run_upstream(port: int) -> None:
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Upstream, "127.0.0.1", port, backlog=1024)
+        await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# --- a minimal aiohttp proxy: the stack's own ceiling on this machine ------------------
+
+
+def run_minimal(port: int, upstream: int) -> None:
+    """Key check, JSON body read, pass-through: what the issue's peers measured, no more."""
+    import aiohttp  # noqa: PLC0415 (child mode only)
+    from aiohttp import web  # noqa: PLC0415
+
+    async def main() -> None:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        target = f"http://127.0.0.1:{upstream}/v1/chat/completions"
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            if request.headers.get("Authorization") is None:
+                return web.Response(status=401)
+            body = await request.read()
+            json.loads(body)
+            async with session.post(
+                target, data=body, headers={"Content-Type": "application/json", "Accept-Encoding": "identity"}
+            ) as up:
+                if not up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    return web.Response(
+                        status=up.status, body=await up.read(), content_type="application/json"
+                    )
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await out.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=2048).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+# --- the load client ------------------------------------------------------------------
+
+
+class Client(asyncio.Protocol):
+    """One keep-alive connection sending one request at a time."""
+
+    def __init__(self, request: bytes) -> None:
+        self.request = request
+        self.done: asyncio.Future[tuple[float, float]] | None = None
+        self.buf = b""
+        self.length = -1
+        self.chunked = False
+        self.sent = 0.0
+        self.first = 0.0
+        self.status = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+
+    def send(self) -> asyncio.Future[tuple[float, float]]:
+        self.done = asyncio.get_running_loop().create_future()
+        self.buf, self.length, self.chunked, self.first = b"", -1, False, 0.0
+        self.sent = time.perf_counter()
+        self.transport.write(self.request)
+        return self.done
+
+    def data_received(self, data: bytes) -> None:
+        if not self.first:
+            self.first = time.perf_counter()
+        self.buf += data
+        if self.length < 0 and not self.chunked:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            self.status = int(head[9:12])
+            at = head.find(b"content-length:")
+            if at >= 0:
+                stop = head.find(b"\r\n", at)
+                self.length = int(head[at + 15 : stop if stop > 0 else None])
+            else:
+                self.chunked = b"transfer-encoding: chunked" in head
+            self.buf = self.buf[end + 4 :]
+        complete = self.buf.endswith(b"0\r\n\r\n") if self.chunked else len(self.buf) >= self.length
+        if complete and self.done is not None and not self.done.done():
+            if self.status != 200:
+                self.done.set_exception(RuntimeError(f"HTTP {self.status}: {self.buf[:300]!r}"))
+            else:
+                now = time.perf_counter()
+                self.done.set_result((now - self.sent, self.first - self.sent))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError(f"connection lost: {exc}"))
+
+
+def _request(port: int, stream: bool, key: str) -> bytes:
+    body = json.dumps(
+        {
+            "model": "bench",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 16,
+            "stream": stream,
+        },
+        separators=(",", ":"),
+    ).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (port, key.encode(), len(body), body)
+    )
+
+
+async def _connect(port: int, request: bytes) -> Client:
+    _, protocol = await asyncio.get_running_loop().create_connection(
+        lambda: Client(request), "127.0.0.1", port
+    )
+    return protocol
+
+
+async def latency(port: int, stream: bool, key: str, count: int) -> tuple[list[float], list[float]]:
+    client = await _connect(port, _request(port, stream, key))
+    totals, firsts = [], []
+    for _ in range(count // 10):  # warm-up
+        await client.send()
+    for _ in range(count):
+        total, first = await client.send()
+        totals.append(total)
+        firsts.append(first)
+    client.transport.close()
+    return totals, firsts
+
+
+async def throughput(port: int, stream: bool, key: str, concurrency: int, seconds: float) -> float:
+    clients = [await _connect(port, _request(port, stream, key)) for _ in range(concurrency)]
+    counts = [0] * concurrency
+    stop_at = 0.0
+
+    async def loop(i: int) -> None:
+        while time.perf_counter() < stop_at:
+            await clients[i].send()
+            counts[i] += 1
+
+    stop_at = time.perf_counter() + 1.0  # warm-up second, not counted
+    await asyncio.gather(*(loop(i) for i in range(concurrency)))
+    counts = [0] * concurrency
+    started = time.perf_counter()
+    stop_at = started + seconds
+    await asyncio.gather(*(loop(i) for i in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    for c in clients:
+        c.transport.close()
+    return sum(counts) / elapsed
+
+
+# --- orchestration --------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"nothing listens on {port}")
+
+
+LITELLM_KEY = "sk-bench-master"
+
+
+def start_litellm(
+    binary: str, cpu: str, work: Path, upstream: int, procs: list[subprocess.Popen[bytes]]
+) -> int:
+    """LiteLLM proxy, one worker, pinned like llmgw, routing ``bench`` to the same upstream."""
+    port = free_port()
+    config = {
+        "model_list": [
+            {
+                "model_name": "bench",
+                "litellm_params": {
+                    "model": "openai/bench",
+                    "api_base": f"http://127.0.0.1:{upstream}/v1",
+                    "api_key": ENGINE_KEY,
+                },
+            }
+        ],
+        "general_settings": {"master_key": LITELLM_KEY},
+    }
+    (work / "litellm.yaml").write_text(json.dumps(config))
+    log = (work / "litellm.log").open("wb")
+    cmd = ["taskset", "-c", cpu, binary, "--config", str(work / "litellm.yaml"), "--host", "127.0.0.1"]
+    procs.append(subprocess.Popen([*cmd, "--port", str(port), "--num_workers", "1"], stdout=log, stderr=log))
+    wait_port(port, seconds=120)
+    return port
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def ms(values: list[float], q: float) -> float:
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] * 1000
+        if q < 100
+        else max(values) * 1000
+    )
+
+
+def main() -> None:  # noqa: PLR0915 (one linear script)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--minimal", type=int, nargs=2, help=argparse.SUPPRESS)  # child mode
+    parser.add_argument(
+        "--with-minimal",
+        action="store_true",
+        help="Also measure a minimal aiohttp proxy (the stack's ceiling).",
+    )
+    parser.add_argument(
+        "--litellm",
+        metavar="BIN",
+        help="Also measure LiteLLM proxy: the `litellm` executable of a venv with litellm[proxy].",
+    )
+    parser.add_argument("--seconds", type=float, default=5.0, help="Duration of each throughput run.")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--latency-requests", type=int, default=2000)
+    parser.add_argument("--gateway-cpu", default="0")
+    parser.add_argument("--client-cpu", default="1")
+    parser.add_argument(
+        "--no-access-log", action="store_true", help="Gateway without its per-request log line."
+    )
+    args = parser.parse_args()
+    if args.upstream:
+        run_upstream(args.upstream)
+        return
+    if args.minimal:
+        run_minimal(*args.minimal)
+        return
+
+    os.sched_setaffinity(0, {int(args.client_cpu)})
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
+    up_port, gw_port, admin_port, metrics_port = free_port(), free_port(), free_port(), free_port()
+    (work / "cluster.yaml").write_text(
+        json.dumps(
+            {
+                "cluster": {"name": "bench"},
+                "gateway": {
+                    "listen": f"127.0.0.1:{gw_port}",
+                    "admin_listen": f"127.0.0.1:{admin_port}",
+                    "metrics_listen": f"127.0.0.1:{metrics_port}",
+                    "state_dir": str(work / "state"),
+                },
+                "nodes": [{"name": "n1", "address": "127.0.0.1", "connection": "local"}],
+                "profiles": {"p": {"engine": "vllm"}},
+                "models": [
+                    {"name": "bench", "source": "org/bench", "profile": "p", "scaling": {"min": 1, "max": 1}}
+                ],
+            }
+        )
+    )
+    (work / "replicas.yaml").write_text(json.dumps({"bench": [f"127.0.0.1:{up_port}"]}))
+    (work / "engine.env").write_text(f"LLMGW_ENGINE_KEY={ENGINE_KEY}\n")
+    llmgw = [sys.executable, "-m", "llmgw_cli"]
+    key = subprocess.run(
+        [*llmgw, "keys", "create", "-f", str(work / "cluster.yaml"), "--name", "bench"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    procs = [
+        subprocess.Popen(
+            ["taskset", "-c", args.client_cpu, sys.executable, __file__, "--upstream", str(up_port)]
+        )
+    ]
+    gw_log = (work / "gateway.log").open("wb")
+    gw_cmd = ["taskset", "-c", args.gateway_cpu, *llmgw, "gateway", "run", "-f", str(work / "cluster.yaml")]
+    gw_cmd += ["--replicas", str(work / "replicas.yaml"), "--engine-key-file", str(work / "engine.env")]
+    if args.no_access_log:
+        gw_cmd.append("--no-access-log")
+    try:
+        wait_port(up_port)
+        procs.append(subprocess.Popen(gw_cmd, stdout=gw_log, stderr=subprocess.STDOUT))
+        wait_port(gw_port)
+        targets = [("direct", up_port), ("llmgw", gw_port)]
+        if args.with_minimal:
+            min_port = free_port()
+            procs.append(
+                subprocess.Popen(
+                    [
+                        "taskset",
+                        "-c",
+                        args.gateway_cpu,
+                        sys.executable,
+                        __file__,
+                        "--minimal",
+                        str(min_port),
+                        str(up_port),
+                    ]
+                )
+            )
+            wait_port(min_port)
+            targets.append(("minimal-aiohttp", min_port))
+        if args.litellm:
+            targets.append(("litellm", start_litellm(args.litellm, args.gateway_cpu, work, up_port, procs)))
+        time.sleep(1.0)  # first health check done
+        results: dict[str, dict[str, float]] = {}
+        for stream in (False, True):
+            mode = "stream50" if stream else "plain"
+            for target, port in targets:
+                token = LITELLM_KEY if target == "litellm" else key
+                count = min(args.latency_requests, 300) if target == "litellm" else args.latency_requests
+                totals, firsts = asyncio.run(latency(port, stream, token, count))
+                rps = asyncio.run(throughput(port, stream, token, args.concurrency, args.seconds))
+                results[f"{mode}/{target}"] = {
+                    "p50_ms": ms(totals, 50),
+                    "p99_ms": ms(totals, 99),
+                    "ttfb_p50_ms": ms(firsts, 50),
+                    "ttfb_p99_ms": ms(firsts, 99),
+                    "rps": rps,
+                }
+        rss = rss_mib(procs[1].pid)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(30)
+        gw_log.close()
+
+    with (work / "gateway.log").open("rb") as lines:
+        count = sum(1 for _ in lines)
+    shutil.rmtree(work)
+    print(f"gateway RSS after the runs: {rss:.1f} MiB; log lines: {count}")
+    print("| mode | target | c=1 p50 ms | c=1 p99 ms | c=1 TTFB p50 ms | c=1 TTFB p99 ms | c=64 req/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        mode, target = name.split("/")
+        print(
+            f"| {mode} | {target} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['ttfb_p50_ms']:.3f} | "
+            f"{r['ttfb_p99_ms']:.3f} | {r['rps']:,.0f} |"
+        )
+    for mode in ("plain", "stream50"):
+        d, g = results[f"{mode}/direct"], results[f"{mode}/llmgw"]
+        print(
+            f"{mode}: added p50 {g['p50_ms'] - d['p50_ms']:.3f} ms, added p99 {g['p99_ms'] - d['p99_ms']:.3f} ms, "
+            f"added TTFB p50 {g['ttfb_p50_ms'] - d['ttfb_p50_ms']:.3f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway daemon (`llmgw gateway run`): aiohttp server and client."""

@@ -1,0 +1,331 @@
+"""The public OpenAI API: authenticate, route, forward, stream back, meter.
+
+Hot path, per request: one dict lookup for the key, one ``json.loads`` of the body, one
+pick from the pool, one upstream request on a pooled connection. Streams are written to
+the client once per upstream read (never re-split into SSE events), and usage is read
+from the tail of the stream, so no chunk is parsed on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from llmgw_cli.core.keys import ApiKey, bearer, hash_token
+from llmgw_cli.core.routing import Health, ModelState, Replica, model_state
+from llmgw_cli.gateway.state import Gateway
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+
+STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions")
+MAX_ATTEMPTS = 3
+TAIL_READS = 16  # reads of a stream kept to find the usage chunk at its end
+
+
+def error(
+    status: int, message: str, kind: str, code: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    """An error in the OpenAI format."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return web.Response(
+        status=status, text=json.dumps(body), content_type="application/json", headers=headers
+    )
+
+
+@dataclass
+class Outcome:
+    """What one request did, for the log line, the usage meter and the metrics."""
+
+    key: str = "-"
+    model: str = "-"
+    replica: str = "-"
+    status: int = 0
+    prompt: int = 0
+    completion: int = 0
+    stream: bool = False
+    first_byte_ms: float = 0.0
+    attempts: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _usage_from(data: Any) -> tuple[int, int]:
+    usage = data.get("usage") if isinstance(data, dict) else None
+    if not isinstance(usage, dict):
+        return 0, 0
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (prompt if isinstance(prompt, int) else 0, completion if isinstance(completion, int) else 0)
+
+
+_USAGE_FIELD = re.compile(rb'"(prompt|completion)_tokens"\s*:\s*(\d+)')
+
+
+def body_usage(data: bytes) -> tuple[int, int]:
+    """Usage of a whole JSON answer without parsing it: an embeddings answer can be
+    megabytes of floats, and ``usage`` sits at its end (vLLM, SGLang, llama-server)."""
+    at = data.rfind(b'"usage"')
+    if at < 0:
+        return 0, 0
+    found = {m.group(1): int(m.group(2)) for m in _USAGE_FIELD.finditer(data, at, at + 400)}
+    return found.get(b"prompt", 0), found.get(b"completion", 0)
+
+
+def stream_usage(tail: bytes) -> tuple[int, int]:
+    """Usage from the last ``data:`` event that carries one (the include_usage chunk)."""
+    for event in reversed(tail.split(b"\n\n")):
+        line = event.strip()
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            try:
+                found = _usage_from(json.loads(line[6:]))
+            except ValueError:
+                continue
+            if found != (0, 0):
+                return found
+    return 0, 0
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    started = time.monotonic()
+    outcome = Outcome()
+    try:
+        response = await _forward(request, gw, outcome, started)
+        outcome.status = outcome.status or response.status
+        return response
+    except asyncio.CancelledError:
+        outcome.status = 499  # the client went away; the upstream request is closed with us
+        raise
+    finally:
+        key: ApiKey | None = outcome.extra.get("api_key")
+        seconds = time.monotonic() - started
+        if key is not None and outcome.model != "-":
+            gw.meter.record(
+                key.name,
+                outcome.model,
+                prompt=outcome.prompt,
+                completion=outcome.completion,
+                error=outcome.status >= 400,
+                latency_ms=seconds * 1000,
+                now=time.time(),
+            )
+        gw.metrics.observe(outcome.model, outcome.status, outcome.prompt, outcome.completion, seconds)
+        if gw.access_log is not None:
+            gw.access_log.write(
+                {
+                    "ts": round(time.time(), 3),
+                    "path": request.path,
+                    "key": outcome.key,
+                    "model": outcome.model,
+                    "replica": outcome.replica,
+                    "status": outcome.status,
+                    "stream": outcome.stream,
+                    "prompt_tokens": outcome.prompt,
+                    "completion_tokens": outcome.completion,
+                    "attempts": outcome.attempts,
+                    "first_byte_ms": round(outcome.first_byte_ms, 3),
+                    "ms": round(seconds * 1000, 3),
+                }
+            )
+
+
+async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started: float) -> web.StreamResponse:
+    key = gw.authenticate(bearer(request.headers.get("Authorization")), hash_token)
+    if key is None:
+        return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
+    outcome.key = key.name
+    limit = gw.spec.gateway.max_request_size
+    if (request.content_length or 0) > limit:
+        return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return error(400, "The body is not valid JSON.", "invalid_request_error", "invalid_json")
+    name = payload.get("model") if isinstance(payload, dict) else None
+    if not isinstance(name, str):
+        return error(400, "The request names no model.", "invalid_request_error", "missing_model")
+    model = gw.catalog.get(name)
+    if model is None:
+        return error(404, f"The model `{name}` does not exist.", "invalid_request_error", "model_not_found")
+    if not key.allows(name):
+        return error(
+            403, f"This key may not use the model `{name}`.", "invalid_request_error", "model_not_allowed"
+        )
+    outcome.model = name
+    outcome.extra["api_key"] = key
+    outcome.stream = payload.get("stream") is True and request.path in STREAMING_PATHS
+    if outcome.stream:
+        options = payload.get("stream_options")
+        if not (isinstance(options, dict) and options.get("include_usage") is True):
+            # Ask the engine for the usage chunk so streams are metered; the client gets
+            # it too (a valid OpenAI chunk with empty choices).
+            payload["stream_options"] = {
+                **(options if isinstance(options, dict) else {}),
+                "include_usage": True,
+            }
+            body = json.dumps(payload).encode()
+
+    settings = gw.spec.gateway
+    if not await gw.admission.enter(name, settings.model_concurrency, settings.model_queue):
+        return error(
+            429,
+            f"Too many requests for `{name}`; retry later.",
+            "rate_limit_error",
+            "overloaded",
+            {"Retry-After": "1"},
+        )
+    try:
+        return await _route(request, gw, outcome, body, started)
+    finally:
+        gw.admission.leave(name)
+
+
+async def _wait_ready(gw: Gateway, name: str, deadline: float) -> Replica | None:
+    while True:
+        replica = gw.pool.pick(name, time.monotonic())
+        if replica is not None or time.monotonic() >= deadline:
+            return replica
+        if not any(r.health in (Health.loading, Health.unknown) for r in gw.pool.of(name)):
+            return None
+        await asyncio.sleep(0.1)
+
+
+def _unavailable(gw: Gateway, name: str) -> web.Response:
+    state = model_state(gw.catalog[name], gw.pool.of(name))
+    if state is ModelState.off:
+        return error(
+            404,
+            f"The model `{name}` is switched off (no scaling in the cluster file).",
+            "invalid_request_error",
+            "model_off",
+        )
+    if state is ModelState.loading:
+        return error(
+            503,
+            f"The model `{name}` is loading; retry shortly.",
+            "server_error",
+            "model_loading",
+            {"Retry-After": "5"},
+        )
+    if state is ModelState.on_demand:
+        message = (
+            f"The model `{name}` runs on demand and is not running; this gateway does not start models yet."
+        )
+    else:
+        message = f"No replica of `{name}` is in rotation."
+    return error(503, message, "server_error", "model_unavailable", {"Retry-After": "30"})
+
+
+async def _route(
+    request: web.Request, gw: Gateway, outcome: Outcome, body: bytes, started: float
+) -> web.StreamResponse:
+    name = outcome.model
+    headers = gw.upstream_headers
+    timeout = gw.stream_timeout if outcome.stream else gw.plain_timeout
+    assert gw.session is not None
+    tried: set[str] = set()
+    replica = gw.pool.pick(name, time.monotonic())
+    if replica is None:
+        replica = await _wait_ready(gw, name, started + gw.spec.gateway.load_wait)
+        if replica is None:
+            return _unavailable(gw, name)
+    last_error = ""
+    stale_retried = False
+    while replica is not None and outcome.attempts < MAX_ATTEMPTS:
+        current = replica
+        outcome.attempts += 1
+        outcome.replica = replica.address
+        tried.add(replica.address)
+        replica.outstanding += 1
+        replica.requests += 1
+        try:
+            try:
+                upstream = await gw.session.post(
+                    gw.url(replica.address, request.path), data=body, headers=headers, timeout=timeout
+                )
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+                # Nothing reached the client and the engine did not answer: try again.
+                gw.metrics.retries[name] += 1
+                last_error = str(exc) or type(exc).__name__
+                if isinstance(exc, aiohttp.ServerDisconnectedError) and not stale_retried:
+                    # Most likely a pooled keep-alive connection the engine had closed
+                    # (llama-server closes after every stream): once, on the same replica.
+                    stale_retried = True
+                    continue
+                gw.pool.failed(replica, time.monotonic())
+                replica = gw.pool.pick(name, time.monotonic(), frozenset(tried))
+                continue
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                return error(
+                    502,
+                    f"The engine did not answer: {exc or type(exc).__name__}",
+                    "server_error",
+                    "upstream_error",
+                )
+            gw.pool.succeeded(replica)
+            outcome.first_byte_ms = (time.monotonic() - started) * 1000
+            try:
+                return await _relay(request, upstream, outcome)
+            finally:
+                upstream.release()  # closes the connection if the body was not read to the end
+        finally:
+            current.outstanding -= 1
+    return error(
+        502, f"No replica of `{name}` could be reached: {last_error}", "server_error", "upstream_error"
+    )
+
+
+async def _relay(
+    request: web.Request, upstream: aiohttp.ClientResponse, outcome: Outcome
+) -> web.StreamResponse:
+    if upstream.status == 401:
+        upstream.close()
+        return error(502, "The engine refused the gateway's engine key.", "server_error", "upstream_auth")
+    content_type = upstream.headers.get("Content-Type", "application/json")
+    if not content_type.startswith("text/event-stream"):
+        try:
+            data = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            upstream.close()
+            return error(
+                502,
+                f"The engine broke off its answer: {exc or type(exc).__name__}",
+                "server_error",
+                "upstream_error",
+            )
+        if upstream.status == 200:
+            outcome.prompt, outcome.completion = body_usage(data)
+        return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
+    out = web.StreamResponse(
+        status=upstream.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
+    )
+    await out.prepare(request)
+    # The last reads only: copying a growing tail on every read cost more than the relay.
+    tail: deque[bytes] = deque(maxlen=TAIL_READS)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await out.write(chunk)
+            tail.append(chunk)
+    except (aiohttp.ClientError, TimeoutError):
+        # Bytes already reached the client: the stream can only be cut. The client sees
+        # no [DONE]; the log line says so.
+        upstream.close()
+        outcome.extra["cut"] = True
+        return out
+    except ConnectionResetError:
+        upstream.close()  # the client left: stop the generation upstream
+        outcome.status = 499
+        return out
+    outcome.prompt, outcome.completion = stream_usage(b"".join(tail))
+    await out.write_eof()
+    return out

@@ -1,0 +1,75 @@
+"""Where the gateway learns which replicas exist: a ``ReplicaSource``.
+
+``ProbeSource`` reads the truth from the nodes (units and their labels, like ``llmgw
+status``); ``StaticSource`` is a fixed list (tests, benchmarks, an engine outside llmgw).
+Health is not their business: the gateway checks every replica they name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import yaml
+
+from llmgw_cli.core.plan import running_replicas
+from llmgw_cli.core.routing import endpoints
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.errors import InputError
+from llmgw_cli.remote.probe import gather
+
+
+class ReplicaSource(Protocol):
+    async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
+        """Serving addresses (``host:port``) by model name."""
+        ...
+
+
+class StaticSource:
+    def __init__(self, replicas: dict[str, list[str]]) -> None:
+        self.replicas = replicas
+
+    @classmethod
+    def from_file(cls, path: Path) -> StaticSource:
+        """A YAML or JSON mapping ``model: [host:port, ...]``."""
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise InputError(f"{path}: cannot read replicas: {exc}") from None
+        if not isinstance(data, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and all(isinstance(a, str) for a in v)
+            for k, v in data.items()
+        ):
+            raise InputError(f"{path}: expected a mapping of model name to a list of host:port")
+        return cls({k: list(v) for k, v in data.items()})
+
+    async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
+        return self.replicas
+
+
+class ProbeSource:
+    """Probe every node over SSH and take the replicas whose rank-0 unit is active."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.last: dict[str, list[str]] = {}
+
+    async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
+        snapshot = await gather(spec, self.base)
+        facts = {f.node: f for f in snapshot.nodes}
+        running = [
+            (r.model, r.port, r.members, r.states.get(r.members[0]) == "active")
+            for r in running_replicas(facts)
+            if r.members
+        ]
+        found = endpoints(spec, running)
+        # A node that could not be probed keeps the replicas it had: an SSH hiccup must not
+        # take healthy engines out of rotation (the health checks still judge them).
+        unreachable = {spec.node(f.node).address for f in snapshot.nodes if f.error}
+        for model, addresses in self.last.items():
+            for address in addresses:
+                host = address.rsplit(":", 1)[0].strip("[]")
+                if host in unreachable and address not in found.get(model, []):
+                    found.setdefault(model, []).append(address)
+        self.last = found
+        return found

@@ -1,0 +1,286 @@
+"""The gateway's live state and its background work: keys, replicas, health, usage flushes.
+
+Contract (concurrency): everything here runs on one asyncio loop. Request handlers read
+``keys``, ``catalog`` and the pool and bump counters without awaiting in between, so they
+need no lock. Background tasks replace ``keys`` and ``catalog`` wholesale (one assignment),
+never mutate them in place. Disk work (the store) runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import aiohttp
+from yarl import URL
+
+from llmgw_cli.core.keys import ApiKey
+from llmgw_cli.core.routing import Pool
+from llmgw_cli.core.spec import ClusterSpec, Model
+from llmgw_cli.errors import InputError
+from llmgw_cli.gateway.accesslog import AccessLog
+from llmgw_cli.gateway.metrics import Metrics
+from llmgw_cli.gateway.sources import ReplicaSource
+from llmgw_cli.gateway.store import Store
+from llmgw_cli.gateway.usage import Meter
+
+log = logging.getLogger("llmgw.gateway")
+
+
+def read_engine_key(path: Path) -> str:
+    """The engine key from an env file (``LLMGW_ENGINE_KEY=...``, as apply writes it)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"engine key file {path}: {exc.strerror} (give it with --engine-key-file)") from None
+    for line in text.splitlines():
+        name, sep, value = line.strip().partition("=")
+        if sep and name.strip() == "LLMGW_ENGINE_KEY":
+            return value.strip().strip("'\"")
+    raise InputError(f"engine key file {path}: no LLMGW_ENGINE_KEY=... line")
+
+
+class Admission:
+    """Per-model concurrency limit with a bounded FIFO queue.
+
+    ``enter`` returns False at once when the queue is full; otherwise it returns when the
+    caller holds a slot. ``leave`` hands the slot straight to the oldest waiter, so a
+    newcomer never overtakes the queue.
+    """
+
+    def __init__(self) -> None:
+        self.active: dict[str, int] = {}
+        self.waiting: dict[str, deque[asyncio.Future[None]]] = {}
+
+    async def enter(self, model: str, limit: int, queue: int) -> bool:
+        waiters = self.waiting.setdefault(model, deque())
+        if self.active.get(model, 0) < limit and not waiters:
+            self.active[model] = self.active.get(model, 0) + 1
+            return True
+        if len(waiters) >= queue:
+            return False
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters.append(future)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future in waiters:
+                waiters.remove(future)
+            elif future.done() and not future.cancelled():
+                self.leave(model)  # the slot was handed to us as we left: pass it on
+            raise
+        return True
+
+    def leave(self, model: str) -> None:
+        waiters = self.waiting.get(model)
+        while waiters:
+            future = waiters.popleft()
+            if not future.done():
+                future.set_result(None)
+                return
+        self.active[model] -= 1
+
+    def queued(self) -> dict[str, int]:
+        return {m: len(w) for m, w in self.waiting.items()}
+
+
+class Gateway:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        source: ReplicaSource,
+        store: Store,
+        engine_key: str,
+        *,
+        reload_spec: Callable[[], ClusterSpec] | None = None,
+        discover_every: float = 15.0,
+        health_every: float = 2.0,
+        flush_every: float = 5.0,
+        keys_every: float = 5.0,
+        access_log: AccessLog | None = None,
+    ) -> None:
+        self.spec = spec
+        self.catalog: dict[str, Model] = {m.name: m for m in spec.models}
+        self.source = source
+        self.store = store
+        self.engine_key = engine_key
+        self.reload_spec = reload_spec
+        self.every = {
+            "discover": discover_every,
+            "health": health_every,
+            "flush": flush_every,
+            "keys": keys_every,
+            "log": 0.2,
+        }
+        self.pool = Pool()
+        self.meter = Meter()
+        self.metrics = Metrics()
+        self.admission = Admission()
+        self.keys: dict[str, ApiKey] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self.health_session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.access_log = access_log
+        self._urls: dict[tuple[str, str], URL] = {}
+        self._upstream_settings()
+
+    def _upstream_settings(self) -> None:
+        """What every upstream request shares, built once per configuration, not per request."""
+        timeouts = self.spec.gateway.timeouts
+        self.upstream_headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+        if self.engine_key:
+            self.upstream_headers["Authorization"] = f"Bearer {self.engine_key}"
+        # sock_read bounds every read. A non-streamed answer arrives whole, so first_byte;
+        # engines open a stream at once (the role chunk), so idle bounds every gap of it.
+        self.plain_timeout = aiohttp.ClientTimeout(
+            total=None, connect=timeouts.connect, sock_connect=timeouts.connect, sock_read=timeouts.first_byte
+        )
+        self.stream_timeout = aiohttp.ClientTimeout(
+            total=None, connect=timeouts.connect, sock_connect=timeouts.connect, sock_read=timeouts.idle
+        )
+
+    def url(self, address: str, path: str) -> URL:
+        found = self._urls.get((address, path))
+        if found is None:
+            if len(self._urls) > 10_000:  # replicas come and go: never grow without bound
+                self._urls.clear()
+            found = self._urls[(address, path)] = URL(f"http://{address}{path}")
+        return found
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        # limit=0: no cap on pooled upstream connections (the per-model admission limit
+        # is the cap); the default 100 would queue requests inside aiohttp.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        )
+        self.health_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True), cookie_jar=aiohttp.DummyCookieJar()
+        )
+        await self.load_keys()
+        await self.discover()
+        await self.check_health()
+        for name, job in (
+            ("discover", self.discover),
+            ("health", self.check_health),
+            ("flush", self.flush),
+            ("keys", self.load_keys),
+            ("log", self.flush_log),
+        ):
+            self._tasks.append(asyncio.create_task(self._every(name, job), name=f"gateway-{name}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        try:
+            await self.flush()
+        except Exception:
+            log.exception("could not write the last usage totals")
+        self.flush_log()
+        for session in (self.session, self.health_session):
+            if session is not None:
+                await session.close()
+
+    async def _every(self, name: str, job: Callable[[], object]) -> None:
+        while True:
+            await asyncio.sleep(self.every[name])
+            try:
+                result = job()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:  # a background job never dies: log it, try again next round
+                log.exception("gateway %s failed", name)
+
+    async def reload(self) -> None:
+        """SIGHUP: read the cluster file again; listeners and open connections are kept."""
+        if self.reload_spec is None:
+            return
+        try:
+            spec = await asyncio.to_thread(self.reload_spec)
+        except Exception as exc:
+            log.error("reload refused, keeping the running configuration: %s", exc)
+            return
+        if (spec.gateway.listen, spec.gateway.admin_listen, spec.gateway.metrics_listen) != (
+            self.spec.gateway.listen,
+            self.spec.gateway.admin_listen,
+            self.spec.gateway.metrics_listen,
+        ):
+            log.warning("listener addresses changed in the cluster file: they apply at the next restart")
+        self.spec = spec
+        self.catalog = {m.name: m for m in spec.models}
+        self._upstream_settings()
+        await self.load_keys()
+        await self.discover()
+        await self.check_health()
+        log.info("reloaded the cluster file: %d models", len(self.catalog))
+
+    # --- background jobs ----------------------------------------------------------
+
+    async def load_keys(self) -> None:
+        keys = await asyncio.to_thread(self.store.api_keys)
+        self.keys = {k.digest: k for k in keys}
+
+    async def discover(self) -> None:
+        found = await self.source.discover(self.spec)
+        self.pool.replace({m: a for m, a in found.items() if m in self.catalog}, time.monotonic())
+
+    async def check_health(self) -> None:
+        replicas = self.pool.all()
+        statuses = await asyncio.gather(*(self._health(r.address, r.model) for r in replicas))
+        now = time.monotonic()
+        for replica, status in zip(replicas, statuses, strict=True):
+            before = replica.health
+            self.pool.checked(replica, status, now)
+            if replica.health is not before:
+                log.info(
+                    "replica %s of %s: %s -> %s",
+                    replica.address,
+                    replica.model,
+                    before.value,
+                    replica.health.value,
+                )
+
+    async def _health(self, address: str, model: str) -> int | None:
+        assert self.health_session is not None
+        path = (
+            self.spec.profiles[self.catalog[model].profile].readiness.path
+            if model in self.catalog
+            else "/health"
+        )
+        timeout = aiohttp.ClientTimeout(total=max(2.0, self.spec.gateway.timeouts.connect))
+        try:
+            async with self.health_session.get(f"http://{address}{path}", timeout=timeout) as resp:
+                return resp.status
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return None
+
+    def flush_log(self) -> None:
+        if self.access_log is not None:
+            self.access_log.flush()
+
+    async def flush(self) -> None:
+        rows = self.meter.take()
+        if not rows:
+            return
+        try:
+            await asyncio.to_thread(self.store.add_usage, rows)
+        except Exception:
+            self.meter.put_back(rows)
+            raise
+
+    # --- per request --------------------------------------------------------------
+
+    def authenticate(self, token: str | None, digest: Callable[[str], str]) -> ApiKey | None:
+        if token is None:
+            return None
+        key = self.keys.get(digest(token))
+        return key if key is not None and key.valid(datetime.now(UTC)) else None

@@ -1,0 +1,160 @@
+"""The gateway's own data: API keys and usage totals, in SQLite in ``gateway.state_dir``.
+
+Callers use the ``Store`` protocol only, so no SQLite-specific SQL leaves this module: the
+next step (several gateways sharing PostgreSQL) swaps the implementation, not the callers.
+
+Contract: every method blocks (disk I/O). The gateway calls them from a worker thread
+(``asyncio.to_thread``), never on the request path; one connection per call keeps the
+object safe to use from any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Protocol
+
+from llmgw_cli.core.keys import ApiKey
+from llmgw_cli.errors import InputError
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Totals for one (day, key, model)."""
+
+    day: str
+    key: str
+    model: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    errors: int = 0
+    latency_ms: float = 0.0  # sum; divide by requests for the mean
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "day": self.day,
+            "key": self.key,
+            "model": self.model,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "errors": self.errors,
+            "mean_latency_ms": round(self.latency_ms / self.requests, 3) if self.requests else 0.0,
+        }
+
+
+class Store(Protocol):
+    def add_key(self, key: ApiKey) -> None: ...
+    def api_keys(self) -> list[ApiKey]: ...
+    def revoke(self, name: str) -> bool: ...
+    def add_usage(self, rows: list[Usage]) -> None: ...
+    def usage(self) -> list[Usage]: ...
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS api_keys (
+  name TEXT PRIMARY KEY, digest TEXT NOT NULL UNIQUE, models TEXT NOT NULL,
+  expires TEXT, created TEXT NOT NULL, revoked INTEGER NOT NULL DEFAULT 0,
+  admin INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS usage (
+  day TEXT NOT NULL, key TEXT NOT NULL, model TEXT NOT NULL,
+  requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+  errors INTEGER NOT NULL, latency_ms REAL NOT NULL, PRIMARY KEY (day, key, model));
+"""
+
+
+def _time(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text) if text else None
+
+
+class SqliteStore:
+    """``Store`` in ``<state_dir>/gateway.sqlite3`` (created 0700/0600: it holds key digests)."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        directory = Path(state_dir)
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise InputError(f"gateway state_dir {directory}: {exc.strerror}") from None
+        self.path = directory / "gateway.sqlite3"
+        with self._db() as db:
+            db.executescript(_SCHEMA)
+        self.path.chmod(0o600)
+
+    @contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.path, timeout=10)
+        try:
+            with db:  # one transaction: commit, or roll back on error
+                yield db
+        finally:
+            db.close()
+
+    def add_key(self, key: ApiKey) -> None:
+        created = (key.created or datetime.now(UTC)).isoformat()
+        expires = key.expires.isoformat() if key.expires else None
+        try:
+            with self._db() as db:
+                db.execute(
+                    "INSERT INTO api_keys (name, digest, models, expires, created, revoked, admin)"
+                    " VALUES (?, ?, ?, ?, ?, 0, ?)",
+                    (key.name, key.digest, json.dumps(list(key.models)), expires, created, int(key.admin)),
+                )
+        except sqlite3.IntegrityError:
+            raise InputError(f"a key named {key.name!r} exists already") from None
+
+    def api_keys(self) -> list[ApiKey]:
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT name, digest, models, expires, created, revoked, admin FROM api_keys ORDER BY name"
+            ).fetchall()
+        return [
+            ApiKey(
+                name=r[0],
+                digest=r[1],
+                models=tuple(json.loads(r[2])),
+                expires=_time(r[3]),
+                created=_time(r[4]),
+                revoked=bool(r[5]),
+                admin=bool(r[6]),
+            )
+            for r in rows
+        ]
+
+    def revoke(self, name: str) -> bool:
+        with self._db() as db:
+            return db.execute("UPDATE api_keys SET revoked = 1 WHERE name = ?", (name,)).rowcount > 0
+
+    def add_usage(self, rows: list[Usage]) -> None:
+        with self._db() as db:
+            db.executemany(
+                "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (day, key, model) DO UPDATE SET"
+                " requests = requests + excluded.requests,"
+                " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
+                " completion_tokens = completion_tokens + excluded.completion_tokens,"
+                " errors = errors + excluded.errors, latency_ms = latency_ms + excluded.latency_ms",
+                [
+                    (
+                        u.day,
+                        u.key,
+                        u.model,
+                        u.requests,
+                        u.prompt_tokens,
+                        u.completion_tokens,
+                        u.errors,
+                        u.latency_ms,
+                    )
+                    for u in rows
+                ],
+            )
+
+    def usage(self) -> list[Usage]:
+        with self._db() as db:
+            rows = db.execute("SELECT * FROM usage ORDER BY day, key, model").fetchall()
+        return [Usage(*r) for r in rows]

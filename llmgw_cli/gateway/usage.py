@@ -1,0 +1,94 @@
+"""Usage totals per (day, key, model), counted in memory and written in batches.
+
+Contract: ``record`` runs on the event loop for every request and only adds to a dict;
+``take`` hands the pending totals to the flusher (which writes them from a thread) and
+starts a new batch. A batch that fails to write is put back, so nothing is lost while the
+process lives; what is pending when the process is killed (not stopped) is lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from llmgw_cli.gateway.store import Usage
+
+
+@dataclass
+class _Counts:
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    errors: int = 0
+    latency_ms: float = 0.0
+
+
+class Meter:
+    def __init__(self) -> None:
+        self._pending: dict[tuple[str, str, str], _Counts] = {}
+
+    def record(
+        self,
+        key: str,
+        model: str,
+        *,
+        prompt: int,
+        completion: int,
+        error: bool,
+        latency_ms: float,
+        now: float,
+    ) -> None:
+        day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
+        counts = self._pending.get((day, key, model))
+        if counts is None:
+            counts = self._pending[(day, key, model)] = _Counts()
+        counts.requests += 1
+        counts.prompt_tokens += prompt
+        counts.completion_tokens += completion
+        counts.errors += error
+        counts.latency_ms += latency_ms
+
+    def take(self) -> list[Usage]:
+        pending, self._pending = self._pending, {}
+        return [
+            Usage(d, k, m, c.requests, c.prompt_tokens, c.completion_tokens, c.errors, c.latency_ms)
+            for (d, k, m), c in pending.items()
+        ]
+
+    def put_back(self, rows: list[Usage]) -> None:
+        for u in rows:
+            counts = self._pending.setdefault((u.day, u.key, u.model), _Counts())
+            counts.requests += u.requests
+            counts.prompt_tokens += u.prompt_tokens
+            counts.completion_tokens += u.completion_tokens
+            counts.errors += u.errors
+            counts.latency_ms += u.latency_ms
+
+    def pending(self) -> list[Usage]:
+        """Not yet written totals (the admin API adds them to the stored ones)."""
+        return [
+            Usage(d, k, m, c.requests, c.prompt_tokens, c.completion_tokens, c.errors, c.latency_ms)
+            for (d, k, m), c in self._pending.items()
+        ]
+
+
+def merged(stored: list[Usage], pending: list[Usage]) -> list[Usage]:
+    """Stored totals plus the pending ones, one row per (day, key, model)."""
+    by: dict[tuple[str, str, str], Usage] = {}
+    for u in [*stored, *pending]:
+        old = by.get((u.day, u.key, u.model))
+        by[(u.day, u.key, u.model)] = (
+            u
+            if old is None
+            else Usage(
+                u.day,
+                u.key,
+                u.model,
+                old.requests + u.requests,
+                old.prompt_tokens + u.prompt_tokens,
+                old.completion_tokens + u.completion_tokens,
+                old.errors + u.errors,
+                old.latency_ms + u.latency_ms,
+            )
+        )
+    return [by[k] for k in sorted(by)]

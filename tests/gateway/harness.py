@@ -1,0 +1,163 @@
+"""Real processes for the gateway tests: simulated engines and `llmgw gateway run`, on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import yaml
+
+ENGINE_KEY = "engine-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"{url} not up:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, wait: float = 15) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+class Engine:
+    """A simulated vLLM serving ``name`` on 127.0.0.1, requiring the engine key."""
+
+    def __init__(
+        self, directory: Path, name: str, tokens_per_second: float = 0, key: str = ENGINE_KEY, port: int = 0
+    ) -> None:
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = directory / f"engine-{name}-{self.port}.log"
+        env = {
+            **os.environ,
+            "LLMGW_LAB_LOAD_SECONDS": "0",
+            "LLMGW_LAB_GPUS": "/nonexistent",
+            "LLMGW_LAB_TOKENS_PER_SECOND": str(tokens_per_second),
+        }
+        argv = [sys.executable, "-m", "llmgw_cli.lab.engine_sim", "vllm", "serve", f"org/{name}"]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", name]
+        argv += ["--api-key", key]
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        wait_http(f"http://{self.address}/health", self.proc, self.log)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        stop(self.proc, sig)
+
+
+class Gateway:
+    """`llmgw gateway run` with a cluster file, a static replica file and an engine key file."""
+
+    def __init__(
+        self,
+        directory: Path,
+        models: list[dict[str, object]],
+        replicas: dict[str, list[str]],
+        engine_key: str = ENGINE_KEY,
+        **gateway: object,
+    ) -> None:
+        self.dir = directory
+        self.port, self.admin_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.settings = {
+            "listen": f"127.0.0.1:{self.port}",
+            "admin_listen": f"127.0.0.1:{self.admin_port}",
+            "metrics_listen": f"127.0.0.1:{self.metrics_port}",
+            "state_dir": str(directory / "state"),
+            "load_wait": "1s",
+            **gateway,
+        }
+        self.cluster = directory / "cluster.yaml"
+        self.replicas = directory / "replicas.yaml"
+        self.write(models, replicas)
+        (directory / "engine.env").write_text(f"LLMGW_ENGINE_KEY={engine_key}\n")
+        self.log = directory / "gateway.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.clients: list[openai.OpenAI] = []
+
+    def write(self, models: list[dict[str, object]], replicas: dict[str, list[str]]) -> None:
+        spec = {
+            "cluster": {"name": "gw"},
+            "gateway": self.settings,
+            "nodes": [{"name": "n1", "address": "127.0.0.1", "connection": "local"}],
+            "profiles": {"sim": {"engine": "vllm"}},
+            "models": models,
+        }
+        self.cluster.write_text(yaml.safe_dump(spec))
+        self.replicas.write_text(yaml.safe_dump(replicas))
+
+    def cli(self, *args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "llmgw_cli", *args, "-f", str(self.cluster)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(self.cluster)]
+        argv += ["--replicas", str(self.replicas), "--engine-key-file", str(self.dir / "engine.env")]
+        argv += ["--health-every", "0.3", "--flush-every", "0.5"]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        wait_http(f"http://127.0.0.1:{self.port}/health", self.proc, self.log)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        self.close_clients()
+        return stop(self.proc, sig)
+
+    def client(self, key: str, **kwargs: object) -> openai.OpenAI:
+        """An openai client, closed with ``close_clients`` (or ``stop``): an unclosed one
+        leaks sockets that fail a later test under ``-W error``."""
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1",
+            api_key=key,
+            max_retries=0,
+            timeout=30,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        self.clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.clients.clear()
+
+    def admin(self, path: str, key: str) -> httpx.Response:
+        return httpx.get(
+            f"http://127.0.0.1:{self.admin_port}{path}",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=10,
+        )

@@ -1,0 +1,113 @@
+"""ProbeSource: replicas from the nodes' units and labels, as the probe reports them."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from llmgw_cli.core.facts import NodeFacts, UnitState
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.errors import InputError
+from llmgw_cli.gateway import sources
+from llmgw_cli.gateway.sources import ProbeSource, StaticSource
+from llmgw_cli.remote.probe import Snapshot
+
+CLUSTER = """
+cluster: {name: t}
+fabrics:
+  ib: {kind: infiniband}
+nodes:
+  - {name: a, address: 10.0.0.1, fabric: ib}
+  - {name: b, address: 10.0.0.2, fabric: ib}
+profiles:
+  p: {engine: vllm}
+models:
+  - {name: big, source: o/big, profile: p, nodes: 2, scaling: {min: 1, max: 1}}
+  - {name: small, source: o/small, profile: p, scaling: {min: 1, max: 2}}
+"""
+
+
+def unit(name: str, state: str = "active") -> UnitState:
+    return UnitState(
+        name=name,
+        load_state="loaded",
+        active_state=state,
+        sub_state="running",
+        result="success",
+        main_pid=1,
+        n_restarts=0,
+        exec_main_code=0,
+        exec_main_status=0,
+    )
+
+
+def labels(model: str, replica: int, port: int, members: str) -> dict[str, str]:
+    return {"Model": model, "Replica": str(replica), "Port": str(port), "Members": members}
+
+
+def probed(*facts: NodeFacts) -> Snapshot:
+    return Snapshot(nodes=facts, seconds=0.0)
+
+
+def run(
+    source: ProbeSource, spec: ClusterSpec, snapshot: Snapshot, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, list[str]]:
+    async def fake_gather(_spec: ClusterSpec, _base: Path) -> Snapshot:
+        return snapshot
+
+    monkeypatch.setattr(sources, "gather", fake_gather)
+    return asyncio.run(source.discover(spec))
+
+
+def test_probe_source_takes_rank_zero_of_active_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = parse_cluster(CLUSTER)
+    a = NodeFacts(
+        node="a",
+        units=(
+            unit("llmgw-big-0.service"),
+            unit("llmgw-small-0.service"),
+            unit("llmgw-small-1.service", "failed"),
+        ),
+        unit_labels={
+            "llmgw-big-0.service": labels("big", 0, 8100, "a,b"),
+            "llmgw-small-0.service": labels("small", 0, 8101, "a"),
+            "llmgw-small-1.service": labels("small", 1, 8102, "a"),
+        },
+    )
+    b = NodeFacts(
+        node="b",
+        units=(unit("llmgw-big-0.service"),),
+        unit_labels={"llmgw-big-0.service": labels("big", 0, 8100, "a,b")},
+    )
+    found = run(ProbeSource(Path()), spec, probed(a, b), monkeypatch)
+    assert found == {"big": ["10.0.0.1:8100"], "small": ["10.0.0.1:8101"]}
+
+
+def test_an_unreachable_node_keeps_its_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = parse_cluster(CLUSTER)
+    source = ProbeSource(Path())
+    b_up = NodeFacts(
+        node="b",
+        units=(unit("llmgw-small-0.service"),),
+        unit_labels={"llmgw-small-0.service": labels("small", 0, 8101, "b")},
+    )
+    assert run(source, spec, probed(NodeFacts(node="a"), b_up), monkeypatch) == {"small": ["10.0.0.2:8101"]}
+    b_down = NodeFacts(node="b", error="timed out", error_kind="timeout")
+    assert run(source, spec, probed(NodeFacts(node="a"), b_down), monkeypatch) == {"small": ["10.0.0.2:8101"]}
+    b_stopped = NodeFacts(node="b", units=(), unit_labels={})
+    assert run(source, spec, probed(NodeFacts(node="a"), b_stopped), monkeypatch) == {}
+
+
+def test_static_source_file(tmp_path: Path) -> None:
+    path = tmp_path / "replicas.yaml"
+    path.write_text("small: ['127.0.0.1:8000', '127.0.0.1:8001']\n")
+    spec = parse_cluster(CLUSTER)
+    assert asyncio.run(StaticSource.from_file(path).discover(spec)) == {
+        "small": ["127.0.0.1:8000", "127.0.0.1:8001"]
+    }
+    path.write_text("small: 8000\n")
+    with pytest.raises(InputError, match="host:port"):
+        StaticSource.from_file(path)

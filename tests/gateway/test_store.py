@@ -1,0 +1,138 @@
+"""Keys and usage in SQLite, the per-model admission queue, and reading usage off a stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from llmgw_cli.core.keys import ApiKey, bearer, hash_token, parse_expiry
+from llmgw_cli.errors import InputError
+from llmgw_cli.gateway.proxy import body_usage, stream_usage
+from llmgw_cli.gateway.state import Admission, read_engine_key
+from llmgw_cli.gateway.store import SqliteStore, Usage
+from llmgw_cli.gateway.usage import Meter, merged
+
+
+def test_keys_round_trip_and_revoke(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state")
+    expires = datetime(2030, 1, 1, tzinfo=UTC)
+    store.add_key(ApiKey("a", hash_token("tok-a"), ("m1", "m2"), expires, admin=True))
+    store.add_key(ApiKey("b", hash_token("tok-b")))
+    with pytest.raises(InputError, match="exists already"):
+        store.add_key(ApiKey("a", hash_token("other")))
+    a, _ = store.api_keys()
+    assert (a.name, a.models, a.expires, a.admin, a.revoked) == ("a", ("m1", "m2"), expires, True, False)
+    assert "tok-a" not in (tmp_path / "state" / "gateway.sqlite3").read_bytes().decode(errors="replace")
+    assert store.revoke("b") and not store.revoke("nobody")
+    assert store.api_keys()[1].revoked
+    assert oct((tmp_path / "state" / "gateway.sqlite3").stat().st_mode & 0o777) == "0o600"
+
+
+def test_key_checks() -> None:
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+    key = ApiKey("a", "d", ("m1",), now + timedelta(days=1))
+    assert key.allows("m1") and not key.allows("m2")
+    assert key.valid(now) and not key.valid(now + timedelta(days=2))
+    assert ApiKey("b", "d").allows("anything")
+    assert not ApiKey("c", "d", revoked=True).valid(now)
+    assert parse_expiry("2027-01-31") == datetime(2027, 1, 31, tzinfo=UTC)
+    assert bearer("Bearer abc") == "abc" and bearer("Basic abc") is None and bearer(None) is None
+
+
+def test_usage_adds_up_across_batches(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path)
+    meter = Meter()
+    now = datetime(2026, 6, 1, 12, tzinfo=UTC).timestamp()
+    meter.record("a", "m", prompt=3, completion=5, error=False, latency_ms=10.0, now=now)
+    meter.record("a", "m", prompt=1, completion=0, error=True, latency_ms=2.0, now=now)
+    store.add_usage(meter.take())
+    meter.record("a", "m", prompt=2, completion=2, error=False, latency_ms=3.0, now=now)
+    assert meter.take() and not meter.take()
+    meter.record("a", "m", prompt=2, completion=2, error=False, latency_ms=3.0, now=now)
+    store.add_usage(meter.take())
+    (row,) = store.usage()
+    assert row == Usage("2026-06-01", "a", "m", 3, 6, 7, 1, 15.0)
+    meter.record("a", "m", prompt=1, completion=1, error=False, latency_ms=1.0, now=now)
+    (total,) = merged(store.usage(), meter.pending())
+    assert (total.requests, total.prompt_tokens) == (4, 7)
+
+
+def test_engine_key_file(tmp_path: Path) -> None:
+    path = tmp_path / "engine.env"
+    path.write_text("# llmgw\nLLMGW_ENGINE_KEY='s3cret'\n")
+    assert read_engine_key(path) == "s3cret"
+    path.write_text("OTHER=1\n")
+    with pytest.raises(InputError, match="no LLMGW_ENGINE_KEY"):
+        read_engine_key(path)
+    with pytest.raises(InputError, match="engine-key-file"):
+        read_engine_key(tmp_path / "missing")
+
+
+def test_stream_usage_reads_the_last_usage_chunk() -> None:
+    tail = (
+        b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert stream_usage(tail) == (7, 3)
+    assert stream_usage(b'data: {"choices":[]}\n\ndata: [DONE]\n\n') == (0, 0)
+    assert stream_usage(b'ge":{"prompt_tokens":7}}\n\ndata: [DONE]\n\n') == (0, 0)  # cut-off start
+
+
+def test_admission_limits_and_queues_in_order() -> None:
+    async def scenario() -> list[str]:
+        gate = Admission()
+        order: list[str] = []
+        assert await gate.enter("m", limit=1, queue=2)
+
+        async def waiter(name: str) -> None:
+            assert await gate.enter("m", limit=1, queue=2)
+            order.append(name)
+            gate.leave("m")
+
+        first = asyncio.create_task(waiter("first"))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(waiter("second"))
+        await asyncio.sleep(0)
+        assert not await gate.enter("m", limit=1, queue=2)  # queue full: refused at once
+        assert gate.queued() == {"m": 2}
+        gate.leave("m")
+        await asyncio.gather(first, second)
+        assert gate.active["m"] == 0
+        return order
+
+    assert asyncio.run(scenario()) == ["first", "second"]
+
+
+def test_admission_cancelled_waiter_gives_up_its_place() -> None:
+    async def scenario() -> int:
+        gate = Admission()
+        assert await gate.enter("m", limit=1, queue=5)
+        waiting = asyncio.create_task(gate.enter("m", limit=1, queue=5))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        gate.leave("m")
+        assert await gate.enter("m", limit=1, queue=5)  # the slot is free again
+        return gate.active["m"]
+
+    assert asyncio.run(scenario()) == 1
+
+
+def test_body_usage_reads_the_usage_object_without_parsing() -> None:
+    answer = {
+        "object": "list",
+        "data": [{"embedding": [0.1] * 50, "index": 0}],
+        "usage": {"prompt_tokens": 12, "total_tokens": 12},
+    }
+    assert body_usage(json.dumps(answer).encode()) == (12, 0)
+    chat = {
+        "choices": [{"message": {"content": '"usage": {"prompt_tokens": 99}'}}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 9},
+    }
+    assert body_usage(json.dumps(chat).encode()) == (4, 9)
+    assert body_usage(b'{"error": {"message": "bad"}}') == (0, 0)
