@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llmgw_cli.core.engines import ENGINE_ENV_FILE
 from llmgw_cli.core.render import render
 from llmgw_cli.core.spec import ClusterSpec
 
@@ -20,4 +21,5 @@ def gateway_unit(spec: ClusterSpec, *, llmgw_bin: str, config_path: str, user: s
         user=user,
         state_dir=state_dir,
         state_directory=managed,
+        engine_env_file=ENGINE_ENV_FILE,
     )

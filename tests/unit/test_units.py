@@ -35,3 +35,10 @@ def test_missing_template_and_missing_variable_are_errors() -> None:
         render("nope.j2")
     with pytest.raises(TemplateError, match="'cluster' is undefined"):
         render("llmgw-gateway.service.j2")
+
+
+def test_gateway_gets_the_engine_key_through_systemd() -> None:
+    unit = gateway_unit(
+        parse_cluster(spec_with_state_dir("/var/lib/llmgw")), llmgw_bin="/b", config_path="/c.yaml"
+    )
+    assert "\nEnvironmentFile=/etc/llmgw/engine.env\n" in unit
