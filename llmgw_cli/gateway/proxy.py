@@ -317,10 +317,12 @@ async def _relay(
             await out.write(chunk)
             tail.append(chunk)
     except (aiohttp.ClientError, TimeoutError):
-        # Bytes already reached the client: the stream can only be cut. The client sees
-        # no [DONE]; the log line says so.
+        # Bytes already reached the client: the stream can only be cut. The log line says
+        # so. What did arrive is still metered: an engine that closes its connection right
+        # after the last event (llama-server does) can end here with the usage chunk sent.
         upstream.close()
         outcome.extra["cut"] = True
+        outcome.prompt, outcome.completion = stream_usage(b"".join(tail))
         return out
     except ConnectionResetError:
         upstream.close()  # the client left: stop the generation upstream
