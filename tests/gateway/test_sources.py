@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.facts import NodeFacts, UnitState
+from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway import sources
 from llmgw_cli.gateway.sources import ProbeSource, StaticSource
 from llmgw_cli.remote.probe import Snapshot
+from tests.unit.facts_factory import unit_state
 
 CLUSTER = """
 cluster: {name: t}
@@ -28,20 +29,6 @@ models:
   - {name: big, source: o/big, profile: p, nodes: 2, scaling: {min: 1, max: 1}}
   - {name: small, source: o/small, profile: p, scaling: {min: 1, max: 2}}
 """
-
-
-def unit(name: str, state: str = "active") -> UnitState:
-    return UnitState(
-        name=name,
-        load_state="loaded",
-        active_state=state,
-        sub_state="running",
-        result="success",
-        main_pid=1,
-        n_restarts=0,
-        exec_main_code=0,
-        exec_main_status=0,
-    )
 
 
 def labels(model: str, replica: int, port: int, members: str) -> dict[str, str]:
@@ -67,9 +54,9 @@ def test_probe_source_takes_rank_zero_of_active_replicas(monkeypatch: pytest.Mon
     a = NodeFacts(
         node="a",
         units=(
-            unit("llmgw-big-0.service"),
-            unit("llmgw-small-0.service"),
-            unit("llmgw-small-1.service", "failed"),
+            unit_state("llmgw-big-0.service"),
+            unit_state("llmgw-small-0.service"),
+            unit_state("llmgw-small-1.service", "failed"),
         ),
         unit_labels={
             "llmgw-big-0.service": labels("big", 0, 8100, "a,b"),
@@ -79,7 +66,7 @@ def test_probe_source_takes_rank_zero_of_active_replicas(monkeypatch: pytest.Mon
     )
     b = NodeFacts(
         node="b",
-        units=(unit("llmgw-big-0.service"),),
+        units=(unit_state("llmgw-big-0.service"),),
         unit_labels={"llmgw-big-0.service": labels("big", 0, 8100, "a,b")},
     )
     found = run(ProbeSource(Path()), spec, probed(a, b), monkeypatch)
@@ -91,7 +78,7 @@ def test_an_unreachable_node_keeps_its_replicas(monkeypatch: pytest.MonkeyPatch)
     source = ProbeSource(Path())
     b_up = NodeFacts(
         node="b",
-        units=(unit("llmgw-small-0.service"),),
+        units=(unit_state("llmgw-small-0.service"),),
         unit_labels={"llmgw-small-0.service": labels("small", 0, 8101, "b")},
     )
     assert run(source, spec, probed(NodeFacts(node="a"), b_up), monkeypatch) == {"small": ["10.0.0.2:8101"]}

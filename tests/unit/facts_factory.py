@@ -80,6 +80,21 @@ def node_facts(
     return NodeFacts(node=name, gpus=cards, gpu_tool="ok", topology=topo, ib_ports=ports, weights=weights)
 
 
+def unit_state(name: str, state: str = "active") -> UnitState:
+    """What `systemctl show` reports for a unit in ``state``."""
+    return UnitState(
+        name=name,
+        load_state="loaded",
+        active_state=state,
+        sub_state="running",
+        result="success",
+        main_pid=100,
+        n_restarts=0,
+        exec_main_code=None,
+        exec_main_status=None,
+    )
+
+
 def with_units(
     facts: dict[str, NodeFacts], units: list[tuple[str, str, str]], state: str = "active"
 ) -> dict[str, NodeFacts]:
@@ -92,17 +107,7 @@ def with_units(
             if line.startswith("X-Llmgw-")
         }
         f = out[node]
-        unit = UnitState(
-            name=name,
-            load_state="loaded",
-            active_state=state,
-            sub_state="running",
-            result="success",
-            main_pid=100,
-            n_restarts=0,
-            exec_main_code=None,
-            exec_main_status=None,
-        )
+        unit = unit_state(name, state)
         out[node] = f.model_copy(
             update={
                 "units": (*[u for u in f.units if u.name != name], unit),
