@@ -1,0 +1,100 @@
+"""On-demand lifecycle policy (pure): which replicas are idle, which one to evict, whether a
+request may start a model. Functions of (spec, state, now); the clock is a parameter.
+
+The gateway's supervisor (not built yet) owns the effects: it asks these functions, then
+starts or stops replicas through the same executor as ``apply``, one lock per model.
+
+Rules (issue 7):
+- ``min: 0, max >= 1`` is on demand; ``min >= 1`` is a promise: never evicted, never
+  idled below ``min``; a model that is off is never started by a request.
+- A replica is idle when nobody used it for ``idle_timeout`` and nothing is in flight.
+  Unknown use (``last_used is None``, e.g. after a restart without saved times) is never
+  idle: unknown is not idle.
+- Eviction makes room for a requested on-demand model: one idle replica of another
+  on-demand model, single-node only, usage known, nothing in flight, and ready for longer
+  than a grace period, so two models cannot take turns evicting each other. The one idle
+  longest goes first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from enum import StrEnum
+
+from llmgw_cli.core.spec import ClusterSpec, ScalingMode
+
+EVICTION_GRACE = 120.0  # seconds a replica is safe from eviction after it became ready
+
+
+@dataclass(frozen=True)
+class ReplicaUse:
+    """What the gateway knows about one running replica."""
+
+    model: str
+    replica: int
+    nodes: int  # how many nodes it spans
+    ready_at: float | None  # when it became ready; None while loading
+    last_used: float | None  # end of the last request; None = unknown
+    in_flight: int = 0
+
+
+class Verdict(StrEnum):
+    serve = "serve"  # a ready replica exists
+    start = "start"  # on demand and stopped: place and start one
+    off = "off"  # switched off: never started by a request
+    unknown = "unknown"  # not in the catalog
+
+
+def on_request(spec: ClusterSpec, model: str, running: list[ReplicaUse]) -> Verdict:
+    """What a request for ``model`` leads to."""
+    found = next((m for m in spec.models if m.name == model), None)
+    if found is None:
+        return Verdict.unknown
+    if found.mode is ScalingMode.off:
+        return Verdict.off
+    if any(r.model == model for r in running):
+        return Verdict.serve
+    return Verdict.start
+
+
+def _idle_for(r: ReplicaUse, now: float) -> float | None:
+    if r.in_flight or r.last_used is None or r.ready_at is None:
+        return None
+    return now - max(r.last_used, r.ready_at)
+
+
+def idle_to_stop(spec: ClusterSpec, running: list[ReplicaUse], now: float) -> list[ReplicaUse]:
+    """Replicas past their model's ``idle_timeout``, never taking a model below ``min``;
+    the longest idle of a model go first."""
+    count = Counter(r.model for r in running)
+    stop: list[ReplicaUse] = []
+    for r in sorted(running, key=lambda r: _idle_for(r, now) or 0.0, reverse=True):
+        model = next((m for m in spec.models if m.name == r.model), None)
+        if model is None or model.scaling is None or model.scaling.idle_timeout is None:
+            continue
+        idle = _idle_for(r, now)
+        if idle is None or idle < model.scaling.idle_timeout or count[r.model] <= model.scaling.min:
+            continue
+        stop.append(r)
+        count[r.model] -= 1
+    return stop
+
+
+def eviction_candidate(
+    spec: ClusterSpec, running: list[ReplicaUse], requested: str, now: float, grace: float = EVICTION_GRACE
+) -> ReplicaUse | None:
+    """The replica to stop so ``requested`` fits, or None when none may go."""
+    models = {m.name: m for m in spec.models}
+    candidates = []
+    for r in running:
+        model = models.get(r.model)
+        if r.model == requested or model is None or model.mode is not ScalingMode.on_demand:
+            continue  # min >= 1 is a promise; off models should not be running at all
+        idle = _idle_for(r, now)
+        if r.nodes != 1 or idle is None or r.ready_at is None or now - r.ready_at < grace:
+            continue
+        candidates.append((idle, r))
+    if not candidates:
+        return None
+    return max(candidates, key=lambda c: (c[0], -c[1].replica))[1]

@@ -1,0 +1,81 @@
+"""On-demand policy with a fake clock: every rule of issue 7 that is a decision."""
+
+from __future__ import annotations
+
+from llmgw_cli.core.lifecycle import ReplicaUse, Verdict, eviction_candidate, idle_to_stop, on_request
+from llmgw_cli.core.load import parse_cluster
+
+SPEC = parse_cluster(
+    """\
+cluster: {name: t}
+profiles: {vllm: {engine: vllm}}
+models:
+  - {name: always, source: org/a, profile: vllm, scaling: {min: 1, max: 2, idle_timeout: 10m}}
+  - {name: lazy, source: org/b, profile: vllm, scaling: {min: 0, max: 2, idle_timeout: 5m}}
+  - {name: other, source: org/c, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+  - {name: never-idle, source: org/d, profile: vllm, scaling: {min: 0, max: 1}}
+  - {name: off, source: org/e, profile: vllm, scaling: {min: 0, max: 0}}
+  - {name: no-scaling, source: org/f, profile: vllm}
+""".replace("name: off,", "name: 'off',")
+)
+T0 = 1_000_000.0
+
+
+def use(
+    model: str,
+    replica: int = 0,
+    *,
+    ready: float = T0,
+    last: float | None = T0,
+    flight: int = 0,
+    nodes: int = 1,
+) -> ReplicaUse:
+    return ReplicaUse(model, replica, nodes, ready, last, flight)
+
+
+def test_requests_start_only_on_demand_models() -> None:
+    assert on_request(SPEC, "lazy", []) is Verdict.start
+    assert on_request(SPEC, "lazy", [use("lazy")]) is Verdict.serve
+    assert on_request(SPEC, "off", []) is Verdict.off
+    assert on_request(SPEC, "no-scaling", []) is Verdict.off
+    assert on_request(SPEC, "lazzy", []) is Verdict.unknown  # a typo never reads as "loading"
+
+
+def test_idle_timeout_stops_on_demand_replicas() -> None:
+    assert idle_to_stop(SPEC, [use("lazy")], T0 + 299) == []
+    assert idle_to_stop(SPEC, [use("lazy")], T0 + 300) == [use("lazy")]
+
+
+def test_use_and_in_flight_streams_keep_a_replica_alive() -> None:
+    assert idle_to_stop(SPEC, [use("lazy", last=T0 + 200)], T0 + 300) == []
+    assert idle_to_stop(SPEC, [use("lazy", flight=1)], T0 + 3600) == []
+
+
+def test_unknown_use_is_not_idle() -> None:
+    assert idle_to_stop(SPEC, [use("lazy", last=None)], T0 + 3600) == []
+    assert eviction_candidate(SPEC, [use("other", last=None)], "lazy", T0 + 3600) is None
+
+
+def test_min_is_a_promise() -> None:
+    assert idle_to_stop(SPEC, [use("always")], T0 + 3600) == []  # never below min
+    extra = [use("always", 0), use("always", 1, ready=T0 - 200, last=T0 - 100)]
+    assert idle_to_stop(SPEC, extra, T0 + 3600) == [extra[1]]  # above min: the longest idle goes
+    assert eviction_candidate(SPEC, extra, "lazy", T0 + 3600) is None  # never evicted
+
+
+def test_models_without_idle_timeout_are_never_idled() -> None:
+    assert idle_to_stop(SPEC, [use("never-idle")], T0 + 86400) == []
+
+
+def test_eviction_takes_the_longest_idle_single_node_on_demand_replica() -> None:
+    running = [use("other", last=T0 + 50), use("never-idle", last=T0), use("lazy", last=T0 - 500)]
+    assert eviction_candidate(SPEC, running, "other", T0 + 600) == use("never-idle", last=T0)
+    assert eviction_candidate(SPEC, [use("never-idle", nodes=2)], "other", T0 + 600) is None
+    assert eviction_candidate(SPEC, [use("never-idle", flight=1)], "other", T0 + 600) is None
+
+
+def test_two_models_cannot_take_turns_evicting_each_other() -> None:
+    # "other" was just started by evicting "lazy"; now "lazy" is requested again:
+    just_started = use("other", ready=T0 + 100, last=T0 + 101)
+    assert eviction_candidate(SPEC, [just_started], "lazy", T0 + 110) is None
+    assert eviction_candidate(SPEC, [just_started], "lazy", T0 + 100 + 121) == just_started
