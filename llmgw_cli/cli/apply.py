@@ -59,7 +59,7 @@ def plan(
 ) -> None:
     """Probe the nodes and show what `apply` would do, changing nothing."""
     spec = read_cluster(file)
-    snapshot = probe_with_progress(file, None, err)
+    snapshot = probe_with_progress(spec, file, None, err)
     result = make_plan(spec, {f.node: f for f in snapshot.nodes})
     out.print(plan_view(result), soft_wrap=True)
     if save:
@@ -80,7 +80,7 @@ def apply(
     Exit code 0 when everything applied and became ready, 1 when something failed.
     """
     spec = read_cluster(file)
-    snapshot = probe_with_progress(file, None, err)
+    snapshot = probe_with_progress(spec, file, None, err)
     facts = {f.node: f for f in snapshot.nodes}
     if saved is not None:
         chosen = Plan.model_validate_json(saved.read_text(encoding="utf-8"))

@@ -6,6 +6,7 @@ import asyncio
 import json as json_module
 import os
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -14,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.views import status_view
+from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.core.summary import summarize
 from llmgw_cli.remote.probe import Snapshot, gather
 
@@ -22,9 +24,8 @@ NodesOption = Annotated[
 ]
 
 
-def probe_with_progress(file: ClusterFile, nodes: str | None, console: Console) -> Snapshot:
+def probe_with_progress(spec: ClusterSpec, file: Path, nodes: str | None, console: Console) -> Snapshot:
     """Probe the nodes with a live progress bar on stderr (hidden when not a terminal)."""
-    spec = read_cluster(file)
     chosen = [n.strip() for n in nodes.split(",")] if nodes else None
     total = len([n for n in spec.nodes if chosen is None or n.name in chosen])
     with Progress(
@@ -58,7 +59,7 @@ def status(
     """
     err = Console(stderr=True)
     spec = read_cluster(file)
-    snapshot = probe_with_progress(file, nodes, err)
+    snapshot = probe_with_progress(spec, file, nodes, err)
     summary = summarize(spec, {f.node: f for f in snapshot.nodes})
     if json:
         report = {"probe_seconds": round(snapshot.seconds, 3), **summary.model_dump(mode="json")}

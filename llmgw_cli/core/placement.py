@@ -154,11 +154,7 @@ class _Placer:
     def _fits(self, state: _NodeState, model: Model) -> bool:
         if model.gpu_class and not (state.cls and same_class(state.cls, model.gpu_class)):
             return False
-        if model.gpu_memory:
-            need = model.gpu_memory / 2**20
-            state_free = [i for i in state.free if (state.memory.get(i) or 0) >= need]
-            return len(state_free) >= model.tensor_parallel
-        return len(state.free) >= model.tensor_parallel
+        return len(self._usable(state, model)) >= model.tensor_parallel
 
     def _usable(self, state: _NodeState, model: Model) -> list[int]:
         if not model.gpu_memory:

@@ -78,6 +78,11 @@ def _active_units(facts: NodeFacts) -> list[dict[str, str]]:
     return [labels for unit, labels in facts.unit_labels.items() if unit in active]
 
 
+def _used_uuids(facts: NodeFacts) -> set[str]:
+    """UUIDs of the cards that active llmgw units hold."""
+    return {u for labels in _active_units(facts) for u in labels.get(LABEL_GPUS, "").split(",") if u}
+
+
 def _topology(facts: NodeFacts) -> str:
     if facts.topology is None:
         return "unknown"
@@ -87,7 +92,7 @@ def _topology(facts: NodeFacts) -> str:
 
 def _node_row(node: Node, facts: NodeFacts) -> NodeRow:
     fabric = fabric_status(node, facts)
-    used_uuids = {u for labels in _active_units(facts) for u in labels.get(LABEL_GPUS, "").split(",") if u}
+    used_uuids = _used_uuids(facts)
     faulty = [g for g in facts.gpus if g.health is GpuHealth.faulty]
     classes = sorted({gpu_class(g.name) for g in facts.gpus})
     expected = None
@@ -141,7 +146,7 @@ def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Summary:
         f = facts.get(node.name)
         if f is None or not f.reachable:
             continue
-        used = {u for lab in _active_units(f) for u in lab.get(LABEL_GPUS, "").split(",") if u}
+        used = _used_uuids(f)
         for g in f.gpus:
             counts = classes[gpu_class(g.name)]
             counts[0] += 1
