@@ -21,6 +21,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.test_llama_server import server_argv  # noqa: E402
 
 
 def path_from(*cmd: str) -> str:
@@ -33,25 +36,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    cmd = [
-        binary,
-        "-m",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-c",
-        "2048",
-        "-np",
-        "1",
-        "-t",
-        "2",
-        "-ngl",
-        "0",
-        "-a",
-        "smollm2-135m",
-    ]
+    cmd = server_argv(binary, model, port)  # the same server the tests start
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -27,6 +27,13 @@ KEY = "sk-llama-test"
 ALIAS = "smollm2-135m"
 
 
+def server_argv(binary: str, model: str, port: int, key: str | None = None) -> list[str]:
+    """SmolLM2 on the CPU as the tests and bench/llama_server.py serve it (LOCAL-ENGINE.md)."""
+    argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["-c", "2048", "-np", "1", "-t", "2", "-ngl", "0", "-a", ALIAS]
+    return argv + (["--api-key", key] if key else [])
+
+
 def _script(name: str, *args: str) -> str:
     # PYTHON: pip runs in the test's own environment, whatever python3 is on PATH.
     env = {**os.environ, "PYTHON": sys.executable}
@@ -58,27 +65,7 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     log = tmp_path_factory.mktemp("llama") / "server.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [
-                binary,
-                "-m",
-                model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "-c",
-                "2048",
-                "-np",
-                "1",
-                "-t",
-                "2",
-                "-ngl",
-                "0",
-                "-a",
-                ALIAS,
-                "--api-key",
-                KEY,
-            ],
+            server_argv(binary, model, port, KEY),
             stdout=out,
             stderr=subprocess.STDOUT,
         )
