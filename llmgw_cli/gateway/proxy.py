@@ -100,7 +100,10 @@ async def forward(request: web.Request) -> web.StreamResponse:
         outcome.status = outcome.status or response.status
         return response
     except asyncio.CancelledError:
-        outcome.status = 499  # the client went away; the upstream request is closed with us
+        # The client went away; the upstream request is closed with us. A client that read
+        # to `data: [DONE]` and hung up without waiting for the end of the body (the openai
+        # client does) got the whole answer: that is a 200, not a 499.
+        outcome.status = 200 if outcome.extra.get("done") else 499
         raise
     finally:
         key: ApiKey | None = outcome.extra.get("api_key")
@@ -314,20 +317,28 @@ async def _relay(
     tail: deque[bytes] = deque(maxlen=TAIL_READS)
     try:
         async for chunk in upstream.content.iter_any():
-            await out.write(chunk)
             tail.append(chunk)
+            await out.write(chunk)
     except (aiohttp.ClientError, TimeoutError):
         # Bytes already reached the client: the stream can only be cut. The log line says
-        # so. What did arrive is still metered: an engine that closes its connection right
-        # after the last event (llama-server does) can end here with the usage chunk sent.
+        # so. An engine that closes its connection right after the last event (llama-server
+        # does) can end here with the whole answer sent.
         upstream.close()
         outcome.extra["cut"] = True
-        outcome.prompt, outcome.completion = stream_usage(b"".join(tail))
         return out
     except ConnectionResetError:
         upstream.close()  # the client left: stop the generation upstream
-        outcome.status = 499
+        outcome.status = 200 if outcome.extra.get("done") else 499
         return out
-    outcome.prompt, outcome.completion = stream_usage(b"".join(tail))
+    finally:
+        # Whatever ended the stream (its end, a cut, the client leaving, cancellation), the
+        # tokens that went out are metered: they were made and delivered.
+        _stream_end(tail, outcome)
     await out.write_eof()
     return out
+
+
+def _stream_end(tail: deque[bytes], outcome: Outcome) -> None:
+    data = b"".join(tail)
+    outcome.prompt, outcome.completion = stream_usage(data)
+    outcome.extra["done"] = data.rstrip().endswith(b"data: [DONE]")

@@ -1,10 +1,19 @@
-"""An engine that closes its connection right after the last event (without ending the
-chunked body) still has the stream's usage metered: the tokens were made and delivered."""
+"""Streams whose end is not a clean end of body are still metered: the tokens were made
+and delivered.
+
+- An engine that closes its connection right after the last event (without ending the
+  chunked body), as llama-server can.
+- An engine that keeps the body open a while after `data: [DONE]` while the client (the
+  official openai client does this) hangs up as soon as it has read `[DONE]`: the gateway's
+  handler is cancelled mid-relay, and that must count as a whole answer, not a 499.
+"""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +31,7 @@ EVENTS = [
 ]
 
 
-def _serve(server: socket.socket) -> None:
+def _serve(server: socket.socket, hold: float = 0) -> None:
     while True:
         try:
             conn, _ = server.accept()
@@ -40,24 +49,40 @@ def _serve(server: socket.socket) -> None:
                 continue
             head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
             body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in EVENTS)
-            conn.sendall(head + body)  # ...and close without the final 0-length chunk
+            conn.sendall(head + body)
+            if hold:  # end the body properly, but only after a while
+                time.sleep(hold)
+                conn.sendall(b"0\r\n\r\n")
+            # else: close without the final 0-length chunk
 
 
-@pytest.fixture
-def abrupt_engine() -> Iterator[int]:
+def _engine(hold: float) -> Iterator[int]:
     port = free_port()
     server = socket.create_server(("127.0.0.1", port))
-    thread = threading.Thread(target=_serve, args=(server,), daemon=True)
+    server.listen(8)
+    thread = threading.Thread(target=_serve, args=(server, hold), daemon=True)
     thread.start()
     yield port
     server.close()
 
 
+@pytest.fixture
+def abrupt_engine() -> Iterator[int]:
+    yield from _engine(hold=0)
+
+
+@pytest.fixture
+def lingering_engine() -> Iterator[int]:
+    yield from _engine(hold=5)
+
+
+MODELS: list[dict[str, object]] = [
+    {"name": "m", "source": "org/m", "profile": "sim", "scaling": {"min": 1, "max": 1}}
+]
+
+
 def test_usage_of_a_stream_cut_after_its_last_event_is_metered(abrupt_engine: int, tmp_path: Path) -> None:
-    models: list[dict[str, object]] = [
-        {"name": "m", "source": "org/m", "profile": "sim", "scaling": {"min": 1, "max": 1}}
-    ]
-    gw = Gateway(tmp_path, models, {"m": [f"127.0.0.1:{abrupt_engine}"]})
+    gw = Gateway(tmp_path, MODELS, {"m": [f"127.0.0.1:{abrupt_engine}"]})
     key = gw.cli("keys", "create", "--name", "user")
     admin = gw.cli("keys", "create", "--name", "ops", "--admin")
     gw.start()
@@ -82,5 +107,37 @@ def test_usage_of_a_stream_cut_after_its_last_event_is_metered(abrupt_engine: in
     try:
         (row,) = [u for u in gw.admin("/admin/api/usage", admin).json()["usage"] if u["key"] == "user"]
         assert (row["requests"], row["prompt_tokens"], row["completion_tokens"]) == (1, 5, 3)
+    finally:
+        gw.stop()
+
+
+def test_client_that_hangs_up_after_done_is_metered_as_a_whole_answer(
+    lingering_engine: int, tmp_path: Path
+) -> None:
+    gw = Gateway(tmp_path, MODELS, {"m": [f"127.0.0.1:{lingering_engine}"]})
+    key = gw.cli("keys", "create", "--name", "user")
+    admin = gw.cli("keys", "create", "--name", "ops", "--admin")
+    gw.start()
+    try:
+        client = gw.client(key)
+        chunks = list(
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+        )
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+        # The engine still holds the body open (5 s): what is metered now was metered when
+        # the client hung up.
+        deadline = time.monotonic() + 2
+        rows: list[dict[str, object]] = []
+        while time.monotonic() < deadline and not rows:
+            usage = gw.admin("/admin/api/usage", admin).json()["usage"]
+            rows = [u for u in usage if u["key"] == "user"]
+            time.sleep(0.1)
+        assert [(r["requests"], r["prompt_tokens"], r["completion_tokens"], r["errors"]) for r in rows] == [
+            (1, 5, 3, 0)
+        ]
+        lines = [json.loads(x) for x in gw.log.read_text().splitlines() if x.startswith("{")]
+        assert [(x["status"], x["completion_tokens"]) for x in lines if x["key"] == "user"] == [(200, 3)]
     finally:
         gw.stop()
