@@ -20,6 +20,7 @@ from llmgw_cli.gateway.server import serve
 from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource, StaticSource
 from llmgw_cli.gateway.state import Gateway, read_engine_key
 from llmgw_cli.gateway.store import SqliteStore
+from llmgw_cli.gateway.supervisor import Supervisor
 
 app = typer.Typer(help="The OpenAI-compatible gateway.", no_args_is_help=True)
 
@@ -58,7 +59,8 @@ def run(
     # $LLMGW_ENGINE_KEY first: a systemd unit can pass the root-only engine.env with
     # EnvironmentFile= to a gateway that runs unprivileged and cannot read the file itself.
     engine_key = os.environ.get(ENGINE_KEY_VAR) or read_engine_key(engine_key_file)
-    source: ReplicaSource = StaticSource.from_file(replicas) if replicas else ProbeSource(file.parent)
+    probe = ProbeSource(file.parent) if replicas is None else None
+    source: ReplicaSource = probe if probe is not None else StaticSource.from_file(replicas or Path())
     store = SqliteStore(spec.gateway.state_dir)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
     gateway = Gateway(
@@ -72,6 +74,10 @@ def run(
         flush_every=flush_every,
         access_log=AccessLog(sys.stderr.buffer) if access_log else None,
     )
+    if probe is not None and spec.gateway.manage_replicas:
+        # On-demand starts, idle stops, eviction and scale-out need the nodes: only with a
+        # probed cluster, not with a fixed replica list.
+        gateway.supervisor = Supervisor(gateway, probe, file.parent, saved_last_use=store.last_use())
     try:  # optional: uvloop makes the event loop cheaper when it is installed
         runner: Callable[[Coroutine[Any, Any, None]], None] = importlib.import_module("uvloop").run
     except ImportError:

@@ -1,8 +1,8 @@
 """On-demand lifecycle policy (pure): which replicas are idle, which one to evict, whether a
 request may start a model. Functions of (spec, state, now); the clock is a parameter.
 
-The gateway's supervisor (not built yet) owns the effects: it asks these functions, then
-starts or stops replicas through the same executor as ``apply``, one lock per model.
+The gateway's supervisor (``gateway/supervisor.py``) owns the effects: it asks these
+functions, then starts or stops replicas through the same executor as ``apply``.
 
 Rules (issue 7):
 - ``min: 0, max >= 1`` is on demand; ``min >= 1`` is a promise: never evicted, never
@@ -14,6 +14,9 @@ Rules (issue 7):
   on-demand model, single-node only, usage known, nothing in flight, and ready for longer
   than a grace period, so two models cannot take turns evicting each other. The one idle
   longest goes first.
+- Scale out: when requests for a model wait in its queue for ``scale_out_wait`` and
+  ``max`` allows, one more replica starts (one start at a time per model); idle stops
+  scale it back towards ``min``.
 """
 
 from __future__ import annotations
@@ -98,3 +101,27 @@ def eviction_candidate(
     if not candidates:
         return None
     return max(candidates, key=lambda c: (c[0], -c[1].replica))[1]
+
+
+def known_last_use(
+    recorded: float | None, first_seen: float, idle_timeout: float | None, now: float
+) -> float | None:
+    """The last use the policy may rely on. A recorded time is known. A replica found
+    running without one (started before this gateway, no saved time) is unknown until the
+    gateway has watched it unused for a whole ``idle_timeout`` (or the eviction grace when
+    it has none); from then on it is known unused since it was first seen."""
+    if recorded is not None:
+        return recorded
+    watch = idle_timeout if idle_timeout is not None else EVICTION_GRACE
+    return first_seen if now - first_seen >= watch else None
+
+
+def should_scale_out(
+    spec: ClusterSpec, model: str, *, replicas: int, starting: bool, queue_wait: float, threshold: float
+) -> bool:
+    """One more replica of ``model``: it runs, every replica is saturated (requests waited
+    ``threshold`` in its queue), ``max`` allows, and no start of it is under way."""
+    found = next((m for m in spec.models if m.name == model), None)
+    if found is None or found.scaling is None or found.mode is ScalingMode.off:
+        return False
+    return not starting and 1 <= replicas < found.scaling.max and queue_wait >= threshold

@@ -18,7 +18,7 @@ from typing import Literal
 from llmgw_cli.core.engines import Member, replica_unit, spec_hash
 from llmgw_cli.core.facts import Fact, NodeFacts
 from llmgw_cli.core.hardware import fabric_status
-from llmgw_cli.core.placement import Replica, Slot, place
+from llmgw_cli.core.placement import Placement, Replica, Slot, place
 from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode
 
 Op = Literal["+", "~", "-", "="]
@@ -221,18 +221,22 @@ def _wanted(spec: ClusterSpec, sorted_: _Sorted) -> dict[str, int]:
     return want
 
 
-def make_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
-    """The plan that brings the nodes to the spec: ``min`` replicas of each always-on model,
-    nothing lost or restarted that already matches."""
-    running = running_replicas(facts)
-    sorted_ = _sort_running(spec, running)
-    actions = sorted_.delete + _keep_actions(spec, sorted_.keep)
-    placement = place(spec, facts, [_as_replica(facts, r) for r in sorted_.keep], _wanted(spec, sorted_))
-    used = _used_ports(sorted_.keep)
+def _placed_actions(
+    spec: ClusterSpec,
+    facts: dict[str, NodeFacts],
+    placement: Placement,
+    running: list[Running],
+    *,
+    used: dict[str, set[int]],
+    replace: dict[str, list[Running]],
+) -> tuple[list[Action], list[tuple[str, str]]]:
+    """A ``+`` (or ``~`` for a replica in ``replace``) action per placed replica, with its
+    port and replica index; plus what could not be placed and why. ``replace`` is consumed."""
     taken: dict[str, set[int]] = defaultdict(set)
     for r in running:
         taken[r.model].add(r.replica)
     unplaced = [(u.model, u.reason) for u in placement.unplaced]
+    actions: list[Action] = []
     for replica in placement.replicas:
         model = spec.model(replica.model)
         head = replica.slots[0].node
@@ -240,7 +244,7 @@ def make_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
         if port is None:
             unplaced.append((model.name, f"no free port in profile {model.profile}'s range on {head}"))
             continue
-        old = sorted_.replace[model.name]
+        old = replace.get(model.name, [])
         previous = old.pop(0) if old else None
         index = (
             previous.replica if previous else min(set(range(len(taken[model.name]) + 1)) - taken[model.name])
@@ -250,7 +254,7 @@ def make_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
         nodes = tuple(s.node for s in replica.slots)
         stale: tuple[tuple[str, str], ...] = ()
         if previous is None:
-            op = "+"
+            op: Op = "+"
             reason = "below min" if model.mode is ScalingMode.always else "requested"
         else:
             op = "~"
@@ -273,6 +277,53 @@ def make_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
                 reason=reason,
             )
         )
+    return actions, unplaced
+
+
+def grow_plan(spec: ClusterSpec, facts: dict[str, NodeFacts], model: str, count: int = 1) -> Plan:
+    """Start ``count`` more replicas of ``model`` around everything on the nodes (an
+    on-demand start, a scale-out), with the placement rules of ``apply``. Nothing else
+    changes: every unit found holds its cards, running or not."""
+    running = running_replicas(facts)
+    placement = place(spec, facts, [_as_replica(facts, r) for r in running], {model: count})
+    actions, unplaced = _placed_actions(
+        spec, facts, placement, running, used=_used_ports(running), replace={}
+    )
+    warnings = tuple(dict.fromkeys(w for rep in placement.replicas for w in rep.warnings))
+    return Plan(
+        actions=tuple(actions), unplaced=tuple(unplaced), warnings=warnings, facts_digest=facts_digest(facts)
+    )
+
+
+def stop_plan(facts: dict[str, NodeFacts], model: str, replica: int, reason: str) -> Plan:
+    """Stop one replica and remove its units on every member (idle, evicted, scaled back)."""
+    found = [r for r in running_replicas(facts) if (r.model, r.replica) == (model, replica)]
+    actions = tuple(
+        Action(
+            op="-",
+            model=r.model,
+            replica=r.replica,
+            nodes=r.members,
+            reason=reason,
+            remove=tuple((n, r.unit) for n in r.members),
+            port=r.port,
+        )
+        for r in found
+    )
+    return Plan(actions=actions, unplaced=(), warnings=(), facts_digest=facts_digest(facts))
+
+
+def make_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
+    """The plan that brings the nodes to the spec: ``min`` replicas of each always-on model,
+    nothing lost or restarted that already matches."""
+    running = running_replicas(facts)
+    sorted_ = _sort_running(spec, running)
+    actions = sorted_.delete + _keep_actions(spec, sorted_.keep)
+    placement = place(spec, facts, [_as_replica(facts, r) for r in sorted_.keep], _wanted(spec, sorted_))
+    created, unplaced = _placed_actions(
+        spec, facts, placement, running, used=_used_ports(sorted_.keep), replace=sorted_.replace
+    )
+    actions += created
     for name, left in sorted_.replace.items():
         unplaced += [
             (name, f"replica {r.replica} needs replacing but does not fit; left as it is") for r in left

@@ -42,6 +42,7 @@ class Replica:
     last_pick: float = 0.0
     changed: float = 0.0
     requests: int = 0
+    last_used: float | None = None  # Unix time the last request to it ended; None: unknown
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -51,6 +52,7 @@ class Replica:
             "outstanding": self.outstanding,
             "failures": self.failures,
             "requests": self.requests,
+            "last_used": self.last_used,
         }
 
 
@@ -76,6 +78,20 @@ class Pool:
 
     def of(self, model: str) -> list[Replica]:
         return list(self.replicas.get(model, {}).values())
+
+    def ready_count(self, model: str) -> int:
+        return sum(r.health is Health.ready for r in self.replicas.get(model, {}).values())
+
+    def add(self, model: str, address: str, now: float) -> Replica:
+        """A replica the gateway itself just started (before the next discovery finds it)."""
+        found = self.replicas.setdefault(model, {})
+        if address not in found:
+            found[address] = Replica(model, address, changed=now)
+        return found[address]
+
+    def remove(self, model: str, address: str) -> Replica | None:
+        """Out of rotation now (it is being stopped): no new request is sent to it."""
+        return self.replicas.get(model, {}).pop(address, None)
 
     def pick(self, model: str, now: float, exclude: frozenset[str] = frozenset()) -> Replica | None:
         """The ready replica with the fewest outstanding requests, or None."""
@@ -144,8 +160,12 @@ def endpoints(
     for model, port, members, active in running:
         if not active or not port or not members or members[0] not in nodes or model not in catalog:
             continue
-        host = nodes[members[0]].address
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        found.setdefault(model, []).append(f"{host}:{port}")
+        found.setdefault(model, []).append(serving_address(nodes[members[0]].address, port))
     return found
+
+
+def serving_address(host: str, port: int) -> str:
+    """``host:port`` of a replica's API (its rank-0 node), IPv6 in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"

@@ -124,7 +124,10 @@ class GatewaySettings(Spec):
         4 * 1024 * 1024, description="Largest request body accepted; a bigger one is answered 413."
     )
     model_concurrency: int = Field(
-        256, ge=1, description="Requests forwarded at once to one model (all its replicas together)."
+        256,
+        ge=1,
+        description="Requests forwarded at once to each ready replica of a model; more wait "
+        "in the model's queue.",
     )
     model_queue: int = Field(
         1024,
@@ -133,6 +136,21 @@ class GatewaySettings(Spec):
     )
     drain_timeout: Duration = Field(
         30.0, description="On SIGTERM, how long in-flight requests and streams may still run."
+    )
+    scale_out_wait: Duration = Field(
+        5.0,
+        description="When requests for a model have waited this long in its queue and `max` "
+        "allows, the gateway starts one more replica.",
+    )
+    eviction_grace: Duration = Field(
+        120.0,
+        description="A replica is never evicted this soon after it became ready, so two "
+        "on-demand models cannot take turns evicting each other.",
+    )
+    manage_replicas: bool = Field(
+        True,
+        description="Start on-demand models at their first request, stop idle replicas, "
+        "evict and scale out. Off: the gateway only routes to what `apply` started.",
     )
 
 

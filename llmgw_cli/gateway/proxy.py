@@ -179,7 +179,8 @@ async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started:
             body = json.dumps(payload).encode()
 
     settings = gw.spec.gateway
-    if not await gw.admission.enter(name, settings.model_concurrency, settings.model_queue):
+    limit = settings.model_concurrency * max(1, gw.pool.ready_count(name))
+    if not await gw.admission.enter(name, limit, settings.model_queue):
         return error(
             429,
             f"Too many requests for `{name}`; retry later.",
@@ -194,17 +195,32 @@ async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started:
 
 
 async def _wait_ready(gw: Gateway, name: str, deadline: float) -> Replica | None:
+    """A ready replica, waiting up to ``deadline`` while one is loading or being started."""
     while True:
         replica = gw.pool.pick(name, time.monotonic())
         if replica is not None or time.monotonic() >= deadline:
             return replica
-        if not any(r.health in (Health.loading, Health.unknown) for r in gw.pool.of(name)):
+        starting = gw.supervisor is not None and name in gw.supervisor.starting
+        if not starting and not any(r.health in (Health.loading, Health.unknown) for r in gw.pool.of(name)):
             return None
         await asyncio.sleep(0.1)
 
 
 def _unavailable(gw: Gateway, name: str) -> web.Response:
     state = model_state(gw.catalog[name], gw.pool.of(name))
+    supervisor = gw.supervisor
+    if supervisor is not None and state is ModelState.on_demand:
+        failure = supervisor.failure(name)
+        if failure is not None:
+            return error(
+                503,
+                f"The model `{name}` could not be started: {failure}",
+                "server_error",
+                "model_start_failed",
+                {"Retry-After": "30"},
+            )
+        if name in supervisor.starting:
+            state = ModelState.loading
     if state is ModelState.off:
         return error(
             404,
@@ -222,7 +238,8 @@ def _unavailable(gw: Gateway, name: str) -> web.Response:
         )
     if state is ModelState.on_demand:
         message = (
-            f"The model `{name}` runs on demand and is not running; this gateway does not start models yet."
+            f"The model `{name}` runs on demand and is not running; this gateway does not start "
+            "models (it routes to a fixed replica list, or `gateway.manage_replicas` is off)."
         )
     else:
         message = f"No replica of `{name}` is in rotation."
@@ -239,6 +256,8 @@ async def _route(
     tried: set[str] = set()
     replica = gw.pool.pick(name, time.monotonic())
     if replica is None:
+        if gw.supervisor is not None:
+            gw.supervisor.want(name)  # starts an on-demand model; never waits
         replica = await _wait_ready(gw, name, started + gw.spec.gateway.load_wait)
         if replica is None:
             return _unavailable(gw, name)
@@ -283,6 +302,7 @@ async def _route(
                 upstream.release()  # closes the connection if the body was not read to the end
         finally:
             current.outstanding -= 1
+            current.last_used = time.time()  # a stream counts as use until it ends
     return error(
         502, f"No replica of `{name}` could be reached: {last_error}", "server_error", "upstream_error"
     )

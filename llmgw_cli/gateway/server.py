@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw_cli.core.keys import bearer, hash_token
-from llmgw_cli.core.routing import model_state
+from llmgw_cli.core.routing import ModelState, model_state
 from llmgw_cli.errors import LlmgwError
 from llmgw_cli.gateway.proxy import GATEWAY, error, forward
 from llmgw_cli.gateway.state import Gateway, log
@@ -41,12 +41,19 @@ async def models(request: web.Request) -> web.Response:
             "object": "model",
             "created": 0,
             "owned_by": "llmgw",
-            "state": model_state(m, gw.pool.of(m.name)).value,
+            "state": _state(gw, m.name),
             "mode": m.mode.value,
         }
         for m in gw.catalog.values()
     ]
     return web.json_response({"object": "list", "data": data})
+
+
+def _state(gw: Gateway, name: str) -> str:
+    state = model_state(gw.catalog[name], gw.pool.of(name))
+    if state is ModelState.on_demand and gw.supervisor is not None and name in gw.supervisor.starting:
+        state = ModelState.loading
+    return state.value
 
 
 def public_app(gw: Gateway) -> web.Application:
@@ -81,8 +88,14 @@ async def admin_usage(request: web.Request) -> web.Response:
 
 async def admin_replicas(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
+    supervisor = gw.supervisor
     return web.json_response(
-        {"replicas": [r.as_dict() for r in gw.pool.all()], "queued": gw.admission.queued()}
+        {
+            "replicas": [r.as_dict() for r in gw.pool.all()],
+            "queued": gw.admission.queued(),
+            "starting": sorted(supervisor.starting) if supervisor else [],
+            "failed": {m: why for m, (_, why) in supervisor.failed.items()} if supervisor else {},
+        }
     )
 
 
@@ -96,7 +109,10 @@ def admin_app(gw: Gateway) -> web.Application:
 
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    return web.Response(text=gw.metrics.render(gw.pool, gw.admission.queued()), content_type="text/plain")
+    text = gw.metrics.render(gw.pool, gw.admission.queued())
+    if gw.supervisor is not None:
+        text += gw.supervisor.stats.prometheus()
+    return web.Response(text=text, content_type="text/plain")
 
 
 def metrics_app(gw: Gateway) -> web.Application:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import yaml
 
+from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.plan import running_replicas
 from llmgw_cli.core.routing import endpoints
 from llmgw_cli.core.spec import ClusterSpec
@@ -53,10 +54,15 @@ class ProbeSource:
     def __init__(self, base: Path) -> None:
         self.base = base
         self.last: dict[str, list[str]] = {}
+        self.facts: dict[str, NodeFacts] = {}  # of the last probe (the supervisor plans on them)
+
+    async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
+        snapshot = await gather(spec, self.base)
+        self.facts = {f.node: f for f in snapshot.nodes}
+        return self.facts
 
     async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
-        snapshot = await gather(spec, self.base)
-        facts = {f.node: f for f in snapshot.nodes}
+        facts = await self.probe(spec)
         running = [
             (r.model, r.port, r.members, r.states.get(r.members[0]) == "active")
             for r in running_replicas(facts)
@@ -65,7 +71,7 @@ class ProbeSource:
         found = endpoints(spec, running)
         # A node that could not be probed keeps the replicas it had: an SSH hiccup must not
         # take healthy engines out of rotation (the health checks still judge them).
-        unreachable = {spec.node(f.node).address for f in snapshot.nodes if f.error}
+        unreachable = {spec.node(f.node).address for f in facts.values() if f.error}
         for model, addresses in self.last.items():
             for address in addresses:
                 host = address.rsplit(":", 1)[0].strip("[]")

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 from yarl import URL
@@ -28,6 +29,9 @@ from llmgw_cli.gateway.metrics import Metrics
 from llmgw_cli.gateway.sources import ReplicaSource
 from llmgw_cli.gateway.store import Store
 from llmgw_cli.gateway.usage import Meter
+
+if TYPE_CHECKING:
+    from llmgw_cli.gateway.supervisor import Supervisor
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -50,12 +54,13 @@ class Admission:
 
     ``enter`` returns False at once when the queue is full; otherwise it returns when the
     caller holds a slot. ``leave`` hands the slot straight to the oldest waiter, so a
-    newcomer never overtakes the queue.
+    newcomer never overtakes the queue. ``oldest_wait`` says how long the first in line
+    has waited: the saturation signal for scale-out.
     """
 
     def __init__(self) -> None:
         self.active: dict[str, int] = {}
-        self.waiting: dict[str, deque[asyncio.Future[None]]] = {}
+        self.waiting: dict[str, deque[tuple[asyncio.Future[None], float]]] = {}
 
     async def enter(self, model: str, limit: int, queue: int) -> bool:
         waiters = self.waiting.setdefault(model, deque())
@@ -65,12 +70,13 @@ class Admission:
         if len(waiters) >= queue:
             return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiters.append(future)
+        entry = (future, time.monotonic())
+        waiters.append(entry)
         try:
             await future
         except asyncio.CancelledError:
-            if future in waiters:
-                waiters.remove(future)
+            if entry in waiters:
+                waiters.remove(entry)
             elif future.done() and not future.cancelled():
                 self.leave(model)  # the slot was handed to us as we left: pass it on
             raise
@@ -79,7 +85,7 @@ class Admission:
     def leave(self, model: str) -> None:
         waiters = self.waiting.get(model)
         while waiters:
-            future = waiters.popleft()
+            future, _ = waiters.popleft()
             if not future.done():
                 future.set_result(None)
                 return
@@ -87,6 +93,11 @@ class Admission:
 
     def queued(self) -> dict[str, int]:
         return {m: len(w) for m, w in self.waiting.items()}
+
+    def oldest_wait(self, model: str, now: float) -> float:
+        """Seconds the first request in ``model``'s queue has waited (0 when none waits)."""
+        waiters = self.waiting.get(model)
+        return now - waiters[0][1] if waiters else 0.0
 
 
 class Gateway:
@@ -116,6 +127,7 @@ class Gateway:
             "flush": flush_every,
             "keys": keys_every,
             "log": 0.2,
+            "supervise": 1.0,
         }
         self.pool = Pool()
         self.meter = Meter()
@@ -125,6 +137,7 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.health_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.supervisor: Supervisor | None = None  # set when the gateway manages replicas
         self.access_log = access_log
         self._urls: dict[tuple[str, str], URL] = {}
         self._upstream_settings()
@@ -167,13 +180,16 @@ class Gateway:
         await self.load_keys()
         await self.discover()
         await self.check_health()
-        for name, job in (
+        jobs: list[tuple[str, Callable[[], object]]] = [
             ("discover", self.discover),
             ("health", self.check_health),
             ("flush", self.flush),
             ("keys", self.load_keys),
             ("log", self.flush_log),
-        ):
+        ]
+        if self.supervisor is not None:
+            jobs.append(("supervise", self.supervisor.tick))
+        for name, job in jobs:
             self._tasks.append(asyncio.create_task(self._every(name, job), name=f"gateway-{name}"))
 
     async def stop(self) -> None:
@@ -181,6 +197,8 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         try:
             await self.flush()
         except Exception:
@@ -231,11 +249,15 @@ class Gateway:
 
     async def discover(self) -> None:
         found = await self.source.discover(self.spec)
+        if self.supervisor is not None:  # a replica being started may not be active yet
+            for model, address in self.supervisor.watching:
+                if address not in found.setdefault(model, []):
+                    found[model].append(address)
         self.pool.replace({m: a for m, a in found.items() if m in self.catalog}, time.monotonic())
 
     async def check_health(self) -> None:
         replicas = self.pool.all()
-        statuses = await asyncio.gather(*(self._health(r.address, r.model) for r in replicas))
+        statuses = await asyncio.gather(*(self.health_status(r.address, r.model) for r in replicas))
         now = time.monotonic()
         for replica, status in zip(replicas, statuses, strict=True):
             before = replica.health
@@ -249,7 +271,8 @@ class Gateway:
                     replica.health.value,
                 )
 
-    async def _health(self, address: str, model: str) -> int | None:
+    async def health_status(self, address: str, model: str) -> int | None:
+        """The HTTP status of the replica's readiness path, or None when unreachable."""
         assert self.health_session is not None
         path = (
             self.spec.profiles[self.catalog[model].profile].readiness.path
@@ -268,6 +291,10 @@ class Gateway:
             self.access_log.flush()
 
     async def flush(self) -> None:
+        if self.supervisor is not None:
+            last_use = self.supervisor.last_use_rows()
+            if last_use:
+                await asyncio.to_thread(self.store.save_last_use, last_use)
         rows = self.meter.take()
         if not rows:
             return

@@ -55,6 +55,9 @@ class Store(Protocol):
     def revoke(self, name: str) -> bool: ...
     def add_usage(self, rows: list[Usage]) -> None: ...
     def usage(self) -> list[Usage]: ...
+    def save_last_use(self, rows: dict[str, float]) -> None: ...
+    def last_use(self) -> dict[str, float]: ...
+    def forget_last_use(self, replicas: list[str]) -> None: ...
 
 
 _SCHEMA = """
@@ -66,6 +69,7 @@ CREATE TABLE IF NOT EXISTS usage (
   day TEXT NOT NULL, key TEXT NOT NULL, model TEXT NOT NULL,
   requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
   errors INTEGER NOT NULL, latency_ms REAL NOT NULL, PRIMARY KEY (day, key, model));
+CREATE TABLE IF NOT EXISTS last_use (replica TEXT PRIMARY KEY, at REAL NOT NULL);
 """
 
 
@@ -158,3 +162,22 @@ class SqliteStore:
         with self._db() as db:
             rows = db.execute("SELECT * FROM usage ORDER BY day, key, model").fetchall()
         return [Usage(*r) for r in rows]
+
+    def save_last_use(self, rows: dict[str, float]) -> None:
+        """When each replica (``model@host:port``) last served a request (Unix time); the
+        newer time wins, so a slow writer never moves a replica's use back."""
+        with self._db() as db:
+            db.executemany(
+                "INSERT INTO last_use VALUES (?, ?) ON CONFLICT (replica) DO UPDATE SET"
+                " at = max(at, excluded.at)",
+                sorted(rows.items()),
+            )
+
+    def last_use(self) -> dict[str, float]:
+        with self._db() as db:
+            return {r[0]: float(r[1]) for r in db.execute("SELECT replica, at FROM last_use")}
+
+    def forget_last_use(self, replicas: list[str]) -> None:
+        """A stopped replica's time must not pass to the next one at its address."""
+        with self._db() as db:
+            db.executemany("DELETE FROM last_use WHERE replica = ?", [(r,) for r in replicas])

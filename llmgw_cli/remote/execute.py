@@ -86,9 +86,18 @@ async def _apply_node(t: Transport, w: _NodeWork, key: str) -> None:
     for user in sorted(w.users):
         cmd = f"id -u {q(user)} >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin {q(user)}"
         await _must(t, cmd, f"create service user {user}")
-    present = await t.run(f"test -s {ENGINE_ENV_FILE}", root=True)
-    if not present.ok:
+    present = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
+    if not present.stdout.strip():
         await t.write_file(ENGINE_ENV_FILE, f"{ENGINE_KEY_VAR}={key}\n", mode=0o600, root=True)
+    elif f"{ENGINE_KEY_VAR}={key}" not in present.stdout.splitlines():
+        # Replicas on this node take their key from this file: a second key would lock the
+        # gateway out of either the old replicas or the new ones.
+        raise NodeError(
+            t.node,
+            "failed",
+            f"{ENGINE_ENV_FILE} holds another engine key than the one in use; copy the "
+            "cluster's key there (or remove the file when no replica runs on the node)",
+        )
     for name in w.remove + w.restart:
         await t.run(f"systemctl stop {q(name)}", root=True)
     for name in w.remove:
@@ -183,14 +192,22 @@ class _UnitWatch:
 
 
 async def execute(
-    spec: ClusterSpec, base: Path, plan: Plan, report: Report, *, wait: bool = True
+    spec: ClusterSpec,
+    base: Path,
+    plan: Plan,
+    report: Report,
+    *,
+    wait: bool = True,
+    engine_key: str | None = None,
 ) -> list[Outcome]:
-    """Carry out ``plan``; one Outcome per node worked on and per replica waited for."""
+    """Carry out ``plan``; one Outcome per node worked on and per replica waited for.
+    ``engine_key``: the key the engines must take (the gateway's); by default the one
+    already on a node, else a new one."""
     work = _work_by_node(spec, plan)
     transports = {name: transport_for(spec, spec.node(name), base) for name in work}
     outcomes: list[Outcome] = []
     try:
-        key = await _engine_key(transports)
+        key = engine_key or await _engine_key(transports)
 
         async def one(node: str) -> Outcome:
             try:

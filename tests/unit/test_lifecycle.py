@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from llmgw_cli.core.lifecycle import ReplicaUse, Verdict, eviction_candidate, idle_to_stop, on_request
+from llmgw_cli.core.lifecycle import (
+    EVICTION_GRACE,
+    ReplicaUse,
+    Verdict,
+    eviction_candidate,
+    idle_to_stop,
+    known_last_use,
+    on_request,
+    should_scale_out,
+)
 from llmgw_cli.core.load import parse_cluster
 
 SPEC = parse_cluster(
@@ -79,3 +88,33 @@ def test_two_models_cannot_take_turns_evicting_each_other() -> None:
     just_started = use("other", ready=T0 + 100, last=T0 + 101)
     assert eviction_candidate(SPEC, [just_started], "lazy", T0 + 110) is None
     assert eviction_candidate(SPEC, [just_started], "lazy", T0 + 100 + 121) == just_started
+
+
+def test_found_running_without_a_saved_time_is_unknown_until_watched_for_idle_timeout() -> None:
+    # recorded (saved before a restart, or seen by this gateway): known at once
+    assert known_last_use(T0 - 10, first_seen=T0, idle_timeout=300, now=T0) == T0 - 10
+    # nothing recorded: unknown (so neither idle nor evictable) ...
+    assert known_last_use(None, first_seen=T0, idle_timeout=300, now=T0 + 299) is None
+    # ... until watched unused for a whole idle_timeout; then unused since first seen
+    assert known_last_use(None, first_seen=T0, idle_timeout=300, now=T0 + 300) == T0
+    # a model without idle_timeout is watched for the eviction grace
+    assert known_last_use(None, first_seen=T0, idle_timeout=None, now=T0 + EVICTION_GRACE - 1) is None
+    assert known_last_use(None, first_seen=T0, idle_timeout=None, now=T0 + EVICTION_GRACE) == T0
+    watched = use("lazy", last=known_last_use(None, T0, 300, T0 + 300))
+    assert idle_to_stop(SPEC, [watched], T0 + 300) == [watched]
+
+
+def test_scale_out_only_when_saturated_running_and_below_max() -> None:
+    def out(model: str, replicas: int = 1, starting: bool = False, wait: float = 6.0) -> bool:
+        return should_scale_out(
+            SPEC, model, replicas=replicas, starting=starting, queue_wait=wait, threshold=5.0
+        )
+
+    assert out("lazy")  # max 2, one running, requests waited 6 s
+    assert not out("lazy", wait=4.9)  # not saturated
+    assert not out("lazy", replicas=2)  # max reached
+    assert not out("lazy", starting=True)  # one start at a time
+    assert not out("lazy", replicas=0)  # a stopped model is started by a request, not scaled
+    assert out("always")  # min 1, max 2
+    assert not out("other")  # max 1
+    assert not out("off") and not out("no-scaling") and not out("missing")

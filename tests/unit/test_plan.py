@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Plan, make_plan
+from llmgw_cli.core.plan import Plan, grow_plan, make_plan, running_replicas, stop_plan
 from llmgw_cli.core.spec import ClusterSpec
 
 from .facts_factory import node_facts, with_units
@@ -145,3 +145,47 @@ def test_facts_digest_changes_when_a_card_fails() -> None:
     facts = fresh()
     facts["a"] = node_facts("a", faulty=(2,))
     assert make_plan(s, facts).facts_digest != before
+
+
+def test_grow_plan_starts_one_replica_and_changes_nothing_else() -> None:
+    s = spec()
+    facts = applied(make_plan(s, fresh()), fresh())
+    # A changed spec of another model must not leak into an on-demand start.
+    changed = spec(CLUSTER.replace("args: [--x]", "args: [--y]"))
+    grow = grow_plan(changed, facts, "lazy")
+    assert ops(grow) == [("+", "lazy", 0)] and grow.unplaced == ()
+    (action,) = grow.actions
+    held = {
+        (node, uuid)
+        for f in facts.values()
+        for labels in f.unit_labels.values()
+        for node in [f.node]
+        for uuid in labels["Gpus"].split(",")
+    }
+    new = {
+        (u.node, uuid)
+        for u in action.write
+        for uuid in u.text.split("X-Llmgw-Gpus=")[1].split()[0].split(",")
+    }
+    assert not held & new  # never a card another replica holds
+    again = grow_plan(changed, applied(grow, facts), "lazy")
+    assert ops(again) == [("+", "lazy", 1)]  # the index after the one taken
+
+
+def test_grow_plan_explains_when_nothing_fits() -> None:
+    s = spec(CLUSTER.replace("tensor_parallel: 4, args", "tensor_parallel: 8, args"))
+    facts = applied(make_plan(s, fresh()), fresh())  # big takes 2 nodes, mid the third
+    grow = grow_plan(s, facts, "mid")
+    assert grow.actions == () and grow.unplaced and grow.unplaced[0][0] == "mid"
+
+
+def test_stop_plan_removes_the_replica_on_every_member() -> None:
+    s = spec()
+    facts = applied(make_plan(s, fresh()), fresh())
+    big = next(r for r in running_replicas(facts) if r.model == "big")
+    stop = stop_plan(facts, "big", big.replica, "idle for 300s")
+    (action,) = stop.actions
+    assert action.op == "-" and action.reason == "idle for 300s"
+    assert set(action.remove) == {(n, big.unit) for n in big.members} and len(big.members) == 2
+    assert "big" not in {r.model for r in running_replicas(applied(stop, facts))}
+    assert stop_plan(facts, "big", 7, "x").actions == ()

@@ -1,0 +1,218 @@
+"""On-demand models on the lab, with the real gateway, real sshd and real systemd.
+
+One node (8 simulated H100s) and three on-demand models: `gamma` (1 card, idle_timeout
+4s), `alpha` and `beta` (8 cards each: only one of them fits). The gateway starts models
+at their first request (the first caller gets 503 with Retry-After within load_wait),
+stops idle ones, evicts an idle one to make room, and keeps last-use times across a
+restart, so the eviction after the restart is not blocked by "unknown is not idle".
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.gateway.harness import free_port, stop, wait_http
+
+from .conftest import Lab
+from .lab_helpers import reset, run
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+
+
+@dataclass
+class Served:
+    cluster: Path
+    port: int
+    admin_port: int
+    metrics_port: int
+    key: str
+    admin: str
+    log: Path
+    start: Callable[[], None]
+    stop: Callable[[], None]
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key=self.key, max_retries=0, timeout=30
+        )
+
+    def admin_get(self, path: str) -> httpx.Response:
+        return httpx.get(
+            f"http://127.0.0.1:{self.admin_port}{path}",
+            headers={"Authorization": f"Bearer {self.admin}"},
+            timeout=10,
+        )
+
+
+def _cluster(lab: Lab, folder: Path, port: int, admin_port: int, metrics_port: int) -> Path:
+    data = yaml.safe_load(lab.cluster_file.read_text())
+    data["nodes"] = [n for n in data["nodes"] if n["name"] == "node01"]
+    data["gateway"].update(
+        listen=f"127.0.0.1:{port}",
+        admin_listen=f"127.0.0.1:{admin_port}",
+        metrics_listen=f"127.0.0.1:{metrics_port}",
+        state_dir=str(folder / "state"),
+        load_wait="1s",
+        eviction_grace="2s",
+    )
+    slow = {"LLMGW_LAB_LOAD_SECONDS": "3"}  # loads longer than load_wait
+    data["models"] = [
+        {
+            "name": "gamma",
+            "source": "/data/models/Mistral-7B-Instruct-v0.3",
+            "profile": "vllm",
+            "env": slow,
+            "scaling": {"min": 0, "max": 1, "idle_timeout": "4s"},
+        },
+        *(
+            {
+                "name": name,
+                "source": source,
+                "profile": "vllm",
+                "tensor_parallel": 8,
+                "env": slow,
+                "scaling": {"min": 0, "max": 1, "idle_timeout": "1h"},
+            }
+            for name, source in (
+                ("alpha", "/data/models/Llama-3.1-8B-Instruct"),
+                ("beta", "/data/models/Mistral-7B-Instruct-v0.3"),
+            )
+        ),
+    ]
+    path = folder / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def served(lab: Lab, tmp_path: Path) -> Iterator[Served]:
+    reset(lab)
+    port, admin_port, metrics_port = free_port(), free_port(), free_port()
+    cluster = _cluster(lab, tmp_path, port, admin_port, metrics_port)
+    current = lab.ssh("node01", "cat /etc/llmgw/engine.env 2>/dev/null").stdout
+    engine_env = tmp_path / "engine.env"
+    engine_env.write_text(current or f"LLMGW_ENGINE_KEY={secrets.token_urlsafe(32)}\n")
+    key = run("keys", "create", "--name", "lab-user", "-f", str(cluster)).stdout.strip()
+    admin = run("keys", "create", "--name", "ops", "--admin", "-f", str(cluster)).stdout.strip()
+    log = tmp_path / "gateway.log"
+    procs: list[subprocess.Popen[bytes]] = []
+    argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(cluster)]
+    argv += ["--engine-key-file", str(engine_env), "--health-every", "0.5", "--flush-every", "0.5"]
+
+    def start() -> None:
+        with log.open("ab") as out:
+            procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT))
+        wait_http(f"http://127.0.0.1:{port}/health", procs[-1], log)
+
+    def halt() -> None:
+        stop(procs[-1])
+
+    start()
+    try:
+        yield Served(cluster, port, admin_port, metrics_port, key, admin, log, start, halt)
+    finally:
+        for proc in procs:
+            stop(proc)
+        reset(lab)
+
+
+def units(lab: Lab) -> set[str]:
+    done = lab.ssh("node01", "systemctl list-units --plain --no-legend 'llmgw-*' | awk '{print $1}'")
+    return set(done.stdout.split())
+
+
+def states(client: openai.OpenAI) -> dict[str, str]:
+    return {m.id: str((m.model_extra or {}).get("state")) for m in client.models.list().data}
+
+
+def serve_within(client: openai.OpenAI, model: str, seconds: float) -> str:
+    """Ask until answered; every refusal meanwhile must be the 503 'loading'."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+            return reply.choices[0].message.content or ""
+        except openai.InternalServerError as exc:
+            assert exc.status_code == 503 and "loading" in exc.message, exc.message
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def wait_for(check: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+def test_on_demand_start_idle_stop_eviction_and_restart(lab: Lab, served: Served) -> None:
+    client = served.client()
+    try:
+        assert set(states(client).values()) == {"on-demand-stopped"}
+        assert units(lab) == set()
+
+        # Cold start: the first request waits load_wait (1 s) and gets 503 + Retry-After.
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as cold:
+            client.chat.completions.create(model="gamma", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+        waited = time.monotonic() - started
+        assert cold.value.status_code == 503 and "loading" in cold.value.message
+        assert cold.value.response.headers.get("Retry-After")
+        assert 0.9 <= waited < 5, waited
+        assert states(client)["gamma"] == "loading"
+        assert serve_within(client, "gamma", 30)
+        assert states(client)["gamma"] == "ready"
+        assert units(lab) == {"llmgw-gamma-0.service"}
+
+        # idle_timeout 4 s: the replica is stopped and its unit removed.
+        wait_for(lambda: units(lab) == set(), 20, "gamma was not stopped after its idle_timeout")
+        assert states(client)["gamma"] == "on-demand-stopped"
+
+        # alpha takes the whole node.
+        assert serve_within(client, "alpha", 30)
+        assert units(lab) == {"llmgw-alpha-0.service"}
+        time.sleep(1.5)  # past a flush of the last-use times
+
+        # A restart keeps what the gateway knew about alpha's last use.
+        before = [
+            r for r in served.admin_get("/admin/api/replicas").json()["replicas"] if r["model"] == "alpha"
+        ]
+        assert before and before[0]["last_used"]
+        served.stop()
+        served.start()
+        wait_for(
+            lambda: any(
+                r["model"] == "alpha" and r["health"] == "ready" and r["last_used"] == before[0]["last_used"]
+                for r in served.admin_get("/admin/api/replicas").json()["replicas"]
+            ),
+            15,
+            "alpha's last use was not known after the restart",
+        )
+        time.sleep(2.5)  # past the eviction grace (2 s) after alpha was seen ready again
+
+        # beta does not fit next to alpha: alpha is idle (known), so it is evicted.
+        assert serve_within(client, "beta", 40)
+        assert units(lab) == {"llmgw-beta-0.service"}
+        assert states(client)["alpha"] == "on-demand-stopped"
+        metrics = httpx.get(f"http://127.0.0.1:{served.metrics_port}/metrics", timeout=10).text
+        assert 'llmgw_evictions_total{model="alpha"} 1' in metrics
+        assert 'llmgw_model_loads_total{model="beta"} 1' in metrics
+        log = served.log.read_text()
+        assert "gamma: stopping replica 0" in log and "idle" in log
+        assert "evicted to make room for beta" in log
+    finally:
+        client.close()
