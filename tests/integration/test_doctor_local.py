@@ -52,7 +52,8 @@ nodes:
      weights: [{folder / "weights"}]}}
 profiles:
   fake: {{engine: llama-server, command: [{engine}], ports: {port}-{port}}}
-models: []
+models:
+  - {{name: m, source: {folder / "weights" / "m.gguf"}, profile: fake, scaling: {{min: 0, max: 1}}}}
 """
     )
     return path

@@ -10,7 +10,7 @@ from llmgw_cli.core.doctor.facts import Collected, Finding, Limit, Severity
 from llmgw_cli.core.facts import GpuHealth, IbPort, PortState
 from llmgw_cli.core.hardware import gpu_class, same_class
 from llmgw_cli.core.parse.probe import engine_binaries
-from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.core.spec import ClusterSpec, Node, ScalingMode
 
 Check = Callable[[ClusterSpec, Node, Collected], list[Finding]]
 
@@ -47,9 +47,13 @@ def check_engines(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
     """Every profile's program must be on the node and loadable: a binary whose library is
     "not found" registers, looks healthy and fails every replica (exit 127)."""
     found = {e.path: e for e in c.facts.engines}
+    used = {m.profile for m in spec.models if m.mode is not ScalingMode.off}
     findings = []
     for binary in engine_binaries(spec):
-        profiles = ", ".join(n for n, p in spec.profiles.items() if p.argv0[0] == binary)
+        names = [n for n, p in spec.profiles.items() if p.argv0[0] == binary]
+        profiles = ", ".join(names)
+        # A profile no model uses (or only switched-off ones) breaks nothing yet.
+        severity = Severity.error if used & set(names) else Severity.warning
         engine = found.get(binary)
         if engine is None:
             continue  # not probed (older script); nothing to say
@@ -58,7 +62,7 @@ def check_engines(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
                 _finding(
                     node,
                     "engine.missing",
-                    Severity.error,
+                    severity,
                     f"{binary} (profile {profiles}) is not installed or not on PATH",
                     f"install the engine on {node.name}, or give the profile's `command` its absolute path",
                 )
@@ -77,7 +81,7 @@ def check_engines(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
                 _finding(
                     node,
                     "engine.libraries",
-                    Severity.error,
+                    severity,
                     f"{binary} (profile {profiles}) cannot start: ldd finds no {libs}",
                     f"{how} (check with `ldd $(command -v {binary}) | grep 'not found'`)",
                 )

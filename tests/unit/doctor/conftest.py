@@ -25,15 +25,24 @@ nodes:
 profiles:
   vllm: {{engine: vllm, command: [/opt/vllm/bin/vllm, serve], ports: 8100-8199}}
   llama: {{engine: llama-server, command: [/usr/local/bin/llama-server], ports: 8200-8299}}
-models: []
+models: {models}
 """
+USED = (
+    "[{name: a, source: /data/models/a, profile: vllm, scaling: {min: 1, max: 1}}, "
+    "{name: b, source: /data/models/b.gguf, profile: llama, scaling: {min: 0, max: 1}}]"
+)
 
 
 def spec(
-    *, hcas: str = "mlx5_0", first_byte: str = "600s", idle: str = "120s", gateway_host: str = "localhost"
+    *,
+    hcas: str = "mlx5_0",
+    first_byte: str = "600s",
+    idle: str = "120s",
+    gateway_host: str = "localhost",
+    models: str = USED,
 ) -> ClusterSpec:
     return parse_cluster(
-        CLUSTER.format(hcas=hcas, first_byte=first_byte, idle=idle, gateway_host=gateway_host)
+        CLUSTER.format(hcas=hcas, first_byte=first_byte, idle=idle, gateway_host=gateway_host, models=models)
     )
 
 

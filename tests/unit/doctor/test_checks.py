@@ -42,6 +42,12 @@ def test_engine_not_installed_is_an_error() -> None:
     assert checks(check_engines(s, s.node("gpu1"), c)) == [("engine.missing", Severity.error)]
 
 
+def test_engine_of_a_profile_no_model_uses_is_only_a_warning() -> None:
+    s = spec(models="[{name: a, source: /data/models/a, profile: vllm}]")  # a model that is off
+    c = collected(s, engines="@engine /opt/vllm/bin/vllm missing\n@engine /usr/local/bin/llama-server found")
+    assert checks(check_engines(s, s.node("gpu1"), c)) == [("engine.missing", Severity.warning)]
+
+
 def test_loadable_engines_give_no_finding() -> None:
     s = spec()
     assert check_engines(s, s.node("gpu1"), collected(s)) == []
