@@ -1,0 +1,170 @@
+"""The doctor's node script (the probe plus ``templates/doctor.sh.j2``) and its parse.
+
+One script per node, one round trip: the probe's sections are parsed by the probe's own
+parser, the ``doctor-*`` sections here.
+"""
+
+from __future__ import annotations
+
+import re
+
+from llmgw_cli.core.doctor.facts import Disk, DoctorFacts, GpuFabric, Limit, Listener
+from llmgw_cli.core.parse.probe import probe_script, split_sections
+from llmgw_cli.core.parse.systemctl import parse_show
+from llmgw_cli.core.render import render
+from llmgw_cli.core.spec import ClusterSpec, Node
+
+_USERS = re.compile(r'\(\("([^"]*)",pid=(\d+)')
+UNLIMITED_BYTES = 2**64 - 1  # what systemctl shows for infinity on some versions
+
+
+def doctor_script(spec: ClusterSpec, node: Node) -> str:
+    """The probe script followed by the doctor's extra sections."""
+    extra = render("doctor.sh.j2", weight_dirs=[w.path for w in node.weights])
+    return probe_script(spec, node) + extra
+
+
+def parse_limit(value: str, unit: int = 1) -> Limit | None:
+    """``unlimited``/``infinity`` or a number of ``unit`` bytes; None when unreadable."""
+    value = value.strip()
+    if value in ("unlimited", "infinity"):
+        return "unlimited"
+    if value.isdigit():
+        number = int(value) * unit
+        return "unlimited" if number >= UNLIMITED_BYTES else number
+    return None
+
+
+def _memlock(text: str) -> tuple[Limit | None, Limit | None, dict[str, Limit]]:
+    soft = hard = None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "soft":
+            soft = parse_limit(value, 1024)  # ulimit -l counts KiB
+        elif key == "hard":
+            hard = parse_limit(value, 1024)
+    units: dict[str, Limit] = {}
+    for block in parse_show("\n".join(line for line in text.splitlines() if "=" in line or not line)):
+        limit = parse_limit(block.get("LimitMEMLOCK", ""))
+        if "Id" in block and limit is not None:
+            units[block["Id"]] = limit
+    return soft, hard, units
+
+
+def parse_fabric(text: str) -> tuple[GpuFabric, ...]:
+    """``@gpu BUS`` followed by that GPU's ``State : X`` / ``Status : Y`` lines."""
+    found: list[GpuFabric] = []
+    gpu: str | None = None
+    values: dict[str, str] = {}
+
+    def flush() -> None:
+        if gpu is not None and values:
+            found.append(GpuFabric(gpu=gpu, state=values.get("State", ""), status=values.get("Status", "")))
+
+    for line in text.splitlines():
+        if line.startswith("@gpu "):
+            flush()
+            gpu, values = line[5:].strip(), {}
+        else:
+            key, sep, value = line.partition(":")
+            if sep and key.strip() in ("State", "Status"):
+                values[key.strip()] = value.strip()
+    flush()
+    return tuple(found)
+
+
+def _fabric_manager(text: str) -> str | None:
+    blocks = parse_show(text)
+    if not blocks or blocks[0].get("LoadState", "not-found") == "not-found":
+        return None
+    return blocks[0].get("ActiveState", "unknown")
+
+
+def _port(address: str) -> tuple[str, int] | None:
+    host, _, port = address.rpartition(":")
+    return (host, int(port)) if port.isdigit() else None
+
+
+def _proc_net_tcp(lines: list[str]) -> list[Listener]:
+    """``/proc/net/tcp{,6}``: ``sl local rem st ...``, hex addresses, st 0A = LISTEN."""
+    found = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) > 3 and parts[3] == "0A" and ":" in parts[1]:
+            host, _, port = parts[1].rpartition(":")
+            found.append(Listener(address=host, port=int(port, 16)))
+    return found
+
+
+def parse_listeners(text: str) -> tuple[tuple[Listener, ...], bool]:
+    """Listening TCP sockets from ``ss -Htlnp`` (or ``/proc/net/tcp`` after ``@proc``), each
+    with its process and systemd unit where ``ss`` could name them; and whether the list
+    could be read at all."""
+    lines = text.splitlines()
+    if "@unknown" in lines:
+        return (), False
+    if "@proc" in lines:
+        return tuple(_proc_net_tcp(lines)), True
+    units: dict[int, str | None] = {}
+    for line in lines:
+        if line.startswith("@unit "):
+            _, number, *unit = line.split()
+            units[int(number)] = unit[0] if unit else None
+    found = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 4 or parts[0] != "LISTEN":
+            continue
+        local = _port(parts[3])
+        if local is None:
+            continue
+        users = _USERS.search(line)
+        pid = int(users.group(2)) if users else None
+        found.append(
+            Listener(
+                address=local[0],
+                port=local[1],
+                process=users.group(1) if users else "",
+                pid=pid,
+                unit=units.get(pid) if pid is not None else None,
+            )
+        )
+    return tuple(found), True
+
+
+def _disks(text: str) -> tuple[Disk, ...]:
+    disks = []
+    for line in text.splitlines():
+        path, _, sizes = line.partition("\t")
+        numbers = sizes.split()
+        if len(numbers) == 2 and all(n.isdigit() for n in numbers):
+            disks.append(
+                Disk(path=path, total_bytes=int(numbers[0]) * 1024, free_bytes=int(numbers[1]) * 1024)
+            )
+    return tuple(disks)
+
+
+def _clock(text: str) -> float | None:
+    try:
+        return float(text.strip().splitlines()[0])
+    except (ValueError, IndexError):
+        return None
+
+
+def parse_doctor(node: str, text: str) -> DoctorFacts:
+    """DoctorFacts from the script's output (the probe's sections are ignored here)."""
+    sections = split_sections(text)
+    soft, hard, units = _memlock(sections.get("doctor-memlock", ""))
+    listeners, known = parse_listeners(sections.get("doctor-listen", "@unknown"))
+    return DoctorFacts(
+        node=node,
+        memlock_soft=soft,
+        memlock_hard=hard,
+        unit_memlock=units,
+        fabric=parse_fabric(sections.get("doctor-fabric", "")),
+        fabric_manager=_fabric_manager(sections.get("doctor-fabricmanager", "")),
+        listeners=listeners,
+        listeners_known=known,
+        disks=_disks(sections.get("doctor-disks", "")),
+        clock_end=_clock(sections.get("doctor-clock", "")),
+    )

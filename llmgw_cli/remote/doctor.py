@@ -1,0 +1,51 @@
+"""Gather what `llmgw doctor` needs: one script per node (the probe plus the doctor's
+sections), one round trip, nodes in parallel. Deciding is the core's (core/doctor)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from llmgw_cli.core.doctor import Collected, DoctorFacts
+from llmgw_cli.core.doctor.collect import doctor_script, parse_doctor
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.parse.probe import parse_probe
+from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.errors import NodeError
+from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.probe import Progress
+
+
+async def _collect_one(spec: ClusterSpec, node: Node, base: Path, progress: Progress) -> Collected:
+    transport = transport_for(spec, node, base)
+    progress(node.name, "connecting")
+    # Wall-clock times (not monotonic): they are compared with the node's clock.
+    sent = time.time()
+    try:
+        result = await transport.run("sh -s", stdin=doctor_script(spec, node))
+        received = time.time()
+        progress(node.name, "done")
+        facts = parse_probe(node, result.stdout).model_copy(update={"probe_seconds": received - sent})
+        return Collected(facts, parse_doctor(node.name, result.stdout), sent, received)
+    except NodeError as exc:
+        progress(node.name, "failed")
+        facts = NodeFacts(node=node.name, error=exc.reason, error_kind=exc.kind)
+        return Collected(facts, DoctorFacts(node=node.name), sent, time.time())
+    finally:
+        await transport.close()
+
+
+async def collect(
+    spec: ClusterSpec, base: Path, nodes: list[str] | None = None, progress: Progress | None = None
+) -> list[Collected]:
+    """Collect ``nodes`` (default: all), at most ``ssh.max_parallel`` at once."""
+    chosen = [n for n in spec.nodes if nodes is None or n.name in nodes]
+    limit = asyncio.Semaphore(spec.ssh.max_parallel)
+    report = progress or (lambda _node, _event: None)
+
+    async def bounded(node: Node) -> Collected:
+        async with limit:
+            return await _collect_one(spec, node, base, report)
+
+    return list(await asyncio.gather(*(bounded(n) for n in chosen)))
