@@ -18,7 +18,9 @@ from llmgw_cli.cli.views import plan_view, progress_view
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError, LlmgwError
-from llmgw_cli.remote.execute import Outcome, execute
+from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.execute import Outcome, cluster_engine_key, execute
+from llmgw_cli.remote.gateway_install import GatewayPreview, gateway_transport, install, preview
 
 out = Console()
 err = Console(stderr=True)
@@ -28,22 +30,50 @@ class ApplyFailed(LlmgwError):
     """Some node or replica failed; the others were applied."""
 
 
-async def _execute_with_progress(spec: ClusterSpec, file: Path, chosen: Plan, wait: bool) -> list[Outcome]:
-    """Run the plan with a live table of nodes and replicas on a terminal, lines otherwise."""
+async def _execute_with_progress(
+    spec: ClusterSpec,
+    file: Path,
+    chosen: Plan,
+    *,
+    wait: bool,
+    gateway: GatewayPreview,
+    unreachable: set[str],
+) -> list[Outcome]:
+    """Run the plan, then install the gateway, with a live table of nodes and replicas on
+    a terminal, lines otherwise."""
     states: dict[str, str] = {}
     live = Live(console=err, transient=False, auto_refresh=False) if err.is_terminal else None
 
     def report(subject: str, message: str) -> None:
         states[subject] = message
         if live is None:
-            err.print(f"  {subject}: {message}", highlight=False)
+            err.print(f"  {subject}: {message}", highlight=False, soft_wrap=True)
         else:
             live.update(progress_view(states), refresh=True)
 
+    base = file.resolve().parent
+
+    async def run() -> list[Outcome]:
+        # Every node, not only those the plan touches: a node with no key yet must get the
+        # one the others (and the gateway) already hold.
+        transports = [transport_for(spec, n, base) for n in spec.nodes if n.name not in unreachable]
+        if gateway.changes:
+            transports.append(gateway_transport(spec, base))
+        try:
+            key = await cluster_engine_key(transports)
+        finally:
+            await asyncio.gather(*(t.close() for t in transports))
+        outcomes = (
+            await execute(spec, base, chosen, report, wait=wait, engine_key=key) if chosen.changes else []
+        )
+        if gateway.changes:
+            outcomes.append(await install(spec, base, gateway, key, report))
+        return outcomes
+
     if live is None:
-        return await execute(spec, file.resolve().parent, chosen, report, wait=wait)
+        return await run()
     with live:
-        return await execute(spec, file.resolve().parent, chosen, report, wait=wait)
+        return await run()
 
 
 def _unplaced_is_failure(chosen: Plan) -> None:
@@ -61,7 +91,13 @@ def plan(
     spec = read_cluster(file)
     snapshot = probe_with_progress(spec, file, None, err)
     result = make_plan(spec, {f.node: f for f in snapshot.nodes})
+    gateway = asyncio.run(preview(spec, file.resolve().parent, file.read_text(encoding="utf-8")))
     out.print(plan_view(result), soft_wrap=True)
+    out.print(
+        Text(gateway.describe(), style="yellow" if gateway.changes else "dim"),
+        highlight=False,
+        soft_wrap=True,
+    )
     if save:
         save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
         out.print(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}")
@@ -88,13 +124,19 @@ def apply(
             raise InputError(f"{saved}: the nodes changed since this plan was made; run `llmgw plan` again")
     else:
         chosen = make_plan(spec, facts)
+    gateway = asyncio.run(preview(spec, file.resolve().parent, file.read_text(encoding="utf-8")))
     out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
+    out.print(
+        Text(gateway.describe(), style="yellow" if gateway.changes else "dim"),
+        highlight=False,
+        soft_wrap=True,
+    )
     unreachable = [f.node for f in snapshot.nodes if not f.reachable]
     if unreachable:
         err.print(Text(f"unreachable, left out: {', '.join(unreachable)}", style="yellow"))
     if dry_run:
         return
-    if not chosen.changes:
+    if not chosen.changes and not gateway.changes:
         _unplaced_is_failure(chosen)
         return
     if not yes:
@@ -102,13 +144,17 @@ def apply(
             raise InputError("not a terminal: pass --yes to apply without confirmation")
         typer.confirm("Apply these changes?", abort=True)
 
-    outcomes = asyncio.run(_execute_with_progress(spec, file, chosen, wait))
+    outcomes = asyncio.run(
+        _execute_with_progress(spec, file, chosen, wait=wait, gateway=gateway, unreachable=set(unreachable))
+    )
     failed = [o for o in outcomes if not o.ok]
     for o in failed:
         err.print(Text(f"FAILED {o.subject}: {o.message}", style="red"))
     if failed:
         raise ApplyFailed(f"{len(failed)} of {len(outcomes)} steps failed; fix them and run apply again")
     _unplaced_is_failure(chosen)
-    out.print(
-        Text(f"Applied: {len(chosen.changes)} change(s), every started replica is ready.", style="green")
-    )
+    done = f"Applied: {len(chosen.changes)} change(s), every started replica is ready."
+    gateway_outcome = next((o for o in outcomes if o.subject == "gateway"), None)
+    if gateway_outcome is not None:
+        done += f" Gateway: {gateway_outcome.message}."
+    out.print(Text(done, style="green"), soft_wrap=True)

@@ -15,6 +15,7 @@ import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.core.engines import ENGINE_ENV_FILE, ENGINE_KEY_VAR
+from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.gateway.accesslog import AccessLog
 from llmgw_cli.gateway.server import serve
 from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource, StaticSource
@@ -42,10 +43,23 @@ def run(
         typer.Option(
             "--engine-key-file",
             envvar="LLMGW_ENGINE_KEY_FILE",
+            readable=False,  # read only without $LLMGW_ENGINE_KEY, with a clear error then
             help="Env file with LLMGW_ENGINE_KEY=..., the key the engines require "
             "($LLMGW_ENGINE_KEY, when set, is used instead).",
         ),
     ] = Path(ENGINE_ENV_FILE),
+    identity_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--identity-file",
+            help="SSH key for the nodes instead of the cluster file's ssh.identity_file "
+            "(the installed unit passes its systemd credential here).",
+        ),
+    ] = None,
+    known_hosts: Annotated[
+        Path | None,
+        typer.Option("--known-hosts", help="known_hosts file instead of the cluster file's ssh.known_hosts."),
+    ] = None,
     discover_every: Annotated[float, typer.Option(help="Seconds between probes of the nodes.")] = 15.0,
     health_every: Annotated[float, typer.Option(help="Seconds between health checks of replicas.")] = 2.0,
     flush_every: Annotated[float, typer.Option(help="Seconds between writes of usage totals.")] = 5.0,
@@ -55,7 +69,17 @@ def run(
 
     SIGHUP reloads the cluster file; SIGTERM drains requests in flight, then exits.
     """
-    spec = read_cluster(file)
+
+    def load() -> ClusterSpec:
+        spec = read_cluster(file)
+        ssh = {
+            k: str(v.absolute())
+            for k, v in (("identity_file", identity_file), ("known_hosts", known_hosts))
+            if v is not None
+        }
+        return spec.model_copy(update={"ssh": spec.ssh.model_copy(update=ssh)}) if ssh else spec
+
+    spec = load()
     # $LLMGW_ENGINE_KEY first: a systemd unit can pass the root-only engine.env with
     # EnvironmentFile= to a gateway that runs unprivileged and cannot read the file itself.
     engine_key = os.environ.get(ENGINE_KEY_VAR) or read_engine_key(engine_key_file)
@@ -68,7 +92,7 @@ def run(
         source,
         store,
         engine_key,
-        reload_spec=lambda: read_cluster(file),
+        reload_spec=load,
         discover_every=discover_every if replicas is None else 3600.0,
         health_every=health_every,
         flush_every=flush_every,

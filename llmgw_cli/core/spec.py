@@ -114,6 +114,17 @@ class GatewaySettings(Spec):
         None, description="Listener serving only `/metrics` and `/health`, for monitoring."
     )
     state_dir: str = Field("/var/lib/llmgw", description="Directory of the gateway's own data.")
+    llmgw_bin: str | None = Field(
+        None,
+        pattern=r"^/",
+        description="Absolute path of `llmgw` on the gateway host, for its systemd unit. "
+        "Unset: whichever `llmgw` is on the host's PATH.",
+    )
+    install: bool = Field(
+        True,
+        description="`apply` installs and updates `llmgw-gateway.service` on `host`. Off: "
+        "you run the gateway yourself.",
+    )
     load_wait: Duration = Field(
         20.0,
         description="How long a request for a model that is starting waits before it is "

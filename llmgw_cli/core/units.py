@@ -9,8 +9,17 @@ from llmgw_cli.core.spec import ClusterSpec
 GATEWAY_UNIT = "llmgw-gateway.service"
 
 
-def gateway_unit(spec: ClusterSpec, *, llmgw_bin: str, config_path: str, user: str = "llmgw") -> str:
-    """The ``llmgw-gateway.service`` unit that runs ``llmgw gateway run`` for ``spec``."""
+def gateway_unit(
+    spec: ClusterSpec,
+    *,
+    llmgw_bin: str,
+    config_path: str,
+    user: str = "llmgw",
+    ssh_key: str | None = None,
+    known_hosts: str | None = None,
+) -> str:
+    """The ``llmgw-gateway.service`` unit that runs ``llmgw gateway run`` for ``spec``,
+    with ``ssh_key`` and ``known_hosts`` (files on the gateway host) for reaching the nodes."""
     state_dir = spec.gateway.state_dir.rstrip("/")
     managed = state_dir.removeprefix("/var/lib/") if state_dir.startswith("/var/lib/") else None
     return render(
@@ -22,4 +31,6 @@ def gateway_unit(spec: ClusterSpec, *, llmgw_bin: str, config_path: str, user: s
         state_dir=state_dir,
         state_directory=managed,
         engine_env_file=ENGINE_ENV_FILE,
+        ssh_key=ssh_key,
+        known_hosts=known_hosts,
     )

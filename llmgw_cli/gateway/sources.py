@@ -7,6 +7,7 @@ Health is not their business: the gateway checks every replica they name.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Protocol
 
@@ -18,6 +19,8 @@ from llmgw_cli.core.routing import endpoints
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError
 from llmgw_cli.remote.probe import gather
+
+log = logging.getLogger("llmgw.gateway")
 
 
 class ReplicaSource(Protocol):
@@ -58,8 +61,15 @@ class ProbeSource:
 
     async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
         snapshot = await gather(spec, self.base)
-        self.facts = {f.node: f for f in snapshot.nodes}
-        return self.facts
+        facts = {f.node: f for f in snapshot.nodes}
+        for name, f in facts.items():  # say so when a node stops (or starts) answering
+            before = self.facts.get(name)
+            if f.error and (before is None or before.error != f.error):
+                log.warning("node %s: %s", name, f.error)
+            elif not f.error and before is not None and before.error:
+                log.info("node %s: reachable again", name)
+        self.facts = facts
+        return facts
 
     async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
         facts = await self.probe(spec)

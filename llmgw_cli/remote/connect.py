@@ -10,7 +10,7 @@ from llmgw_cli.remote.ssh import SshTarget, SshTransport
 from llmgw_cli.remote.transport import Transport
 
 
-def _path(value: str, base: Path) -> Path:
+def resolve_path(value: str, base: Path) -> Path:
     """``~`` expanded; a relative path is relative to the cluster file's folder."""
     path = Path(value).expanduser()
     return path if path.is_absolute() else (base / path)
@@ -27,7 +27,7 @@ def transport_for(spec: ClusterSpec, node: Node, base: Path) -> Transport:
             node=node.name,
             host=node.address,
             settings=settings,
-            known_hosts=_path(settings.known_hosts, base),
-            identity_file=_path(settings.identity_file, base) if settings.identity_file else None,
+            known_hosts=resolve_path(settings.known_hosts, base),
+            identity_file=resolve_path(settings.identity_file, base) if settings.identity_file else None,
         )
     )

@@ -29,7 +29,7 @@ from llmgw_cli.core.facts import UnitState
 from llmgw_cli.core.parse.systemctl import parse_show, unit_state
 from llmgw_cli.core.plan import Action, Plan
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.errors import NodeError
+from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.remote.connect import transport_for
 from llmgw_cli.remote.transport import Transport
 
@@ -66,6 +66,35 @@ def _work_by_node(spec: ClusterSpec, plan: Plan) -> dict[str, _NodeWork]:
             if model is not None:
                 w.users.add(spec.profiles[model.profile].user)
     return work
+
+
+async def cluster_engine_key(transports: list[Transport]) -> str:
+    """The cluster's engine key, read from every host given (nodes and the gateway host):
+    the one they hold, a new one when none holds any. Hosts that disagree are an error,
+    since the gateway can only hold one key."""
+
+    async def read(t: Transport) -> str | None:
+        try:
+            result = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
+        except NodeError:
+            return None
+        for line in result.stdout.splitlines():
+            if line.startswith(f"{ENGINE_KEY_VAR}="):
+                return line.split("=", 1)[1].strip()
+        return None
+
+    found = await asyncio.gather(*(read(t) for t in transports))
+    holders: dict[str, list[str]] = defaultdict(list)
+    for t, key in zip(transports, found, strict=True):
+        if key:
+            holders[key].append(t.node)
+    if len(holders) > 1:
+        groups = "; ".join(", ".join(sorted(nodes)) for nodes in holders.values())
+        raise LlmgwError(
+            f"the hosts hold different engine keys in {ENGINE_ENV_FILE} ({groups}): copy one "
+            "file to every node and to the gateway host, then restart the replicas"
+        )
+    return next(iter(holders)) if holders else secrets.token_urlsafe(32)
 
 
 async def _engine_key(transports: dict[str, Transport]) -> str:
@@ -128,7 +157,7 @@ async def _wait_ready(
     unit = next(w.name for w in action.write if w.node == head)
     url = f"http://{spec.node(head).address}:{action.port}{profile.readiness.path}"
     subject = f"{action.model}#{action.replica}"
-    watch = await _UnitWatch.start(transports[head], unit)
+    watch = await UnitWatch.start(transports[head], unit)
     report(subject, "starting")
     deadline = time.monotonic() + profile.readiness.start_timeout
     last = "starting"
@@ -153,7 +182,7 @@ async def _wait_ready(
 
 
 @dataclass
-class _UnitWatch:
+class UnitWatch:
     """Notices a unit that failed or restarted since the watch began (systemd keeps NRestarts
     and the journal across a unit's earlier lives, so both are taken relative to the start)."""
 
@@ -163,7 +192,7 @@ class _UnitWatch:
     since: str
 
     @classmethod
-    async def start(cls, transport: Transport, unit: str) -> _UnitWatch:
+    async def start(cls, transport: Transport, unit: str) -> UnitWatch:
         state = await cls._state(transport, unit)
         clock = await transport.run("date +%s")
         since = clock.stdout.strip() if clock.ok else ""

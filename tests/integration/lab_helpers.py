@@ -12,7 +12,7 @@ from .conftest import Lab
 
 RESET_UNITS = (
     "systemctl stop 'llmgw-*' 2>/dev/null; rm -f /etc/systemd/system/llmgw-*.service; "
-    "systemctl daemon-reload; systemctl reset-failed 2>/dev/null; true"
+    "systemctl daemon-reload; systemctl reset-failed 2>/dev/null; rm -f /etc/llmgw/engine.env; true"
 )
 
 

@@ -1,0 +1,78 @@
+"""What `apply` puts on the gateway host (pure: inputs in, files out).
+
+The gateway runs as ``llmgw-gateway.service`` under the ``llmgw`` account, from files
+under ``/etc/llmgw/gateway``:
+
+- ``cluster.yaml``: the cluster file as the operator wrote it (comments included);
+- ``ssh-key``: the key that reaches the nodes, readable by root and the ``llmgw`` group
+  only (0640);
+- ``known_hosts``: the host keys the control host trusts, so the gateway checks them too;
+- the unit in ``/etc/systemd/system``.
+
+The engine key (``/etc/llmgw/engine.env``) is handled beside these: written when absent,
+and an error when it holds another key (see ``remote/gateway_install.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from llmgw_cli.core.engines import UNIT_DIR
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.units import GATEWAY_UNIT, gateway_unit
+
+GATEWAY_DIR = "/etc/llmgw/gateway"
+CLUSTER_FILE = f"{GATEWAY_DIR}/cluster.yaml"
+SSH_KEY = f"{GATEWAY_DIR}/ssh-key"
+KNOWN_HOSTS = f"{GATEWAY_DIR}/known_hosts"
+UNIT_FILE = f"{UNIT_DIR}/{GATEWAY_UNIT}"
+
+
+@dataclass(frozen=True)
+class GatewayFile:
+    path: str
+    text: str
+    mode: int
+    secret: bool = False  # never printed
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def gateway_files(
+    spec: ClusterSpec, *, cluster_text: str, llmgw_bin: str, ssh_key: str, known_hosts: str
+) -> tuple[GatewayFile, ...]:
+    unit = gateway_unit(
+        spec, llmgw_bin=llmgw_bin, config_path=CLUSTER_FILE, ssh_key=SSH_KEY, known_hosts=KNOWN_HOSTS
+    )
+    return (
+        GatewayFile(CLUSTER_FILE, cluster_text, 0o644),
+        GatewayFile(SSH_KEY, ssh_key, 0o640, secret=True),
+        GatewayFile(KNOWN_HOSTS, known_hosts, 0o644),
+        GatewayFile(UNIT_FILE, unit, 0o644),
+    )
+
+
+@dataclass(frozen=True)
+class GatewayChange:
+    """What an install changes, and how the running gateway takes it."""
+
+    write: tuple[GatewayFile, ...]
+    how: str  # "none", "reload" (SIGHUP: the cluster file only) or "restart"
+
+
+def gateway_change(
+    files: tuple[GatewayFile, ...], current: dict[str, str], *, active: bool, listeners_changed: bool
+) -> GatewayChange:
+    """Compare the wanted files with the digests found on the host (``current``, by path).
+    A changed cluster file of a running gateway is a reload (SIGHUP keeps connections),
+    unless its listener addresses changed; anything else (a new key, unit) restarts it,
+    and a gateway that is not running is started."""
+    write = tuple(f for f in files if current.get(f.path) != f.digest)
+    if not write:
+        return GatewayChange((), "none" if active else "restart")
+    if active and not listeners_changed and all(f.path == CLUSTER_FILE for f in write):
+        return GatewayChange(write, "reload")
+    return GatewayChange(write, "restart")

@@ -1,0 +1,63 @@
+"""What apply installs on the gateway host, and how the running gateway takes a change."""
+
+from __future__ import annotations
+
+from llmgw_cli.core.gateway_install import (
+    CLUSTER_FILE,
+    KNOWN_HOSTS,
+    SSH_KEY,
+    UNIT_FILE,
+    gateway_change,
+    gateway_files,
+)
+from llmgw_cli.core.load import parse_cluster
+
+TEXT = "cluster: {name: c}\ngateway: {host: localhost}\n"
+
+
+def files(text: str = TEXT, key: str = "KEY", llmgw_bin: str = "/usr/local/bin/llmgw"):  # type: ignore[no-untyped-def]
+    return gateway_files(
+        parse_cluster(text), cluster_text=text, llmgw_bin=llmgw_bin, ssh_key=key, known_hosts="h k\n"
+    )
+
+
+def on_host(found) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    return {f.path: f.digest for f in found}
+
+
+def test_the_files_and_the_unit_that_uses_them() -> None:
+    found = {f.path: f for f in files()}
+    assert set(found) == {CLUSTER_FILE, SSH_KEY, KNOWN_HOSTS, UNIT_FILE}
+    assert found[SSH_KEY].mode == 0o640 and found[SSH_KEY].secret
+    assert found[CLUSTER_FILE].text == TEXT  # the operator's file, comments and all
+    unit = found[UNIT_FILE].text
+    assert (
+        f"ExecStart=/usr/local/bin/llmgw gateway run -f {CLUSTER_FILE} --identity-file {SSH_KEY} "
+        f"--known-hosts {KNOWN_HOSTS}\n" in unit
+    )
+    assert "PrivateTmp=yes" in unit
+    assert "PrivateTmp=yes" not in {f.path: f for f in files(llmgw_bin="/tmp/x/bin/llmgw")}[UNIT_FILE].text
+
+
+def test_nothing_changed_is_nothing_to_do_unless_the_gateway_is_down() -> None:
+    current = on_host(files())
+    assert gateway_change(files(), current, active=True, listeners_changed=False).how == "none"
+    down = gateway_change(files(), current, active=False, listeners_changed=False)
+    assert down.how == "restart" and down.write == ()
+
+
+def test_a_changed_cluster_file_is_a_reload_unless_listeners_moved() -> None:
+    current = on_host(files())
+    changed = files(TEXT + "# a comment\n")
+    reload = gateway_change(changed, current, active=True, listeners_changed=False)
+    assert reload.how == "reload" and [f.path for f in reload.write] == [CLUSTER_FILE]
+    assert gateway_change(changed, current, active=True, listeners_changed=True).how == "restart"
+    assert gateway_change(changed, current, active=False, listeners_changed=False).how == "restart"
+
+
+def test_a_new_key_or_a_fresh_host_restarts() -> None:
+    current = on_host(files())
+    new_key = gateway_change(files(key="OTHER"), current, active=True, listeners_changed=False)
+    assert new_key.how == "restart" and [f.path for f in new_key.write] == [SSH_KEY]
+    fresh = gateway_change(files(), {}, active=False, listeners_changed=True)
+    assert fresh.how == "restart" and len(fresh.write) == 4
