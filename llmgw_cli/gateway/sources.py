@@ -7,11 +7,13 @@ Health is not their business: the gateway checks every replica they name.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Protocol
 
 import yaml
 
+from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.plan import running_replicas
 from llmgw_cli.core.routing import endpoints
 from llmgw_cli.core.spec import ClusterSpec
@@ -48,15 +50,24 @@ class StaticSource:
 
 
 class ProbeSource:
-    """Probe every node over SSH and take the replicas whose rank-0 unit is active."""
+    """Probe every node over SSH and take the replicas whose rank-0 unit is active.
+
+    The latest snapshot stays in ``facts`` (the gateway's Summary reads it), with the
+    monotonic time of each node's last successful probe in ``probed``."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
         self.last: dict[str, list[str]] = {}
+        self.facts: dict[str, NodeFacts] = {}
+        self.probed: dict[str, float] = {}
+        self.since = time.monotonic()  # the age of a node never reached counts from here
 
     async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
         snapshot = await gather(spec, self.base)
         facts = {f.node: f for f in snapshot.nodes}
+        now = time.monotonic()
+        self.probed.update({f.node: now for f in snapshot.nodes if f.reachable})
+        self.facts = facts
         running = [
             (r.model, r.port, r.members, r.states.get(r.members[0]) == "active")
             for r in running_replicas(facts)
