@@ -1,6 +1,9 @@
 """The one Summary of the fleet: the capacity numbers shown by ``llmgw status``, the
 dashboard and the metrics all come from ``summarize``, so they cannot drift apart.
 
+The gateway adds what a probe cannot see (``Live``: replica health and last use, usage
+by key); ``llmgw status`` passes none, and those parts stay empty.
+
 Counting rules: a faulty card is neither used nor free; a GPU is used when an active
 llmgw unit names it (label ``X-Llmgw-Gpus``); a whole node is free when it is reachable,
 advertises its fabric and none of its cards is used or faulty.
@@ -9,13 +12,18 @@ advertises its fabric and none of its cards is used or faulty.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Literal
 
 from llmgw_cli.core.facts import Fact, GpuHealth, NodeFacts
 from llmgw_cli.core.hardware import fabric_status, gpu_class
+from llmgw_cli.core.routing import Health, Replica, model_state
 from llmgw_cli.core.spec import ClusterSpec, Node
 
 LABEL_MODEL = "Model"
 LABEL_GPUS = "Gpus"
+# A replica of a model without `scaling.idle_timeout` counts as held idle after this long
+# without a request (it is never stopped for it; the dashboard and an alert show it).
+IDLE_AFTER = 1800.0
 
 
 class NodeRow(Fact):
@@ -30,6 +38,7 @@ class NodeRow(Fact):
     faulty_reasons: tuple[str, ...]
     expected: str | None  # mismatch against the declared `gpus`, or None
     topology: str  # "NVLink (7 peers)", "PCIe only", "unknown"
+    nvlink_peers: int | None  # most NVLink peers of any card; None: topology unknown (not 0)
     fabric: str | None
     fabric_ok: bool
     fabric_reason: str
@@ -64,6 +73,53 @@ class ModelRow(Fact):
     maximum: int
     running: int
     where: tuple[str, ...]
+    state: str | None = None  # routing.ModelState value; None without the gateway's view
+    ready: int | None = None  # replicas in rotation; None without the gateway's view
+
+
+class LiveReplica(Fact):
+    """One replica as the gateway sees it."""
+
+    model: str
+    address: str
+    health: str  # routing.Health value
+    in_flight: int
+    idle_seconds: float | None  # since its last request or since it became ready; None: not ready
+
+
+class UseRow(Fact):
+    """Usage of one key and model over a window ending now."""
+
+    window: Literal["hour", "day"]
+    key: str
+    model: str
+    requests: int
+    tokens: int
+
+
+class Live(Fact):
+    """What the gateway knows that a probe cannot."""
+
+    replicas: tuple[LiveReplica, ...] = ()
+    usage: tuple[UseRow, ...] = ()
+
+
+class ReplicaRow(Fact):
+    model: str
+    address: str
+    health: str
+    in_flight: int
+    idle_seconds: float | None
+    idle: bool  # held with nobody asking: idle for the model's idle_timeout (or IDLE_AFTER)
+
+
+class KeyRow(Fact):
+    key: str
+    requests_hour: int
+    tokens_hour: int
+    requests_day: int
+    tokens_day: int
+    models: tuple[str, ...]  # used today
 
 
 class Summary(Fact):
@@ -71,6 +127,8 @@ class Summary(Fact):
     classes: tuple[ClassRow, ...]
     fabrics: tuple[FabricRow, ...]
     models: tuple[ModelRow, ...]
+    replicas: tuple[ReplicaRow, ...] = ()
+    keys: tuple[KeyRow, ...] = ()
 
 
 def _active_units(facts: NodeFacts) -> list[dict[str, str]]:
@@ -83,10 +141,15 @@ def _used_uuids(facts: NodeFacts) -> set[str]:
     return {u for labels in _active_units(facts) for u in labels.get(LABEL_GPUS, "").split(",") if u}
 
 
-def _topology(facts: NodeFacts) -> str:
+def _nvlink_peers(facts: NodeFacts) -> int | None:
     if facts.topology is None:
+        return None
+    return max((facts.topology.nvlink_peers(g) for g in facts.topology.gpus), default=0)
+
+
+def _topology(peers: int | None) -> str:
+    if peers is None:
         return "unknown"
-    peers = max((facts.topology.nvlink_peers(g) for g in facts.topology.gpus), default=0)
     return f"NVLink ({peers} peers)" if peers else "PCIe only"
 
 
@@ -127,7 +190,8 @@ def _node_row(node: Node, facts: NodeFacts) -> NodeRow:
         faulty=len(faulty),
         faulty_reasons=tuple(f"GPU {g.index}: {'; '.join(g.reasons)}" for g in faulty),
         expected=expected,
-        topology=_topology(facts),
+        topology=_topology(_nvlink_peers(facts)),
+        nvlink_peers=_nvlink_peers(facts),
         fabric=node.fabric,
         fabric_ok=fabric.advertises,
         fabric_reason=fabric.reason,
@@ -138,8 +202,52 @@ def _node_row(node: Node, facts: NodeFacts) -> NodeRow:
     )
 
 
-def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Summary:
-    """The fleet's numbers from the spec and one snapshot of facts."""
+def _replica_rows(spec: ClusterSpec, live: Live) -> tuple[ReplicaRow, ...]:
+    models = {m.name: m for m in spec.models}
+    rows = []
+    for r in sorted(live.replicas, key=lambda r: (r.model, r.address)):
+        model = models.get(r.model)
+        limit = model.scaling.idle_timeout if model and model.scaling and model.scaling.idle_timeout else None
+        after = limit if limit is not None else IDLE_AFTER
+        rows.append(
+            ReplicaRow(
+                model=r.model,
+                address=r.address,
+                health=r.health,
+                in_flight=r.in_flight,
+                idle_seconds=r.idle_seconds,
+                idle=r.idle_seconds is not None and r.in_flight == 0 and r.idle_seconds >= after,
+            )
+        )
+    return tuple(rows)
+
+
+def _key_rows(usage: tuple[UseRow, ...]) -> tuple[KeyRow, ...]:
+    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    models: dict[str, set[str]] = defaultdict(set)
+    for u in usage:
+        c = counts[u.key]
+        at = 0 if u.window == "hour" else 2
+        c[at] += u.requests
+        c[at + 1] += u.tokens
+        if u.window == "day":
+            models[u.key].add(u.model)
+    return tuple(
+        KeyRow(
+            key=k,
+            requests_hour=c[0],
+            tokens_hour=c[1],
+            requests_day=c[2],
+            tokens_day=c[3],
+            models=tuple(sorted(models[k])),
+        )
+        for k, c in sorted(counts.items())
+    )
+
+
+def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None = None) -> Summary:
+    """The fleet's numbers from the spec and one snapshot of facts, plus the gateway's
+    view (replica health and use, usage by key) when ``live`` is given."""
     rows = [_node_row(n, facts.get(n.name) or NodeFacts(node=n.name, error="not probed")) for n in spec.nodes]
     classes: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for node in spec.nodes:
@@ -179,6 +287,9 @@ def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Summary:
         for labels in _active_units(f) if f else []:
             if LABEL_MODEL in labels:
                 running[labels[LABEL_MODEL]].append(node.name)
+    pool: dict[str, list[Replica]] = defaultdict(list)
+    for r in live.replicas if live else ():
+        pool[r.model].append(Replica(r.model, r.address, health=Health(r.health)))
     model_rows = tuple(
         ModelRow(
             name=m.name,
@@ -187,7 +298,16 @@ def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Summary:
             maximum=m.scaling.max if m.scaling else 0,
             running=len(running[m.name]) // max(m.nodes, 1),
             where=tuple(sorted(set(running[m.name]))),
+            state=model_state(m, pool[m.name]).value if live else None,
+            ready=sum(1 for r in pool[m.name] if r.health is Health.ready) if live else None,
         )
         for m in spec.models
     )
-    return Summary(nodes=tuple(rows), classes=class_rows, fabrics=tuple(fabric_rows), models=model_rows)
+    return Summary(
+        nodes=tuple(rows),
+        classes=class_rows,
+        fabrics=tuple(fabric_rows),
+        models=model_rows,
+        replicas=_replica_rows(spec, live) if live else (),
+        keys=_key_rows(live.usage) if live else (),
+    )

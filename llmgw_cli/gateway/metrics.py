@@ -1,82 +1,221 @@
-"""Prometheus text exposition of the gateway's counters (no client library: a few dicts).
+"""The gateway's Prometheus metrics (prometheus_client).
 
-Contract: counters are plain ints bumped on the event loop; ``render`` reads them on the
-same loop, so no lock is needed.
+Two kinds:
+- counted on the request path (requests, latency, time to first token, tokens, retries)
+  and by the on-demand supervisor (loads, evictions, idle stops): metric objects bumped
+  where things happen, through the methods below;
+- read when scraped (in flight, queue, replica health, the fleet from the one Summary):
+  a collector registered by ``build``, so the request path pays nothing for them.
+
+Until ``build`` has run (the gateway has not finished starting: first discovery and, with
+probing, the first probe of the nodes), ``render`` returns None and the endpoints answer
+503: a half-empty page would look like a working target with nothing in it.
+
+For the on-demand supervisor: call ``loaded(model, seconds, ok)`` when a start ends
+(ready, or given up), ``evicted(model)`` when a replica is stopped to make room, and
+``idle_stopped(model)`` when one is stopped for ``idle_timeout``.
+
+Contract (concurrency): everything is called on the event loop; prometheus_client's own
+locks make a scrape from another thread safe too. Per request: one dict lookup for the
+cached label children, a few increments, one bisect in each histogram; no allocation
+unless a new (model, status, key) appears.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections.abc import Iterable
+from typing import Any
 
-from llmgw_cli.core.routing import Pool
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.registry import Collector
+
+# Seconds. Non-streamed answers and whole streams: from milliseconds to minutes.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Model loads: a small GGUF in seconds, a 400B model over several nodes in tens of minutes.
+LOAD_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+MAX_CHILDREN = 10_000  # cached label sets; keys and models are bounded, this is a backstop
+WINDOW = 3600.0  # seconds of per-key use kept in memory (the dashboard's "last hour")
 
 
-def _labels(**labels: str) -> str:
-    inner = ",".join(
-        f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-        for k, v in labels.items()
-    )
-    return "{" + inner + "}"
+class RecentUse:
+    """Requests and tokens per (key, model) in minute buckets over the last hour."""
+
+    def __init__(self) -> None:
+        self.minutes: dict[int, dict[tuple[str, str], list[int]]] = {}
+
+    def add(self, key: str, model: str, tokens: int, now: float) -> None:
+        minute = int(now // 60)
+        bucket = self.minutes.get(minute)
+        if bucket is None:
+            bucket = self.minutes[minute] = {}
+            for old in [m for m in self.minutes if m <= minute - WINDOW // 60]:
+                del self.minutes[old]
+        counts = bucket.get((key, model))
+        if counts is None:
+            counts = bucket[(key, model)] = [0, 0]
+        counts[0] += 1
+        counts[1] += tokens
+
+    def totals(self, now: float) -> dict[tuple[str, str], tuple[int, int]]:
+        """(requests, tokens) by (key, model) over the last hour."""
+        first = int(now // 60) - int(WINDOW // 60) + 1
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        for minute, bucket in self.minutes.items():
+            if minute < first:
+                continue
+            for k, (requests, tokens) in bucket.items():
+                r, t = out.get(k, (0, 0))
+                out[k] = (r + requests, t + tokens)
+        return out
 
 
 class Metrics:
     def __init__(self) -> None:
-        self.requests: Counter[tuple[str, int]] = Counter()  # (model, status)
-        self.prompt_tokens: Counter[str] = Counter()
-        self.completion_tokens: Counter[str] = Counter()
-        self.retries: Counter[str] = Counter()
-        self.latency_sum: dict[str, float] = {}
+        self.requests = Counter(
+            "llmgw_requests",
+            "Requests answered, by model, HTTP status and key.",
+            ["model", "status", "key"],
+            registry=None,
+        )
+        self.latency = Histogram(
+            "llmgw_request_seconds",
+            "Time from request to the end of the answer (whole stream).",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=None,
+        )
+        self.first_token = Histogram(
+            "llmgw_time_to_first_token_seconds",
+            "Streams: time from request to the first chunk from the engine.",
+            ["model"],
+            buckets=FIRST_TOKEN_BUCKETS,
+            registry=None,
+        )
+        self.tokens = Counter(
+            "llmgw_tokens",
+            "Tokens reported by the engines, by kind (prompt, completion).",
+            ["model", "key", "kind"],
+            registry=None,
+        )
+        self.retries = Counter(
+            "llmgw_upstream_retries", "Requests retried after a connection failure.", ["model"], registry=None
+        )
+        self.loads = Counter(
+            "llmgw_model_loads",
+            "Replica starts by the gateway, by result.",
+            ["model", "result"],
+            registry=None,
+        )
+        self.load_seconds = Histogram(
+            "llmgw_model_load_seconds",
+            "Time from a start to a ready replica (or to giving up).",
+            ["model"],
+            buckets=LOAD_BUCKETS,
+            registry=None,
+        )
+        self.evictions = Counter(
+            "llmgw_evictions",
+            "Idle replicas stopped to make room for another model.",
+            ["model"],
+            registry=None,
+        )
+        self.idle_stops = Counter(
+            "llmgw_idle_stops", "Replicas stopped after their idle_timeout.", ["model"], registry=None
+        )
+        self.scale_outs = Counter(
+            "llmgw_scale_outs",
+            "Extra replicas started because requests waited in the model's queue.",
+            ["model"],
+            registry=None,
+        )
+        self.recent = RecentUse()
+        self.registry: CollectorRegistry | None = None
+        self._children: dict[tuple[str, int, str], tuple[Any, ...]] = {}
 
-    def observe(self, model: str, status: int, prompt: int, completion: int, seconds: float) -> None:
-        self.requests[(model, status)] += 1
-        self.prompt_tokens[model] += prompt
-        self.completion_tokens[model] += completion
-        self.latency_sum[model] = self.latency_sum.get(model, 0.0) + seconds
+    # --- the request path ----------------------------------------------------------
 
-    def render(self, pool: Pool, queued: dict[str, int]) -> str:
-        lines = [
-            "# HELP llmgw_requests_total Requests answered, by model and HTTP status.",
-            "# TYPE llmgw_requests_total counter",
-        ]
-        lines += [
-            f"llmgw_requests_total{_labels(model=m, status=str(s))} {n}"
-            for (m, s), n in sorted(self.requests.items())
-        ]
-        for name, counter, help_text in (
-            ("llmgw_prompt_tokens_total", self.prompt_tokens, "Prompt tokens reported by the engines."),
-            (
-                "llmgw_completion_tokens_total",
-                self.completion_tokens,
-                "Completion tokens reported by the engines.",
-            ),
-            (
-                "llmgw_upstream_retries_total",
-                self.retries,
-                "Requests retried on another replica after a connection failure.",
-            ),
-            ("llmgw_request_seconds_sum", self.latency_sum, "Total time spent answering requests."),
-        ):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
-            lines += [f"{name}{_labels(model=m)} {v}" for m, v in sorted(counter.items())]
-        lines += [
-            "# HELP llmgw_replica_up 1 when the replica is in rotation.",
-            "# TYPE llmgw_replica_up gauge",
-        ]
-        lines += [
-            f"llmgw_replica_up{_labels(model=r.model, address=r.address, health=r.health.value)} {int(r.health.value == 'ready')}"
-            for r in pool.all()
-        ]
-        lines += [
-            "# HELP llmgw_replica_outstanding Requests in flight to the replica.",
-            "# TYPE llmgw_replica_outstanding gauge",
-        ]
-        lines += [
-            f"llmgw_replica_outstanding{_labels(model=r.model, address=r.address)} {r.outstanding}"
-            for r in pool.all()
-        ]
-        lines += [
-            "# HELP llmgw_queued Requests waiting for a slot of the model.",
-            "# TYPE llmgw_queued gauge",
-        ]
-        lines += [f"llmgw_queued{_labels(model=m)} {n}" for m, n in sorted(queued.items())]
-        return "\n".join(lines) + "\n"
+    def observe(
+        self,
+        model: str,
+        status: int,
+        key: str,
+        *,
+        prompt: int,
+        completion: int,
+        seconds: float,
+        first_token: float | None = None,
+    ) -> None:
+        """One answered request. ``first_token``: seconds to the first streamed chunk."""
+        children = self._children.get((model, status, key))
+        if children is None:
+            if len(self._children) > MAX_CHILDREN:
+                self._children.clear()
+            children = self._children[(model, status, key)] = (
+                self.requests.labels(model, str(status), key),
+                self.latency.labels(model),
+                self.tokens.labels(model, key, "prompt"),
+                self.tokens.labels(model, key, "completion"),
+                self.first_token.labels(model),
+            )
+        requests, latency, prompt_tokens, completion_tokens, first = children
+        requests.inc()
+        latency.observe(seconds)
+        if prompt:
+            prompt_tokens.inc(prompt)
+        if completion:
+            completion_tokens.inc(completion)
+        if first_token is not None:
+            first.observe(first_token)
+        if key != "-" and model != "-":
+            self.recent.add(key, model, prompt + completion, time.monotonic())
+
+    def retry(self, model: str) -> None:
+        self.retries.labels(model).inc()
+
+    # --- the on-demand supervisor --------------------------------------------------
+
+    def loaded(self, model: str, seconds: float, ok: bool = True) -> None:
+        """A start of ``model`` ended: ready (``ok``) or given up, after ``seconds``."""
+        self.loads.labels(model, "ok" if ok else "failed").inc()
+        self.load_seconds.labels(model).observe(seconds)
+
+    def evicted(self, model: str) -> None:
+        """A replica of ``model`` was stopped to make room for another model."""
+        self.evictions.labels(model).inc()
+
+    def idle_stopped(self, model: str) -> None:
+        """A replica of ``model`` was stopped after its idle_timeout."""
+        self.idle_stops.labels(model).inc()
+
+    def scaled_out(self, model: str) -> None:
+        """One more replica of a saturated ``model`` is being started."""
+        self.scale_outs.labels(model).inc()
+
+    # --- exposition ----------------------------------------------------------------
+
+    def _own(self) -> Iterable[Collector]:
+        return (
+            self.requests,
+            self.latency,
+            self.first_token,
+            self.tokens,
+            self.retries,
+            self.loads,
+            self.load_seconds,
+            self.evictions,
+            self.idle_stops,
+            self.scale_outs,
+        )
+
+    def build(self, *collectors: Collector) -> None:
+        """Make the registry: the counters above plus scrape-time ``collectors``."""
+        registry = CollectorRegistry(auto_describe=False)
+        for c in (*self._own(), *collectors):
+            registry.register(c)
+        self.registry = registry
+
+    def render(self) -> bytes | None:
+        """The exposition text, or None before ``build``."""
+        return None if self.registry is None else generate_latest(self.registry)

@@ -118,7 +118,16 @@ async def forward(request: web.Request) -> web.StreamResponse:
                 latency_ms=seconds * 1000,
                 now=time.time(),
             )
-        gw.metrics.observe(outcome.model, outcome.status, outcome.prompt, outcome.completion, seconds)
+        first_chunk: float | None = outcome.extra.get("first_chunk")
+        gw.metrics.observe(
+            outcome.model,
+            outcome.status,
+            outcome.key,
+            prompt=outcome.prompt,
+            completion=outcome.completion,
+            seconds=seconds,
+            first_token=None if first_chunk is None else first_chunk - started,
+        )
         if gw.access_log is not None:
             gw.access_log.write(
                 {
@@ -277,7 +286,7 @@ async def _route(
                 )
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
                 # Nothing reached the client and the engine did not answer: try again.
-                gw.metrics.retries[name] += 1
+                gw.metrics.retry(name)
                 last_error = str(exc) or type(exc).__name__
                 if isinstance(exc, aiohttp.ServerDisconnectedError) and not stale_retried:
                     # Most likely a pooled keep-alive connection the engine had closed
@@ -337,6 +346,8 @@ async def _relay(
     tail: deque[bytes] = deque(maxlen=TAIL_READS)
     try:
         async for chunk in upstream.content.iter_any():
+            if not tail:  # the first chunk: time to first token, for the metrics
+                outcome.extra["first_chunk"] = time.monotonic()
             tail.append(chunk)
             await out.write(chunk)
     except (aiohttp.ClientError, TimeoutError):

@@ -1,7 +1,8 @@
 """The three listeners and the process's signals.
 
 - public ``listen``: the OpenAI API and ``/health``;
-- ``admin_listen``: ``/admin/api/*``, every request needs an admin key;
+- ``admin_listen``: the ``/admin`` dashboard, ``/admin/api/*`` and ``/metrics``; every
+  request needs an admin key (Bearer, or the password of HTTP Basic for a browser);
 - ``metrics_listen``: only ``/metrics`` and ``/health``, so monitoring never reaches admin.
 
 SIGHUP reloads the cluster file (listeners and connections stay); SIGTERM/SIGINT stop
@@ -22,6 +23,8 @@ from aiohttp import web
 from llmgw_cli.core.keys import bearer, hash_token
 from llmgw_cli.core.routing import ModelState, model_state
 from llmgw_cli.errors import LlmgwError
+from llmgw_cli.gateway import admin
+from llmgw_cli.gateway.fleet import FleetCollector
 from llmgw_cli.gateway.proxy import GATEWAY, error, forward
 from llmgw_cli.gateway.state import Gateway, log
 from llmgw_cli.gateway.usage import merged
@@ -71,9 +74,11 @@ def public_app(gw: Gateway) -> web.Application:
 @web.middleware
 async def _admin_only(request: web.Request, handler: Any) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    key = gw.authenticate(bearer(request.headers.get("Authorization")), hash_token)
+    key = gw.authenticate(admin.admin_token(request.headers.get("Authorization")), hash_token)
     if key is None:
-        return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
+        return error(
+            401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key", admin.CHALLENGE
+        )
     if not key.admin:
         return error(403, "This key is not an admin key.", "invalid_request_error", "not_admin")
     response: web.StreamResponse = await handler(request)
@@ -104,21 +109,14 @@ def admin_app(gw: Gateway) -> web.Application:
     app[GATEWAY] = gw
     app.router.add_get("/admin/api/usage", admin_usage)
     app.router.add_get("/admin/api/replicas", admin_replicas)
+    admin.add_routes(app, admin=True)
     return app
-
-
-async def metrics(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    text = gw.metrics.render(gw.pool, gw.admission.queued())
-    if gw.supervisor is not None:
-        text += gw.supervisor.stats.prometheus()
-    return web.Response(text=text, content_type="text/plain")
 
 
 def metrics_app(gw: Gateway) -> web.Application:
     app = web.Application()
     app[GATEWAY] = gw
-    app.router.add_get("/metrics", metrics)
+    admin.add_routes(app, admin=False)
     app.router.add_get("/health", health)
     return app
 
@@ -132,6 +130,10 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT; the caller owns the loop."""
     settings = gw.spec.gateway
     await gw.start()
+    # The registry exists once there is something true to report: until now /metrics
+    # answers 503 (the listeners below open after this today; the 503 keeps it so if
+    # they ever open first).
+    gw.metrics.build(FleetCollector(gw))
     listeners = [(public_app(gw), settings.listen), (admin_app(gw), settings.admin_listen)]
     if settings.metrics_listen:
         listeners.append((metrics_app(gw), settings.metrics_listen))

@@ -8,6 +8,7 @@ Health is not their business: the gateway checks every replica they name.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -52,12 +53,17 @@ class StaticSource:
 
 
 class ProbeSource:
-    """Probe every node over SSH and take the replicas whose rank-0 unit is active."""
+    """Probe every node over SSH and take the replicas whose rank-0 unit is active.
+
+    The latest snapshot stays in ``facts`` (the gateway's Summary reads it), with the
+    monotonic time of each node's last successful probe in ``probed``."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
         self.last: dict[str, list[str]] = {}
         self.facts: dict[str, NodeFacts] = {}  # of the last probe (the supervisor plans on them)
+        self.probed: dict[str, float] = {}  # node -> monotonic time of its last good probe
+        self.since = time.monotonic()  # the age of a node never reached counts from here
 
     async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
         snapshot = await gather(spec, self.base)
@@ -68,6 +74,8 @@ class ProbeSource:
                 log.warning("node %s: %s", name, f.error)
             elif not f.error and before is not None and before.error:
                 log.info("node %s: reachable again", name)
+        now = time.monotonic()
+        self.probed.update({f.node: now for f in snapshot.nodes if f.reachable})
         self.facts = facts
         return facts
 

@@ -26,7 +26,6 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,33 +56,6 @@ class StartFailed(Exception):
     """A start that could not happen (no room, a node refused) or never became ready."""
 
 
-@dataclass
-class Stats:
-    """What the supervisor did, for /metrics and the admin API."""
-
-    loads: Counter[str] = field(default_factory=Counter)  # replicas that became ready
-    load_seconds: dict[str, float] = field(default_factory=dict)  # sum of their load times
-    load_failures: Counter[str] = field(default_factory=Counter)
-    evictions: Counter[str] = field(default_factory=Counter)  # by the evicted model
-    idle_stops: Counter[str] = field(default_factory=Counter)
-    scale_outs: Counter[str] = field(default_factory=Counter)
-
-    def prometheus(self) -> str:
-        """The counters in Prometheus text format."""
-        lines: list[str] = []
-        for name, values, help_text in (
-            ("llmgw_model_loads_total", self.loads, "Replicas started by the gateway that became ready."),
-            ("llmgw_model_load_seconds_sum", self.load_seconds, "Seconds from a start to ready, summed."),
-            ("llmgw_model_load_failures_total", self.load_failures, "Starts that failed or never got ready."),
-            ("llmgw_evictions_total", self.evictions, "Idle replicas stopped to make room, by their model."),
-            ("llmgw_idle_stops_total", self.idle_stops, "Replicas stopped after idle_timeout."),
-            ("llmgw_scale_outs_total", self.scale_outs, "Extra replicas started for saturated models."),
-        ):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
-            lines += [f'{name}{{model="{m}"}} {v}' for m, v in sorted(values.items())]
-        return "\n".join(lines) + "\n"
-
-
 def replica_key(model: str, address: str) -> str:
     return f"{model}@{address}"
 
@@ -109,7 +81,6 @@ class Supervisor:
         self.saved = dict(saved_last_use or {})  # replica key -> last use read from the store
         self.first_seen: dict[str, float] = {}  # replica key -> wall time first seen running
         self.ready_at: dict[str, float] = {}  # replica key -> wall time first seen ready
-        self.stats = Stats()
         self.watching: set[tuple[str, str]] = set()  # (model, address) started, not ready yet
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -181,7 +152,7 @@ class Supervisor:
                 log.info(
                     "%s: requests waited %.1fs in its queue: starting one more replica", model.name, wait
                 )
-                self.stats.scale_outs[model.name] += 1
+                self.gw.metrics.scaled_out(model.name)
                 self._begin(model.name, "scale out")
 
     def last_use_rows(self) -> dict[str, float]:
@@ -240,11 +211,11 @@ class Supervisor:
             await self._watch(spec, model, address, started)
         except StartFailed as exc:
             self.failed[model] = (time.monotonic(), str(exc))
-            self.stats.load_failures[model] += 1
+            self.gw.metrics.loaded(model, time.monotonic() - started, ok=False)
             log.error("%s: start failed: %s", model, exc)
         except Exception as exc:  # an unexpected failure must still end the start
             self.failed[model] = (time.monotonic(), f"{type(exc).__name__}: {exc}")
-            self.stats.load_failures[model] += 1
+            self.gw.metrics.loaded(model, time.monotonic() - started, ok=False)
             log.exception("%s: start failed", model)
         finally:
             self.starting.pop(model, None)
@@ -260,7 +231,7 @@ class Supervisor:
                 raise StartFailed(f"{why}; no idle on-demand replica may be evicted")
             if not await self._stop_replica(spec, facts, victim, where, f"evicted to make room for {model}"):
                 raise StartFailed(f"{why}; the replica chosen for eviction got a request meanwhile")
-            self.stats.evictions[victim.model] += 1
+            self.gw.metrics.evicted(victim.model)
             facts = await self.source.probe(spec)
             plan = grow_plan(spec, facts, model)
             if not plan.changes:
@@ -298,8 +269,7 @@ class Supervisor:
                 self.gw.pool.checked(replica, status, time.monotonic())
             if replica.health is Health.ready:
                 seconds = time.monotonic() - started
-                self.stats.loads[model] += 1
-                self.stats.load_seconds[model] = self.stats.load_seconds.get(model, 0.0) + seconds
+                self.gw.metrics.loaded(model, seconds)
                 self.ready_at[replica_key(model, address)] = self.clock()
                 log.info("%s: %s ready after %.1fs", model, address, seconds)
                 return
@@ -339,7 +309,7 @@ class Supervisor:
             if await self._stop_replica(
                 spec, facts, still[0], where, f"idle for {idle:g}s" if idle else "idle"
             ):
-                self.stats.idle_stops[use.model] += 1
+                self.gw.metrics.idle_stopped(use.model)
 
     async def _stop_replica(
         self,

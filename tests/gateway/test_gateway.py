@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import signal
 import threading
 import time
@@ -215,8 +216,8 @@ def test_admin_and_metrics_listeners(setup: Setup) -> None:
         == 404
     )
     text = httpx.get(f"{metrics}/metrics").text
-    assert 'llmgw_requests_total{model="chat",status="200"}' in text
-    assert 'llmgw_replica_up{model="starting"' in text
+    assert 'llmgw_requests_total{key="alice",model="chat",status="200"}' in text
+    assert re.search(r'llmgw_replica_up\{address="[^"]+",model="starting"\} 0', text)
     public_health = httpx.get(f"http://127.0.0.1:{gw.port}/health")
     assert public_health.status_code == 200 and public_health.content == b""
 

@@ -209,8 +209,8 @@ def test_on_demand_start_idle_stop_eviction_and_restart(lab: Lab, served: Served
         assert units(lab) == {"llmgw-beta-0.service"}
         assert states(client)["alpha"] == "on-demand-stopped"
         metrics = httpx.get(f"http://127.0.0.1:{served.metrics_port}/metrics", timeout=10).text
-        assert 'llmgw_evictions_total{model="alpha"} 1' in metrics
-        assert 'llmgw_model_loads_total{model="beta"} 1' in metrics
+        assert 'llmgw_evictions_total{model="alpha"} 1.0' in metrics
+        assert 'llmgw_model_loads_total{model="beta",result="ok"} 1.0' in metrics
         log = served.log.read_text()
         assert "gamma: stopping replica 0" in log and "idle" in log
         assert "evicted to make room for beta" in log

@@ -1,0 +1,129 @@
+"""The admin listener's pages: the ``/admin`` dashboard, its JSON twin
+``/admin/api/summary``, and ``/metrics`` (also on ``metrics_listen``).
+
+The dashboard is server-rendered HTML (a jinja2 template, autoescaped), no scripts, no
+build step; it reloads itself every ``REFRESH`` seconds. A browser sends the admin key as
+the password of HTTP Basic authentication (any user name); scripts send it as a Bearer
+token. Both read the same Summary as ``llmgw status`` (``fleet.summary_of``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import time
+from functools import cache
+from typing import Any
+
+import jinja2
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from llmgw_cli.core.keys import bearer
+from llmgw_cli.core.render import template_dirs
+from llmgw_cli.core.summary import Summary
+from llmgw_cli.gateway.fleet import probe_ages, probing, summary_of
+from llmgw_cli.gateway.proxy import GATEWAY
+from llmgw_cli.gateway.state import Gateway
+from llmgw_cli.gateway.usage import merged
+
+REFRESH = 10  # seconds between reloads of the dashboard
+CHALLENGE = {"WWW-Authenticate": 'Basic realm="llmgw admin", charset="UTF-8"'}
+
+
+def admin_token(authorization: str | None) -> str | None:
+    """The key from ``Bearer <key>`` or from the password of ``Basic base64(user:key)``."""
+    token = bearer(authorization)
+    if token is not None or not authorization:
+        return token
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    _, sep, password = decoded.partition(":")
+    return (password or None) if sep else None
+
+
+async def _summary(gw: Gateway) -> Summary:
+    stored = await asyncio.to_thread(gw.store.usage)
+    return summary_of(gw, merged(stored, gw.meter.pending()))
+
+
+def _report(gw: Gateway, summary: Summary) -> dict[str, Any]:
+    source = probing(gw)
+    return {
+        "cluster": gw.spec.cluster.name,
+        "probing": source is not None,
+        "probe_age_seconds": probe_ages(source, (n.name for n in summary.nodes)) if source else {},
+        "queued": gw.admission.queued(),
+        **summary.model_dump(mode="json"),
+    }
+
+
+async def api_summary(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    return web.json_response(_report(gw, await _summary(gw)))
+
+
+@cache
+def _template() -> jinja2.Template:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader([str(d) for d in template_dirs()]),
+        undefined=jinja2.StrictUndefined,
+        autoescape=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["duration"] = duration
+    return env.get_template("dashboard.html.j2")
+
+
+def duration(seconds: float | None) -> str:
+    """``95`` -> ``1m 35s``; None -> ``-``."""
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    report = _report(gw, await _summary(gw))
+    html = _template().render(
+        r=report,
+        refresh=REFRESH,
+        now=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        loading=[m for m in report["models"] if m["state"] == "loading"],
+        idle=[r for r in report["replicas"] if r["idle"]],
+    )
+    return web.Response(text=html, content_type="text/html", headers={"Cache-Control": "no-store"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    body = gw.metrics.render()
+    if body is None:
+        return web.Response(
+            status=503,
+            text="llmgw: the metrics registry is not built yet (the gateway is starting: "
+            "first discovery of replicas and probe of the nodes); try again shortly.\n",
+            headers={"Retry-After": "5"},
+        )
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def add_routes(app: web.Application, *, admin: bool) -> None:
+    """``/metrics`` always; with ``admin`` the dashboard and the summary API too."""
+    app.router.add_get("/metrics", metrics)
+    if admin:
+        app.router.add_get("/admin", dashboard)
+        app.router.add_get("/admin/", dashboard)
+        app.router.add_get("/admin/api/summary", api_summary)

@@ -1,0 +1,173 @@
+"""The gateway's metrics without traffic: the fleet from the Summary, the supervisor's
+counters, and the 503 before the registry exists. Exposition checked by `promtool`."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.gateway.fleet import FleetCollector
+from llmgw_cli.gateway.metrics import Metrics
+from llmgw_cli.gateway.server import metrics_app
+from llmgw_cli.gateway.sources import ProbeSource, StaticSource
+from llmgw_cli.gateway.state import Gateway
+from llmgw_cli.gateway.store import SqliteStore
+from tests.unit.facts_factory import node_facts, topology, unit_state
+
+SPEC = parse_cluster(
+    """\
+cluster: {name: t}
+fabrics: {ib: {kind: infiniband}}
+nodes:
+  - {name: a, address: 10.0.0.1, fabric: ib}
+  - {name: b, address: 10.0.0.2, fabric: ib}
+  - {name: c, address: 10.0.0.3, fabric: ib}
+  - {name: d, address: 10.0.0.4}
+profiles: {vllm: {engine: vllm}}
+models:
+  - {name: big, source: org/a, profile: vllm, scaling: {min: 1, max: 1}}
+"""
+)
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def promtool_check_metrics(text: str) -> None:
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool not installed (Debian package prometheus, scripts/obs-packages.txt)")
+    done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def gateway(tmp_path: Path, source: ProbeSource | StaticSource) -> Gateway:
+    return Gateway(SPEC, source, SqliteStore(tmp_path / "state"), "engine-key")
+
+
+def test_fleet_metrics_come_from_the_summary(tmp_path: Path) -> None:
+    source = ProbeSource(tmp_path)
+    a = node_facts("a", faulty=(3,))
+    a = a.model_copy(
+        update={
+            "units": (unit_state("llmgw-big-0.service"),),
+            "unit_labels": {"llmgw-big-0.service": {"Model": "big", "Gpus": "GPU-a-0,GPU-a-1"}},
+        }
+    )
+    source.facts = {
+        "a": a,  # 2 used, 1 faulty, NVSwitch
+        "b": node_facts("b", topo=topology(8, "PHB")),  # free, PCIe only: 0 peers
+        "c": node_facts("c", topo=None),  # free, topology unknown
+        "d": NodeFacts(node="d", error="connection refused"),
+    }
+    now = time.monotonic()
+    source.probed = {"a": now - 5, "b": now - 5, "c": now - 5}
+    source.since = now - 600  # d never answered since the gateway began probing
+    gw = gateway(tmp_path, source)
+    gw.metrics.build(FleetCollector(gw))
+    body = gw.metrics.render()
+    assert body is not None
+    text = body.decode()
+    promtool_check_metrics(text)
+    got = samples(text)
+
+    def value(name: str, **labels: str) -> float | None:
+        return got.get((name, tuple(sorted(labels.items()))))
+
+    assert value("llmgw_gpus", gpu_class="H100-80GB", state="used") == 2
+    assert value("llmgw_gpus", gpu_class="H100-80GB", state="faulty") == 1
+    assert value("llmgw_gpus", gpu_class="H100-80GB", state="free") == 8 * 3 - 2 - 1
+    assert value("llmgw_gpu_nvlink_peers", node="a") == 7
+    assert value("llmgw_gpu_nvlink_peers", node="b") == 0  # known: PCIe only
+    assert value("llmgw_gpu_nvlink_peers", node="c") is None  # unknown is not 0
+    assert value("llmgw_node_topology_known", node="c") == 0
+    assert value("llmgw_node_topology_known", node="b") == 1
+    assert value("llmgw_fabric_free_nodes", fabric="ib") == 2  # b and c; a has used and faulty cards
+    assert value("llmgw_node_up", node="d") == 0
+    age_d = value("llmgw_node_last_probe_age_seconds", node="d")
+    age_a = value("llmgw_node_last_probe_age_seconds", node="a")
+    assert age_d is not None and age_d >= 600
+    assert age_a is not None and 5 <= age_a < 60
+    assert value("llmgw_node_gpus", node="a", state="faulty") == 1
+    assert value("llmgw_model_running_replicas", model="big") == 1
+    assert value("llmgw_model_min_replicas", model="big") == 1
+    assert value("llmgw_model_ready_replicas", model="big") == 0  # no replica discovered yet
+
+
+def test_without_probing_there_are_no_fleet_numbers(tmp_path: Path) -> None:
+    gw = gateway(tmp_path, StaticSource({}))
+    gw.metrics.build(FleetCollector(gw))
+    body = gw.metrics.render()
+    assert body is not None
+    names = {f.name for f in text_string_to_metric_families(body.decode())}
+    assert "llmgw_model_min_replicas" in names
+    assert not names & {"llmgw_gpus", "llmgw_node_up", "llmgw_fabric_free_nodes"}
+
+
+def test_supervisor_counters_and_histograms() -> None:
+    metrics = Metrics()
+    assert metrics.render() is None  # not built: the endpoints answer 503
+    metrics.build()
+    metrics.loaded("big", 42.0)
+    metrics.loaded("big", 700.0, ok=False)
+    metrics.evicted("small")
+    metrics.idle_stopped("small")
+    metrics.idle_stopped("small")
+    body = metrics.render()
+    assert body is not None
+    text = body.decode()
+    promtool_check_metrics(text)
+    got = samples(text)
+    assert got[("llmgw_model_loads_total", (("model", "big"), ("result", "ok")))] == 1
+    assert got[("llmgw_model_loads_total", (("model", "big"), ("result", "failed")))] == 1
+    assert got[("llmgw_model_load_seconds_count", (("model", "big"),))] == 2
+    assert got[("llmgw_model_load_seconds_sum", (("model", "big"),))] == 742.0
+    assert got[("llmgw_model_load_seconds_bucket", (("le", "60.0"), ("model", "big")))] == 1
+    assert got[("llmgw_evictions_total", (("model", "small"),))] == 1
+    assert got[("llmgw_idle_stops_total", (("model", "small"),))] == 2
+
+
+def test_request_metrics_by_model_status_and_key() -> None:
+    metrics = Metrics()
+    metrics.build()
+    metrics.observe("chat", 200, "alice", prompt=5, completion=8, seconds=0.2, first_token=0.05)
+    metrics.observe("chat", 200, "alice", prompt=5, completion=8, seconds=0.4)
+    metrics.observe("-", 401, "-", prompt=0, completion=0, seconds=0.001)
+    body = metrics.render()
+    assert body is not None
+    got = samples(body.decode())
+    assert got[("llmgw_requests_total", (("key", "alice"), ("model", "chat"), ("status", "200")))] == 2
+    assert got[("llmgw_requests_total", (("key", "-"), ("model", "-"), ("status", "401")))] == 1
+    assert got[("llmgw_tokens_total", (("key", "alice"), ("kind", "completion"), ("model", "chat")))] == 16
+    assert got[("llmgw_request_seconds_count", (("model", "chat"),))] == 2
+    assert got[("llmgw_time_to_first_token_seconds_count", (("model", "chat"),))] == 1
+    assert metrics.recent.totals(time.monotonic()) == {("alice", "chat"): (2, 26)}
+
+
+def test_metrics_endpoint_answers_503_until_the_registry_is_built(tmp_path: Path) -> None:
+    gw = gateway(tmp_path, StaticSource({}))
+
+    async def scrape() -> tuple[int, str, int, str]:
+        async with TestClient(TestServer(metrics_app(gw))) as client:
+            before = await client.get("/metrics")
+            first = (before.status, await before.text())
+            gw.metrics.build(FleetCollector(gw))
+            after = await client.get("/metrics")
+            return (*first, after.status, after.headers["Content-Type"])
+
+    status, text, later, content_type = asyncio.run(scrape())
+    assert status == 503 and "not built yet" in text
+    assert later == 200 and content_type.startswith("text/plain; version=")
