@@ -251,8 +251,9 @@ class Fetcher:
         poll = f"flock -n {shlex.quote(files['lock'])} true && echo FREE; cat {shlex.quote(files['status'])}"
         for _ in range(3):
             first = await self._start(node, config)
-            if first.get("state") == "present":
+            if first.get("state") in ("present", "error"):
                 return first
+            unreadable = 0
             while True:
                 await asyncio.sleep(POLL_SECONDS)
                 out = await self.transport(node).run(poll, root=True)
@@ -262,6 +263,9 @@ class Fetcher:
                     status = json.loads(text)
                 except ValueError:
                     status = {}
+                unreadable = 0 if status else unreadable + 1
+                if not status and not (free and unreadable > 10):
+                    continue  # torn or not yet written: read it again
                 if status.get("state") in ("done", "error"):
                     return dict(status)
                 total = status.get("total")
@@ -278,10 +282,11 @@ class Fetcher:
 async def held_on_nodes(
     fetcher: Fetcher, spec: ClusterSpec, wanted: dict[str, list[str]]
 ) -> set[tuple[str, str]]:
-    """``(model, node)`` pairs whose target file exists on the node (one command per node)."""
+    """``(model, node)`` pairs whose target file exists on a node (one command per node).
+    Every node is asked, not only the wanted ones: any holder can seed its peers."""
     by_node: dict[str, list[tuple[str, str]]] = {}
-    for model, nodes in wanted.items():
-        for node in nodes:
+    for model in wanted:
+        for node in [n.name for n in spec.nodes]:
             by_node.setdefault(node, []).append((model, target_path(spec.model(model), spec.node(node))))
 
     async def one(node: str, pairs: list[tuple[str, str]]) -> set[tuple[str, str]]:

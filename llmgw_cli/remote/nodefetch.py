@@ -43,6 +43,7 @@ from urllib.parse import urljoin, urlsplit
 CHUNK = 1 << 20
 STATUS_EVERY = 0.5
 RETRIES = 5
+STATUS_SIZE = 4096
 
 
 class FetchFailed(Exception):
@@ -68,6 +69,20 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f)
     os.replace(tmp, path)
+
+
+def _write_status(path: str, data: dict[str, Any]) -> None:
+    """Rewrite the status in place, padded to a fixed size: once its block exists, a
+    full disk cannot stop the job from saying how it ended. A reader may see a torn
+    write; the control host reads it again."""
+    text = json.dumps(data).encode()
+    text += b" " * (STATUS_SIZE - len(text)) if len(text) < STATUS_SIZE else b""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, text, 0)
+        os.ftruncate(fd, len(text))  # drop what a longer earlier status left behind
+    finally:
+        os.close(fd)
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -206,7 +221,7 @@ class Download:
         now = time.monotonic()
         if force or now - self._last_status >= STATUS_EVERY:
             self._last_status = now
-            _write_json(self.files["status"], self.status)
+            _write_status(self.files["status"], self.status)
 
     def run(self) -> None:
         url, linked_sha, linked_size = _resolve(self.url, self.auth)
@@ -373,7 +388,14 @@ def fetch(config: dict[str, Any]) -> None:
         _emit({"state": "present", "bytes": _size(target)})
         return
     job = Download(config)
-    job.report(True)  # the control host's first poll must not see an older run's status
+    try:
+        job.report(True)  # the control host's first poll must not see an older run's status
+    except OSError as exc:
+        kind = "disk-full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "node"
+        _emit(
+            {"state": "error", "kind": kind, "message": f"cannot write beside {target}: {exc}" + job._kept()}
+        )
+        return
     foreground = bool(config.get("foreground"))
     if not foreground and not _detach():
         _emit({"state": "started"})
