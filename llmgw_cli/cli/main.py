@@ -14,6 +14,7 @@ from llmgw_cli import __version__
 from llmgw_cli.cli import gateway, keys, lab, render
 from llmgw_cli.cli.apply import apply, plan
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
+from llmgw_cli.cli.fetch import fetch
 from llmgw_cli.cli.status import status
 from llmgw_cli.cli.views import problems_view, spec_summary
 from llmgw_cli.core.docgen import json_schema
@@ -31,6 +32,7 @@ app.add_typer(render.app, name="render")
 app.command()(status)
 app.command()(plan)
 app.command()(apply)
+app.command()(fetch)
 app.add_typer(lab.app, name="lab")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(keys.app, name="keys")

@@ -14,6 +14,7 @@ import os
 import signal
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +23,16 @@ import pytest
 
 from llmgw_cli.core.fetch import Peers, plan_fetch
 from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.plan import Action, Plan, UnitFile
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.remote.fetch import Fetcher, FetchEvent, FetchResult, held_on_nodes, node_script
+from llmgw_cli.remote.fetch import (
+    Fetcher,
+    FetchEvent,
+    FetchResult,
+    ensure_for_plan,
+    held_on_nodes,
+    node_script,
+)
 from llmgw_cli.remote.nodefetch import side_files
 from tests.integration.weights_origin import TOKEN, Origin, start_origin
 
@@ -47,6 +56,10 @@ def origin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Origin]:
 
 
 def cluster(tmp_path: Path, models: str, nodes: int = 1, fabrics: tuple[str, ...] = ("ib0",)) -> ClusterSpec:
+    return parse_cluster(cluster_text(tmp_path, models, nodes, fabrics))
+
+
+def cluster_text(tmp_path: Path, models: str, nodes: int = 1, fabrics: tuple[str, ...] = ("ib0",)) -> str:
     lines = [
         f"  - {{name: n{i}, address: 127.0.0.{i}, connection: local, "
         f"fabric: {fabrics[(i - 1) * len(fabrics) // nodes]}, weights: [{tmp_path}/n{i}]}}"
@@ -58,7 +71,7 @@ def cluster(tmp_path: Path, models: str, nodes: int = 1, fabrics: tuple[str, ...
         + "\n".join(lines)
         + f"\nprofiles: {{p: {{engine: llama-server}}}}\nmodels:\n{models}"
     )
-    return parse_cluster(text)
+    return text
 
 
 def model(name: str, url: str, sha256: str | None = None) -> str:
@@ -419,3 +432,68 @@ def test_disk_full_while_writing_keeps_the_partial_for_a_resume(
     assert again.ok, again
     assert sha(target) == digest
     assert origin.gets("fills.gguf")[-1]["range"] == f"bytes={kept}-"
+
+
+# --- the command ----------------------------------------------------------------------
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw_cli", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_llmgw_fetch_command(origin: Origin, tmp_path: Path) -> None:
+    digest = origin.add("cli.gguf", 8 * MiB)
+    spec_text = cluster_text(
+        tmp_path,
+        model("good", origin.url("cli.gguf"), digest) + model("gone", origin.url("gone.gguf")),
+        nodes=2,
+    )
+    cluster_file = tmp_path / "cluster.yaml"
+    cluster_file.write_text(spec_text)
+    ok = run_cli("fetch", "-f", str(cluster_file), "good")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "done" in ok.stdout and "n1" in ok.stdout and "n2" in ok.stdout
+    for i in (1, 2):
+        assert sha(tmp_path / f"n{i}" / "cli.gguf") == digest
+    again = run_cli("fetch", "-f", str(cluster_file), "good")
+    assert again.returncode == 0 and "present" in again.stdout, again.stdout
+    missing = run_cli("fetch", "-f", str(cluster_file), "gone", "--nodes", "n1")
+    assert missing.returncode == 1
+    assert origin.url("gone.gguf") in missing.stdout and "404" in missing.stdout
+    assert "error:" in missing.stderr
+    unknown = run_cli("fetch", "-f", str(cluster_file), "nope")
+    assert unknown.returncode == 2 and "no model named 'nope'" in unknown.stderr
+
+
+# --- before a replica starts ----------------------------------------------------------
+
+
+def test_apply_fetches_missing_weights_of_started_replicas(origin: Origin, tmp_path: Path) -> None:
+    """What the executor calls before it writes and starts units: the started replica's
+    nodes get the file (once from the origin), and a node whose weights failed is named."""
+    digest = origin.add("apply.gguf", 8 * MiB)
+    spec = cluster(
+        tmp_path,
+        model("m", origin.url("apply.gguf"), digest) + model("x", origin.url("absent.gguf")),
+        nodes=3,
+    )
+    unit = UnitFile(node="n1", name="llmgw-m-0.service", text="")
+    plan = Plan(
+        actions=(
+            Action(op="+", model="m", replica=0, nodes=("n1", "n2"), reason="new", write=(unit,)),
+            Action(op="+", model="x", replica=0, nodes=("n3",), reason="new", write=(unit,)),
+            Action(op="=", model="m", replica=1, nodes=("n3",), reason="running"),
+        ),
+        unplaced=(),
+        warnings=(),
+        facts_digest="",
+    )
+    lines: list[tuple[str, str]] = []
+    failed = asyncio.run(ensure_for_plan(spec, tmp_path, plan, {}, lambda s, m: lines.append((s, m))))
+    assert set(failed) == {"n3"} and "404" in failed["n3"]
+    assert sha(tmp_path / "n1" / "apply.gguf") == digest and sha(tmp_path / "n2" / "apply.gguf") == digest
+    assert not (tmp_path / "n3" / "apply.gguf").exists()  # n3 runs nothing new of m
+    assert len(origin.gets("apply.gguf")) == 1
+    assert ("m@n1", "weights done from origin 0.01/0.01 GiB") in lines
