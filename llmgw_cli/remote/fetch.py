@@ -253,9 +253,10 @@ class Fetcher:
             first = await self._start(node, config)
             if first.get("state") in ("present", "error"):
                 return first
-            unreadable = 0
+            unreadable, polls = 0, 0
             while True:
-                await asyncio.sleep(POLL_SECONDS)
+                polls += 1
+                await asyncio.sleep(min(POLL_SECONDS, 0.05 * polls))  # small files end fast
                 out = await self.transport(node).run(poll, root=True)
                 free = out.stdout.startswith("FREE\n")
                 text = out.stdout.removeprefix("FREE\n")

@@ -215,6 +215,7 @@ class Download:
             "started": time.time(),
         }
         self._last_status = 0.0
+        self._hash: Any = None  # sha256 of the partial file so far, kept while writing
 
     def report(self, force: bool = False, **changes: Any) -> None:
         self.status.update(changes)
@@ -248,7 +249,7 @@ class Download:
             raise FetchFailed("size", f"the origin announced {linked_size} bytes but served {total}")
         if have != total:
             raise FetchFailed("size", f"got {have} of {total} bytes; the partial file was kept for a resume")
-        digest = self._sha256()
+        digest = self._hash.hexdigest() if self._hash is not None else self._sha256()
         if expected and digest != expected:
             self._discard()
             raise FetchFailed(
@@ -277,7 +278,8 @@ class Download:
             if resp.status == 416:
                 total = _total_from_range(resp.getheader("Content-Range"))
                 if total is not None and have == total:
-                    return total  # complete already; the checks decide
+                    self._hash = None  # complete already: hashed from the file below
+                    return total
                 self._truncate()
                 raise http.client.HTTPException("416 for a partial that is not the file's prefix; restarting")
             if resp.status == 206:
@@ -296,6 +298,7 @@ class Download:
             _write_json(self.files["meta"], meta)
             self._check_space(total - have if total >= 0 else 0)
             self.report(True, bytes=have, total=total if total >= 0 else None, resumed_from=have)
+            self._hash = self._sha256_object() if mode == "ab" else hashlib.sha256()
             with open(part, mode) as out:
                 self._copy(resp, out, have)
             return total if total >= 0 else _size(part)
@@ -308,6 +311,7 @@ class Download:
             if not chunk:
                 break
             out.write(chunk)
+            self._hash.update(chunk)  # hashing while writing spares reading the file again
             have += len(chunk)
             self.report(bytes=have)
         out.flush()
@@ -329,12 +333,15 @@ class Download:
         return f"; the partial file ({have} bytes) was kept for a resume" if have else ""
 
     def _sha256(self) -> str:
+        return str(self._sha256_object().hexdigest())
+
+    def _sha256_object(self) -> Any:
         h = hashlib.sha256()
         with open(self.files["part"], "rb") as f:
             while True:
                 block = f.read(CHUNK * 4)
                 if not block:
-                    return h.hexdigest()
+                    return h
                 h.update(block)
 
     def _truncate(self) -> None:

@@ -91,9 +91,13 @@ class Origin:
 
     def add(self, name: str, size: int, *, seed: int = 0) -> str:
         """Write ``size`` pseudo-random bytes as ``name``; returns their sha256."""
-        data = random.Random(f"{name}-{seed}").randbytes(size)
-        (self.www / name).write_bytes(data)
-        return hashlib.sha256(data).hexdigest()
+        rng, h = random.Random(f"{name}-{seed}"), hashlib.sha256()
+        with open(self.www / name, "wb") as f:
+            for start in range(0, size, 64 << 20):  # randbytes takes at most 2**31 bits
+                data = rng.randbytes(min(64 << 20, size - start))
+                f.write(data)
+                h.update(data)
+        return h.hexdigest()
 
     def link(self, name: str, sha256: str) -> None:
         """Announce ``sha256`` as the X-Linked-Etag of ``/org/repo/resolve/main/name``."""
