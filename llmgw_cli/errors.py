@@ -9,6 +9,8 @@ Hierarchy::
     ├── TemplateError          a packaged template is missing or failed to render
     ├── NodeError              one node could not be reached or a command on it failed;
     │                          carries the node and a kind (unreachable, auth, hostkey-...)
+    ├── FetchError             weights could not be brought onto a node (404, token needed,
+    │                          disk full, checksum mismatch...); carries model, node, kind
     └── LabError               the lab cluster could not be booted, changed or removed
         └── LabUnavailable     exit 2: this machine cannot run the lab (not Linux, not root,
                                a tool missing)
@@ -78,6 +80,15 @@ class NodeError(LlmgwError):
     def __init__(self, node: str, kind: str, reason: str) -> None:
         self.node, self.kind, self.reason = node, kind, reason
         super().__init__(f"{node}: {reason}")
+
+
+class FetchError(LlmgwError):
+    """Bringing a model's weights onto a node failed. ``kind`` is one of: not-found, auth,
+    disk-full, checksum, size, network, tls, http, interrupted, crash, node."""
+
+    def __init__(self, model: str, node: str, kind: str, reason: str) -> None:
+        self.model, self.node, self.kind, self.reason = model, node, kind, reason
+        super().__init__(f"{model} on {node}: {reason}")
 
 
 class LabError(LlmgwError):

@@ -15,6 +15,7 @@ from llmgw_cli.cli import gateway, keys, lab, render
 from llmgw_cli.cli.apply import apply, plan
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.doctor import doctor
+from llmgw_cli.cli.fetch import fetch
 from llmgw_cli.cli.status import status
 from llmgw_cli.cli.views import problems_view, spec_summary
 from llmgw_cli.core.docgen import json_schema
@@ -33,6 +34,7 @@ app.command()(status)
 app.command()(plan)
 app.command()(apply)
 app.command()(doctor)
+app.command()(fetch)
 app.add_typer(lab.app, name="lab")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(keys.app, name="keys")

@@ -31,6 +31,7 @@ from llmgw_cli.core.plan import Action, Plan
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.transport import Transport
 
 Report = Callable[[str, str], None]
@@ -237,8 +238,13 @@ async def execute(
     outcomes: list[Outcome] = []
     try:
         key = engine_key or await _engine_key(transports)
+        # Weights first: a replica whose URL-sourced file is missing on a node waits for it.
+        no_weights = await ensure_for_plan(spec, base, plan, transports, report)
 
         async def one(node: str) -> Outcome:
+            if node in no_weights:
+                report(node, f"failed: {no_weights[node]}")
+                return Outcome(node, False, no_weights[node])
             try:
                 await _apply_node(transports[node], work[node], key)
             except NodeError as exc:

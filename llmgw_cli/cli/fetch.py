@@ -1,0 +1,135 @@
+"""`llmgw fetch`: put model weights on the nodes: load -> probe -> plan -> fetch -> report."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
+from llmgw_cli.cli.status import NodesOption, probe_with_progress
+from llmgw_cli.core.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, select
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.errors import LlmgwError, UsageError
+from llmgw_cli.remote.fetch import Fetcher, FetchEvent, FetchResult
+
+out = Console()
+err = Console(stderr=True)
+
+
+class FetchFailed(LlmgwError):
+    """Some weights could not be brought; the others were."""
+
+
+async def _run(spec: ClusterSpec, base: Path, plan: FetchPlan, token: str | None) -> list[FetchResult]:
+    """Run the plan with one progress bar per (model, node) on a terminal, lines otherwise."""
+    bars = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[state]}"),
+        console=err,
+        disable=not err.is_terminal,
+    )
+    tasks: dict[tuple[str, str], TaskID] = {}
+    last: dict[tuple[str, str], str] = {}
+
+    def on_event(e: FetchEvent) -> None:
+        key = (e.model, e.node)
+        where = "origin" if e.source == "origin" else f"from {e.source}"
+        state = f"{e.state} ({where})" + (f": {e.message}" if e.message else "")
+        if key not in tasks:
+            tasks[key] = bars.add_task(f"{e.model} -> {e.node}", total=None, state=state)
+        bars.update(tasks[key], completed=e.bytes, total=e.total, state=state)
+        if not err.is_terminal and last.get(key) != state:
+            err.print(f"  {e.model} -> {e.node}: {state}", highlight=False)
+        last[key] = state
+
+    fetcher = Fetcher(spec, base, on_event, token=token, hf_endpoint=os.environ.get("HF_ENDPOINT"))
+    try:
+        with bars:
+            return await fetcher.run(plan)
+    finally:
+        await fetcher.close()
+
+
+def _results_view(plan: FetchPlan, results: list[FetchResult]) -> Table:
+    table = Table("model", "node", "result", "from", "size", "time", "rate", box=None)
+    for r in results:
+        rate = f"{r.bytes / r.seconds / 2**20:.0f} MiB/s" if r.state == "done" and r.seconds > 0 else ""
+        style = "green" if r.ok else "red"
+        result = Text(r.state if r.ok else f"failed: {r.message}", style=style)
+        size = f"{r.bytes / 2**30:.2f} GiB" if r.bytes else ""
+        table.add_row(r.model, r.node, result, r.source, size, f"{r.seconds:.1f}s", rate)
+    for s in plan.skipped:
+        table.add_row(s.model, s.node, Text(s.reason, style="dim"), "", "", "", "")
+    return table
+
+
+def fetch(
+    models: Annotated[
+        list[str] | None,
+        typer.Argument(help="Models to fetch (default: every model that is not switched off)."),
+    ] = None,
+    file: ClusterFile = DEFAULT_FILE,
+    nodes: NodesOption = None,
+    peers: Annotated[
+        Peers,
+        typer.Option(
+            help="Who copies from whom: `fabric` (one origin download per fabric), `cluster` "
+            "(one for the whole cluster) or `off` (every node downloads from the origin)."
+        ),
+    ] = Peers.fabric,
+    token_env: Annotated[
+        str,
+        typer.Option(help="Environment variable holding the Hugging Face token for gated repositories."),
+    ] = "HF_TOKEN",
+) -> None:
+    """Download the weights of models whose source is an https URL onto the nodes.
+
+    Each file is written as NAME.part and renamed only once its size and sha256 check out.
+
+    An interrupted download resumes where it stopped (HTTP Range).
+
+    One node per fabric downloads from the origin; the others copy from a peer.
+
+    A Hugging Face repo id is left to the engine; a path is only checked.
+
+    The token ($HF_TOKEN) goes only to huggingface.co or $HF_ENDPOINT, and is never printed.
+
+    Exit code 0 when every wanted node has its weights, 1 when some failed, 2 on bad input.
+    """
+    spec = read_cluster(file)
+    chosen = [n.strip() for n in nodes.split(",")] if nodes else None
+    snapshot = probe_with_progress(spec, file, None, err)
+    facts = {f.node: f for f in snapshot.nodes}
+    try:
+        wanted = select(spec, facts, models or None, chosen)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    unreachable = {f.node for f in snapshot.nodes if not f.reachable}
+    plan = plan_fetch(spec, wanted, held_in_facts(spec, facts), unreachable, peers)
+    results = asyncio.run(_run(spec, file.resolve().parent, plan, os.environ.get(token_env) or None))
+    out.print(_results_view(plan, results), soft_wrap=True)
+    failed = [r for r in results if not r.ok] + [s for s in plan.skipped if s.reason == "unreachable"]
+    if failed:
+        raise FetchFailed(f"{len(failed)} of {len(results) + len(plan.skipped)} model/node pairs failed")
+    if not results and not plan.skipped:
+        out.print("Nothing to fetch: no model with an https source is wanted on these nodes.")

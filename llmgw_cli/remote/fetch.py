@@ -1,0 +1,353 @@
+"""Bring model weights onto nodes: from the origin once per group, then peer to peer.
+
+Bytes never pass through the control host. Each node runs ``nodefetch.py`` (piped to
+``python3 -``), which downloads from the origin or from a peer's temporary file server;
+the control host only starts those jobs and polls their status files.
+
+Contract: a ``Fetcher`` runs the spreads of one FetchPlan concurrently. Within a spread,
+the origin download comes first; then every node that has the file serves one copy at a
+time, and every node that finishes starts serving too, so copies fan out as a tree
+(about log2(N) rounds). A job on a node is detached from the SSH session: if the control
+host goes away the download goes on, and a later run attaches to it through the node's
+lock instead of starting a second one. A job that died (killed, node rebooted) is started
+again and resumes from its partial file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shlex
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import quote
+
+from llmgw_cli.core.fetch import FetchPlan, Peers, Spread, plan_fetch, target_path, token_for
+from llmgw_cli.core.plan import Plan
+from llmgw_cli.core.spec import ClusterSpec, SourceKind
+from llmgw_cli.errors import NodeError
+from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.nodefetch import side_files
+from llmgw_cli.remote.transport import Transport
+
+POLL_SECONDS = 0.5
+SERVE_IDLE_SECONDS = 120
+ORIGIN_FAULTS = ("not-found", "auth", "checksum", "size", "tls", "http")
+"""Failures that every node would meet again at the origin: do not try the next node."""
+
+SCRIPT = resources.files("llmgw_cli.remote").joinpath("nodefetch.py").read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class FetchEvent:
+    model: str
+    node: str
+    state: str  # waiting, fetching, present, done, failed
+    source: str  # "origin" or the name of the peer copied from
+    bytes: int = 0
+    total: int | None = None
+    message: str = ""
+
+
+Report = Callable[[FetchEvent], None]
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    model: str
+    node: str
+    ok: bool
+    state: str  # present, done, failed
+    source: str
+    message: str = ""
+    kind: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+    sha256: str | None = None
+
+
+def node_script(config: dict[str, Any]) -> str:
+    """The node program with its configuration; it travels on stdin (a token too)."""
+    return f"{SCRIPT}\nmain(json.loads({json.dumps(config)!r}))\n"
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+class Fetcher:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        base: Path,
+        report: Report,
+        *,
+        token: str | None = None,
+        hf_endpoint: str | None = None,
+        transports: dict[str, Transport] | None = None,
+    ) -> None:
+        self.spec, self.base, self.report = spec, base, report
+        self._token, self._endpoint = token, hf_endpoint
+        self._given = transports or {}
+        self._own: dict[str, Transport] = {}
+
+    def transport(self, node: str) -> Transport:
+        if node in self._given:
+            return self._given[node]
+        if node not in self._own:
+            self._own[node] = transport_for(self.spec, self.spec.node(node), self.base)
+        return self._own[node]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(t.close() for t in self._own.values()))
+
+    async def run(self, plan: FetchPlan) -> list[FetchResult]:
+        """Every spread and every path check of ``plan``; one result per (model, node)."""
+        for s in plan.spreads:
+            for node in s.nodes:
+                self.report(FetchEvent(s.model, node, "waiting", "origin" if node == s.origin else "peer"))
+        groups = await asyncio.gather(
+            *(self._spread(s) for s in plan.spreads), *(self._check(*c) for c in plan.checks)
+        )
+        return [r for g in groups for r in g]
+
+    async def _check(self, model: str, node: str, path: str) -> list[FetchResult]:
+        try:
+            found = await self.transport(node).run(f"test -e {shlex.quote(path)}", root=True)
+        except NodeError as exc:
+            return [FetchResult(model, node, False, "failed", "path", exc.reason, "node")]
+        if found.ok:
+            return [FetchResult(model, node, True, "present", "path")]
+        return [
+            FetchResult(model, node, False, "failed", "path", f"{path} does not exist on {node}", "missing")
+        ]
+
+    async def _spread(self, s: Spread) -> list[FetchResult]:
+        results: list[FetchResult] = []
+        waiting = deque(s.copies)
+        seeds = list(s.seeds)
+        sha = s.sha256
+        candidate = s.origin
+        while candidate is not None:
+            r = await self._job(s, candidate, s.url, sha, "origin")
+            results.append(r)
+            if r.ok:
+                seeds.append(candidate)
+                sha = sha or r.sha256
+                break
+            if r.kind in ORIGIN_FAULTS or not waiting:
+                for node in waiting:  # the origin would answer every node the same way
+                    results.append(self._fail(s.model, node, "origin", f"not tried: {r.message}", r.kind))
+                return results
+            candidate = waiting.popleft()  # this node's own problem (disk full...): the next one tries
+        servers: dict[str, tuple[str, int]] = {}  # seed -> (url prefix, server pid)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def serve_from(seed: str) -> None:
+            while waiting:
+                node = waiting.popleft()
+                r = await self._copy(s, seed, node, sha, servers)
+                results.append(r)
+                if r.ok:
+                    tasks.add(asyncio.create_task(serve_from(node)))
+
+        try:
+            for seed in seeds:
+                tasks.add(asyncio.create_task(serve_from(seed)))
+            while tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                tasks -= done
+                for task in done:
+                    task.result()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*(self._stop(seed, pid) for seed, (_, pid) in servers.items()))
+        return results
+
+    async def _copy(
+        self, s: Spread, seed: str, node: str, sha: str | None, servers: dict[str, tuple[str, int]]
+    ) -> FetchResult:
+        """Copy from ``seed``; when the peer cannot serve, fall back to the origin."""
+        why = ""
+        try:
+            if seed not in servers:
+                servers[seed] = await self._serve(seed, s.paths[seed])
+            prefix = servers[seed][0]
+            r = await self._job(s, node, prefix + quote(PurePosixPath(s.paths[node]).name), sha, seed)
+            if r.ok or r.kind == "disk-full":
+                return r
+            why = r.message
+        except NodeError as exc:
+            why = exc.reason
+        self.report(FetchEvent(s.model, node, "fetching", "origin", message=f"peer {seed} failed: {why}"))
+        return await self._job(s, node, s.url, sha, "origin")
+
+    async def _serve(self, seed: str, path: str) -> tuple[str, int]:
+        secret = secrets.token_urlsafe(24)
+        config = {"mode": "serve", "file": path, "secret": secret, "idle": SERVE_IDLE_SECONDS}
+        out = await self._start(seed, config)
+        if out.get("state") != "serving":
+            raise NodeError(seed, "failed", f"could not serve {path} to peers: {out}")
+        address = _host(self.spec.node(seed).address)
+        return f"http://{address}:{out['port']}/{secret}/", int(out["pid"])
+
+    async def _stop(self, seed: str, pid: int) -> None:
+        with contextlib.suppress(NodeError):  # else the server stops by itself once idle
+            await self.transport(seed).run(f"kill {pid} 2>/dev/null", root=True)
+
+    async def _start(self, node: str, config: dict[str, Any]) -> dict[str, Any]:
+        result = await self.transport(node).run("python3 -", root=True, stdin=node_script(config))
+        lines = result.stdout.strip().splitlines()
+        if not result.ok or not lines:
+            tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+            raise NodeError(node, "failed", f"python3 on the node failed: {' / '.join(tail)}")
+        data = json.loads(lines[-1])
+        return data if isinstance(data, dict) else {}
+
+    def _fail(self, model: str, node: str, source: str, message: str, kind: str) -> FetchResult:
+        self.report(FetchEvent(model, node, "failed", source, message=message))
+        return FetchResult(model, node, False, "failed", source, message, kind)
+
+    async def _job(self, s: Spread, node: str, url: str, sha: str | None, source: str) -> FetchResult:
+        started = time.monotonic()
+        self.report(FetchEvent(s.model, node, "fetching", source))
+        config = {
+            "mode": "fetch",
+            "url": url,
+            "target": s.paths[node],
+            "sha256": sha,
+            "token": token_for(url, self._token, self._endpoint),
+        }
+        try:
+            final = await self._follow(node, config, s.model, source)
+        except NodeError as exc:
+            return self._fail(s.model, node, source, exc.reason, "node")
+        seconds = time.monotonic() - started
+        state = final.get("state")
+        if state in ("present", "done"):
+            size = int(final.get("bytes") or 0)
+            self.report(FetchEvent(s.model, node, str(state), source, size, size))
+            return FetchResult(
+                s.model, node, True, str(state), source, "", "", size, seconds, final.get("sha256")
+            )
+        kind = str(final.get("kind") or "failed")
+        message = str(final.get("message") or "failed")
+        if kind == "auth":
+            message += ": the repository is gated or private, or the token is wrong; set HF_TOKEN to a token with access"
+        return self._fail(s.model, node, source, f"{url if source == 'origin' else source}: {message}", kind)
+
+    async def _follow(self, node: str, config: dict[str, Any], model: str, source: str) -> dict[str, Any]:
+        """Start (or attach to) the job and poll it to its end; restart it if it dies."""
+        files = side_files(config["target"])
+        poll = f"flock -n {shlex.quote(files['lock'])} true && echo FREE; cat {shlex.quote(files['status'])}"
+        for _ in range(3):
+            first = await self._start(node, config)
+            if first.get("state") in ("present", "error"):
+                return first
+            unreadable, polls = 0, 0
+            while True:
+                polls += 1
+                await asyncio.sleep(min(POLL_SECONDS, 0.05 * polls))  # small files end fast
+                out = await self.transport(node).run(poll, root=True)
+                free = out.stdout.startswith("FREE\n")
+                text = out.stdout.removeprefix("FREE\n")
+                try:
+                    status = json.loads(text)
+                except ValueError:
+                    status = {}
+                unreadable = 0 if status else unreadable + 1
+                if not status and not (free and unreadable > 10):
+                    continue  # torn or not yet written: read it again
+                if status.get("state") in ("done", "error"):
+                    return dict(status)
+                total = status.get("total")
+                self.report(FetchEvent(model, node, "fetching", source, int(status.get("bytes") or 0), total))
+                if free:
+                    break  # nobody holds the lock and it is not finished: the job died
+        return {
+            "state": "error",
+            "kind": "interrupted",
+            "message": "the download on the node stopped 3 times",
+        }
+
+
+async def held_on_nodes(
+    fetcher: Fetcher, spec: ClusterSpec, wanted: dict[str, list[str]]
+) -> set[tuple[str, str]]:
+    """``(model, node)`` pairs whose target file exists on a node (one command per node).
+    Every node is asked, not only the wanted ones: any holder can seed its peers."""
+    by_node: dict[str, list[tuple[str, str]]] = {}
+    for model in wanted:
+        for node in [n.name for n in spec.nodes]:
+            by_node.setdefault(node, []).append((model, target_path(spec.model(model), spec.node(node))))
+
+    async def one(node: str, pairs: list[tuple[str, str]]) -> set[tuple[str, str]]:
+        cmd = "; ".join(f"test -s {shlex.quote(p)} && echo {shlex.quote(p)}" for _, p in pairs) + "; true"
+        try:
+            out = await fetcher.transport(node).run(cmd, root=True)
+        except NodeError:
+            return set()
+        found = set(out.stdout.splitlines())
+        return {(m, node) for m, p in pairs if p in found}
+
+    sets = await asyncio.gather(*(one(n, p) for n, p in by_node.items()))
+    return set().union(*sets)
+
+
+def _progress_lines(report: Callable[[str, str], None]) -> Report:
+    """Fetch events as the executor's (subject, message) lines, at most one per 10%."""
+    last: dict[str, tuple[str, int]] = {}
+
+    def on_event(e: FetchEvent) -> None:
+        subject = f"{e.model}@{e.node}"
+        tenth = e.bytes * 10 // e.total if e.total else -1
+        if last.get(subject) == (e.state, tenth):
+            return
+        last[subject] = (e.state, tenth)
+        where = "origin" if e.source == "origin" else f"peer {e.source}"
+        size = f" {e.bytes / 2**30:.2f}/{e.total / 2**30:.2f} GiB" if e.total else ""
+        report(subject, f"weights {e.state} from {where}{size}{': ' + e.message if e.message else ''}")
+
+    return on_event
+
+
+async def ensure_for_plan(
+    spec: ClusterSpec,
+    base: Path,
+    plan: Plan,
+    transports: dict[str, Transport],
+    report: Callable[[str, str], None],
+) -> dict[str, str]:
+    """Fetch the URL-sourced weights of every replica the plan starts, onto its nodes,
+    before its units start. Returns node -> why its weights could not be brought."""
+    wanted: dict[str, list[str]] = {}
+    for action in plan.changes:
+        model = next((m for m in spec.models if m.name == action.model), None)
+        if action.write and model is not None and model.source_kind is SourceKind.url:
+            nodes = wanted.setdefault(model.name, [])
+            nodes += [n for n in action.nodes if n not in nodes]
+    if not wanted:
+        return {}
+    fetcher = Fetcher(
+        spec,
+        base,
+        _progress_lines(report),
+        token=os.environ.get("HF_TOKEN"),
+        hf_endpoint=os.environ.get("HF_ENDPOINT"),
+        transports=transports,
+    )
+    try:
+        held = await held_on_nodes(fetcher, spec, wanted)
+        results = await fetcher.run(plan_fetch(spec, wanted, held, set(), Peers.fabric))
+    finally:
+        await fetcher.close()
+    return {r.node: f"weights of {r.model}: {r.message}" for r in results if not r.ok}
