@@ -186,7 +186,12 @@ async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, key: 
         "id -u llmgw >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin llmgw",
         "create the llmgw account",
     )
-    await must(f"mkdir -p {GATEWAY_DIR} && chmod 755 {GATEWAY_DIR}", f"create {GATEWAY_DIR}")
+    # /etc/llmgw may exist already as 0700 (written by an older llmgw): the account must
+    # traverse it to read its files (engine.env in it stays 0600).
+    await must(
+        f"mkdir -p {GATEWAY_DIR} && chmod 755 {GATEWAY_DIR} {Path(GATEWAY_DIR).parent}",
+        f"create {GATEWAY_DIR}",
+    )
     current = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
     if not current.stdout.strip():
         await t.write_file(ENGINE_ENV_FILE, f"{ENGINE_KEY_VAR}={key}\n", mode=0o600, root=True)

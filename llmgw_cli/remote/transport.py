@@ -44,10 +44,12 @@ class Transport(Protocol):
 
 def atomic_write_command(path: str, mode: int) -> str:
     """Shell that copies stdin into ``path`` through a temporary file and a rename, so a
-    reader (or an interrupted run) never sees a half-written file."""
+    reader (or an interrupted run) never sees a half-written file. Missing parent folders
+    get the usual umask (a 0700 /etc/llmgw would lock the gateway's account out); only the
+    temporary file is private until its mode is set."""
     q = shlex.quote(path)
     tmp = shlex.quote(f"{path}.llmgw-tmp")
     return (
-        f'umask 077 && mkdir -p "$(dirname {q})" && cat > {tmp} && chmod {mode:o} {tmp} '
+        f'mkdir -p "$(dirname {q})" && umask 077 && cat > {tmp} && chmod {mode:o} {tmp} '
         f"&& mv -f {tmp} {q} || {{ rc=$?; rm -f {tmp}; exit $rc; }}"
     )

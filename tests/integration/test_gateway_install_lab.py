@@ -53,6 +53,9 @@ def clean(lab: Lab) -> Iterator[None]:
 
 def test_apply_installs_and_updates_the_gateway(lab: Lab, clean: None, tmp_path: Path) -> None:
     cluster = _cluster(lab, tmp_path)
+    # As an older llmgw left it: /etc/llmgw private to root. The gateway's account must
+    # still read its files.
+    lab.ssh("node02", "mkdir -p /etc/llmgw && chmod 700 /etc/llmgw")
     first = run("apply", "-f", str(cluster), "--yes")
     assert first.returncode == 0, first.stdout + first.stderr
     assert "gateway on node02: start or restart" in first.stdout
