@@ -91,6 +91,22 @@ def stream_usage(tail: bytes) -> tuple[int, int]:
     return 0, 0
 
 
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+
+
+def without_usage_event(chunk: bytes) -> bytes:
+    """``chunk`` without the include_usage event (empty ``choices``, a ``usage`` object)
+    that the gateway asked for on the client's behalf. Only whole events in one read are
+    recognised; one split across reads passes through, as a valid OpenAI chunk."""
+    events = chunk.split(b"\n\n")
+    kept = [
+        e
+        for e in events
+        if not (e.lstrip().startswith(b"data: {") and b'"usage"' in e and _EMPTY_CHOICES.search(e))
+    ]
+    return chunk if len(kept) == len(events) else b"\n\n".join(kept)
+
+
 async def forward(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     started = time.monotonic()
@@ -179,8 +195,9 @@ async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started:
     if outcome.stream:
         options = payload.get("stream_options")
         if not (isinstance(options, dict) and options.get("include_usage") is True):
-            # Ask the engine for the usage chunk so streams are metered; the client gets
-            # it too (a valid OpenAI chunk with empty choices).
+            # Ask the engine for the usage chunk so streams are metered; the relay takes
+            # it out again (a client that did not ask may read choices[0] of every chunk).
+            outcome.extra["hide_usage"] = True
             payload["stream_options"] = {
                 **(options if isinstance(options, dict) else {}),
                 "include_usage": True,
@@ -344,12 +361,15 @@ async def _relay(
     await out.prepare(request)
     # The last reads only: copying a growing tail on every read cost more than the relay.
     tail: deque[bytes] = deque(maxlen=TAIL_READS)
+    hide_usage = outcome.extra.get("hide_usage", False)
     try:
         async for chunk in upstream.content.iter_any():
             if not tail:  # the first chunk: time to first token, for the metrics
                 outcome.extra["first_chunk"] = time.monotonic()
             tail.append(chunk)
-            await out.write(chunk)
+            sent = without_usage_event(chunk) if hide_usage and b'"usage"' in chunk else chunk
+            if sent:
+                await out.write(sent)
     except (aiohttp.ClientError, TimeoutError):
         # Bytes already reached the client: the stream can only be cut. The log line says
         # so. An engine that closes its connection right after the last event (llama-server

@@ -122,7 +122,10 @@ def test_client_that_hangs_up_after_done_is_metered_as_a_whole_answer(
         client = gw.client(key)
         chunks = list(
             client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                stream=True,
+                stream_options={"include_usage": True},
             )
         )
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3

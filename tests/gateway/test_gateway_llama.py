@@ -49,17 +49,25 @@ def test_chat_and_streams_through_the_gateway(gateway: tuple[Gateway, str, str])
     reply = client.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=12, temperature=0)
     text = reply.choices[0].message.content
     assert text and reply.usage is not None and reply.usage.completion_tokens > 0
-    for _ in range(3):  # llama-server closes the connection after each stream
+    for asked in (True, True, False):  # llama-server closes the connection after each stream
         chunks = list(
             client.chat.completions.create(
-                model=ALIAS, messages=MESSAGES, max_tokens=12, temperature=0, stream=True
+                model=ALIAS,
+                messages=MESSAGES,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                **({"stream_options": {"include_usage": True}} if asked else {}),  # type: ignore[arg-type]
             )
         )
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-        assert (
-            chunks[-1].usage is not None
-            and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
-        )
+        if asked:
+            assert (
+                chunks[-1].usage is not None
+                and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+            )
+        else:  # metered all the same (below), but not handed to a client that did not ask
+            assert all(c.choices for c in chunks)
     with pytest.raises(openai.NotFoundError):  # llama-server itself would answer 200
         client.chat.completions.create(model="smollm2-135", messages=MESSAGES, max_tokens=2)
     gw.stop()

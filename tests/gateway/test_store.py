@@ -11,7 +11,7 @@ import pytest
 
 from llmgw_cli.core.keys import ApiKey, bearer, hash_token, parse_expiry
 from llmgw_cli.errors import InputError
-from llmgw_cli.gateway.proxy import body_usage, stream_usage
+from llmgw_cli.gateway.proxy import body_usage, stream_usage, without_usage_event
 from llmgw_cli.gateway.state import Admission, read_engine_key
 from llmgw_cli.gateway.store import SqliteStore, Usage
 from llmgw_cli.gateway.usage import Meter, merged
@@ -136,3 +136,15 @@ def test_body_usage_reads_the_usage_object_without_parsing() -> None:
     }
     assert body_usage(json.dumps(chat).encode()) == (4, 9)
     assert body_usage(b'{"error": {"message": "bad"}}') == (0, 0)
+
+
+def test_the_usage_event_asked_for_by_the_gateway_is_taken_out() -> None:
+    content = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'
+    done = b"data: [DONE]\n\n"
+    assert without_usage_event(content + usage + done) == content + done
+    assert without_usage_event(usage) == b""
+    assert without_usage_event(content) == content
+    # usage inside the text of a normal chunk is content, not the usage event
+    text = b'data: {"choices":[{"delta":{"content":"\\"usage\\": []"}}],"usage":null}\n\n'
+    assert without_usage_event(text) == text

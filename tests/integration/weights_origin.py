@@ -44,7 +44,7 @@ http {{
   uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;
   sendfile on;
   server {{
-    listen 127.0.0.1:{port} ssl;
+    listen {host}:{port} ssl;
     ssl_certificate {d}/cert.pem;
     ssl_certificate_key {d}/key.pem;
     root {d}/www;
@@ -77,6 +77,7 @@ class Origin:
     root: Path
     port: int
     proc: subprocess.Popen[bytes]
+    host: str = "127.0.0.1"
 
     @property
     def www(self) -> Path:
@@ -87,7 +88,7 @@ class Origin:
         return self.root / "cert.pem"
 
     def url(self, path: str) -> str:
-        return f"https://127.0.0.1:{self.port}/{path.lstrip('/')}"
+        return f"https://{self.host}:{self.port}/{path.lstrip('/')}"
 
     def add(self, name: str, size: int, *, seed: int = 0) -> str:
         """Write ``size`` pseudo-random bytes as ``name``; returns their sha256."""
@@ -132,19 +133,20 @@ class Origin:
             self.proc.wait()
 
 
-def start_origin(root: Path) -> Origin:
+def start_origin(root: Path, host: str = "127.0.0.1") -> Origin:
+    """nginx serving ``root/www`` over TLS on ``host`` (loopback, or the lab's bridge)."""
     if shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists():
         raise RuntimeError("nginx is missing (install scripts/weights-packages.txt)")
     (root / "www").mkdir(parents=True)
     (root / "tmp").mkdir()
     (root / "linked.map").write_text('default "";\n')
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(root / "key.pem"), "-out", str(root / "cert.pem")],
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={host}",
+         "-addext", f"subjectAltName=IP:{host}", "-keyout", str(root / "key.pem"), "-out", str(root / "cert.pem")],
         check=True, capture_output=True,
     )  # fmt: skip
     port = _free_port()
-    (root / "nginx.conf").write_text(_CONF.format(d=root, port=port, token=TOKEN))
+    (root / "nginx.conf").write_text(_CONF.format(d=root, host=host, port=port, token=TOKEN))
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     proc = subprocess.Popen(
         [nginx, "-p", str(root), "-c", str(root / "nginx.conf")],
@@ -155,8 +157,8 @@ def start_origin(root: Path) -> Origin:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return Origin(root, port, proc)
+            socket.create_connection((host, port), 0.2).close()
+            return Origin(root, port, proc, host)
         except OSError:
             if proc.poll() is not None:
                 raise RuntimeError((root / "error.log").read_text()) from None
