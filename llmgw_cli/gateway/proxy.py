@@ -255,9 +255,10 @@ def _unavailable(gw: Gateway, name: str) -> web.Response:
             "model_off",
         )
     if state is ModelState.loading:
+        doing = supervisor.progress.get(name) if supervisor is not None else None
         return error(
             503,
-            f"The model `{name}` is loading; retry shortly.",
+            f"The model `{name}` is loading{f' ({doing})' if doing else ''}; retry shortly.",
             "server_error",
             "model_loading",
             {"Retry-After": "5"},

@@ -98,7 +98,9 @@ async def admin_replicas(request: web.Request) -> web.Response:
         {
             "replicas": [r.as_dict() for r in gw.pool.all()],
             "queued": gw.admission.queued(),
-            "starting": sorted(supervisor.starting) if supervisor else [],
+            "starting": {m: supervisor.progress.get(m, "") for m in sorted(supervisor.starting)}
+            if supervisor
+            else {},
             "failed": {m: why for m, (_, why) in supervisor.failed.items()} if supervisor else {},
         }
     )

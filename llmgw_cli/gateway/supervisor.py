@@ -82,6 +82,7 @@ class Supervisor:
         self.first_seen: dict[str, float] = {}  # replica key -> wall time first seen running
         self.ready_at: dict[str, float] = {}  # replica key -> wall time first seen ready
         self.watching: set[tuple[str, str]] = set()  # (model, address) started, not ready yet
+        self.progress: dict[str, str] = {}  # model -> what its start is doing now
         self._tasks: set[asyncio.Task[None]] = set()
 
     # --- what the request path asks ---------------------------------------------------
@@ -219,6 +220,7 @@ class Supervisor:
             log.exception("%s: start failed", model)
         finally:
             self.starting.pop(model, None)
+            self.progress.pop(model, None)
 
     async def _place_and_start(self, spec: ClusterSpec, model: str, reason: str) -> str:
         facts = await self.source.probe(spec)
@@ -238,9 +240,16 @@ class Supervisor:
                 raise StartFailed("; ".join(r for _, r in plan.unplaced) or "no room after an eviction")
         (action,) = plan.changes[:1]
         log.info("%s: starting replica %d on %s (%s)", model, action.replica, ",".join(action.nodes), reason)
+
+        def report(subject: str, message: str) -> None:
+            _log_report(subject, message)
+            self.progress[model] = f"{subject}: {message}"  # e.g. weights being fetched
+
+        self.progress[model] = f"starting on {','.join(action.nodes)}"
         outcomes = await execute(
-            spec, self.base, plan, _log_report, wait=False, engine_key=self.gw.engine_key or None
+            spec, self.base, plan, report, wait=False, engine_key=self.gw.engine_key or None
         )
+        self.progress[model] = "engine loading"
         broken = [f"{o.subject}: {o.message}" for o in outcomes if not o.ok]
         if broken:
             raise StartFailed("; ".join(broken))
