@@ -207,14 +207,15 @@ class UnitWatch:
         blocks = parse_show(show.stdout)
         return unit_state(blocks[0]) if blocks else None
 
-    async def failure(self) -> str | None:
-        """The reason and journal tail if the unit failed or restarted, else None."""
+    async def failure(self, lines: int = 15) -> str | None:
+        """The reason and the last ``lines`` of its journal if the unit failed or
+        restarted, else None."""
         state = await self._state(self.transport, self.unit)
         if state is None or (state.active_state != "failed" and state.n_restarts <= self.restarts):
             return None
         since = f"--since @{self.since}" if self.since.isdigit() else ""
         journal = await self.transport.run(
-            f"journalctl -u {shlex.quote(self.unit)} {since} -n 15 --no-pager -o cat", root=True
+            f"journalctl -u {shlex.quote(self.unit)} {since} -n {lines} --no-pager -o cat", root=True
         )
         restarts = state.n_restarts - self.restarts
         why = f"{self.unit} {state.active_state} ({state.result}, exit status {state.exec_main_status}, {restarts} restart(s))"

@@ -233,7 +233,7 @@ async def _wait(t: Transport, spec: ClusterSpec, host: str, report: Report, time
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=2.0) as client:
         while time.monotonic() - started < timeout:
-            failed = await watch.failure()
+            failed = await watch.failure(lines=40)  # a Python traceback is long
             if failed:
                 return Outcome(SUBJECT, False, failed)
             try:

@@ -36,7 +36,8 @@ def test_the_files_and_the_unit_that_uses_them() -> None:
         f"--known-hosts {KNOWN_HOSTS}\n" in unit
     )
     assert "PrivateTmp=yes" in unit
-    assert "PrivateTmp=yes" not in {f.path: f for f in files(llmgw_bin="/tmp/x/bin/llmgw")}[UNIT_FILE].text
+    under_tmp = {f.path: f for f in files(llmgw_bin="/tmp/x/bin/llmgw")}[UNIT_FILE].text
+    assert "PrivateTmp=yes" not in under_tmp and "ReadWritePaths=/tmp\n" in under_tmp
 
 
 def test_nothing_changed_is_nothing_to_do_unless_the_gateway_is_down() -> None:
