@@ -87,7 +87,12 @@ def test_usage_of_a_stream_cut_after_its_last_event_is_metered(abrupt_engine: in
     admin = gw.cli("keys", "create", "--name", "ops", "--admin")
     gw.start()
     try:
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream(
             "POST",
             f"http://127.0.0.1:{gw.port}/v1/chat/completions",

@@ -78,10 +78,19 @@ def test_chat_non_streamed_and_streamed_agree(setup: Setup) -> None:
     reply = client.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=8)
     assert reply.choices[0].message.content
     assert reply.usage is not None and reply.usage.completion_tokens == 8
-    chunks = list(client.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=8, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="chat", messages=MESSAGES, max_tokens=8, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == reply.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    # Not asked for: the usage chunk the gateway requested for metering is not passed on,
+    # so every chunk has a choices[0] (naive clients index it).
+    plain = list(client.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=8, stream=True))
+    assert all(c.choices for c in plain) and all(c.usage is None for c in plain)
+    assert "".join(c.choices[0].delta.content or "" for c in plain) == text
 
 
 def test_stream_arrives_chunk_by_chunk(setup: Setup) -> None:
@@ -364,7 +373,13 @@ def test_sighup_reloads_and_sigterm_drains_streams(tmp_path: Path) -> None:
     try:
         client = gw.client(key)
         stream = iter(
-            client.chat.completions.create(model="slow", messages=MESSAGES, max_tokens=16, stream=True)
+            client.chat.completions.create(
+                model="slow",
+                messages=MESSAGES,
+                max_tokens=16,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
         )
         next(stream)
         gw.cluster.write_text(gw.cluster.read_text() + "\nbogus: 1\n")  # a broken file is refused
@@ -384,7 +399,13 @@ def test_sighup_reloads_and_sigterm_drains_streams(tmp_path: Path) -> None:
         assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == 16
 
         stream = iter(
-            client.chat.completions.create(model="slow", messages=MESSAGES, max_tokens=16, stream=True)
+            client.chat.completions.create(
+                model="slow",
+                messages=MESSAGES,
+                max_tokens=16,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
         )
         next(stream)
         gw.proc.send_signal(signal.SIGTERM)

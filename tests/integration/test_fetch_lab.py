@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
-FILES = ("slow.bin", "fast.bin", "bad.bin")
+FILES = ("slow.bin", "fast.bin", "bad.bin", "gated.bin")
 
 
 @pytest.fixture
@@ -93,6 +93,7 @@ def test_fetch_on_the_lab(lab: Lab, origin: Origin, tmp_path: Path) -> None:
     slow = origin.add("slow.bin", 160 * MiB, seed=1)
     fast = origin.add("fast.bin", 64 * MiB, seed=2)
     origin.add("bad.bin", 2 * MiB, seed=3)
+    gated_sha = origin.add("gated.bin", 2 * MiB, seed=4)
     cluster = _cluster(
         lab,
         tmp_path,
@@ -101,7 +102,7 @@ def test_fetch_on_the_lab(lab: Lab, origin: Origin, tmp_path: Path) -> None:
             _model("fast", origin.url("fast.bin"), fast),
             _model("bad", origin.url("bad.bin"), "0" * 64),
             _model("gone", origin.url("gone.bin"), "1" * 64),
-            _model("gated", origin.url("gated/fast.bin"), fast),
+            _model("gated", origin.url("gated/gated.bin"), gated_sha),
         ],
     )
 
