@@ -16,12 +16,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from llmgw_cli.core.keys import ApiKey, bearer, hash_token
 from llmgw_cli.core.routing import Health, ModelState, Replica, model_state
 from llmgw_cli.gateway.state import Gateway
+from llmgw_cli.gateway.upstream import Answer, ConnectFailed, Disconnected, UpstreamError
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
@@ -276,9 +276,7 @@ async def _route(
     request: web.Request, gw: Gateway, outcome: Outcome, body: bytes, started: float
 ) -> web.StreamResponse:
     name = outcome.model
-    headers = gw.upstream_headers
     timeout = gw.stream_timeout if outcome.stream else gw.plain_timeout
-    assert gw.session is not None
     tried: set[str] = set()
     replica = gw.pool.pick(name, time.monotonic())
     if replica is None:
@@ -298,34 +296,30 @@ async def _route(
         replica.requests += 1
         try:
             try:
-                upstream = await gw.session.post(
-                    gw.url(replica.address, request.path), data=body, headers=headers, timeout=timeout
+                upstream = await gw.upstreams.request(
+                    replica.address, request.path, body, timeout, fresh=stale_retried
                 )
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            except (ConnectFailed, Disconnected) as exc:
                 # Nothing reached the client and the engine did not answer: try again.
                 gw.metrics.retry(name)
-                last_error = str(exc) or type(exc).__name__
-                if isinstance(exc, aiohttp.ServerDisconnectedError) and not stale_retried:
+                last_error = str(exc)
+                if isinstance(exc, Disconnected) and not stale_retried:
                     # Most likely a pooled keep-alive connection the engine had closed
-                    # (llama-server closes after every stream): once, on the same replica.
+                    # (llama-server closes after every stream): once, on the same replica,
+                    # on a new connection.
                     stale_retried = True
                     continue
                 gw.pool.failed(replica, time.monotonic())
                 replica = gw.pool.pick(name, time.monotonic(), frozenset(tried))
                 continue
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                return error(
-                    502,
-                    f"The engine did not answer: {exc or type(exc).__name__}",
-                    "server_error",
-                    "upstream_error",
-                )
+            except UpstreamError as exc:
+                return error(502, f"The engine did not answer: {exc}", "server_error", "upstream_error")
             gw.pool.succeeded(replica)
             outcome.first_byte_ms = (time.monotonic() - started) * 1000
             try:
                 return await _relay(request, upstream, outcome)
             finally:
-                upstream.release()  # closes the connection if the body was not read to the end
+                upstream.release()  # closes the connection unless the answer was read to its end
         finally:
             current.outstanding -= 1
             current.last_used = time.time()  # a stream counts as use until it ends
@@ -334,24 +328,15 @@ async def _route(
     )
 
 
-async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, outcome: Outcome
-) -> web.StreamResponse:
+async def _relay(request: web.Request, upstream: Answer, outcome: Outcome) -> web.StreamResponse:
     if upstream.status == 401:
-        upstream.close()
         return error(502, "The engine refused the gateway's engine key.", "server_error", "upstream_auth")
-    content_type = upstream.headers.get("Content-Type", "application/json")
+    content_type = upstream.content_type or "application/json"
     if not content_type.startswith("text/event-stream"):
         try:
             data = await upstream.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            upstream.close()
-            return error(
-                502,
-                f"The engine broke off its answer: {exc or type(exc).__name__}",
-                "server_error",
-                "upstream_error",
-            )
+        except UpstreamError as exc:
+            return error(502, f"The engine broke off its answer: {exc}", "server_error", "upstream_error")
         if upstream.status == 200:
             outcome.prompt, outcome.completion = body_usage(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
@@ -363,22 +348,23 @@ async def _relay(
     tail: deque[bytes] = deque(maxlen=TAIL_READS)
     hide_usage = outcome.extra.get("hide_usage", False)
     try:
-        async for chunk in upstream.content.iter_any():
+        while chunk := await upstream.next_chunk():
             if not tail:  # the first chunk: time to first token, for the metrics
                 outcome.extra["first_chunk"] = time.monotonic()
             tail.append(chunk)
             sent = without_usage_event(chunk) if hide_usage and b'"usage"' in chunk else chunk
             if sent:
                 await out.write(sent)
-    except (aiohttp.ClientError, TimeoutError):
+    except UpstreamError:
         # Bytes already reached the client: the stream can only be cut. The log line says
         # so. An engine that closes its connection right after the last event (llama-server
-        # does) can end here with the whole answer sent.
-        upstream.close()
+        # does) can end here with the whole answer sent. (The caller's release closes the
+        # upstream connection.)
         outcome.extra["cut"] = True
         return out
     except ConnectionResetError:
-        upstream.close()  # the client left: stop the generation upstream
+        # The client left: the caller's release closes the upstream connection, which
+        # stops the generation.
         outcome.status = 200 if outcome.extra.get("done") else 499
         return out
     finally:
