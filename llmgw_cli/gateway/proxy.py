@@ -77,17 +77,29 @@ def body_usage(data: bytes) -> tuple[int, int]:
     return found.get(b"prompt", 0), found.get(b"completion", 0)
 
 
+def _event_around(data: bytes, at: int) -> tuple[int, int]:
+    """Start and end (after its blank line, or -1 when there is none) of the SSE event
+    holding offset ``at``."""
+    start = data.rfind(b"\n\n", 0, at)
+    end = data.find(b"\n\n", at)
+    return (0 if start < 0 else start + 2), (-1 if end < 0 else end + 2)
+
+
 def stream_usage(tail: bytes) -> tuple[int, int]:
-    """Usage from the last ``data:`` event that carries one (the include_usage chunk)."""
-    for event in reversed(tail.split(b"\n\n")):
-        line = event.strip()
-        if line.startswith(b"data: {") and b'"usage"' in line:
+    """Usage from the last ``data:`` event that carries one (the include_usage chunk).
+    Only events around a ``"usage"`` key are looked at: a tail can hold a whole stream."""
+    before = len(tail)
+    while (at := tail.rfind(b'"usage"', 0, before)) >= 0:
+        start, end = _event_around(tail, at)
+        line = tail[start : None if end < 0 else end].strip()
+        if line.startswith(b"data: {"):
             try:
                 found = _usage_from(json.loads(line[6:]))
             except ValueError:
-                continue
+                found = (0, 0)
             if found != (0, 0):
                 return found
+        before = start
     return 0, 0
 
 
@@ -98,13 +110,33 @@ def without_usage_event(chunk: bytes) -> bytes:
     """``chunk`` without the include_usage event (empty ``choices``, a ``usage`` object)
     that the gateway asked for on the client's behalf. Only whole events in one read are
     recognised; one split across reads passes through, as a valid OpenAI chunk."""
-    events = chunk.split(b"\n\n")
-    kept = [
-        e
-        for e in events
-        if not (e.lstrip().startswith(b"data: {") and b'"usage"' in e and _EMPTY_CHOICES.search(e))
-    ]
-    return chunk if len(kept) == len(events) else b"\n\n".join(kept)
+    at = chunk.find(b'"usage"')
+    while at >= 0:
+        start, end = _event_around(chunk, at)
+        if end < 0:  # not a whole event
+            return chunk
+        event = chunk[start:end]
+        if event.lstrip().startswith(b"data: {") and _EMPTY_CHOICES.search(event):
+            chunk = chunk[:start] + chunk[end:]
+            end = start
+        at = chunk.find(b'"usage"', end)
+    return chunk
+
+
+INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
+
+
+def with_include_usage(body: bytes, payload: dict[str, Any]) -> bytes:
+    """``body`` asking for the usage chunk at the end of a stream. Without
+    ``stream_options`` in a plain UTF-8 object, the option is spliced in before the closing
+    brace rather than the whole body encoded again."""
+    options = payload.get("stream_options")
+    if options is None and "stream_options" not in payload:
+        head, tail = body.lstrip()[:1], body.rstrip()
+        if head == b"{" and tail.endswith(b"}"):
+            return tail[:-1] + INCLUDE_USAGE
+    payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return json.dumps(payload).encode()
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
@@ -198,11 +230,7 @@ async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started:
             # Ask the engine for the usage chunk so streams are metered; the relay takes
             # it out again (a client that did not ask may read choices[0] of every chunk).
             outcome.extra["hide_usage"] = True
-            payload["stream_options"] = {
-                **(options if isinstance(options, dict) else {}),
-                "include_usage": True,
-            }
-            body = json.dumps(payload).encode()
+            body = with_include_usage(body, payload)
 
     settings = gw.spec.gateway
     limit = settings.model_concurrency * max(1, gw.pool.ready_count(name))
