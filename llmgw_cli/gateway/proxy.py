@@ -381,7 +381,9 @@ async def _relay(request: web.Request, upstream: Answer, outcome: Outcome) -> we
                 outcome.extra["first_chunk"] = time.monotonic()
             tail.append(chunk)
             sent = without_usage_event(chunk) if hide_usage and b'"usage"' in chunk else chunk
-            if sent:
+            if sent and upstream.complete:  # the last read: one write with the body's end
+                await out.write_eof(sent)
+            elif sent:
                 await out.write(sent)
     except UpstreamError:
         # Bytes already reached the client: the stream can only be cut. The log line says
@@ -399,7 +401,7 @@ async def _relay(request: web.Request, upstream: Answer, outcome: Outcome) -> we
         # Whatever ended the stream (its end, a cut, the client leaving, cancellation), the
         # tokens that went out are metered: they were made and delivered.
         _stream_end(tail, outcome)
-    await out.write_eof()
+    await out.write_eof()  # nothing more when the last read ended the body
     return out
 
 

@@ -67,7 +67,12 @@ class BrokenAnswer(UpstreamError):
 
 
 class _Connection(asyncio.Protocol):
-    """One TCP connection to an engine; it hands what it reads to the current ``Answer``."""
+    """One TCP connection to an engine; it hands what it reads to the current ``Answer``.
+
+    Its one timer outlives answers: it fires at the earliest deadline of the answer in
+    flight, which re-arms it from its last byte (or leaves it off when none is in flight).
+    An answer moves it earlier only when its own deadline is sooner, so a busy keep-alive
+    connection does not add and cancel a timer per request."""
 
     def __init__(self, pool: Upstreams, address: str) -> None:
         self.pool = pool
@@ -75,6 +80,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.answer: Answer | None = None
         self.closed = False
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -88,6 +94,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.pool.forget(self)
         if self.answer is not None:
             self.answer.lost(exc)
@@ -96,6 +105,21 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+    def watch(self, deadline: float) -> None:
+        """Be woken by ``deadline`` at the latest."""
+        if self._timer is not None:
+            if self._timer.when() <= deadline:
+                return
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.answer is not None:
+            deadline = self.answer.check_timeout()
+            if deadline is not None:
+                self.watch(deadline)
 
 
 class Answer:
@@ -122,9 +146,12 @@ class Answer:
         self._released = False
         self._timeout = read_timeout
         self._last = self._loop.time()
-        self._timer: asyncio.TimerHandle | None = self._loop.call_at(
-            self._last + read_timeout, self._check_timeout
-        )
+        connection.watch(self._last + read_timeout)
+
+    @property
+    def complete(self) -> bool:
+        """The whole answer has arrived (the caller may not have taken all of it yet)."""
+        return self._complete
 
     # --- the caller's side ------------------------------------------------------------
 
@@ -156,7 +183,6 @@ class Answer:
         if self._released:
             return
         self._released = True
-        self._stop_timer()
         conn = self._conn
         conn.answer = None
         if self._complete and self._keep_alive and not conn.closed:
@@ -227,31 +253,25 @@ class Answer:
 
     def _fail(self, error: UpstreamError) -> None:
         self._error = error
-        self._stop_timer()
         if not self._head.done():
             self._head.set_exception(error)
             self._head.exception()  # retrieved: a caller cancelled meanwhile logs nothing
         self._wake()
 
-    def _check_timeout(self) -> None:
-        self._timer = None
+    def check_timeout(self) -> float | None:
+        """Fail when the engine has been silent too long; else the next deadline (None when
+        there is nothing left to wait for)."""
         if self._complete or self._error is not None:
-            return
+            return None
         now = self._loop.time()
-        if self._paused:
-            deadline = now + self._timeout
-        else:
-            deadline = self._last + self._timeout
-            if now >= deadline:
-                self._fail(ReadTimeout(f"no answer from the engine for {self._timeout:g}s"))
-                self._conn.close()
-                return
-        self._timer = self._loop.call_at(deadline, self._check_timeout)
-
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._paused:  # the caller is behind: not the engine's silence
+            return now + self._timeout
+        deadline = self._last + self._timeout
+        if now >= deadline:
+            self._fail(ReadTimeout(f"no answer from the engine for {self._timeout:g}s"))
+            self._conn.close()
+            return None
+        return deadline
 
     # --- httptools callbacks ----------------------------------------------------------
 
@@ -273,7 +293,6 @@ class Answer:
     def on_message_complete(self) -> None:
         self._complete = True
         self._keep_alive = self._parser.should_keep_alive()
-        self._stop_timer()
         if not self._head.done():  # no body and no header callback (should not happen)
             self.status = self._parser.get_status_code()
             self._head.set_result(None)

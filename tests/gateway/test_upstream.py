@@ -325,3 +325,23 @@ def test_a_reader_that_goes_away_closes_the_engine_connection() -> None:
         assert pool.idle_count(engine.address) == 0
 
     run(endless, scenario)
+
+
+def test_a_shorter_timeout_on_a_reused_connection_is_kept() -> None:
+    async def stalls_the_second(writer: asyncio.StreamWriter, n: int, request: bytes) -> None:
+        if n == 0:
+            writer.write(plain(b"ok"))
+        else:
+            await asyncio.sleep(1)
+
+    async def scenario(engine: Engine, pool: Upstreams) -> None:
+        answer = await pool.request(engine.address, "/p", b"{}", 60)  # a timer 60 s away
+        assert await answer.read() == b"ok"
+        answer.release()
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(ReadTimeout):
+            await pool.request(engine.address, "/p", b"{}", 0.2)
+        assert asyncio.get_running_loop().time() - started < 0.6
+        assert engine.connections == 1
+
+    run(stalls_the_second, scenario)
