@@ -394,7 +394,8 @@ async def _relay(request: web.Request, upstream: Answer, outcome: Outcome) -> we
         return out
     except ConnectionResetError:
         # The client left: the caller's release closes the upstream connection, which
-        # stops the generation.
+        # stops the generation. One that had read to `data: [DONE]` got a whole answer.
+        _stream_end(tail, outcome)
         outcome.status = 200 if outcome.extra.get("done") else 499
         return out
     finally:
