@@ -203,8 +203,12 @@ async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started:
     limit = gw.spec.gateway.max_request_size
     if (request.content_length or 0) > limit:
         return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
+    content = request.content
     try:
-        body = await request.read()
+        if request.content_length is not None and content.is_eof():
+            body = content.read_nowait()  # the usual case: the whole body came with the head
+        else:
+            body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
     try:
