@@ -16,12 +16,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from llmgw_cli.core.keys import ApiKey, bearer, hash_token
 from llmgw_cli.core.routing import Health, ModelState, Replica, model_state
 from llmgw_cli.gateway.state import Gateway
+from llmgw_cli.gateway.upstream import Answer, ConnectFailed, Disconnected, UpstreamError
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
@@ -77,17 +77,29 @@ def body_usage(data: bytes) -> tuple[int, int]:
     return found.get(b"prompt", 0), found.get(b"completion", 0)
 
 
+def _event_around(data: bytes, at: int) -> tuple[int, int]:
+    """Start and end (after its blank line, or -1 when there is none) of the SSE event
+    holding offset ``at``."""
+    start = data.rfind(b"\n\n", 0, at)
+    end = data.find(b"\n\n", at)
+    return (0 if start < 0 else start + 2), (-1 if end < 0 else end + 2)
+
+
 def stream_usage(tail: bytes) -> tuple[int, int]:
-    """Usage from the last ``data:`` event that carries one (the include_usage chunk)."""
-    for event in reversed(tail.split(b"\n\n")):
-        line = event.strip()
-        if line.startswith(b"data: {") and b'"usage"' in line:
+    """Usage from the last ``data:`` event that carries one (the include_usage chunk).
+    Only events around a ``"usage"`` key are looked at: a tail can hold a whole stream."""
+    before = len(tail)
+    while (at := tail.rfind(b'"usage"', 0, before)) >= 0:
+        start, end = _event_around(tail, at)
+        line = tail[start : None if end < 0 else end].strip()
+        if line.startswith(b"data: {"):
             try:
                 found = _usage_from(json.loads(line[6:]))
             except ValueError:
-                continue
+                found = (0, 0)
             if found != (0, 0):
                 return found
+        before = start
     return 0, 0
 
 
@@ -98,13 +110,33 @@ def without_usage_event(chunk: bytes) -> bytes:
     """``chunk`` without the include_usage event (empty ``choices``, a ``usage`` object)
     that the gateway asked for on the client's behalf. Only whole events in one read are
     recognised; one split across reads passes through, as a valid OpenAI chunk."""
-    events = chunk.split(b"\n\n")
-    kept = [
-        e
-        for e in events
-        if not (e.lstrip().startswith(b"data: {") and b'"usage"' in e and _EMPTY_CHOICES.search(e))
-    ]
-    return chunk if len(kept) == len(events) else b"\n\n".join(kept)
+    at = chunk.find(b'"usage"')
+    while at >= 0:
+        start, end = _event_around(chunk, at)
+        if end < 0:  # not a whole event
+            return chunk
+        event = chunk[start:end]
+        if event.lstrip().startswith(b"data: {") and _EMPTY_CHOICES.search(event):
+            chunk = chunk[:start] + chunk[end:]
+            end = start
+        at = chunk.find(b'"usage"', end)
+    return chunk
+
+
+INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
+
+
+def with_include_usage(body: bytes, payload: dict[str, Any]) -> bytes:
+    """``body`` asking for the usage chunk at the end of a stream. Without
+    ``stream_options`` in a plain UTF-8 object, the option is spliced in before the closing
+    brace rather than the whole body encoded again."""
+    options = payload.get("stream_options")
+    if options is None and "stream_options" not in payload:
+        head, tail = body.lstrip()[:1], body.rstrip()
+        if head == b"{" and tail.endswith(b"}"):
+            return tail[:-1] + INCLUDE_USAGE
+    payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return json.dumps(payload).encode()
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
@@ -171,8 +203,12 @@ async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started:
     limit = gw.spec.gateway.max_request_size
     if (request.content_length or 0) > limit:
         return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
+    content = request.content
     try:
-        body = await request.read()
+        if request.content_length is not None and content.is_eof():
+            body = content.read_nowait()  # the usual case: the whole body came with the head
+        else:
+            body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
     try:
@@ -198,11 +234,7 @@ async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started:
             # Ask the engine for the usage chunk so streams are metered; the relay takes
             # it out again (a client that did not ask may read choices[0] of every chunk).
             outcome.extra["hide_usage"] = True
-            payload["stream_options"] = {
-                **(options if isinstance(options, dict) else {}),
-                "include_usage": True,
-            }
-            body = json.dumps(payload).encode()
+            body = with_include_usage(body, payload)
 
     settings = gw.spec.gateway
     limit = settings.model_concurrency * max(1, gw.pool.ready_count(name))
@@ -277,9 +309,7 @@ async def _route(
     request: web.Request, gw: Gateway, outcome: Outcome, body: bytes, started: float
 ) -> web.StreamResponse:
     name = outcome.model
-    headers = gw.upstream_headers
     timeout = gw.stream_timeout if outcome.stream else gw.plain_timeout
-    assert gw.session is not None
     tried: set[str] = set()
     replica = gw.pool.pick(name, time.monotonic())
     if replica is None:
@@ -299,34 +329,30 @@ async def _route(
         replica.requests += 1
         try:
             try:
-                upstream = await gw.session.post(
-                    gw.url(replica.address, request.path), data=body, headers=headers, timeout=timeout
+                upstream = await gw.upstreams.request(
+                    replica.address, request.path, body, timeout, fresh=stale_retried
                 )
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            except (ConnectFailed, Disconnected) as exc:
                 # Nothing reached the client and the engine did not answer: try again.
                 gw.metrics.retry(name)
-                last_error = str(exc) or type(exc).__name__
-                if isinstance(exc, aiohttp.ServerDisconnectedError) and not stale_retried:
+                last_error = str(exc)
+                if isinstance(exc, Disconnected) and not stale_retried:
                     # Most likely a pooled keep-alive connection the engine had closed
-                    # (llama-server closes after every stream): once, on the same replica.
+                    # (llama-server closes after every stream): once, on the same replica,
+                    # on a new connection.
                     stale_retried = True
                     continue
                 gw.pool.failed(replica, time.monotonic())
                 replica = gw.pool.pick(name, time.monotonic(), frozenset(tried))
                 continue
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                return error(
-                    502,
-                    f"The engine did not answer: {exc or type(exc).__name__}",
-                    "server_error",
-                    "upstream_error",
-                )
+            except UpstreamError as exc:
+                return error(502, f"The engine did not answer: {exc}", "server_error", "upstream_error")
             gw.pool.succeeded(replica)
             outcome.first_byte_ms = (time.monotonic() - started) * 1000
             try:
                 return await _relay(request, upstream, outcome)
             finally:
-                upstream.release()  # closes the connection if the body was not read to the end
+                upstream.release()  # closes the connection unless the answer was read to its end
         finally:
             current.outstanding -= 1
             current.last_used = time.time()  # a stream counts as use until it ends
@@ -335,24 +361,15 @@ async def _route(
     )
 
 
-async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, outcome: Outcome
-) -> web.StreamResponse:
+async def _relay(request: web.Request, upstream: Answer, outcome: Outcome) -> web.StreamResponse:
     if upstream.status == 401:
-        upstream.close()
         return error(502, "The engine refused the gateway's engine key.", "server_error", "upstream_auth")
-    content_type = upstream.headers.get("Content-Type", "application/json")
+    content_type = upstream.content_type or "application/json"
     if not content_type.startswith("text/event-stream"):
         try:
             data = await upstream.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            upstream.close()
-            return error(
-                502,
-                f"The engine broke off its answer: {exc or type(exc).__name__}",
-                "server_error",
-                "upstream_error",
-            )
+        except UpstreamError as exc:
+            return error(502, f"The engine broke off its answer: {exc}", "server_error", "upstream_error")
         if upstream.status == 200:
             outcome.prompt, outcome.completion = body_usage(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
@@ -364,29 +381,33 @@ async def _relay(
     tail: deque[bytes] = deque(maxlen=TAIL_READS)
     hide_usage = outcome.extra.get("hide_usage", False)
     try:
-        async for chunk in upstream.content.iter_any():
+        while chunk := await upstream.next_chunk():
             if not tail:  # the first chunk: time to first token, for the metrics
                 outcome.extra["first_chunk"] = time.monotonic()
             tail.append(chunk)
             sent = without_usage_event(chunk) if hide_usage and b'"usage"' in chunk else chunk
-            if sent:
+            if sent and upstream.complete:  # the last read: one write with the body's end
+                await out.write_eof(sent)
+            elif sent:
                 await out.write(sent)
-    except (aiohttp.ClientError, TimeoutError):
+    except UpstreamError:
         # Bytes already reached the client: the stream can only be cut. The log line says
         # so. An engine that closes its connection right after the last event (llama-server
-        # does) can end here with the whole answer sent.
-        upstream.close()
+        # does) can end here with the whole answer sent. (The caller's release closes the
+        # upstream connection.)
         outcome.extra["cut"] = True
         return out
     except ConnectionResetError:
-        upstream.close()  # the client left: stop the generation upstream
+        # The client left: the caller's release closes the upstream connection, which
+        # stops the generation. One that had read to `data: [DONE]` got a whole answer.
+        _stream_end(tail, outcome)
         outcome.status = 200 if outcome.extra.get("done") else 499
         return out
     finally:
         # Whatever ended the stream (its end, a cut, the client leaving, cancellation), the
         # tokens that went out are metered: they were made and delivered.
         _stream_end(tail, outcome)
-    await out.write_eof()
+    await out.write_eof()  # nothing more when the last read ended the body
     return out
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
-from yarl import URL
 
 from llmgw_cli.core.keys import ApiKey
 from llmgw_cli.core.routing import Pool
@@ -28,6 +27,7 @@ from llmgw_cli.gateway.accesslog import AccessLog
 from llmgw_cli.gateway.metrics import Metrics
 from llmgw_cli.gateway.sources import ReplicaSource
 from llmgw_cli.gateway.store import Store
+from llmgw_cli.gateway.upstream import Upstreams
 from llmgw_cli.gateway.usage import Meter
 
 if TYPE_CHECKING:
@@ -134,46 +134,29 @@ class Gateway:
         self.metrics = Metrics()
         self.admission = Admission()
         self.keys: dict[str, ApiKey] = {}
-        self.session: aiohttp.ClientSession | None = None
+        self.upstreams = Upstreams(spec.gateway.timeouts.connect, {})
         self.health_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.supervisor: Supervisor | None = None  # set when the gateway manages replicas
         self.access_log = access_log
-        self._urls: dict[tuple[str, str], URL] = {}
         self._upstream_settings()
 
     def _upstream_settings(self) -> None:
         """What every upstream request shares, built once per configuration, not per request."""
         timeouts = self.spec.gateway.timeouts
-        self.upstream_headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if self.engine_key:
-            self.upstream_headers["Authorization"] = f"Bearer {self.engine_key}"
-        # sock_read bounds every read. A non-streamed answer arrives whole, so first_byte;
-        # engines open a stream at once (the role chunk), so idle bounds every gap of it.
-        self.plain_timeout = aiohttp.ClientTimeout(
-            total=None, connect=timeouts.connect, sock_connect=timeouts.connect, sock_read=timeouts.first_byte
-        )
-        self.stream_timeout = aiohttp.ClientTimeout(
-            total=None, connect=timeouts.connect, sock_connect=timeouts.connect, sock_read=timeouts.idle
-        )
-
-    def url(self, address: str, path: str) -> URL:
-        found = self._urls.get((address, path))
-        if found is None:
-            if len(self._urls) > 10_000:  # replicas come and go: never grow without bound
-                self._urls.clear()
-            found = self._urls[(address, path)] = URL(f"http://{address}{path}")
-        return found
+            headers["Authorization"] = f"Bearer {self.engine_key}"
+        self.upstreams.configure(timeouts.connect, headers)
+        # The read timeout bounds every wait for the engine. A non-streamed answer arrives
+        # whole, so first_byte; engines open a stream at once (the role chunk), so idle
+        # bounds every gap of it.
+        self.plain_timeout = timeouts.first_byte
+        self.stream_timeout = timeouts.idle
 
     # --- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
-        # limit=0: no cap on pooled upstream connections (the per-model admission limit
-        # is the cap); the default 100 would queue requests inside aiohttp.
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
-        self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
-        )
         self.health_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True), cookie_jar=aiohttp.DummyCookieJar()
         )
@@ -204,9 +187,9 @@ class Gateway:
         except Exception:
             log.exception("could not write the last usage totals")
         self.flush_log()
-        for session in (self.session, self.health_session):
-            if session is not None:
-                await session.close()
+        self.upstreams.close()
+        if self.health_session is not None:
+            await self.health_session.close()
 
     async def _every(self, name: str, job: Callable[[], object]) -> None:
         while True:

@@ -26,6 +26,7 @@ class _Counts:
 class Meter:
     def __init__(self) -> None:
         self._pending: dict[tuple[str, str, str], _Counts] = {}
+        self._day, self._day_from, self._day_to = "", 0.0, 0.0  # the UTC day of `now`, cached
 
     def record(
         self,
@@ -38,7 +39,11 @@ class Meter:
         latency_ms: float,
         now: float,
     ) -> None:
-        day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
+        if not self._day_from <= now < self._day_to:
+            self._day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
+            self._day_from = now - now % 86400  # POSIX time: every UTC day is 86,400 s
+            self._day_to = self._day_from + 86400
+        day = self._day
         counts = self._pending.get((day, key, model))
         if counts is None:
             counts = self._pending[(day, key, model)] = _Counts()

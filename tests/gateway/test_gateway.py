@@ -120,6 +120,18 @@ def test_completions_and_embeddings(setup: Setup) -> None:
     assert len(vectors.data) == 2 and len(vectors.data[0].embedding) > 0
 
 
+def test_a_chunked_request_body_is_read_whole(setup: Setup) -> None:
+    # No Content-Length: the body arrives after the head, in pieces.
+    parts = [b'{"model": "chat", ', b'"messages": [{"role": "user", "content": "hi"}], ', b'"max_tokens": 3}']
+    answer = httpx.post(
+        f"http://127.0.0.1:{setup.gw.port}/v1/chat/completions",
+        content=iter(parts),
+        headers={"Authorization": f"Bearer {setup.keys['all']}", "Content-Type": "application/json"},
+        timeout=10,
+    )
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+
+
 def test_models_lists_every_model_with_its_state(setup: Setup) -> None:
     listed = setup.gw.client(setup.keys["all"]).models.list()
     states = {m.id: m.model_extra["state"] for m in listed.data}  # type: ignore[index]

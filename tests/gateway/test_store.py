@@ -11,7 +11,7 @@ import pytest
 
 from llmgw_cli.core.keys import ApiKey, bearer, hash_token, parse_expiry
 from llmgw_cli.errors import InputError
-from llmgw_cli.gateway.proxy import body_usage, stream_usage, without_usage_event
+from llmgw_cli.gateway.proxy import body_usage, stream_usage, with_include_usage, without_usage_event
 from llmgw_cli.gateway.state import Admission, read_engine_key
 from llmgw_cli.gateway.store import SqliteStore, Usage
 from llmgw_cli.gateway.usage import Meter, merged
@@ -148,3 +148,24 @@ def test_the_usage_event_asked_for_by_the_gateway_is_taken_out() -> None:
     # usage inside the text of a normal chunk is content, not the usage event
     text = b'data: {"choices":[{"delta":{"content":"\\"usage\\": []"}}],"usage":null}\n\n'
     assert without_usage_event(text) == text
+
+
+def test_a_usage_event_split_across_reads_passes_through() -> None:
+    done = b"data: [DONE]\n\n"
+    partial = b'data: {"choices":[],"usage":{"prompt_tok'
+    assert without_usage_event(done + partial) == done + partial
+    assert stream_usage(b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}') == (5, 3)
+
+
+def test_include_usage_is_asked_for_without_losing_stream_options() -> None:
+    for body in (
+        b'{"model":"m","stream":true}',
+        b' {"model": "m"}\n',
+        b'{"model":"m","stream_options":{"x":1}}',
+    ):
+        payload = json.loads(body)
+        asked = json.loads(with_include_usage(body, dict(payload)))
+        assert asked == {
+            **payload,
+            "stream_options": {**payload.get("stream_options", {}), "include_usage": True},
+        }
