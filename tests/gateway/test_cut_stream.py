@@ -145,7 +145,13 @@ def test_client_that_hangs_up_after_done_is_metered_as_a_whole_answer(
         assert [(r["requests"], r["prompt_tokens"], r["completion_tokens"], r["errors"]) for r in rows] == [
             (1, 5, 3, 0)
         ]
-        lines = [json.loads(x) for x in gw.log.read_text().splitlines() if x.startswith("{")]
-        assert [(x["status"], x["completion_tokens"]) for x in lines if x["key"] == "user"] == [(200, 3)]
+
+        def logged() -> list[tuple[int, int]]:  # the log is written in batches (0.2 s)
+            lines = [json.loads(x) for x in gw.log.read_text().splitlines() if x.startswith("{")]
+            return [(x["status"], x["completion_tokens"]) for x in lines if x["key"] == "user"]
+
+        while time.monotonic() < deadline + 1 and not logged():
+            time.sleep(0.1)
+        assert logged() == [(200, 3)]
     finally:
         gw.stop()
