@@ -139,7 +139,8 @@ class Supervisor:
             for use in idle_to_stop(spec, uses, now):
                 self._spawn(self._idle_stop(use))
         monotonic = time.monotonic()
-        running = Counter(u.model for u in uses)
+        # The pool, not the last probe: a replica started since then is in the pool already.
+        running = Counter(r.model for r in self.gw.pool.all())
         for model in spec.models:
             wait = self.gw.admission.oldest_wait(model.name, monotonic)
             if wait and should_scale_out(

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,9 +58,51 @@ class Served:
         )
 
 
-def _cluster(lab: Lab, folder: Path, port: int, admin_port: int, metrics_port: int) -> Path:
+SLOW_LOAD = {"LLMGW_LAB_LOAD_SECONDS": "3"}  # loads longer than load_wait
+
+ON_DEMAND: list[dict[str, object]] = [
+    {
+        "name": "gamma",
+        "source": "/data/models/Mistral-7B-Instruct-v0.3",
+        "profile": "vllm",
+        "env": SLOW_LOAD,
+        "scaling": {"min": 0, "max": 1, "idle_timeout": "4s"},
+    },
+    *(
+        {
+            "name": name,
+            "source": source,
+            "profile": "vllm",
+            "tensor_parallel": 8,
+            "env": SLOW_LOAD,
+            "scaling": {"min": 0, "max": 1, "idle_timeout": "1h"},
+        }
+        for name, source in (
+            ("alpha", "/data/models/Llama-3.1-8B-Instruct"),
+            ("beta", "/data/models/Mistral-7B-Instruct-v0.3"),
+        )
+    ),
+]
+
+# One model, slow to answer (5 tokens/s), one request at a time per replica: four
+# requests at once queue up, and the gateway starts a second replica.
+SATURABLE: list[dict[str, object]] = [
+    {
+        "name": "busy",
+        "source": "/data/models/Mistral-7B-Instruct-v0.3",
+        "profile": "vllm",
+        "env": {"LLMGW_LAB_LOAD_SECONDS": "1", "LLMGW_LAB_TOKENS_PER_SECOND": "5"},
+        "scaling": {"min": 0, "max": 2, "idle_timeout": "5s"},
+    }
+]
+
+
+def _cluster(
+    lab: Lab, folder: Path, ports: tuple[int, int, int], models: list[dict[str, object]], **gateway: str | int
+) -> Path:
     data = yaml.safe_load(lab.cluster_file.read_text())
     data["nodes"] = [n for n in data["nodes"] if n["name"] == "node01"]
+    port, admin_port, metrics_port = ports
     data["gateway"].update(
         listen=f"127.0.0.1:{port}",
         admin_listen=f"127.0.0.1:{admin_port}",
@@ -67,41 +110,20 @@ def _cluster(lab: Lab, folder: Path, port: int, admin_port: int, metrics_port: i
         state_dir=str(folder / "state"),
         load_wait="1s",
         eviction_grace="2s",
+        **gateway,
     )
-    slow = {"LLMGW_LAB_LOAD_SECONDS": "3"}  # loads longer than load_wait
-    data["models"] = [
-        {
-            "name": "gamma",
-            "source": "/data/models/Mistral-7B-Instruct-v0.3",
-            "profile": "vllm",
-            "env": slow,
-            "scaling": {"min": 0, "max": 1, "idle_timeout": "4s"},
-        },
-        *(
-            {
-                "name": name,
-                "source": source,
-                "profile": "vllm",
-                "tensor_parallel": 8,
-                "env": slow,
-                "scaling": {"min": 0, "max": 1, "idle_timeout": "1h"},
-            }
-            for name, source in (
-                ("alpha", "/data/models/Llama-3.1-8B-Instruct"),
-                ("beta", "/data/models/Mistral-7B-Instruct-v0.3"),
-            )
-        ),
-    ]
+    data["models"] = models
     path = folder / "cluster.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 
-@pytest.fixture
-def served(lab: Lab, tmp_path: Path) -> Iterator[Served]:
+def _serve(
+    lab: Lab, tmp_path: Path, models: list[dict[str, object]], **gateway: str | int
+) -> Iterator[Served]:
     reset(lab)
     port, admin_port, metrics_port = free_port(), free_port(), free_port()
-    cluster = _cluster(lab, tmp_path, port, admin_port, metrics_port)
+    cluster = _cluster(lab, tmp_path, (port, admin_port, metrics_port), models, **gateway)
     current = lab.ssh("node01", "cat /etc/llmgw/engine.env 2>/dev/null").stdout
     engine_env = tmp_path / "engine.env"
     engine_env.write_text(current or f"LLMGW_ENGINE_KEY={secrets.token_urlsafe(32)}\n")
@@ -127,6 +149,16 @@ def served(lab: Lab, tmp_path: Path) -> Iterator[Served]:
         for proc in procs:
             stop(proc)
         reset(lab)
+
+
+@pytest.fixture
+def served(lab: Lab, tmp_path: Path) -> Iterator[Served]:
+    yield from _serve(lab, tmp_path, ON_DEMAND)
+
+
+@pytest.fixture
+def saturable(lab: Lab, tmp_path: Path) -> Iterator[Served]:
+    yield from _serve(lab, tmp_path, SATURABLE, model_concurrency=1, scale_out_wait="1s")
 
 
 def units(lab: Lab) -> set[str]:
@@ -216,5 +248,39 @@ def test_on_demand_start_idle_stop_eviction_and_restart(lab: Lab, served: Served
         log = served.log.read_text()
         assert "gamma: stopping replica 0" in log and "idle" in log
         assert "evicted to make room for beta" in log
+    finally:
+        client.close()
+
+
+def test_a_saturated_model_scales_out_and_back(lab: Lab, saturable: Served) -> None:
+    client = saturable.client()
+    try:
+        assert serve_within(client, "busy", 30)  # the first request starts replica 0
+        assert units(lab) == {"llmgw-busy-0.service"}
+
+        def ask() -> int:
+            chunks = list(
+                client.chat.completions.create(model="busy", messages=MESSAGES, max_tokens=15, stream=True)  # type: ignore[arg-type]
+            )
+            return sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+
+        # Four streams of 3 s each on one replica that takes one at a time: the queue waits
+        # past scale_out_wait (1 s), so the gateway starts replica 1 and both serve.
+        with ThreadPoolExecutor(4) as pool:
+            answered = list(pool.map(lambda _: ask(), range(4)))
+        assert answered == [15, 15, 15, 15]
+        assert units(lab) == {"llmgw-busy-0.service", "llmgw-busy-1.service"}
+        metrics = httpx.get(f"http://127.0.0.1:{saturable.metrics_port}/metrics", timeout=10).text
+        assert 'llmgw_scale_outs_total{model="busy"} 1.0' in metrics
+        replicas = saturable.admin_get("/admin/api/replicas").json()["replicas"]
+        served_by = {r["address"]: r["requests"] for r in replicas if r["model"] == "busy"}
+        assert len(served_by) == 2 and all(n >= 1 for n in served_by.values()), served_by
+
+        # Idle for 5 s: back towards min (0), one replica after the other.
+        wait_for(lambda: units(lab) == set(), 30, "busy was not scaled back after idle_timeout")
+        assert (
+            'llmgw_idle_stops_total{model="busy"} 2.0'
+            in httpx.get(f"http://127.0.0.1:{saturable.metrics_port}/metrics", timeout=10).text
+        )
     finally:
         client.close()
