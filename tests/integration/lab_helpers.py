@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.gateway.harness import free_port, stop, wait_http
 
 from .conftest import Lab
 
@@ -68,3 +73,50 @@ def llmgw_units(lab: Lab) -> dict[str, list[str]]:
         done = lab.ssh(node.name, "ls /etc/systemd/system/ | grep '^llmgw-' || true")
         out[node.name] = sorted(done.stdout.split())
     return out
+
+
+@dataclass
+class LabGateway:
+    """`llmgw gateway run` on this machine for the lab's cluster, after `apply`."""
+
+    cluster: Path
+    port: int
+    admin_port: int
+    key: str  # an API key named lab-user
+    admin: str  # an admin key named ops
+
+
+@contextmanager
+def applied_with_gateway(lab: Lab, tmp_path: Path) -> Iterator[LabGateway]:
+    """Apply the lab's cluster file (its always-on replicas), then run a gateway on free
+    loopback ports that finds them by probing the nodes. Cleans the lab before and after."""
+    reset(lab)
+    port, admin_port = free_port(), free_port()
+    cluster = cluster_variant(
+        lab,
+        tmp_path,
+        replace=(
+            ("listen: 127.0.0.1:8080", f"listen: 127.0.0.1:{port}"),
+            ("admin_listen: 127.0.0.1:9090", f"admin_listen: 127.0.0.1:{admin_port}"),
+            ("metrics_listen: 127.0.0.1:9100", f"metrics_listen: 127.0.0.1:{free_port()}"),
+            ("state_dir: /var/lib/llmgw-lab/gateway", f"state_dir: {tmp_path / 'state'}"),
+        ),
+    )
+    applied = run("apply", "-f", str(cluster), "--yes")
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    engine_env = tmp_path / "engine.env"
+    engine_env.write_text(lab.ssh("node01", "cat /etc/llmgw/engine.env").stdout)
+    key = run("keys", "create", "--name", "lab-user", "-f", str(cluster)).stdout.strip()
+    admin = run("keys", "create", "--name", "ops", "--admin", "-f", str(cluster)).stdout.strip()
+    log = tmp_path / "gateway.log"
+    argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(cluster)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*argv, "--engine-key-file", str(engine_env)], stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc, log)
+        yield LabGateway(cluster, port, admin_port, key, admin)
+    finally:
+        stop(proc)
+        reset(lab)

@@ -7,19 +7,14 @@ fabric, the models' states, the replicas and the key's usage: the same numbers a
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.gateway.harness import free_port, stop, wait_http
-
 from .conftest import Lab
-from .lab_helpers import cluster_variant, reset, run
+from .lab_helpers import LabGateway, applied_with_gateway, run
 
 pytestmark = pytest.mark.integration
 
@@ -27,50 +22,13 @@ CHROMIUM = "/usr/bin/chromium"
 OUTPUT = Path(__file__).resolve().parents[2] / "test-output"
 
 
-@dataclass
-class Served:
-    cluster: Path
-    port: int
-    admin_port: int
-    key: str
-    admin: str
-
-
 @pytest.fixture
-def served(lab: Lab, tmp_path: Path) -> Iterator[Served]:
-    reset(lab)
-    port, admin_port = free_port(), free_port()
-    cluster = cluster_variant(
-        lab,
-        tmp_path,
-        replace=(
-            ("listen: 127.0.0.1:8080", f"listen: 127.0.0.1:{port}"),
-            ("admin_listen: 127.0.0.1:9090", f"admin_listen: 127.0.0.1:{admin_port}"),
-            ("metrics_listen: 127.0.0.1:9100", f"metrics_listen: 127.0.0.1:{free_port()}"),
-            ("state_dir: /var/lib/llmgw-lab/gateway", f"state_dir: {tmp_path / 'state'}"),
-        ),
-    )
-    applied = run("apply", "-f", str(cluster), "--yes")
-    assert applied.returncode == 0, applied.stdout + applied.stderr
-    engine_env = tmp_path / "engine.env"
-    engine_env.write_text(lab.ssh("node01", "cat /etc/llmgw/engine.env").stdout)
-    key = run("keys", "create", "--name", "lab-user", "-f", str(cluster)).stdout.strip()
-    admin = run("keys", "create", "--name", "ops", "--admin", "-f", str(cluster)).stdout.strip()
-    log = tmp_path / "gateway.log"
-    argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(cluster)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [*argv, "--engine-key-file", str(engine_env)], stdout=out, stderr=subprocess.STDOUT
-        )
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc, log)
-        yield Served(cluster, port, admin_port, key, admin)
-    finally:
-        stop(proc)
-        reset(lab)
+def served(lab: Lab, tmp_path: Path) -> Iterator[LabGateway]:
+    with applied_with_gateway(lab, tmp_path) as gw:
+        yield gw
 
 
-def test_dashboard_shows_the_lab(served: Served) -> None:
+def test_dashboard_shows_the_lab(served: LabGateway) -> None:
     if not Path(CHROMIUM).exists():
         pytest.skip("chromium not installed (Debian package chromium, scripts/obs-packages.txt)")
     sync_api = pytest.importorskip("playwright.sync_api")
