@@ -69,6 +69,12 @@ def _work_by_node(spec: ClusterSpec, plan: Plan) -> dict[str, _NodeWork]:
     return work
 
 
+def new_engine_key() -> str:
+    """A new engine key: 64 hex digits. Never URL-safe base64, which starts with `-` once
+    in 64 keys: engines read `--api-key -xyz` as a missing value and exit."""
+    return secrets.token_hex(32)
+
+
 async def cluster_engine_key(transports: list[Transport]) -> str:
     """The cluster's engine key, read from every host given (nodes and the gateway host):
     the one they hold, a new one when none holds any. Hosts that disagree are an error,
@@ -95,7 +101,7 @@ async def cluster_engine_key(transports: list[Transport]) -> str:
             f"the hosts hold different engine keys in {ENGINE_ENV_FILE} ({groups}): copy one "
             "file to every node and to the gateway host, then restart the replicas"
         )
-    return next(iter(holders)) if holders else secrets.token_urlsafe(32)
+    return next(iter(holders)) if holders else new_engine_key()
 
 
 async def _engine_key(transports: dict[str, Transport]) -> str:
@@ -108,7 +114,7 @@ async def _engine_key(transports: dict[str, Transport]) -> str:
         for line in result.stdout.splitlines():
             if line.startswith(f"{ENGINE_KEY_VAR}="):
                 return line.split("=", 1)[1].strip()
-    return secrets.token_urlsafe(32)
+    return new_engine_key()
 
 
 async def _apply_node(t: Transport, w: _NodeWork, key: str) -> None:

@@ -126,7 +126,7 @@ def _serve(
     cluster = _cluster(lab, tmp_path, (port, admin_port, metrics_port), models, **gateway)
     current = lab.ssh("node01", "cat /etc/llmgw/engine.env 2>/dev/null").stdout
     engine_env = tmp_path / "engine.env"
-    engine_env.write_text(current or f"LLMGW_ENGINE_KEY={secrets.token_urlsafe(32)}\n")
+    engine_env.write_text(current or f"LLMGW_ENGINE_KEY={secrets.token_hex(32)}\n")
     key = run("keys", "create", "--name", "lab-user", "-f", str(cluster)).stdout.strip()
     admin = run("keys", "create", "--name", "ops", "--admin", "-f", str(cluster)).stdout.strip()
     log = tmp_path / "gateway.log"

@@ -1,5 +1,6 @@
 """Engine command lines and replica units (pure)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from llmgw_cli.core.engines import (
     systemd_quote,
 )
 from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.remote.execute import new_engine_key
 
 ROOT = Path(__file__).resolve().parents[2]
 HGX = parse_cluster((ROOT / "inventories/hgx-two-fabrics.yaml").read_text())
@@ -147,3 +149,11 @@ def test_vllm_multi_node_with_ray() -> None:
     assert f"\nExecStart=/opt/vllm/bin/ray start --address={ms[0].node.address}:8201 --block\n" in worker.text
     assert "ExecStartPre" not in worker.text
     assert f"Environment=VLLM_HOST_IP={ms[1].node.address}" in worker.text
+
+
+def test_new_engine_keys_never_look_like_an_option() -> None:
+    # engines take `--api-key ${LLMGW_ENGINE_KEY}`: a key starting with `-` (URL-safe
+    # base64 does, once in 64) is read as a missing value and the engine exits
+    keys = {new_engine_key() for _ in range(1000)}
+    assert len(keys) == 1000
+    assert all(re.fullmatch(r"[0-9a-f]{64}", k) for k in keys)
