@@ -278,9 +278,14 @@ def test_a_saturated_model_scales_out_and_back(lab: Lab, saturable: Served) -> N
 
         # Idle for 5 s: back towards min (0), one replica after the other.
         wait_for(lambda: units(lab) == set(), 30, "busy was not scaled back after idle_timeout")
-        assert (
-            'llmgw_idle_stops_total{model="busy"} 2.0'
-            in httpx.get(f"http://127.0.0.1:{saturable.metrics_port}/metrics", timeout=10).text
+        # counted once each stop has finished (its units are gone a moment before)
+        wait_for(
+            lambda: (
+                'llmgw_idle_stops_total{model="busy"} 2.0'
+                in httpx.get(f"http://127.0.0.1:{saturable.metrics_port}/metrics", timeout=10).text
+            ),
+            10,
+            "two idle stops were not counted",
         )
     finally:
         client.close()
