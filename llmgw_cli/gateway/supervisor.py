@@ -110,6 +110,7 @@ class Supervisor:
 
     def _begin(self, model: str, reason: str) -> None:
         self.starting[model] = time.monotonic()
+        self.progress[model] = "probing the nodes to place a replica"
         self._spawn(self._start(model, reason))
 
     def _spawn(self, job: Coroutine[Any, Any, None]) -> None:

@@ -204,7 +204,8 @@ def test_on_demand_start_idle_stop_eviction_and_restart(lab: Lab, served: Served
         waited = time.monotonic() - started
         assert cold.value.status_code == 503 and "loading" in cold.value.message
         # what the start is doing: placing and starting, fetching weights, the engine loading
-        assert "(starting on node01)" in cold.value.message or "(engine loading)" in cold.value.message
+        doing = ("probing the nodes to place a replica", "starting on node01", "engine loading")
+        assert any(f"is loading ({d})" in cold.value.message for d in doing), cold.value.message
         assert cold.value.response.headers.get("Retry-After")
         assert 0.9 <= waited < 5, waited
         assert states(client)["gamma"] == "loading"
