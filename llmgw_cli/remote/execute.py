@@ -75,22 +75,23 @@ def new_engine_key() -> str:
     return secrets.token_hex(32)
 
 
+async def _read_engine_key(t: Transport) -> str | None:
+    """The key in the host's engine env file; None when absent or the host is unreachable."""
+    try:
+        result = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
+    except NodeError:
+        return None
+    for line in result.stdout.splitlines():
+        if line.startswith(f"{ENGINE_KEY_VAR}="):
+            return line.split("=", 1)[1].strip()
+    return None
+
+
 async def cluster_engine_key(transports: list[Transport]) -> str:
     """The cluster's engine key, read from every host given (nodes and the gateway host):
     the one they hold, a new one when none holds any. Hosts that disagree are an error,
     since the gateway can only hold one key."""
-
-    async def read(t: Transport) -> str | None:
-        try:
-            result = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
-        except NodeError:
-            return None
-        for line in result.stdout.splitlines():
-            if line.startswith(f"{ENGINE_KEY_VAR}="):
-                return line.split("=", 1)[1].strip()
-        return None
-
-    found = await asyncio.gather(*(read(t) for t in transports))
+    found = await asyncio.gather(*(_read_engine_key(t) for t in transports))
     holders: dict[str, list[str]] = defaultdict(list)
     for t, key in zip(transports, found, strict=True):
         if key:
@@ -104,36 +105,38 @@ async def cluster_engine_key(transports: list[Transport]) -> str:
     return next(iter(holders)) if holders else new_engine_key()
 
 
-async def _engine_key(transports: dict[str, Transport]) -> str:
-    """The cluster's engine key: the one already on a node, else a new one."""
-    for t in transports.values():
-        try:
-            result = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
-        except NodeError:
-            continue
-        for line in result.stdout.splitlines():
-            if line.startswith(f"{ENGINE_KEY_VAR}="):
-                return line.split("=", 1)[1].strip()
-    return new_engine_key()
+async def ensure_account(t: Transport, user: str) -> None:
+    """A system account without login for ``user``, unless it exists."""
+    q = shlex.quote(user)
+    await must(
+        t,
+        f"id -u {q} >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin {q}",
+        f"create the account {user}",
+    )
+
+
+async def ensure_engine_key(t: Transport, key: str, other_key_hint: str) -> None:
+    """Write ``key`` to the host's engine env file (0600, root) when it has none. A file
+    with another key is an error (``other_key_hint`` says what to do): the replicas on a
+    host take their key from it, so a second key would lock the gateway out of some."""
+    present = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
+    if not present.stdout.strip():
+        await t.write_file(ENGINE_ENV_FILE, f"{ENGINE_KEY_VAR}={key}\n", mode=0o600, root=True)
+    elif f"{ENGINE_KEY_VAR}={key}" not in present.stdout.splitlines():
+        raise NodeError(
+            t.node,
+            "failed",
+            f"{ENGINE_ENV_FILE} holds another engine key than the one in use; {other_key_hint}",
+        )
 
 
 async def _apply_node(t: Transport, w: _NodeWork, key: str) -> None:
     q = shlex.quote
     for user in sorted(w.users):
-        cmd = f"id -u {q(user)} >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin {q(user)}"
-        await _must(t, cmd, f"create service user {user}")
-    present = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
-    if not present.stdout.strip():
-        await t.write_file(ENGINE_ENV_FILE, f"{ENGINE_KEY_VAR}={key}\n", mode=0o600, root=True)
-    elif f"{ENGINE_KEY_VAR}={key}" not in present.stdout.splitlines():
-        # Replicas on this node take their key from this file: a second key would lock the
-        # gateway out of either the old replicas or the new ones.
-        raise NodeError(
-            t.node,
-            "failed",
-            f"{ENGINE_ENV_FILE} holds another engine key than the one in use; copy the "
-            "cluster's key there (or remove the file when no replica runs on the node)",
-        )
+        await ensure_account(t, user)
+    await ensure_engine_key(
+        t, key, "copy the cluster's key there (or remove the file when no replica runs on the node)"
+    )
     for name in w.remove + w.restart:
         await t.run(f"systemctl stop {q(name)}", root=True)
     for name in w.remove:
@@ -143,13 +146,14 @@ async def _apply_node(t: Transport, w: _NodeWork, key: str) -> None:
             )
     for name, text in sorted(w.write.items()):
         await t.write_file(f"{UNIT_DIR}/{name}", text, mode=0o644, root=True)
-    await _must(t, "systemctl daemon-reload", "systemctl daemon-reload")
+    await must(t, "systemctl daemon-reload", "systemctl daemon-reload")
     units = sorted(set(w.start + w.restart))
     if units:
-        await _must(t, "systemctl enable --now " + " ".join(q(u) for u in units), "start units")
+        await must(t, "systemctl enable --now " + " ".join(q(u) for u in units), "start units")
 
 
-async def _must(t: Transport, command: str, what: str) -> None:
+async def must(t: Transport, command: str, what: str) -> None:
+    """Run ``command`` as root; a non-zero exit is a NodeError saying ``what`` failed."""
     result = await t.run(command, root=True)
     if not result.ok:
         raise NodeError(t.node, "failed", f"{what}: {(result.stderr or result.stdout).strip()}")
@@ -244,7 +248,7 @@ async def execute(
     transports = {name: transport_for(spec, spec.node(name), base) for name in work}
     outcomes: list[Outcome] = []
     try:
-        key = engine_key or await _engine_key(transports)
+        key = engine_key or await cluster_engine_key(list(transports.values()))
         # Weights first: a replica whose URL-sourced file is missing on a node waits for it.
         no_weights = await ensure_for_plan(spec, base, plan, transports, report)
 

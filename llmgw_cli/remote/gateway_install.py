@@ -21,7 +21,6 @@ from pathlib import Path
 
 import httpx
 
-from llmgw_cli.core.engines import ENGINE_ENV_FILE, ENGINE_KEY_VAR
 from llmgw_cli.core.gateway_install import (
     CLUSTER_FILE,
     GATEWAY_DIR,
@@ -36,7 +35,7 @@ from llmgw_cli.core.spec import Become, ClusterSpec, Node
 from llmgw_cli.core.units import GATEWAY_UNIT
 from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.remote.connect import resolve_path, transport_for
-from llmgw_cli.remote.execute import Outcome, Report, UnitWatch
+from llmgw_cli.remote.execute import Outcome, Report, UnitWatch, ensure_account, ensure_engine_key, must
 from llmgw_cli.remote.local import LocalTransport
 from llmgw_cli.remote.transport import Transport
 
@@ -177,40 +176,26 @@ async def install(
 
 
 async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, key: str, report: Report) -> None:
-    async def must(command: str, what: str) -> None:
-        result = await t.run(command, root=True)
-        if not result.ok:
-            raise NodeError(t.node, "failed", f"{what}: {(result.stderr or result.stdout).strip()}")
-
-    await must(
-        "id -u llmgw >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin llmgw",
-        "create the llmgw account",
-    )
+    await ensure_account(t, "llmgw")
     # /etc/llmgw may exist already as 0700 (written by an older llmgw): the account must
     # traverse it to read its files (engine.env in it stays 0600).
     await must(
+        t,
         f"mkdir -p {GATEWAY_DIR} && chmod 755 {GATEWAY_DIR} {Path(GATEWAY_DIR).parent}",
         f"create {GATEWAY_DIR}",
     )
-    current = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
-    if not current.stdout.strip():
-        await t.write_file(ENGINE_ENV_FILE, f"{ENGINE_KEY_VAR}={key}\n", mode=0o600, root=True)
-    elif f"{ENGINE_KEY_VAR}={key}" not in current.stdout.splitlines():
-        raise NodeError(
-            t.node,
-            "failed",
-            f"{ENGINE_ENV_FILE} on the gateway host holds another engine key than the nodes' "
-            "(the gateway could not talk to the engines): copy the nodes' file there",
-        )
+    await ensure_engine_key(
+        t, key, "the gateway could not talk to the engines: copy the nodes' file to the gateway host"
+    )
     for f in change.write:
         await t.write_file(f.path, f.text, mode=f.mode, root=True)
-    await must(f"chgrp llmgw {SSH_KEY}", "give the llmgw group its key")
+    await must(t, f"chgrp llmgw {SSH_KEY}", "give the llmgw group its key")
     report(SUBJECT, "files in place")
     if any(f.path == UNIT_FILE for f in change.write):
-        await must("systemctl daemon-reload", "systemctl daemon-reload")
-    await must(f"systemctl enable {GATEWAY_UNIT} 2>&1", "enable the gateway")
+        await must(t, "systemctl daemon-reload", "systemctl daemon-reload")
+    await must(t, f"systemctl enable {GATEWAY_UNIT} 2>&1", "enable the gateway")
     verb = "reload" if change.how == "reload" else "restart"
-    await must(f"systemctl {verb} {GATEWAY_UNIT}", f"{verb} the gateway")
+    await must(t, f"systemctl {verb} {GATEWAY_UNIT}", f"{verb} the gateway")
     report(SUBJECT, f"{verb}ed")
 
 
