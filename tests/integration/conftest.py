@@ -1,6 +1,7 @@
 """The lab cluster for integration tests: booted once per session with `llmgw lab up`.
 
-The ``lab`` fixture tears down a stale lab first (a crashed run), boots four hgx nodes,
+The ``lab`` fixture (defined in ``tests/conftest.py``, so that ``tests/security`` shares
+the same session lab) tears down a stale lab first (a crashed run), boots four hgx nodes,
 exposes their names, addresses, the client key, known_hosts and ssh_config, and runs
 `llmgw lab down` at the end. Tests that boot their own lab (test_lab_lifecycle.py) run
 first, before the session lab exists: only one lab fits on a machine.
@@ -8,16 +9,13 @@ first, before the session lab exists: only one lab fits on a machine.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 STATE = Path(os.environ.get("LLMGW_LAB_STATE", "/var/lib/llmgw-lab"))
 NODES = int(os.environ.get("LLMGW_LAB_NODES", "4"))
@@ -82,30 +80,3 @@ class Lab:
 
     def fault(self, node: str, *args: str) -> None:
         llmgw("lab", "fault", node, *args, "--state", str(self.state))
-
-
-@pytest.fixture(scope="session")
-def lab() -> Iterator[Lab]:
-    reason = lab_unavailable()
-    if reason:
-        pytest.skip(reason)
-    llmgw("lab", "down", "--state", str(STATE), check=False)  # a stale lab from a crashed run
-    llmgw("lab", "up", "--nodes", str(NODES), "--state", str(STATE))
-    try:
-        record = json.loads((STATE / "lab.json").read_text())
-        nodes = [LabNode(n["name"], n["index"], n["ip"], n["pid1"]) for n in record["nodes"]]
-        yield Lab(
-            state=STATE,
-            nodes=nodes,
-            key=STATE / "id_ed25519",
-            known_hosts=STATE / "known_hosts",
-            ssh_config=STATE / "ssh_config",
-            cluster_file=STATE / "cluster.yaml",
-        )
-    finally:
-        llmgw("lab", "down", "--state", str(STATE))
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that boot their own lab go first, before the session lab is up."""
-    items.sort(key=lambda item: 0 if item.path.name == "test_lab_lifecycle.py" else 1)
