@@ -109,7 +109,9 @@ def _write(path: Path, text: str | bytes, mode: int = 0o644) -> None:
 def sshd_config(ip: str) -> str:
     return (
         "HostKey /etc/ssh/lab/ssh_host_ed25519_key\n"
-        "AuthorizedKeysFile /etc/ssh/lab/authorized_keys\n"
+        # the lab's key for every account, plus each account's own file, as on a stock
+        # sshd: the gateway's key reaches llmgw-gateway through its home's authorized_keys
+        "AuthorizedKeysFile /etc/ssh/lab/authorized_keys .ssh/authorized_keys\n"
         f"ListenAddress {ip}:22\n"
         "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
         "UsePAM no\nX11Forwarding no\nMaxStartups 200:30:400\nMaxSessions 100\n"

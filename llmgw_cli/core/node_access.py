@@ -1,0 +1,110 @@
+"""What `apply` installs on every node so that the gateway needs no root key (pure).
+
+On each node, as root over the operator's own transport:
+
+- ``/usr/local/libexec/llmgw/node-helper`` (root, 0755): the only program the gateway's
+  key may run there (``remote/node_helper.py``), with the probe script rendered for the
+  node beside it (``probe.sh``) and the weights fetcher (``nodefetch.py``);
+- ``/etc/llmgw/node-helper.json`` (root, 0644): what the helper lets the gateway start:
+  the cluster's engine programs and engine accounts, and the node's weights folders;
+- the account ``llmgw-gateway`` (system, no password) whose ``authorized_keys`` (root,
+  0644, in a root-owned home) holds exactly one line, the gateway's public key restricted
+  to the helper;
+- ``/etc/sudoers.d/llmgw-gateway`` (0440, checked with ``visudo -cf``): that account
+  may run the helper, and nothing else, as root.
+
+The gateway's key pair is made on the gateway host (``remote/gateway_install.py``); only
+its public half is ever read back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from llmgw_cli.core.engines import ray_program
+from llmgw_cli.core.gateway_install import GATEWAY_ACCOUNT
+from llmgw_cli.core.parse.probe import probe_script
+from llmgw_cli.core.spec import ClusterSpec, Node
+
+GATEWAY_USER = GATEWAY_ACCOUNT
+GATEWAY_HOME = "/var/lib/llmgw-gateway"
+AUTHORIZED_KEYS = f"{GATEWAY_HOME}/.ssh/authorized_keys"
+LIBEXEC = "/usr/local/libexec/llmgw"
+HELPER = f"{LIBEXEC}/node-helper"
+PROBE = f"{LIBEXEC}/probe.sh"
+NODEFETCH = f"{LIBEXEC}/nodefetch.py"
+HELPER_CONFIG = "/etc/llmgw/node-helper.json"
+SUDOERS = "/etc/sudoers.d/llmgw-gateway"
+SHEBANG = "#!/usr/bin/python3 -I\n"  # -I: no PYTHON* variables, no user site, as root
+DEFAULT_WEIGHTS = "/var/lib/llmgw/models"  # where a node without weights folders fetches to
+
+
+@dataclass(frozen=True)
+class NodeFile:
+    path: str
+    text: str
+    mode: int
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def engine_users(spec: ClusterSpec) -> list[str]:
+    """Every account an engine of this cluster runs as."""
+    return sorted({p.user for p in spec.profiles.values()})
+
+
+def engine_programs(spec: ClusterSpec) -> list[str]:
+    """Every program a replica unit of this cluster starts (ExecStart, ExecStartPre)."""
+    programs = set()
+    for profile in spec.profiles.values():
+        programs.add(profile.argv0[0])
+        programs.add(ray_program(profile))
+    return sorted(programs)
+
+
+def helper_config(spec: ClusterSpec, node: Node) -> str:
+    weights = [w.path.rstrip("/") or "/" for w in node.weights] or [DEFAULT_WEIGHTS]
+    doc = {"programs": engine_programs(spec), "users": engine_users(spec), "weights": weights}
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def authorized_key_line(public_key: str) -> str:
+    """The gateway's key, able to run the helper only: no shell, no forwarding, no pty."""
+    key = " ".join(public_key.split()[:2])  # type and base64: a comment is not needed
+    return f'restrict,command="{HELPER}" {key}\n'
+
+
+def sudoers_rule() -> str:
+    # A command without arguments in sudoers allows any arguments: the helper checks them.
+    return f"{GATEWAY_USER} ALL=(root) NOPASSWD: {HELPER}\n"
+
+
+def node_files(
+    spec: ClusterSpec, node: Node, *, helper_source: str, nodefetch_source: str, public_key: str | None
+) -> tuple[NodeFile, ...]:
+    """Every file ``apply`` keeps on ``node`` for the helper (the sudoers rule apart: it is
+    checked with ``visudo`` before it takes effect)."""
+    files = [
+        NodeFile(HELPER, SHEBANG + helper_source, 0o755),
+        NodeFile(PROBE, probe_script(spec, node), 0o644),
+        NodeFile(NODEFETCH, nodefetch_source, 0o644),
+        NodeFile(HELPER_CONFIG, helper_config(spec, node), 0o644),
+        NodeFile(AUTHORIZED_KEYS, authorized_key_line(public_key) if public_key else "", 0o644),
+    ]
+    return tuple(files)
+
+
+def valid_public_key(text: str) -> bool:
+    """One OpenSSH public key line: ``TYPE BASE64 [comment]``, nothing that could add an
+    option or a second line to ``authorized_keys``."""
+    words = text.strip().split()
+    return (
+        "\n" not in text.strip()
+        and len(words) >= 2
+        and words[0] in ("ssh-ed25519", "ecdsa-sha2-nistp256", "ssh-rsa")
+        and all(c.isalnum() or c in "+/=" for c in words[1])
+    )

@@ -1,0 +1,137 @@
+"""Install the node helper, its account and its one sudo rule on every node (as root,
+over the operator's transport), when what is there differs from what is wanted.
+
+``check`` reads digests back (one command per node, nothing changed); ``install`` writes
+what differs: accounts first, then the files atomically, the sudoers rule only after
+``visudo -cf`` accepted it, the ``authorized_keys`` line last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+from importlib import resources
+from pathlib import Path
+
+from llmgw_cli.core.node_access import (
+    AUTHORIZED_KEYS,
+    GATEWAY_HOME,
+    GATEWAY_USER,
+    LIBEXEC,
+    SUDOERS,
+    NodeFile,
+    engine_users,
+    node_files,
+    sudoers_rule,
+)
+from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.errors import NodeError
+from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.execute import Outcome, Report, ensure_account, must
+from llmgw_cli.remote.transport import Transport
+
+_SOURCES = resources.files("llmgw_cli.remote")
+HELPER_SOURCE = _SOURCES.joinpath("node_helper.py").read_text(encoding="utf-8")
+NODEFETCH_SOURCE = _SOURCES.joinpath("nodefetch.py").read_text(encoding="utf-8")
+SUBJECT = "node access"
+
+
+def wanted(spec: ClusterSpec, node: Node, public_key: str | None) -> tuple[NodeFile, ...]:
+    return node_files(
+        spec, node, helper_source=HELPER_SOURCE, nodefetch_source=NODEFETCH_SOURCE, public_key=public_key
+    )
+
+
+async def ensure_gateway_account(t: Transport) -> None:
+    """``llmgw-gateway``: a system account that may log in by key only (``*``: no
+    password, not locked, so sshd lets its key in), with a root-owned home so that it can
+    never edit its own ``authorized_keys``."""
+    q = shlex.quote
+    home, ssh = q(GATEWAY_HOME), q(f"{GATEWAY_HOME}/.ssh")
+    await must(
+        t,
+        f"id -u {GATEWAY_USER} >/dev/null 2>&1 || useradd --system --home-dir {home} --no-create-home "
+        f"--shell /bin/sh {GATEWAY_USER}; usermod -p '*' {GATEWAY_USER} && "
+        f"mkdir -p {ssh} && chown root:root {home} {ssh} && chmod 755 {home} {ssh}",
+        f"create the account {GATEWAY_USER}",
+    )
+
+
+async def _needs(t: Transport, files: tuple[NodeFile, ...], users: list[str]) -> bool:
+    paths = " ".join(shlex.quote(f.path) for f in (*files, NodeFile(SUDOERS, sudoers_rule(), 0o440)))
+    accounts = " ".join(shlex.quote(u) for u in [GATEWAY_USER, *users])
+    result = await t.run(
+        f'sha256sum {paths} 2>/dev/null; for u in {accounts}; do id -u "$u" >/dev/null 2>&1 '
+        '|| echo "missing $u"; done; true',
+        root=True,
+    )
+    if "missing " in result.stdout:
+        return True
+    found = {}
+    for line in result.stdout.splitlines():
+        digest, _, path = line.partition("  ")
+        found[path.strip()] = digest
+    want = {f.path: f.digest for f in files}
+    want[SUDOERS] = NodeFile(SUDOERS, sudoers_rule(), 0o440).digest
+    return found != want
+
+
+async def check(spec: ClusterSpec, base: Path, nodes: list[str], public_key: str | None) -> list[str]:
+    """The nodes (of ``nodes``) whose helper, account, rule or key line is not as wanted;
+    a node that cannot be asked counts as needing it."""
+    users = engine_users(spec)
+
+    async def one(name: str) -> bool:
+        t = transport_for(spec, spec.node(name), base)
+        try:
+            return await _needs(t, wanted(spec, spec.node(name), public_key), users)
+        except NodeError:
+            return True
+        finally:
+            await t.close()
+
+    needs = await asyncio.gather(*(one(n) for n in nodes))
+    return [n for n, need in zip(nodes, needs, strict=True) if need]
+
+
+async def _install_one(t: Transport, files: tuple[NodeFile, ...], users: list[str]) -> None:
+    for user in users:
+        await ensure_account(t, user)
+    await ensure_gateway_account(t)
+    await must(t, f"mkdir -p {LIBEXEC} /etc/llmgw && chmod 755 {LIBEXEC} /etc/llmgw", f"create {LIBEXEC}")
+    for f in files:
+        if f.path != AUTHORIZED_KEYS:
+            await t.write_file(f.path, f.text, mode=f.mode, root=True)
+    tmp = shlex.quote(f"{SUDOERS}.llmgw-tmp")  # sudo skips names with a dot: never read half-done
+    result = await t.run(
+        f"umask 077 && cat > {tmp} && chmod 440 {tmp} && visudo -cqf {tmp} && mv -f {tmp} {SUDOERS}"
+        f" || {{ rc=$?; rm -f {tmp}; exit $rc; }}",
+        root=True,
+        stdin=sudoers_rule(),
+    )
+    if not result.ok:
+        why = (result.stderr or result.stdout).strip()
+        raise NodeError(t.node, "failed", f"the sudo rule for {GATEWAY_USER} was refused by visudo: {why}")
+    key = next(f for f in files if f.path == AUTHORIZED_KEYS)
+    await t.write_file(key.path, key.text, mode=key.mode, root=True)
+
+
+async def install(
+    spec: ClusterSpec, base: Path, nodes: list[str], public_key: str | None, report: Report
+) -> list[Outcome]:
+    """Put the helper and the gateway's restricted key line on ``nodes``; one Outcome each."""
+    users = engine_users(spec)
+
+    async def one(name: str) -> Outcome:
+        t = transport_for(spec, spec.node(name), base)
+        try:
+            await _install_one(t, wanted(spec, spec.node(name), public_key), users)
+        except NodeError as exc:
+            report(name, f"failed: {exc.reason}")
+            return Outcome(name, False, exc.reason)
+        finally:
+            await t.close()
+        report(name, "node helper in place")
+        return Outcome(name, True, "node helper in place")
+
+    return list(await asyncio.gather(*(one(n) for n in nodes)))

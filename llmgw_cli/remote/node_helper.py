@@ -1,0 +1,379 @@
+"""Runs ON A NODE, as root: the only thing the gateway's SSH key may run there.
+
+Standard library only (the node has python3 and nothing of llmgw). ``llmgw apply``
+installs this file as ``/usr/local/libexec/llmgw/node-helper`` (root, 0755) with the
+node's python3 in its first line, and the gateway account's ``authorized_keys`` line as
+``restrict,command="/usr/local/libexec/llmgw/node-helper" KEY``: whatever the gateway asks
+for arrives in ``$SSH_ORIGINAL_COMMAND``, is split into words (never given to a shell),
+checked, and refused unless it is one of the verbs below. A sudoers rule lets that
+account run this program, and only it, as root: the helper checks its arguments first,
+then runs itself again through ``sudo -n`` (``probe`` stays unprivileged: it only reads).
+
+``apply`` drives the nodes through the same verbs, as root over the operator's own
+transport, so both callers share one code path and one set of checks.
+
+Verbs (unit names must be ``llmgw-<model>-<replica>.service``, except that ``show`` and
+``journal`` also read the gateway's own unit):
+
+- ``probe``: run the probe script ``apply`` installed for this node;
+- ``date``: seconds since the epoch;
+- ``show UNIT...``: a fixed set of ``systemctl show`` properties;
+- ``journal UNIT SINCE LINES``: the unit's last LINES journal lines since SINCE (epoch
+  seconds, or ``-``);
+- ``stop|start|restart|remove UNIT...``: ``start`` enables too; ``remove`` disables and
+  deletes the unit file;
+- ``write-unit UNIT``: the unit text on stdin, checked line by line against what
+  llmgw's replica template produces (see ``check_unit``), then written atomically;
+- ``daemon-reload``;
+- ``fetch``: a JSON job on stdin for the installed weights fetcher (its files must lie
+  in the node's weights folders); ``fetch-status TARGET``; ``held PATH...``.
+
+What the gateway may run is bounded by ``/etc/llmgw/node-helper.json`` (root, written by
+``apply`` from the cluster file): the engine programs, the engine accounts and the
+weights folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from typing import Any
+
+HELPER = "/usr/local/libexec/llmgw/node-helper"
+PROBE = "/usr/local/libexec/llmgw/probe.sh"
+NODEFETCH = "/usr/local/libexec/llmgw/nodefetch.py"
+CONFIG = "/etc/llmgw/node-helper.json"
+UNIT_DIR = "/etc/systemd/system"
+SUDO = "/usr/bin/sudo"
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+ANY_UNIT = re.compile(r"^llmgw-[a-z0-9.-]+\.service$")
+REPLICA_UNIT = re.compile(r"^llmgw-[a-z0-9.-]+-[0-9]+\.service$")
+SHOW_PROPERTIES = "Id,LoadState,ActiveState,SubState,Result,MainPID,NRestarts,ExecMainCode,ExecMainStatus"
+MAX_UNIT_BYTES = 64 * 1024
+MAX_JOURNAL_LINES = 1000
+
+# Exactly the directives llmgw's replica template writes, section by section. Anything
+# else (ExecStartPost, PAMName, RootDirectory, a drop-in's worth of surprises) is refused.
+SECTIONS: dict[str, frozenset[str]] = {
+    "Unit": frozenset(
+        {"Description", "After", "Wants", "Requires", "StartLimitIntervalSec", "StartLimitBurst"}
+    ),
+    "Service": frozenset(
+        {
+            "Type",
+            "User",
+            "EnvironmentFile",
+            "Environment",
+            "ExecStartPre",
+            "ExecStart",
+            "Restart",
+            "RestartSec",
+            "TimeoutStartSec",
+            "TimeoutStopSec",
+            "KillMode",
+            "LimitMEMLOCK",
+            "LimitNOFILE",
+            "IPAddressAllow",
+            "IPAddressDeny",
+            "LoadCredential",
+        }
+    ),
+    "Install": frozenset({"WantedBy"}),
+}
+LABEL = re.compile(r"^X-Llmgw-[A-Za-z-]+$")
+EXEC_PREFIXES = "+!@-:|"
+ENV_DIR = "/etc/llmgw/"
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+class Refused(Exception):
+    """A request outside what the helper allows; the message says which part."""
+
+
+def load_config(path: str = CONFIG) -> dict[str, list[str]]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise Refused(f"cannot read {path} ({exc}): run llmgw apply") from None
+    out: dict[str, list[str]] = {}
+    for key in ("programs", "users", "weights"):
+        value = data.get(key, []) if isinstance(data, dict) else []
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise Refused(f"{path}: {key} must be a list of strings")
+        out[key] = value
+    return out
+
+
+def check_unit_name(name: str, *, replica: bool = True) -> str:
+    pattern = REPLICA_UNIT if replica else ANY_UNIT
+    if not pattern.match(name):
+        raise Refused(f"unit name {name!r} is not an llmgw replica unit ({pattern.pattern})")
+    return name
+
+
+def _exec_words(key: str, value: str, programs: list[str], lineno: int) -> None:
+    if not value or value[0] in EXEC_PREFIXES:
+        raise Refused(f"line {lineno}: {key}= may not start with a prefix ({EXEC_PREFIXES}) or be empty")
+    try:
+        words = shlex.split(value)
+    except ValueError as exc:
+        raise Refused(f"line {lineno}: {key}= cannot be split into words: {exc}") from None
+    if not words or words[0] not in programs:
+        first = words[0] if words else ""
+        raise Refused(f"line {lineno}: {key}= runs {first!r}, which is not an engine program of this cluster")
+    if ";" in words:
+        raise Refused(f"line {lineno}: {key}= holds a second command (';')")
+
+
+def _llmgw_file(key: str, path: str, lineno: int) -> None:
+    """Files systemd reads as root for the engine: llmgw's own under /etc/llmgw only."""
+    if not path.startswith(ENV_DIR) or os.path.normpath(path) != path or "\\" in path or "%" in path:
+        raise Refused(f"line {lineno}: {key}= names {path!r}, which is not a file under {ENV_DIR}")
+
+
+def check_unit(text: str, config: dict[str, list[str]]) -> None:
+    """Refuse a unit that could do more than run an allowed engine program as an allowed
+    engine account. Checked: the whole text (printable, no line continuation), every
+    section and directive, ``User=`` (exactly once, an engine account, never root), the
+    program of every ``Exec`` line (no ``+ ! @ - :`` prefixes, no second command), and
+    ``EnvironmentFile=`` (only under /etc/llmgw/)."""
+    if len(text.encode("utf-8")) > MAX_UNIT_BYTES:
+        raise Refused(f"the unit is larger than {MAX_UNIT_BYTES} bytes")
+    section = ""
+    users: list[str] = []
+    seen: set[str] = set()
+    for lineno, raw in enumerate(text.split("\n"), 1):
+        if CONTROL.search(raw):
+            raise Refused(f"line {lineno}: control character")
+        line = raw.strip()
+        if line.endswith("\\"):
+            raise Refused(f"line {lineno}: line continuations are not allowed")
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            section = line[1:-1] if line.endswith("]") else line
+            if section not in SECTIONS or section in seen:
+                raise Refused(f"line {lineno}: section {line!r} is not allowed here")
+            seen.add(section)
+            continue
+        key, eq, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not section:
+            raise Refused(f"line {lineno}: expected KEY=VALUE inside a section")
+        allowed = key in SECTIONS[section] or (section == "Unit" and LABEL.match(key) is not None)
+        if not allowed:
+            raise Refused(f"line {lineno}: {key}= is not allowed in [{section}]")
+        if key == "User":
+            users.append(value)
+        elif key in ("ExecStart", "ExecStartPre"):
+            _exec_words(key, value, config["programs"], lineno)
+        elif key == "EnvironmentFile":
+            _llmgw_file(key, value[1:] if value.startswith("-") else value, lineno)
+        elif key == "LoadCredential":
+            name, colon, path = value.partition(":")
+            if not colon or not re.match(r"^[A-Za-z0-9_.-]+$", name):
+                raise Refused(f"line {lineno}: LoadCredential= must be NAME:PATH")
+            _llmgw_file(key, path, lineno)
+    if len(users) != 1:
+        raise Refused("the unit must name exactly one User= (an engine account)")
+    if users[0] in ("root", "0") or users[0] not in config["users"]:
+        raise Refused(f"User={users[0]!r} is not an engine account of this cluster")
+    if "Service" not in seen:
+        raise Refused("the unit has no [Service] section")
+
+
+def _under_weights(path: str, config: dict[str, list[str]]) -> str:
+    if not path.startswith("/") or os.path.normpath(path) != path:
+        raise Refused(f"{path!r} is not a plain absolute path")
+    for folder in config["weights"]:
+        root = folder.rstrip("/") + "/"
+        if path.startswith(root) and "/" not in path[len(root) :]:
+            return path
+    raise Refused(f"{path!r} is not a file directly in a weights folder of this node")
+
+
+def _systemctl(*args: str) -> int:
+    return subprocess.call(["systemctl", *args])
+
+
+def _write_unit(name: str, text: str) -> None:
+    path = os.path.join(UNIT_DIR, name)
+    tmp = os.path.join(UNIT_DIR, f".{name}.llmgw-tmp")
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _fetch(job: dict[str, Any], config: dict[str, list[str]]) -> int:
+    mode = job.get("mode")
+    if mode == "fetch":
+        _under_weights(str(job.get("target", "")), config)
+    elif mode == "serve":
+        _under_weights(str(job.get("file", "")), config)
+    else:
+        raise Refused(f"fetch mode {mode!r} is not fetch or serve")
+    namespace: dict[str, Any] = {"__name__": "llmgw_nodefetch"}
+    # The root-owned copy apply installed, run in this process as ``python3 -`` would.
+    with open(NODEFETCH, encoding="utf-8") as fh:
+        exec(compile(fh.read(), NODEFETCH, "exec"), namespace)
+    namespace["main"](job)
+    return 0
+
+
+def parse_words(argv: list[str], original: str | None) -> list[str]:
+    """The verb and its arguments: from argv (apply, and the sudo re-run), else from the
+    SSH command line (the forced command), where a leading helper path is dropped."""
+    if argv:
+        return argv
+    if not original:
+        raise Refused("no command given")
+    try:
+        words = shlex.split(original)
+    except ValueError as exc:
+        raise Refused(f"cannot split the command: {exc}") from None
+    if words and words[0] == HELPER:
+        words = words[1:]
+    if not words:
+        raise Refused("no command given")
+    return words
+
+
+def check_words(words: list[str]) -> None:
+    """Everything that can be checked without root: the verb and the shape of its arguments."""
+    verb, args = words[0], words[1:]
+    if verb in ("probe", "date", "daemon-reload", "fetch"):
+        if args:
+            raise Refused(f"{verb} takes no arguments")
+    elif verb == "show":
+        if not args:
+            raise Refused("show needs at least one unit")
+        for a in args:
+            check_unit_name(a, replica=False)
+    elif verb == "journal":
+        if len(args) != 3:
+            raise Refused("journal takes UNIT SINCE LINES")
+        check_unit_name(args[0], replica=False)
+        if not (args[1] == "-" or args[1].isdigit()) or not args[2].isdigit():
+            raise Refused("journal: SINCE is epoch seconds or '-', LINES a number")
+        if not 1 <= int(args[2]) <= MAX_JOURNAL_LINES:
+            raise Refused(f"journal: LINES must be 1 to {MAX_JOURNAL_LINES}")
+    elif verb in ("stop", "start", "restart", "remove"):
+        if not args:
+            raise Refused(f"{verb} needs at least one unit")
+        for a in args:
+            check_unit_name(a)
+    elif verb == "write-unit":
+        if len(args) != 1:
+            raise Refused("write-unit takes one unit name (the text on stdin)")
+        check_unit_name(args[0])
+    elif verb == "fetch-status":
+        if len(args) != 1 or not args[0].startswith("/"):
+            raise Refused("fetch-status takes one absolute target path")
+    elif verb == "held":
+        if not args or not all(a.startswith("/") for a in args):
+            raise Refused("held takes absolute paths")
+    else:
+        raise Refused(f"{verb!r} is not a node-helper verb")
+
+
+def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
+    verb, args = words[0], words[1:]
+    if verb == "probe":
+        return subprocess.call(["sh", PROBE])
+    if verb == "date":
+        print(int(__import__("time").time()))
+        return 0
+    if verb == "show":
+        return _systemctl("show", "-p", SHOW_PROPERTIES, *args)
+    if verb == "journal":
+        since = ["--since", f"@{args[1]}"] if args[1] != "-" else []
+        cmd = ["journalctl", "-u", args[0], *since, "-n", args[2], "--no-pager", "-o", "cat"]
+        return subprocess.call(cmd)
+    if verb == "stop":
+        return _systemctl("stop", *args)
+    if verb == "start":
+        return _systemctl("enable", "--now", *args)
+    if verb == "restart":
+        return _systemctl("restart", *args)
+    if verb == "remove":
+        subprocess.call(["systemctl", "disable", *args], stderr=subprocess.DEVNULL)
+        for a in args:
+            path = os.path.join(UNIT_DIR, a)
+            if os.path.lexists(path):
+                os.unlink(path)
+        return 0
+    if verb == "write-unit":
+        text = sys.stdin.read(MAX_UNIT_BYTES + 1)
+        check_unit(text, config)
+        _write_unit(args[0], text)
+        return 0
+    if verb == "daemon-reload":
+        return _systemctl("daemon-reload")
+    if verb == "fetch":
+        try:
+            job = json.loads(sys.stdin.read(1 << 20))
+        except ValueError as exc:
+            raise Refused(f"fetch: the job is not JSON: {exc}") from None
+        if not isinstance(job, dict):
+            raise Refused("fetch: the job is not a JSON object")
+        return _fetch(job, config)
+    if verb == "fetch-status":
+        return _fetch_status(_under_weights(args[0], config))
+    if verb == "held":
+        for a in args:
+            path = _under_weights(a, config)
+            if os.path.isfile(path) and os.path.getsize(path) > 0:
+                print(path)
+        return 0
+    raise Refused(f"{verb!r} is not a node-helper verb")
+
+
+def _fetch_status(target: str) -> int:
+    folder, name = os.path.split(target)
+    hidden = os.path.join(folder, "." + name)
+    free = subprocess.call(["flock", "-n", hidden + ".fetch-lock", "true"], stderr=subprocess.DEVNULL) == 0
+    if free:
+        print("FREE")
+    try:
+        fd = os.open(hidden + ".fetch-status", os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return 0
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as fh:
+        sys.stdout.write(fh.read(4096))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    os.environ["PATH"] = PATH
+    try:
+        words = parse_words(argv, os.environ.get("SSH_ORIGINAL_COMMAND"))
+        check_words(words)
+        if os.geteuid() != 0 and words[0] != "probe":
+            sys.stdout.flush()
+            os.execv(SUDO, ["sudo", "-n", HELPER, *words])
+        config = load_config() if words[0] != "probe" else {}
+        return run_verb(words, config)
+    except Refused as exc:
+        print(f"node-helper: refused: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,152 @@
+"""The node helper's checks, as pure functions: every unit llmgw renders passes, and each
+way a unit could run something else, or as someone else, is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmgw_cli.core import node_access
+from llmgw_cli.core.engines import Member, replica_unit
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.remote import node_helper
+from llmgw_cli.remote.node_helper import Refused, check_unit, check_words, parse_words
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def lab_spec() -> ClusterSpec:
+    return parse_cluster((ROOT / "inventories/lab.yaml").read_text())
+
+
+def config(spec: ClusterSpec) -> dict[str, list[str]]:
+    return {
+        "programs": node_access.engine_programs(spec),
+        "users": node_access.engine_users(spec),
+        "weights": ["/data/models"],
+    }
+
+
+def units(spec: ClusterSpec) -> list[str]:
+    out = []
+    fabric_nodes = [n for n in spec.nodes if n.fabric] or spec.nodes
+    for i, model in enumerate(spec.models):
+        nodes = fabric_nodes[: model.nodes] if model.nodes > 1 else spec.nodes[:1]
+        members = tuple(
+            Member(n, r, tuple(f"GPU-{n.name}-{g}" for g in range(model.tensor_parallel)), "=mlx5_0:1")
+            for r, n in enumerate(nodes)
+        )
+        for member in members:
+            unit = replica_unit(
+                spec, model, replica=i, member=member, port=8100 + i, members=members, dist_port=29500
+            )
+            out.append(unit.text)
+    return out
+
+
+def test_the_helper_and_apply_agree_on_paths() -> None:
+    assert node_helper.HELPER == node_access.HELPER
+    assert node_helper.PROBE == node_access.PROBE
+    assert node_helper.NODEFETCH == node_access.NODEFETCH
+    assert node_helper.CONFIG == node_access.HELPER_CONFIG
+
+
+@pytest.mark.parametrize("inventory", ["hgx-two-fabrics.yaml", "single-box.yaml", "lab.yaml"])
+def test_every_unit_llmgw_renders_is_accepted(inventory: str) -> None:
+    spec = parse_cluster((ROOT / "inventories" / inventory).read_text())
+    rendered = units(spec)
+    assert rendered
+    for text in rendered:
+        check_unit(text, config(spec))
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (("ExecStart=", "ExecStartPre=+/bin/sh -c 'id > /root/owned'\nExecStart="), "prefix"),
+        (("ExecStart=", "ExecStartPre=!/opt/vllm/bin/vllm\nExecStart="), "prefix"),
+        (("User=llmgw", "User=root"), "not an engine account"),
+        (("User=llmgw", "User=0"), "not an engine account"),
+        (("User=llmgw\n", ""), "exactly one User="),
+        (("User=llmgw\n", "User=llmgw\nUser=root\n"), "exactly one User="),
+        (("ExecStart=/opt/vllm/bin/vllm", "ExecStart=/bin/sh -c /opt/vllm/bin/vllm"), "not an engine program"),
+        (("ExecStart=/opt/vllm/bin/vllm serve", "ExecStart=/opt/vllm/bin/vllm serve ; /bin/sh"), "second"),
+        (("Type=exec", "Type=exec\nExecStartPost=/bin/sh -c id"), "not allowed"),
+        (("Type=exec", "Type=exec\nPAMName=login"), "not allowed"),
+        (("Type=exec", "Type=exec\nGroup=root"), "not allowed"),
+        (("EnvironmentFile=/etc/llmgw/engine.env", "EnvironmentFile=/root/.ssh/id_ed25519"), "under"),
+        (("EnvironmentFile=/etc/llmgw/engine.env", "EnvironmentFile=/etc/llmgw/../shadow"), "under"),
+        (("Type=exec", "Type=exec \\\n"), "continuation"),
+        (("Type=exec", "Type=exec\r"), "control"),
+        (("Type=exec", "Type=exec\nLoadCredential=k:/etc/shadow"), "not a file under"),
+        (("[Install]", "[Service]"), "section"),
+        (("[Install]", "[X-Other]"), "section"),
+    ],
+)
+def test_hostile_unit_is_refused(edit: tuple[str, str], why: str) -> None:
+    spec = lab_spec()
+    text = next(u for u in units(spec) if "/opt/vllm/bin/vllm" in u)
+    old, new = edit
+    assert old in text
+    with pytest.raises(Refused, match=why):
+        check_unit(text.replace(old, new, 1), config(spec))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "id",
+        "sh -c id",
+        "stop ssh.service",
+        "stop sshd",
+        "start llmgw-gateway.service",
+        "remove ../../etc/passwd",
+        "write-unit llmgw-gateway.service",
+        "write-unit /etc/systemd/system/llmgw-x-0.service",
+        "journal llmgw-x-0.service 0 1000000",
+        "journal llmgw-x-0.service '$(id)' 10",
+        "show",
+        "probe extra",
+        "date; id",
+        "",
+    ],
+)
+def test_commands_outside_the_verbs_are_refused(line: str) -> None:
+    with pytest.raises(Refused):
+        check_words(parse_words([], line))
+
+
+def test_verbs_the_gateway_uses_are_accepted() -> None:
+    for line in (
+        "probe",
+        "date",
+        "show llmgw-gateway.service llmgw-qwen2.5-7b-instruct-0.service",
+        "journal llmgw-a-0.service 1700000000 15",
+        "journal llmgw-a-0.service - 15",
+        "stop llmgw-a-0.service llmgw-b-1.service",
+        "start llmgw-a-0.service",
+        "remove llmgw-a-0.service",
+        "write-unit llmgw-a-0.service",
+        "daemon-reload",
+        f"{node_helper.HELPER} date",
+    ):
+        check_words(parse_words([], line))
+
+
+def test_fetch_only_into_the_weights_folders() -> None:
+    cfg = {"programs": [], "users": [], "weights": ["/data/models"]}
+    assert node_helper._under_weights("/data/models/x.gguf", cfg) == "/data/models/x.gguf"
+    for path in ("/etc/sudoers", "/data/models/../../etc/shadow", "/data/models/a/b", "data/models/x"):
+        with pytest.raises(Refused):
+            node_helper._under_weights(path, cfg)
+
+
+def test_authorized_keys_line_restricts_the_key_to_the_helper() -> None:
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 llmgw-gateway@gw"
+    assert node_access.valid_public_key(key)
+    line = node_access.authorized_key_line(key)
+    assert line == f'restrict,command="{node_access.HELPER}" ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0\n'
+    assert not node_access.valid_public_key('command="/bin/sh" ssh-ed25519 AAAA')
+    assert not node_access.valid_public_key("ssh-ed25519 AAAA\nssh-ed25519 BBBB")
