@@ -10,7 +10,7 @@ from pathlib import Path
 from llmgw_cli.core.doctor import Collected, DoctorFacts
 from llmgw_cli.core.doctor.collect import doctor_script, parse_doctor
 from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.parse.probe import parse_probe
+from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.connect import transport_for
@@ -25,12 +25,19 @@ async def _collect_one(spec: ClusterSpec, node: Node, base: Path, progress: Prog
     try:
         result = await transport.run("sh -s", stdin=doctor_script(spec, node))
         received = time.time()
-        progress(node.name, "done")
+        if not (complete(result.stdout) and complete(result.stdout, "doctor-end")):
+            raise NodeError(node.name, BAD_OUTPUT, "doctor output ended early")
         facts = parse_probe(node, result.stdout).model_copy(update={"probe_seconds": received - sent})
+        progress(node.name, "done" if facts.reachable else "failed")
         return Collected(facts, parse_doctor(node.name, result.stdout), sent, received)
     except NodeError as exc:
         progress(node.name, "failed")
         facts = NodeFacts(node=node.name, error=exc.reason, error_kind=exc.kind)
+        return Collected(facts, DoctorFacts(node=node.name), sent, time.time())
+    except Exception as exc:  # one node's surprise is that node's error, not every node's
+        progress(node.name, "failed")
+        reason = f"doctor failed: {type(exc).__name__}: {str(exc)[:200]}"
+        facts = NodeFacts(node=node.name, error=reason, error_kind=BAD_OUTPUT)
         return Collected(facts, DoctorFacts(node=node.name), sent, time.time())
     finally:
         await transport.close()

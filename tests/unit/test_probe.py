@@ -1,8 +1,11 @@
 """From probe output to facts to the Summary and the status view (pure parts, no SSH)."""
 
+import asyncio
+import base64
 import io
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from llmgw_cli.cli.views import status_view
@@ -11,7 +14,9 @@ from llmgw_cli.core.hardware import fabric_status, gpu_class
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.parse.probe import parse_probe, probe_script, split_sections
 from llmgw_cli.core.parse.weights import judge
+from llmgw_cli.core.spec import Node
 from llmgw_cli.core.summary import summarize
+from llmgw_cli.remote.probe import Snapshot, gather
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -64,6 +69,23 @@ def ib(state1: str = "4: ACTIVE") -> str:
     )
 
 
+def b64(*fields: str) -> str:
+    """Fields as the probe prints names: NUL-terminated, base64 on one line."""
+    return base64.b64encode("".join(f + "\0" for f in fields).encode()).decode()
+
+
+ENTRIES = "@entries " + b64(
+    "d\t4096\tllama",
+    "f\t10\tllama/config.json",
+    "f\t1000\tllama/model-00001-of-00002.safetensors",
+    "f\t1000\tllama/model-00002-of-00002.safetensors",
+    "f\t100\tllama/model.safetensors.index.json",
+    "d\t4096\tbig",
+    "f\t1000\tbig/model-00001-of-00002.safetensors.incomplete",
+)
+SHARDS = "@shards " + b64("llama", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
 def output(*, faulty: int | None = None, ib_state: str = "4: ACTIVE", unit_active: bool = False) -> str:
     uuids = [line.split(", ")[1] for line in strip("nvidia-smi_query-gpu_h100-sxm-x8.csv").splitlines()]
     unit = "llmgw-llama-0.service"
@@ -86,15 +108,8 @@ flags\t\t: fpu sse avx avx2 fma
 @@ weights
 @dir /data/models
 @free_kib 1048576
-d\t4096\tllama
-f\t10\tllama/config.json
-f\t1000\tllama/model-00001-of-00002.safetensors
-f\t1000\tllama/model-00002-of-00002.safetensors
-f\t100\tllama/model.safetensors.index.json
-@shard\tllama\tmodel-00001-of-00002.safetensors
-@shard\tllama\tmodel-00002-of-00002.safetensors
-d\t4096\tbig
-f\t1000\tbig/model-00001-of-00002.safetensors.incomplete
+{ENTRIES}
+{SHARDS}
 @@ engines
 @engine /opt/vllm/bin/vllm found
 @@ units
@@ -246,3 +261,68 @@ def test_health_query_refused_by_old_driver_changes_nothing() -> None:
         "@@ topo", '@@ gpuhealth\nField "remapped_rows.pending" is not a valid field to query.\n@@ topo'
     )
     assert all(g.health is GpuHealth.healthy for g in parse_probe(SPEC.nodes[0], text).gpus)
+
+
+# --- one node's bad output is that node's error ---------------------------------------
+
+LOCAL = parse_cluster(
+    """\
+cluster: {name: t}
+nodes:
+  - {name: a, address: 127.0.0.1, connection: local}
+  - {name: b, address: 127.0.0.2, connection: local}
+profiles:
+  vllm: {engine: vllm, command: [/opt/vllm/bin/vllm, serve]}
+models: []
+"""
+)
+
+
+def gather_with_outputs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, outputs: dict[str, str]) -> Snapshot:
+    """Gather over real local shells, each node's script printing the given output."""
+    for name, text in outputs.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(
+        "llmgw_cli.remote.probe.probe_script", lambda _spec, node: f"cat {tmp_path / node.name}\n"
+    )
+    return asyncio.run(gather(LOCAL, tmp_path))
+
+
+GOOD = "@@ host\nclock 5.0\n@@ units\nId=llmgw-x-0.service\nActiveState=active\n@@ end\n"
+
+
+def test_a_node_whose_output_stops_early_is_not_a_node_without_units(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    snap = gather_with_outputs(
+        monkeypatch, tmp_path, {"a": "@@ host\nclock 5.0\n@@ weights\n@dir /d\n", "b": GOOD}
+    )
+    a, b = snap.node("a"), snap.node("b")
+    assert a.error_kind == "bad-output" and a.error is not None and "ended early" in a.error
+    assert b.error is None and [u.name for u in b.units] == ["llmgw-x-0.service"]
+
+
+def test_forged_sections_on_one_node_fail_that_node_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    forged = GOOD.replace("@@ end", "@@ units\nId=llmgw-forged-0.service\nActiveState=active\n@@ end")
+    snap = gather_with_outputs(monkeypatch, tmp_path, {"a": forged, "b": GOOD})
+    a, b = snap.node("a"), snap.node("b")
+    assert a.error_kind == "bad-output" and a.units == ()
+    assert b.error is None and [u.name for u in b.units] == ["llmgw-x-0.service"]
+
+
+def test_a_surprise_while_parsing_one_node_leaves_the_others(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    real = parse_probe
+
+    def parse(node: Node, text: str) -> NodeFacts:
+        if node.name == "a":
+            raise RuntimeError("boom")
+        return real(node, text)
+
+    monkeypatch.setattr("llmgw_cli.remote.probe.parse_probe", parse)
+    snap = gather_with_outputs(monkeypatch, tmp_path, {"a": GOOD, "b": GOOD})
+    assert snap.node("a").error_kind == "bad-output" and "boom" in (snap.node("a").error or "")
+    assert snap.node("b").error is None

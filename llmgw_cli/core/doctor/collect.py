@@ -6,6 +6,8 @@ parser, the ``doctor-*`` sections here.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 
 from llmgw_cli.core.doctor.facts import Disk, DoctorFacts, GpuFabric, Limit, Listener
@@ -14,7 +16,10 @@ from llmgw_cli.core.parse.systemctl import parse_show
 from llmgw_cli.core.render import render
 from llmgw_cli.core.spec import ClusterSpec, Node
 
-_USERS = re.compile(r'\(\("([^"]*)",pid=(\d+)')
+# Greedy up to the last ``",pid=N,fd=N))``: the pid ss prints after the last name is the
+# kernel's, whatever a name holds (a name may itself read ``x",pid=1,fd=1)``).
+_USERS = re.compile(r'users:\(\("(.*)",pid=([0-9]+),fd=[0-9]+\)\)', re.S)
+_USERS_DONE = re.compile(r"pid=[0-9]+,fd=[0-9]+\)\)")
 UNLIMITED_BYTES = 2**64 - 1  # what systemctl shows for infinity on some versions
 
 
@@ -29,7 +34,7 @@ def parse_limit(value: str, unit: int = 1) -> Limit | None:
     value = value.strip()
     if value in ("unlimited", "infinity"):
         return "unlimited"
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         number = int(value) * unit
         return "unlimited" if number >= UNLIMITED_BYTES else number
     return None
@@ -82,7 +87,7 @@ def _fabric_manager(text: str) -> str | None:
 
 def _port(address: str) -> tuple[str, int] | None:
     host, _, port = address.rpartition(":")
-    return (host, int(port)) if port.isdigit() else None
+    return (host, int(port)) if port.isascii() and port.isdigit() else None
 
 
 def _proc_net_tcp(lines: list[str]) -> list[Listener]:
@@ -96,35 +101,59 @@ def _proc_net_tcp(lines: list[str]) -> list[Listener]:
     return found
 
 
+def _ss_records(blob: str) -> list[str]:
+    """The listeners of ``ss -Htlnp``, one record each, from its base64-encoded output.
+
+    A process name may hold a newline, so a line does not always start a record: a record
+    whose ``users:((`` part has not yet reached its closing ``pid=N,fd=N))`` continues on
+    the next line. A forged line would need a name of ``pid=1,fd=1))``, a newline and a
+    whole ``LISTEN ...`` line, longer than the 15 bytes the kernel keeps of a name."""
+    try:
+        text = base64.b64decode(blob.strip(), validate=True).decode("utf-8", "replace")
+    except (binascii.Error, ValueError):
+        return []
+    records: list[str] = []
+    for line in text.split("\n"):
+        if records and "users:((" in records[-1] and not _USERS_DONE.search(records[-1]):
+            records[-1] += "\n" + line
+        else:
+            records.append(line)
+    return records
+
+
 def parse_listeners(text: str) -> tuple[tuple[Listener, ...], bool]:
-    """Listening TCP sockets from ``ss -Htlnp`` (or ``/proc/net/tcp`` after ``@proc``), each
-    with its process and systemd unit where ``ss`` could name them; and whether the list
-    could be read at all."""
-    lines = text.splitlines()
+    """Listening TCP sockets from ``ss -Htlnp`` (base64 after ``@ss``, or ``/proc/net/tcp``
+    after ``@proc``), each with its process and systemd unit where ``ss`` could name them;
+    and whether the list could be read at all."""
+    lines = text.split("\n")
     if "@unknown" in lines:
         return (), False
     if "@proc" in lines:
         return tuple(_proc_net_tcp(lines)), True
     units: dict[int, str | None] = {}
+    records: list[str] = []
     for line in lines:
         if line.startswith("@unit "):
-            _, number, *unit = line.split()
-            units[int(number)] = unit[0] if unit else None
+            _, number, *unit = line.split(" ")
+            if number.isascii() and number.isdigit():
+                units[int(number)] = unit[0] if unit and unit[0] else None
+        elif line.startswith("@ss "):
+            records.extend(_ss_records(line[4:]))
     found = []
-    for line in lines:
-        parts = line.split()
+    for record in records:
+        parts = record.split()
         if len(parts) < 4 or parts[0] != "LISTEN":
             continue
         local = _port(parts[3])
         if local is None:
             continue
-        users = _USERS.search(line)
+        users = _USERS.search(record)
         pid = int(users.group(2)) if users else None
         found.append(
             Listener(
                 address=local[0],
                 port=local[1],
-                process=users.group(1) if users else "",
+                process=users.group(1).split('",pid=', 1)[0] if users else "",
                 pid=pid,
                 unit=units.get(pid) if pid is not None else None,
             )
@@ -137,7 +166,7 @@ def _disks(text: str) -> tuple[Disk, ...]:
     for line in text.splitlines():
         path, _, sizes = line.partition("\t")
         numbers = sizes.split()
-        if len(numbers) == 2 and all(n.isdigit() for n in numbers):
+        if len(numbers) == 2 and all(n.isascii() and n.isdigit() for n in numbers):
             disks.append(
                 Disk(path=path, total_bytes=int(numbers[0]) * 1024, free_bytes=int(numbers[1]) * 1024)
             )
@@ -152,8 +181,12 @@ def _clock(text: str) -> float | None:
 
 
 def parse_doctor(node: str, text: str) -> DoctorFacts:
-    """DoctorFacts from the script's output (the probe's sections are ignored here)."""
-    sections = split_sections(text)
+    """DoctorFacts from the script's output (the probe's sections are ignored here). Output
+    the probe's parser refuses (a section printed twice) gives nothing to check."""
+    try:
+        sections = split_sections(text)
+    except ValueError:
+        return DoctorFacts(node=node)
     soft, hard, units = _memlock(sections.get("doctor-memlock", ""))
     listeners, known = parse_listeners(sections.get("doctor-listen", "@unknown"))
     return DoctorFacts(

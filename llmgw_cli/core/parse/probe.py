@@ -5,6 +5,9 @@ One script per node, one round trip: the sections below each feed a parser of th
 
 from __future__ import annotations
 
+import base64
+import binascii
+import math
 from collections import defaultdict
 
 from llmgw_cli.core.facts import Cpu, Engine, GpuHealth, NodeFacts, WeightsDir
@@ -35,31 +38,73 @@ def probe_script(spec: ClusterSpec, node: Node) -> str:
 
 
 def split_sections(text: str) -> dict[str, str]:
-    sections: dict[str, list[str]] = defaultdict(list)
-    current = ""
-    for line in text.splitlines():
+    """``{name: body}`` of the ``@@ NAME`` sections.
+
+    Lines are split on ``\n`` only, as the shell wrote them (``str.splitlines`` would also
+    split on form feeds, ``\x1c``-``\x1e``, ``\x85`` and U+2028, any of which a name can
+    hold). The script prints each section once: a second header can only be forged, so it
+    is a ValueError (the node's error), never a second source of units or labels."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.split("\n"):
         if line.startswith("@@ "):
-            current = line[3:].strip()
-            sections.setdefault(current, [])  # an empty section still exists
-        elif current:
-            sections[current].append(line)
-    return {name: "\n".join(lines) for name, lines in sections.items()}
+            name = line[3:].strip()
+            if name in sections:
+                raise ValueError(f"section {name!r} printed twice")
+            current = sections[name] = []
+        elif current is not None:
+            current.append(line)
+    return {name: "\n".join(lines).strip("\n") for name, lines in sections.items()}
+
+
+def complete(text: str, last: str = "end") -> bool:
+    """Whether the output reached its closing ``@@ {last}`` line: a cut-off output (a lost
+    connection, a killed script) must not read as "no units are running"."""
+    return f"@@ {last}" in text.split("\n")
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _host(text: str) -> tuple[float | None, int | None, int | None]:
     clock = total = available = None
-    for line in text.splitlines():
+    for line in text.split("\n"):
         parts = line.split()
-        if parts[:1] == ["clock"] and len(parts) > 1:
-            try:
-                clock = float(parts[1])
-            except ValueError:
-                clock = None
-        elif parts[:1] == ["MemTotal:"] and len(parts) > 1:
+        if len(parts) < 2:
+            continue
+        if parts[0] == "clock":
+            clock = _number(parts[1])
+        elif parts[0] == "MemTotal:" and parts[1].isascii() and parts[1].isdigit():
             total = int(parts[1])
-        elif parts[:1] == ["MemAvailable:"] and len(parts) > 1:
+        elif parts[0] == "MemAvailable:" and parts[1].isascii() and parts[1].isdigit():
             available = int(parts[1])
     return clock, total, available
+
+
+def _fields(blob: str) -> list[str] | None:
+    """The NUL-separated fields of one base64 line; None when it is not valid base64."""
+    try:
+        raw = base64.b64decode(blob.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    fields = raw.decode("utf-8", "replace").split("\0")
+    return fields[:-1] if fields and fields[-1] == "" else fields
+
+
+def _entries(blob: str) -> list[tuple[str, int, str]]:
+    """``find -printf '%y\\t%s\\t%P\\0'`` records; a malformed record is skipped."""
+    entries = []
+    for record in _fields(blob) or []:
+        kind, _, rest = record.partition("\t")
+        size, sep, rel = rest.partition("\t")
+        if sep and len(kind) == 1 and size.isascii() and size.isdigit() and rel:
+            entries.append((kind, int(size), rel))
+    return entries
 
 
 def _weights(text: str, node: Node) -> tuple[WeightsDir, ...]:
@@ -84,28 +129,30 @@ def _weights(text: str, node: Node) -> tuple[WeightsDir, ...]:
                 )
             )
 
-    for line in text.splitlines():
+    for line in text.split("\n"):
         if line.startswith("@dir "):
             flush()
             current, entries, shards, free, present = line[5:], [], defaultdict(set), None, True
+        elif current is None:
+            continue
         elif line == "@absent":
             present = False
         elif line.startswith("@free_kib "):
             value = line[10:].strip()
-            free = int(value) * 1024 if value.isdigit() else None
-        elif line.startswith("@shard\t"):
-            _, model, shard = line.split("\t", 2)
-            shards[model].add(shard)
-        elif line.count("\t") >= 2:
-            kind, size, rel = line.split("\t", 2)
-            entries.append((kind, int(size) if size.isdigit() else 0, rel))
+            free = int(value) * 1024 if value.isascii() and value.isdigit() else None
+        elif line.startswith("@entries "):
+            entries.extend(_entries(line[9:]))
+        elif line.startswith("@shards "):
+            fields = _fields(line[8:])
+            if fields and fields[0] and "/" not in fields[0]:
+                shards[fields[0]].update(f for f in fields[1:] if f)
     flush()
     return tuple(dirs)
 
 
 def _engines(text: str) -> tuple[Engine, ...]:
     engines: list[Engine] = []
-    for line in text.splitlines():
+    for line in text.split("\n"):
         if line.startswith("@engine "):
             path, _, state = line[8:].rpartition(" ")
             engines.append(Engine(path=path, found=state == "found"))
@@ -115,18 +162,42 @@ def _engines(text: str) -> tuple[Engine, ...]:
     return tuple(engines)
 
 
+_UNIT_DIR = "/etc/systemd/system/"
+
+
 def _labels(text: str) -> dict[str, dict[str, str]]:
+    """``grep -H`` lines ``/etc/systemd/system/UNIT:X-Llmgw-KEY=VALUE``; anything else is
+    not a label and is skipped."""
     labels: dict[str, dict[str, str]] = defaultdict(dict)
-    for line in text.splitlines():
+    for line in text.split("\n"):
         path, sep, rest = line.partition(":")
+        unit = path.removeprefix(_UNIT_DIR)
         key, eq, value = rest.partition("=")
-        if sep and eq:
-            labels[path.rsplit("/", 1)[-1]][key.removeprefix("X-Llmgw-")] = value
+        if sep and eq and path.startswith(_UNIT_DIR) and "/" not in unit and key.startswith("X-Llmgw-"):
+            labels[unit][key.removeprefix("X-Llmgw-")] = value
     return dict(labels)
 
 
+BAD_OUTPUT = "bad-output"
+"""``NodeFacts.error_kind`` of a node whose probe output could not be read."""
+
+
 def parse_probe(node: Node, text: str) -> NodeFacts:
-    """NodeFacts from the probe script's output."""
+    """NodeFacts from the probe script's output. Output that cannot be read is this node's
+    error (``error_kind`` ``bad-output``), never an exception that would take the other
+    nodes of a gather down with it."""
+    try:
+        return _parse(node, text)
+    except (ValueError, LookupError, TypeError, ArithmeticError) as exc:  # pydantic's errors are ValueErrors
+        reason = str(exc).split("\n", 1)[0][:200]
+        return NodeFacts(
+            node=node.name,
+            error=f"probe output unreadable ({type(exc).__name__}: {reason})",
+            error_kind=BAD_OUTPUT,
+        )
+
+
+def _parse(node: Node, text: str) -> NodeFacts:
     sections = split_sections(text)
     clock, total, available = _host(sections.get("host", ""))
     gpu_text = sections.get("gpus", "")
@@ -138,12 +209,13 @@ def parse_probe(node: Node, text: str) -> NodeFacts:
         else g
         for g in gpus
     ]
-    if "@missing" in gpu_text:
+    gpu_lines = gpu_text.split("\n")
+    if "@missing" in gpu_lines:
         tool = "missing"
-    elif "@rc 0" in gpu_text or gpus:
+    elif "@rc 0" in gpu_lines or gpus:
         tool = "ok"
     else:
-        tool = "failed: " + (gpu_text.splitlines()[0] if gpu_text else "no output")
+        tool = "failed: " + (gpu_lines[0] if gpu_text else "no output")
     cpu = parse_cpuinfo(sections.get("cpu", ""))
     return NodeFacts(
         node=node.name,

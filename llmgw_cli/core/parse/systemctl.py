@@ -25,7 +25,8 @@ def parse_show(text: str) -> list[dict[str, str]]:
 
 
 def _int(value: str | None) -> int | None:
-    return int(value) if value is not None and value.lstrip("-").isdigit() else None
+    digits = (value or "").removeprefix("-")
+    return int(value) if value is not None and digits.isascii() and digits.isdigit() else None
 
 
 def unit_state(block: dict[str, str]) -> UnitState:

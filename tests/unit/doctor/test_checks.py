@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 from llmgw_cli.core.doctor import Finding, Severity, diagnose
 from llmgw_cli.core.doctor.checks import (
     check_cpu,
@@ -182,16 +184,23 @@ def test_present_weights_folder_with_room_gives_no_finding() -> None:
 
 # --- ports --------------------------------------------------------------------------
 
-SS = """\
+SS_LINES = """\
 LISTEN 0      4096         0.0.0.0:22        0.0.0.0:*    users:(("sshd",pid=700,fd=3))
 LISTEN 0      511          0.0.0.0:8150      0.0.0.0:*    users:(("nginx",pid=812,fd=6))
 LISTEN 0      511             [::]:8150         [::]:*    users:(("nginx",pid=812,fd=7))
 LISTEN 0      128          0.0.0.0:8200      0.0.0.0:*    users:(("llama-server",pid=900,fd=3))
 LISTEN 0      128                *:8210            *:*
 LISTEN 0      128                *:8220            *:*
-@unit 700 ssh.service
-@unit 812 nginx.service
-@unit 900 llmgw-llama-0.service"""
+"""
+UNITS = "@unit 700 ssh.service\n@unit 812 nginx.service\n@unit 900 llmgw-llama-0.service"
+
+
+def listen_section(ss_lines: str) -> str:
+    """The doctor-listen section as the script prints it: ss's output base64-encoded on one line."""
+    return f"@ss {base64.b64encode(ss_lines.encode()).decode()}\n{UNITS}"
+
+
+SS = listen_section(SS_LINES)
 
 
 def test_port_in_a_profile_range_taken_by_another_program_is_an_error() -> None:
@@ -211,8 +220,12 @@ def test_port_in_a_profile_range_taken_by_another_program_is_an_error() -> None:
 
 def test_ports_outside_the_ranges_or_held_by_our_replicas_give_no_finding() -> None:
     s = spec()
-    ours = "\n".join(
-        line for line in SS.splitlines() if "8150" not in line and "8210" not in line and "8220" not in line
+    ours = listen_section(
+        "\n".join(
+            line
+            for line in SS_LINES.splitlines()
+            if "8150" not in line and "8210" not in line and "8220" not in line
+        )
     )
     assert check_ports(s, s.node("gpu1"), collected(s, doctor_listen=ours)) == []
 
