@@ -75,7 +75,8 @@ class TemplateError(LlmgwError):
 
 class NodeError(LlmgwError):
     """Talking to one node failed. ``kind`` is one of: unreachable, auth, hostkey-changed,
-    hostkey-unknown, timeout, command-missing, sudo, failed."""
+    hostkey-unknown, timeout, command-missing, sudo, failed, bad-output (the node's probe
+    output was cut off or not in the probe's format)."""
 
     def __init__(self, node: str, kind: str, reason: str) -> None:
         self.node, self.kind, self.reason = node, kind, reason

@@ -36,6 +36,9 @@ UNREACHABLE_FIX = {
     "remove its old line from known_hosts",
     "timeout": "the node answers too slowly; check its load, or raise ssh.command_timeout",
     "sudo": "give the login user passwordless sudo (NOPASSWD) or log in as root",
+    "bad-output": "the node's probe output was cut off or not in the probe's format: check that "
+    "the node has GNU coreutils (base64, dd) and findutils (find -printf), and that nothing on "
+    "the node kills the login shell early",
 }
 
 
