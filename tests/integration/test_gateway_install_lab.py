@@ -1,6 +1,7 @@
 """`apply` installs the gateway on the gateway host as llmgw-gateway.service (real systemd
-on a lab node): it runs as the llmgw account, reaches the nodes with the SSH key it gets
-as a systemd credential, and serves the replicas apply started. A second apply changes
+on a lab node): it runs as its own account, llmgw-gateway, reaches the nodes with its own
+SSH key (made on that host; the nodes let it run their helper only), and serves the
+replicas apply started. A second apply changes
 nothing; a changed cluster file is a reload, not a restart."""
 
 from __future__ import annotations
@@ -64,13 +65,13 @@ def test_apply_installs_and_updates_the_gateway(lab: Lab, clean: None, tmp_path:
     props = unit_props(lab, "node02", "llmgw-gateway.service")
     assert props["ActiveState"] == "active"
     user = lab.ssh("node02", f"ps -o user= -p {props['MainPID']}").stdout.strip()
-    assert user == "llmgw"
-    modes = lab.ssh("node02", f"stat -c '%n %a %U:%G' {GATEWAY_FILES}/ssh-key").stdout
-    assert modes.split() == [f"{GATEWAY_FILES}/ssh-key", "640", "root:llmgw"]
+    assert user == "llmgw-gateway"
+    modes = lab.ssh("node02", f"stat -c '%n %a %U' {GATEWAY_FILES}/id_ed25519").stdout
+    assert modes.split() == [f"{GATEWAY_FILES}/id_ed25519", "600", "llmgw-gateway"]
 
     key = lab.ssh(
         "node02",
-        f"runuser -u llmgw -- {LLMGW} keys create --name lab-user -f {GATEWAY_FILES}/cluster.yaml",
+        f"runuser -u llmgw-gateway -- {LLMGW} keys create --name lab-user -f {GATEWAY_FILES}/cluster.yaml",
     )
     assert key.returncode == 0, key.stderr
     client = openai.OpenAI(

@@ -124,6 +124,10 @@ def _serve(
     reset(lab)
     port, admin_port, metrics_port = free_port(), free_port(), free_port()
     cluster = _cluster(lab, tmp_path, (port, admin_port, metrics_port), models, **gateway)
+    # apply starts nothing here (every model is on demand) but gives the gateway its own
+    # key and the node its helper: the gateway starts and stops replicas with that key only.
+    applied = run("apply", "-f", str(cluster), "--yes")
+    assert applied.returncode == 0, applied.stdout + applied.stderr
     current = lab.ssh("node01", "cat /etc/llmgw/engine.env 2>/dev/null").stdout
     engine_env = tmp_path / "engine.env"
     engine_env.write_text(current or f"LLMGW_ENGINE_KEY={secrets.token_hex(32)}\n")
@@ -133,6 +137,7 @@ def _serve(
     procs: list[subprocess.Popen[bytes]] = []
     argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(cluster)]
     argv += ["--engine-key-file", str(engine_env), "--health-every", "0.5", "--flush-every", "0.5"]
+    argv += ["--identity-file", str(tmp_path / "state/ssh-key")]
 
     def start() -> None:
         with log.open("ab") as out:

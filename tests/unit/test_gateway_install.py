@@ -5,7 +5,8 @@ from __future__ import annotations
 from llmgw_cli.core.gateway_install import (
     CLUSTER_FILE,
     KNOWN_HOSTS,
-    SSH_KEY,
+    GATEWAY_ACCOUNT,
+    GATEWAY_KEY,
     UNIT_FILE,
     gateway_change,
     gateway_files,
@@ -15,10 +16,8 @@ from llmgw_cli.core.load import parse_cluster
 TEXT = "cluster: {name: c}\ngateway: {host: localhost}\n"
 
 
-def files(text: str = TEXT, key: str = "KEY", llmgw_bin: str = "/usr/local/bin/llmgw"):  # type: ignore[no-untyped-def]
-    return gateway_files(
-        parse_cluster(text), cluster_text=text, llmgw_bin=llmgw_bin, ssh_key=key, known_hosts="h k\n"
-    )
+def files(text: str = TEXT, known: str = "h k\n", llmgw_bin: str = "/usr/local/bin/llmgw"):  # type: ignore[no-untyped-def]
+    return gateway_files(parse_cluster(text), cluster_text=text, llmgw_bin=llmgw_bin, known_hosts=known)
 
 
 def on_host(found) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -27,14 +26,16 @@ def on_host(found) -> dict[str, str]:  # type: ignore[no-untyped-def]
 
 def test_the_files_and_the_unit_that_uses_them() -> None:
     found = {f.path: f for f in files()}
-    assert set(found) == {CLUSTER_FILE, SSH_KEY, KNOWN_HOSTS, UNIT_FILE}
-    assert found[SSH_KEY].mode == 0o640 and found[SSH_KEY].secret
+    # No private key travels: the gateway's own is made on its host, the operator's stays home.
+    assert set(found) == {CLUSTER_FILE, KNOWN_HOSTS, UNIT_FILE}
+    assert not any(f.secret or "PRIVATE KEY" in f.text for f in found.values())
     assert found[CLUSTER_FILE].text == TEXT  # the operator's file, comments and all
     unit = found[UNIT_FILE].text
-    assert (
-        f"ExecStart=/usr/local/bin/llmgw gateway run -f {CLUSTER_FILE} --identity-file {SSH_KEY} "
-        f"--known-hosts {KNOWN_HOSTS}\n" in unit
-    )
+    (exec_start,) = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
+    assert exec_start.startswith(f"ExecStart=/usr/local/bin/llmgw gateway run -f {CLUSTER_FILE} ")
+    assert f" --identity-file {GATEWAY_KEY} " in exec_start
+    assert exec_start.endswith(f" --known-hosts {KNOWN_HOSTS}")
+    assert f"User={GATEWAY_ACCOUNT}\n" in unit and GATEWAY_ACCOUNT != "llmgw"
     assert "PrivateTmp=yes" in unit
     under_tmp = {f.path: f for f in files(llmgw_bin="/tmp/x/bin/llmgw")}[UNIT_FILE].text
     assert "PrivateTmp=yes" not in under_tmp and "ReadWritePaths=/tmp\n" in under_tmp
@@ -56,9 +57,9 @@ def test_a_changed_cluster_file_is_a_reload_unless_listeners_moved() -> None:
     assert gateway_change(changed, current, active=False, listeners_changed=False).how == "restart"
 
 
-def test_a_new_key_or_a_fresh_host_restarts() -> None:
+def test_new_host_keys_or_a_fresh_host_restarts() -> None:
     current = on_host(files())
-    new_key = gateway_change(files(key="OTHER"), current, active=True, listeners_changed=False)
-    assert new_key.how == "restart" and [f.path for f in new_key.write] == [SSH_KEY]
+    new_known = gateway_change(files(known="h2 k2\n"), current, active=True, listeners_changed=False)
+    assert new_known.how == "restart" and [f.path for f in new_known.write] == [KNOWN_HOSTS]
     fresh = gateway_change(files(), {}, active=False, listeners_changed=True)
-    assert fresh.how == "restart" and len(fresh.write) == 4
+    assert fresh.how == "restart" and len(fresh.write) == 3

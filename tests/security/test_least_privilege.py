@@ -1,0 +1,188 @@
+"""The gateway holds no key that is root on a node: after `apply` installs it on a lab node
+(real sshd, real systemd, real sudo), its own key logs in to the nodes only as
+``llmgw-gateway`` and only reaches the node helper, which refuses anything outside its
+verbs; neither the gateway's account nor the engines' account can read a key that logs in
+as root; and the gateway still starts an on-demand model with that key alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from tests.integration.conftest import Lab
+from tests.integration.lab_helpers import reset, run
+
+pytestmark = pytest.mark.integration
+
+LLMGW = f"{sys.prefix}/bin/llmgw"
+GATEWAY_FILES = "/etc/llmgw/gateway"
+GATEWAY_KEY = f"{GATEWAY_FILES}/id_ed25519"
+STATE = "/var/lib/llmgw-gw"
+HOST = "node02"  # the gateway host, itself a node
+CLEAN = (
+    "systemctl disable --now llmgw-gateway 2>/dev/null; rm -rf /etc/systemd/system/llmgw-gateway.service "
+    f"{GATEWAY_FILES} {STATE}; systemctl daemon-reload; true"
+)
+HOSTILE_UNIT = """[Unit]
+Description=not a replica
+[Service]
+Type=exec
+User={user}
+{extra}ExecStart={program} serve
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+@dataclass
+class Installed:
+    cluster: Path
+    key: Path  # a copy of the gateway's private key, taken off the gateway host by the test
+    known_hosts: Path
+    address: dict[str, str]
+
+    def as_key(self, user: str, node: str, command: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        """``ssh -i <the gateway's key> user@node command``: that key and no other."""
+        return subprocess.run(
+            ["ssh", "-F", "/dev/null", "-i", str(self.key), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+             "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "StrictHostKeyChecking=yes",
+             "-o", "ConnectTimeout=10", f"{user}@{self.address[node]}", command],
+            input=stdin, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+
+def _cluster(lab: Lab, folder: Path) -> Path:
+    data = yaml.safe_load(lab.cluster_file.read_text())
+    data["gateway"] = {
+        "host": HOST,
+        "listen": "0.0.0.0:8080",
+        "admin_listen": "127.0.0.1:9090",
+        "state_dir": STATE,
+        "llmgw_bin": LLMGW,
+        "load_wait": "20s",
+    }
+    path = folder / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def installed(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    folder = tmp_path_factory.mktemp("least-privilege")
+    reset(lab)
+    lab.ssh(HOST, CLEAN)
+    cluster = _cluster(lab, folder)
+    applied = run("apply", "-f", str(cluster), "--yes")
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    key = folder / "gateway-key"
+    key.write_text(lab.ssh(HOST, f"cat {GATEWAY_KEY}").stdout)
+    key.chmod(0o600)
+    try:
+        yield Installed(cluster, key, lab.known_hosts, {n.name: n.ip for n in lab.nodes})
+    finally:
+        lab.ssh(HOST, CLEAN)
+        reset(lab)
+
+
+def test_gateway_key_reaches_only_the_helper_as_llmgw_gateway(installed: Installed) -> None:
+    # The key works: the helper answers its own verbs...
+    date = installed.as_key("llmgw-gateway", "node01", "date")
+    assert date.returncode == 0 and date.stdout.strip().isdigit(), date.stderr
+    # ...and nothing else: no shell, no other command, whatever the command line says.
+    for command in ("id", "sh -c id", "cat /etc/shadow", "date; id", "/bin/bash -i"):
+        done = installed.as_key("llmgw-gateway", "node01", command)
+        assert done.returncode != 0, (command, done.stdout)
+        assert "node-helper: refused" in done.stderr, (command, done.stderr)
+        assert "uid=" not in done.stdout
+    # sshd itself turns the key away for root (and any account but llmgw-gateway).
+    for user in ("root", "llmgw"):
+        denied = installed.as_key(user, "node01", "true")
+        assert denied.returncode == 255 and "Permission denied" in denied.stderr, (user, denied.stderr)
+
+
+def test_helper_refuses_units_that_would_run_something_else(lab: Lab, installed: Installed) -> None:
+    attacks = {
+        "root-prefix": HOSTILE_UNIT.format(
+            user="llmgw", extra="ExecStartPre=+/bin/sh -c 'touch /owned'\n", program="/opt/vllm/bin/vllm"
+        ),
+        "as-root": HOSTILE_UNIT.format(user="root", extra="", program="/opt/vllm/bin/vllm"),
+        "other-program": HOSTILE_UNIT.format(user="llmgw", extra="", program="/bin/sh"),
+    }
+    for name, text in attacks.items():
+        unit = f"llmgw-{name}-0.service"
+        done = installed.as_key("llmgw-gateway", "node01", f"write-unit {unit}", stdin=text)
+        assert done.returncode != 0 and "node-helper: refused" in done.stderr, (name, done.stderr)
+        assert lab.ssh("node01", f"test -e /etc/systemd/system/{unit}").returncode == 1, name
+    assert lab.ssh("node01", "test -e /owned").returncode == 1
+    stop = installed.as_key("llmgw-gateway", "node01", "stop ssh.service")
+    assert stop.returncode != 0 and "node-helper: refused" in stop.stderr
+    assert lab.ssh("node01", "systemctl is-active ssh sshd | grep -c '^active'").stdout.strip() == "1"
+
+
+def test_no_account_on_the_gateway_host_reads_a_root_key(lab: Lab, installed: Installed) -> None:
+    # The operator's key was never copied: no file on the gateway host holds it.
+    operator_key = lab.key.read_text().strip().splitlines()[1]  # a line of its base64 body
+    found = lab.ssh(HOST, f"grep -rlF -e '{operator_key}' /etc /var/lib /root /home 2>/dev/null; true")
+    assert found.stdout.strip() == "", found.stdout
+    listing = lab.ssh(HOST, f"find {GATEWAY_FILES} {STATE} -type f").stdout.split()
+    assert GATEWAY_KEY in listing and f"{GATEWAY_FILES}/ssh-key" not in listing
+    # Every private key the gateway's account can read is its own, which root refuses.
+    for path in listing:
+        body = lab.ssh(HOST, f"runuser -u llmgw-gateway -- cat {path} 2>/dev/null")
+        if "PRIVATE KEY" in body.stdout:
+            assert path == GATEWAY_KEY, path
+    # The engines' account (models' code runs as it) cannot read the gateway's key.
+    engines = lab.ssh(HOST, f"runuser -u llmgw -- cat {GATEWAY_KEY}")
+    assert engines.returncode != 0 and "PRIVATE KEY" not in engines.stdout
+    modes = lab.ssh(HOST, f"stat -c '%a %U' {GATEWAY_KEY}").stdout.split()
+    assert modes == ["600", "llmgw-gateway"]
+    pid = lab.ssh(HOST, "systemctl show -p MainPID --value llmgw-gateway").stdout.strip()
+    assert lab.ssh(HOST, f"ps -o user= -p {pid}").stdout.strip() == "llmgw-gateway"
+
+
+def test_on_demand_start_through_the_restricted_key(lab: Lab, installed: Installed) -> None:
+    model = "qwen2.5-7b-instruct"  # min 0 in the lab's cluster file: started at its first request
+    assert lab.ssh("node01", "ls /etc/systemd/system | grep -c qwen; true").stdout.strip() in ("", "0")
+    key = lab.ssh(
+        HOST,
+        f"runuser -u llmgw-gateway -- {LLMGW} keys create --name lab-user -f {GATEWAY_FILES}/cluster.yaml",
+    )
+    assert key.returncode == 0, key.stderr
+    client = openai.OpenAI(
+        base_url=f"http://{installed.address[HOST]}:8080/v1",
+        api_key=key.stdout.strip(),
+        max_retries=0,
+        timeout=60,
+    )
+    deadline = time.monotonic() + 150
+    try:
+        while True:
+            try:
+                reply = client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=6
+                )
+                break
+            except (openai.AuthenticationError, openai.APIStatusError, openai.APIConnectionError):
+                assert time.monotonic() < deadline, lab.ssh(
+                    HOST, "journalctl -u llmgw-gateway --no-pager -o cat | grep -v '^{' | tail -30"
+                ).stdout
+                time.sleep(2)
+        assert reply.choices[0].message.content
+    finally:
+        client.close()
+    # The gateway wrote the unit through the helper: as the engines' account, nothing refused.
+    users = [
+        lab.ssh(n.name, "grep -h '^User=' /etc/systemd/system/llmgw-qwen2.5-7b-instruct-*.service").stdout
+        for n in lab.nodes
+    ]
+    assert "".join(users).split() == ["User=llmgw"], users
+    journal = lab.ssh(HOST, "journalctl -u llmgw-gateway --no-pager -o cat").stdout
+    assert "refused" not in journal, journal[-2000:]
