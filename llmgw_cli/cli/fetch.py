@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -26,7 +27,7 @@ from llmgw_cli.cli.status import NodesOption, probe_with_progress
 from llmgw_cli.core.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, select
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import LlmgwError, UsageError
-from llmgw_cli.remote.fetch import Fetcher, FetchEvent, FetchResult
+from llmgw_cli.remote.fetch import Fetcher, FetchEvent, FetchResult, verified
 
 out = Console()
 err = Console(stderr=True)
@@ -36,8 +37,16 @@ class FetchFailed(LlmgwError):
     """Some weights could not be brought; the others were."""
 
 
-async def _run(spec: ClusterSpec, base: Path, plan: FetchPlan, token: str | None) -> list[FetchResult]:
-    """Run the plan with one progress bar per (model, node) on a terminal, lines otherwise."""
+async def _run(
+    spec: ClusterSpec,
+    base: Path,
+    plan_for: Callable[[set[tuple[str, str]]], FetchPlan],
+    held: set[tuple[str, str]],
+    token: str | None,
+) -> tuple[FetchPlan, list[FetchResult]]:
+    """Check the held files of models that pin a sha256 (a file that does not match is
+    fetched again), then run the plan with one progress bar per (model, node) on a
+    terminal, lines otherwise."""
     bars = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -64,8 +73,9 @@ async def _run(spec: ClusterSpec, base: Path, plan: FetchPlan, token: str | None
 
     fetcher = Fetcher(spec, base, on_event, token=token, hf_endpoint=os.environ.get("HF_ENDPOINT"))
     try:
+        plan = plan_for(await verified(fetcher, spec, held))
         with bars:
-            return await fetcher.run(plan)
+            return plan, await fetcher.run(plan)
     finally:
         await fetcher.close()
 
@@ -125,8 +135,15 @@ def fetch(
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     unreachable = {f.node for f in snapshot.nodes if not f.reachable}
-    plan = plan_fetch(spec, wanted, held_in_facts(spec, facts), unreachable, peers)
-    results = asyncio.run(_run(spec, file.resolve().parent, plan, os.environ.get(token_env) or None))
+    plan, results = asyncio.run(
+        _run(
+            spec,
+            file.resolve().parent,
+            lambda held: plan_fetch(spec, wanted, held, unreachable, peers),
+            held_in_facts(spec, facts),
+            os.environ.get(token_env) or None,
+        )
+    )
     out.print(_results_view(plan, results), soft_wrap=True)
     failed = [r for r in results if not r.ok] + [s for s in plan.skipped if s.reason == "unreachable"]
     if failed:

@@ -35,7 +35,6 @@ from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.spec import ClusterSpec, SourceKind
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.connect import transport_for
-from llmgw_cli.remote.nodefetch import side_files
 from llmgw_cli.remote.transport import Transport
 
 POLL_SECONDS = 0.5
@@ -194,7 +193,7 @@ class Fetcher:
     async def _serve(self, seed: str, path: str) -> tuple[str, int]:
         secret = secrets.token_urlsafe(24)
         config = {"mode": "serve", "file": path, "secret": secret, "idle": SERVE_IDLE_SECONDS}
-        out = await self._start(seed, config)
+        out = await self.call(seed, config)
         if out.get("state") != "serving":
             raise NodeError(seed, "failed", f"could not serve {path} to peers: {out}")
         address = _host(self.spec.node(seed).address)
@@ -204,13 +203,17 @@ class Fetcher:
         with contextlib.suppress(NodeError):  # else the server stops by itself once idle
             await self.transport(seed).run(f"kill {pid} 2>/dev/null", root=True)
 
-    async def _start(self, node: str, config: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, node: str, config: dict[str, Any]) -> dict[str, Any]:
+        """Run the node program with job ``config`` on ``node``; its last line, parsed."""
         result = await self.transport(node).run("python3 -", root=True, stdin=node_script(config))
         lines = result.stdout.strip().splitlines()
         if not result.ok or not lines:
             tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
             raise NodeError(node, "failed", f"python3 on the node failed: {' / '.join(tail)}")
-        data = json.loads(lines[-1])
+        try:
+            data = json.loads(lines[-1])
+        except ValueError:
+            raise NodeError(node, "failed", "the node program printed something that is not JSON") from None
         return data if isinstance(data, dict) else {}
 
     def _fail(self, model: str, node: str, source: str, message: str, kind: str) -> FetchResult:
@@ -247,23 +250,21 @@ class Fetcher:
 
     async def _follow(self, node: str, config: dict[str, Any], model: str, source: str) -> dict[str, Any]:
         """Start (or attach to) the job and poll it to its end; restart it if it dies."""
-        files = side_files(config["target"])
-        poll = f"flock -n {shlex.quote(files['lock'])} true && echo FREE; cat {shlex.quote(files['status'])}"
+        # The node program reads the lock and the status without following links: `flock`
+        # or `cat` on those paths, as root, would open whatever a planted link names.
+        poll = {"mode": "poll", "target": config["target"]}
         for _ in range(3):
-            first = await self._start(node, config)
+            first = await self.call(node, config)
             if first.get("state") in ("present", "error"):
                 return first
             unreadable, polls = 0, 0
             while True:
                 polls += 1
                 await asyncio.sleep(min(POLL_SECONDS, 0.05 * polls))  # small files end fast
-                out = await self.transport(node).run(poll, root=True)
-                free = out.stdout.startswith("FREE\n")
-                text = out.stdout.removeprefix("FREE\n")
-                try:
-                    status = json.loads(text)
-                except ValueError:
-                    status = {}
+                answer = await self.call(node, poll)
+                free = answer.get("free") is True
+                status = answer.get("status")
+                status = status if isinstance(status, dict) else {}
                 unreadable = 0 if status else unreadable + 1
                 if not status and not (free and unreadable > 10):
                     continue  # torn or not yet written: read it again
@@ -278,6 +279,27 @@ class Fetcher:
             "kind": "interrupted",
             "message": "the download on the node stopped 3 times",
         }
+
+
+async def verified(fetcher: Fetcher, spec: ClusterSpec, held: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """The ``held`` pairs that may be trusted, as the node program sees them: a regular
+    file (not a link, nothing planted beside it) and, when its model pins a sha256, one
+    that matches it (a node remembers a checked file by inode, size, mtime and ctime, so
+    only a new or changed file is hashed again). Any other is fetched again (or fails
+    with the node's reason), and replaced only by a verified download."""
+
+    async def one(model: str, node: str) -> bool:
+        sha = spec.model(model).sha256
+        target = target_path(spec.model(model), spec.node(node))
+        try:
+            out = await fetcher.call(node, {"mode": "verify", "target": target, "sha256": sha})
+        except NodeError:
+            return False
+        return out.get("state") in ("verified", "present")
+
+    pairs = sorted(held)
+    oks = await asyncio.gather(*(one(m, n) for m, n in pairs))
+    return {pair for pair, ok in zip(pairs, oks, strict=True) if ok}
 
 
 async def held_on_nodes(
@@ -300,7 +322,7 @@ async def held_on_nodes(
         return {(m, node) for m, p in pairs if p in found}
 
     sets = await asyncio.gather(*(one(n, p) for n, p in by_node.items()))
-    return set().union(*sets)
+    return await verified(fetcher, spec, set().union(*sets))
 
 
 def _progress_lines(report: Callable[[str, str], None]) -> Report:

@@ -1,24 +1,48 @@
 """Runs ON A NODE, not on the control host: download one file, or serve one to peers.
 
-Standard library only (the node has python3 and nothing of llmgw). The control host reads
-this file as text and pipes it to ``python3 -`` with one more line, ``main(<config>)``,
-so the configuration (a token included) travels on stdin, never on a command line.
+Standard library only (the node has python3 and nothing of llmgw). Its input is data, a
+JSON job: the control host pipes this file to ``python3 -`` with one more line,
+``main(<job>)``; installed on a node it runs as ``python3 nodefetch.py < job.json``. Either
+way the job (a token included) travels on stdin, never on a command line.
 
 ``fetch``: the file is written beside its target as ``<target>.part`` and renamed only
 when its size and sha256 check out, so a partial file is never visible under the final
 name. An interruption resumes with ``Range`` + ``If-Range`` (206 appends, 200 restarts
-from zero, 416 finishes or restarts; REFERENCE.md section 7). A ``flock`` on a hidden lock
-file beside the target makes concurrent fetches of one file on one node one download:
-the second caller attaches to the first one's status instead of downloading again.
+from zero, 416 finishes or restarts); a resumed file is hashed whole before the rename.
+A ``flock`` on a hidden lock file beside the target makes concurrent fetches of one file
+on one node one download: the second caller attaches to the first one's status instead of
+downloading again. An existing target is accepted only once it matches the pinned
+sha256; one that does not is downloaded again and replaced only by a verified copy.
 
 The download runs in a detached process (double fork), so it survives the control host
-going away; its progress is a small JSON status file beside the target, rewritten
-atomically twice a second, which the control host polls. Hidden files (``.name.*``) are
-ignored by the weights scan.
+going away; its progress is a small JSON status file beside the target, rewritten twice a
+second, which the control host polls (``poll``). Hidden files (``.name.*``) are ignored by
+the weights scan.
+
+``verify``: whether an existing target matches a sha256. Hashing a large file takes
+minutes, so a verified file is remembered in ``.name.fetch-verified`` together with its
+inode, size, mtime and ctime; no account but root can set a ctime back, so a changed file
+is always hashed again.
 
 ``serve``: a read-only HTTP server on an ephemeral port that answers only
 ``/<secret>/<name>`` with that one file (HEAD, GET, single ranges, If-Range), and exits
 after ``idle`` seconds without a request, or when killed. Peers copy from it.
+
+Trust: this runs as root, in folders that other accounts (the engines' account, other
+clients of a shared filer) may be able to write. Everything found there is hostile:
+
+- The folder is reached from ``/`` one component at a time (``openat``), never through a
+  symbolic link that an account other than root (or the fetcher's own) owns, and every
+  folder on the way must be owned by root, the fetcher's account or ``nobody`` (what root
+  is mapped to on a root-squashed NFS export) and not writable by group or others unless
+  sticky. Anything else is refused with the path and what to change; nothing is written.
+- Every file in the folder is opened relative to that folder's descriptor with
+  ``O_NOFOLLOW`` (a planted symbolic link fails with ELOOP) and checked after opening:
+  a regular file, owned by one of those accounts, with one link (a planted hard link to a
+  root file has two). A file is never truncated before that check.
+- Renames (``rename(2)``) replace the name itself, never a file a planted link points to.
+- A token goes only over https, and only to the scheme, host and port it was given for;
+  a redirect to plain http is refused, whatever host it names.
 """
 
 from __future__ import annotations
@@ -32,6 +56,7 @@ import json
 import os
 import re
 import ssl
+import stat
 import sys
 import threading
 import time
@@ -44,12 +69,25 @@ CHUNK = 1 << 20
 STATUS_EVERY = 0.5
 RETRIES = 5
 STATUS_SIZE = 4096
+SETTLE_SECONDS = 2.0
+NOBODY = 65534
+"""The uid root's files get on a root-squashed NFS export (``anonuid``'s default)."""
+TRUSTED_OWNERS = frozenset({0, os.geteuid(), NOBODY})
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a planted FIFO cannot hang us
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class FetchFailed(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class Unsafe(FetchFailed):
+    """Something in the weights folder (or on the way to it) that others could have planted."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unsafe", message)
 
 
 def side_files(target: str) -> dict[str, str]:
@@ -61,34 +99,195 @@ def side_files(target: str) -> dict[str, str]:
         "meta": hidden + ".fetch-meta",
         "status": hidden + ".fetch-status",
         "lock": hidden + ".fetch-lock",
+        "verified": hidden + ".fetch-verified",
     }
 
 
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+# --- the weights folder, opened without trusting it -----------------------------------
 
 
-def _write_status(path: str, data: dict[str, Any]) -> None:
-    """Rewrite the status in place, padded to a fixed size: once its block exists, a
-    full disk cannot stop the job from saying how it ended. A reader may see a torn
-    write; the control host reads it again."""
-    text = json.dumps(data).encode()
-    text += b" " * (STATUS_SIZE - len(text)) if len(text) < STATUS_SIZE else b""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+def _check_folder(st: os.stat_result, where: str) -> None:
+    if st.st_uid not in TRUSTED_OWNERS:
+        raise Unsafe(
+            f"{where} belongs to uid {st.st_uid}: the fetcher (root) writes only under folders that "
+            "root, its own account or nobody (root on a root-squashed filer) own; chown it to root"
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise Unsafe(
+            f"{where} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}) without the "
+            "sticky bit, so another account could swap what the fetcher writes; chmod go-w it"
+        )
+
+
+class _Walk:
+    """The folders from ``/`` to where a walk has come, each held open (``..`` goes back
+    to the one before, never through a path that could have changed since)."""
+
+    def __init__(self) -> None:
+        self.open: list[tuple[int, str]] = []
+        self.restart()
+
+    def restart(self) -> None:
+        self.close()
+        fd = os.open("/", _DIR_FLAGS)
+        self.open.append((fd, ""))
+        _check_folder(os.fstat(fd), "/")
+
+    def up(self) -> None:
+        if len(self.open) > 1:
+            os.close(self.open.pop()[0])
+
+    def close(self) -> None:
+        while self.open:
+            os.close(self.open.pop()[0])
+
+    def take(self) -> int:
+        """The current folder's descriptor, now the caller's; the others are closed."""
+        fd = self.open.pop()[0]
+        self.close()
+        return fd
+
+    def down(self, name: str, *, create: bool) -> str | None:
+        """Enter ``name``; returns a trusted link's text instead of entering it."""
+        fd, shown = self.open[-1]
+        where = f"{shown}/{name}"
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            if not create:
+                raise
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o755, dir_fd=fd)
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in TRUSTED_OWNERS:
+                raise Unsafe(
+                    f"{where} is a symbolic link owned by uid {st.st_uid}: the fetcher (root) does "
+                    "not follow links another account can change; make it a folder or a root-owned link"
+                )
+            return os.readlink(name, dir_fd=fd)
+        if not stat.S_ISDIR(st.st_mode):
+            raise Unsafe(f"{where} is not a folder")
+        sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        self.open.append((sub, where))
+        now = os.fstat(sub)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise Unsafe(f"{where} was replaced while the fetcher opened it")
+        _check_folder(now, where)
+        return None
+
+
+def open_folder(path: str, *, create: bool) -> int:
+    """A descriptor of folder ``path``, reached from ``/`` one component at a time without
+    following a symbolic link that an untrusted account owns. Raises Unsafe or OSError."""
+    if not path.startswith("/"):
+        raise Unsafe(f"{path!r} is not an absolute path")
+    parts = [p for p in path.split("/") if p]
+    walk = _Walk()
+    hops = 0
     try:
-        os.pwrite(fd, text, 0)
-        os.ftruncate(fd, len(text))  # drop what a longer earlier status left behind
+        while parts:
+            name = parts.pop(0)
+            if name == "..":
+                walk.up()
+            elif name != ".":
+                link = walk.down(name, create=create)
+                if link is not None:
+                    hops += 1
+                    if hops > 40:
+                        raise Unsafe(f"{path}: too many symbolic links")
+                    if link.startswith("/"):
+                        walk.restart()
+                    parts[:0] = [p for p in link.split("/") if p]
+        return walk.take()
     finally:
-        os.close(fd)
+        walk.close()
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def open_file(
+    folder: int, name: str, flags: int, where: str, *, strict: bool = True, mode: int = 0o644
+) -> int:
+    """Open ``name`` in the folder descriptor ``folder`` without following a link. ``strict``
+    (files the fetcher writes): owned by a trusted account and with one link. Else (a file
+    it only reads): a regular file, and one link unless a trusted account owns it."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        fd = os.open(name, flags | _FILE_FLAGS, mode, dir_fd=folder)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise Unsafe(
+                f"{where} is a symbolic link: the fetcher (root) never writes or reads through one; "
+                "remove it (and find out who planted it)"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        trusted = st.st_uid in TRUSTED_OWNERS
+        if not stat.S_ISREG(st.st_mode):
+            raise Unsafe(f"{where} is not a regular file; remove it")
+        if strict and not trusted:
+            raise Unsafe(f"{where} belongs to uid {st.st_uid}, not to the fetcher; remove it")
+        if st.st_nlink != 1 and (strict or not trusted):
+            raise Unsafe(f"{where} has {st.st_nlink} hard links: it may be another file's; remove it")
+        if flags & os.O_NONBLOCK == 0:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lstat(folder: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def inspect(folder: int, target: str) -> None:
+    """Refuse (before anything is written) a target or side file that is a link, not a
+    regular file, or (side files) someone else's."""
+    name = os.path.basename(target)
+    for key, path in {"target": target, **side_files(target)}.items():
+        st = _lstat(folder, os.path.basename(path))
+        if st is None:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise Unsafe(
+                f"{path} is a symbolic link: the fetcher (root) never writes or reads through one; "
+                "remove it (and find out who planted it)"
+            )
+        if not stat.S_ISREG(st.st_mode):
+            raise Unsafe(f"{path} is not a regular file; remove it")
+        if key == "target":
+            if st.st_nlink != 1 and st.st_uid not in TRUSTED_OWNERS:
+                raise Unsafe(f"{path} has {st.st_nlink} hard links and belongs to uid {st.st_uid}; remove it")
+        elif st.st_uid not in TRUSTED_OWNERS or st.st_nlink != 1:
+            raise Unsafe(
+                f"{path} belongs to uid {st.st_uid} with {st.st_nlink} link(s): not the fetcher's own "
+                f"bookkeeping of {name}; remove it"
+            )
+
+
+def _write_json(folder: int, name: str, data: dict[str, Any]) -> None:
+    """Replace ``name`` atomically: a fresh temporary file (O_EXCL) renamed over it."""
+    tmp = f"{name}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=folder)  # the name only, even when it is a link
+    fd = open_file(folder, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, tmp, mode=0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)  # replaces a link, never follows it
+
+
+def _read_json(folder: int, name: str) -> dict[str, Any]:
+    """A bookkeeping file's JSON, {} when absent or unreadable. Raises Unsafe."""
+    try:
+        fd = open_file(folder, name, os.O_RDONLY, name)
+    except FileNotFoundError:
+        return {}
+    try:
+        with os.fdopen(fd) as f:
+            data = json.loads(f.read(1 << 16))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -99,11 +298,14 @@ def _emit(data: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
+def _size(folder: int, name: str) -> int:
+    st = _lstat(folder, name)
+    return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else 0
+
+
+def _unlink(folder: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=folder)
 
 
 def _detach() -> bool:
@@ -131,19 +333,36 @@ def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, s
     if parts.scheme == "https":
         context = ssl.create_default_context()
         return http.client.HTTPSConnection(host, parts.port, timeout=timeout, context=context), path
+    if parts.scheme != "http":
+        raise FetchFailed("http", f"{url}: only https (and plain http between peers) is fetched")
     return http.client.HTTPConnection(host, parts.port, timeout=timeout), path
+
+
+def _origin(url: str) -> tuple[str, str, int]:
+    parts = urlsplit(url)
+    default = 443 if parts.scheme == "https" else 80
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or default
+
+
+def may_carry_token(first: str, url: str) -> bool:
+    """A token given for ``first`` goes to ``url`` only over https, to the same scheme,
+    host and port. Stricter than the clients people use: huggingface_hub removes the
+    Authorization header when the download URL's netloc (host:port) differs from the
+    resolve URL's (its CDN redirect); ``requests`` strips it on a redirect to another
+    host, port or scheme."""
+    return urlsplit(url).scheme == "https" and _origin(first) == _origin(url)
 
 
 def _request(
     method: str, url: str, headers: dict[str, str], auth: dict[str, str], *, follow: bool = True
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, str]:
-    """One request, following redirects by hand so the token goes only to the host it
-    was given for (huggingface_hub drops it on the CDN redirect too)."""
-    auth_host = urlsplit(url).hostname
+    """One request, following redirects by hand so the token goes only where
+    ``may_carry_token`` allows; a redirect from https to plain http is refused."""
+    first = url
     for _ in range(8):
         conn, path = _connection(url, 60.0)
         sent = dict(headers)
-        if urlsplit(url).hostname == auth_host:
+        if may_carry_token(first, url):
             sent.update(auth)
         conn.request(method, path, headers=sent)
         resp = conn.getresponse()
@@ -152,7 +371,14 @@ def _request(
             return conn, resp, url
         resp.read()
         conn.close()
-        url = urljoin(url, location)
+        target = urljoin(url, location)
+        if urlsplit(url).scheme == "https" and urlsplit(target).scheme != "https":
+            raise FetchFailed(
+                "http",
+                f"{url} redirected to {urlsplit(target).scheme}://{urlsplit(target).netloc}/...: a "
+                "download that starts on https never continues without TLS",
+            )
+        url = target
     raise FetchFailed("http", "too many redirects")
 
 
@@ -195,39 +421,123 @@ def _validator(resp: http.client.HTTPResponse) -> str | None:
     return resp.getheader("Last-Modified")
 
 
+# --- verify ---------------------------------------------------------------------------
+
+
+def _hash_fd(fd: int) -> str:
+    h = hashlib.sha256()
+    os.lseek(fd, 0, os.SEEK_SET)
+    while True:
+        block = os.read(fd, CHUNK * 4)
+        if not block:
+            return h.hexdigest()
+        h.update(block)
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _settled(st: os.stat_result) -> bool:
+    """Whether any later change by an untrusted account would give the file another
+    ctime. File times tick coarsely (a few ms): a write in the tick a file was hashed in
+    could keep its ctime. Only trusted accounts can write a file they own that is not
+    group- or world-writable; any other file changed in the last seconds is not
+    remembered (git's "racy" rule)."""
+    if st.st_uid in TRUSTED_OWNERS and not st.st_mode & 0o022:
+        return True
+    return time.time() - st.st_ctime > SETTLE_SECONDS
+
+
+def verify_target(folder: int, target: str, expected: str) -> tuple[bool, str]:
+    """(whether ``target`` has sha256 ``expected``, its sha256). Hashes it unless the
+    verified marker names this very inode, size, mtime and ctime with that sha256."""
+    name = os.path.basename(target)
+    marker = os.path.basename(side_files(target)["verified"])
+    fd = open_file(folder, name, os.O_RDONLY, target, strict=False)
+    try:
+        before = _identity(os.fstat(fd))
+        seen = _read_json(folder, marker)
+        known = seen.get("sha256")
+        if seen.get("identity") == before and isinstance(known, str):
+            return known == expected, known
+        digest = _hash_fd(fd)
+        now = os.fstat(fd)
+        if _identity(now) == before and _settled(now):  # not changed while it was hashed
+            _write_json(folder, marker, {"sha256": digest, "identity": before})
+        return digest == expected, digest
+    finally:
+        os.close(fd)
+
+
+def _remember(folder: int, target: str, digest: str) -> None:
+    fd = open_file(folder, os.path.basename(target), os.O_RDONLY, target, strict=False)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    identity = _identity(st)
+    if not _settled(st):
+        return
+    _write_json(
+        folder, os.path.basename(side_files(target)["verified"]), {"sha256": digest, "identity": identity}
+    )
+
+
 # --- fetch ----------------------------------------------------------------------------
 
 
 class Download:
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], folder: int) -> None:
         self.url: str = config["url"]
         self.target: str = config["target"]
+        self.folder = folder
+        self.name = os.path.basename(self.target)
         self.expected_sha: str | None = config.get("sha256")
         token = config.get("token")
         self.auth = {"Authorization": "Bearer " + token} if token else {}
         self.files = side_files(self.target)
+        self.names = {k: os.path.basename(v) for k, v in self.files.items()}
         self.status: dict[str, Any] = {
             "state": "running",
             "pid": os.getpid(),
             "url": config.get("display_url", self.url),
-            "bytes": _size(self.files["part"]),
+            "bytes": _size(folder, self.names["part"]),
             "total": None,
             "started": time.time(),
         }
+        self._status_fd: int | None = None
         self._last_status = 0.0
         self._hash: Any = None  # sha256 of the partial file so far, kept while writing
+
+    def open_status(self) -> None:
+        """Open the status file once (checked); every report rewrites it through this fd."""
+        self._status_fd = open_file(
+            self.folder, self.names["status"], os.O_WRONLY | os.O_CREAT, self.files["status"]
+        )
 
     def report(self, force: bool = False, **changes: Any) -> None:
         self.status.update(changes)
         now = time.monotonic()
         if force or now - self._last_status >= STATUS_EVERY:
             self._last_status = now
-            _write_status(self.files["status"], self.status)
+            self._write_status()
+
+    def _write_status(self) -> None:
+        """Rewrite the status in place, padded to a fixed size: once its block exists, a
+        full disk cannot stop the job from saying how it ended. A reader may see a torn
+        write; the control host reads it again."""
+        if self._status_fd is None:
+            return
+        text = json.dumps(self.status).encode()
+        text += b" " * (STATUS_SIZE - len(text)) if len(text) < STATUS_SIZE else b""
+        os.pwrite(self._status_fd, text, 0)
+        os.ftruncate(self._status_fd, len(text))  # drop what a longer earlier status left behind
 
     def run(self) -> None:
         url, linked_sha, linked_size = _resolve(self.url, self.auth)
         expected = self.expected_sha or linked_sha
-        meta = _read_json(self.files["meta"])
+        meta = _read_json(self.folder, self.names["meta"])
         if meta.get("url") != self.url:
             self._discard()
             meta = {"url": self.url}
@@ -244,33 +554,48 @@ class Download:
                     raise FetchFailed("network", f"{url}: {exc}") from None
                 self.report(True, retrying=f"{type(exc).__name__}: {exc}")
                 time.sleep(min(2**attempt, 10))
-        have = _size(self.files["part"])
-        if linked_size is not None and linked_size != total:
-            raise FetchFailed("size", f"the origin announced {linked_size} bytes but served {total}")
-        if have != total:
-            raise FetchFailed("size", f"got {have} of {total} bytes; the partial file was kept for a resume")
-        digest = self._hash.hexdigest() if self._hash is not None else self._sha256()
-        if expected and digest != expected:
-            self._discard()
-            raise FetchFailed(
-                "checksum",
-                f"sha256 of the download is {digest}, expected {expected}; the partial file was removed",
-            )
-        with open(self.files["part"], "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(self.files["part"], self.target)
-        _fsync_dir(os.path.dirname(self.target))
-        _unlink(self.files["meta"])
+        fd = open_file(self.folder, self.names["part"], os.O_RDONLY, self.files["part"])
+        try:
+            have = os.fstat(fd).st_size
+            if linked_size is not None and linked_size != total:
+                raise FetchFailed("size", f"the origin announced {linked_size} bytes but served {total}")
+            if have != total:
+                raise FetchFailed(
+                    "size", f"got {have} of {total} bytes; the partial file was kept for a resume"
+                )
+            # The digest covers the whole file: a resume's kept prefix was read back from
+            # disk, the rest hashed as written; a file finished earlier is hashed here.
+            digest = self._hash.hexdigest() if self._hash is not None else _hash_fd(fd)
+            if expected and digest != expected:
+                self._discard()
+                raise FetchFailed(
+                    "checksum",
+                    f"sha256 of the download is {digest}, expected {expected}; the partial file was removed",
+                )
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(self.names["part"], self.name, src_dir_fd=self.folder, dst_dir_fd=self.folder)
+        os.fsync(self.folder)
+        _unlink(self.folder, self.names["meta"])
+        with contextlib.suppress(OSError):
+            _remember(self.folder, self.target, digest)  # the next run's check is then cheap
         self.report(True, state="done", bytes=total, total=total, sha256=digest, finished=time.time())
+
+    def _open_part(self, append: bool) -> int:
+        flags = os.O_RDWR | os.O_CREAT | (os.O_APPEND if append else 0)  # read: the resumed prefix is hashed
+        fd = open_file(self.folder, self.names["part"], flags, self.files["part"])
+        if not append:
+            os.ftruncate(fd, 0)  # only now: a file that failed the checks was never truncated
+        return fd
 
     def _transfer(self, url: str, meta: dict[str, Any]) -> int:
         """Bring the partial file to the whole representation; return its total size."""
-        part = self.files["part"]
-        have = _size(part)
+        have = _size(self.folder, self.names["part"])
         headers = {"Accept-Encoding": "identity"}
         if have and meta.get("validator"):
             headers["Range"] = f"bytes={have}-"
-            headers["If-Range"] = meta["validator"]
+            headers["If-Range"] = str(meta["validator"])
         elif have:
             have = 0  # nothing proves the partial is a prefix of what the origin has now
         conn, resp, _ = _request("GET", url, headers, self.auth)
@@ -287,21 +612,24 @@ class Download:
                 if start != have:
                     self._truncate()
                     raise http.client.HTTPException(f"206 from byte {start}, asked for {have}; restarting")
-                mode = "ab"
+                append = True
             elif resp.status == 200:
                 length = resp.getheader("Content-Length")
                 total = int(length) if length and length.isdigit() else -1
-                have, mode = 0, "wb"
+                have, append = 0, False
             else:
                 raise _http_error(resp.status, url, resp.reason)
             meta.update(validator=_validator(resp), total=total)
-            _write_json(self.files["meta"], meta)
+            _write_json(self.folder, self.names["meta"], meta)
             self._check_space(total - have if total >= 0 else 0)
             self.report(True, bytes=have, total=total if total >= 0 else None, resumed_from=have)
-            self._hash = self._sha256_object() if mode == "ab" else hashlib.sha256()
-            with open(part, mode) as out:
+            fd = self._open_part(append)
+            self._hash = hashlib.sha256()
+            if append:
+                _hash_prefix(fd, self._hash, have)  # the kept prefix, read back from disk
+            with os.fdopen(fd, "ab" if append else "wb") as out:
                 self._copy(resp, out, have)
-            return total if total >= 0 else _size(part)
+            return total if total >= 0 else _size(self.folder, self.names["part"])
         finally:
             conn.close()
 
@@ -317,7 +645,7 @@ class Download:
         out.flush()
 
     def _check_space(self, needed: int) -> None:
-        st = os.statvfs(os.path.dirname(self.target))
+        st = os.statvfs(self.folder)
         free = st.f_bavail * st.f_frsize
         if needed > free:
             raise FetchFailed(
@@ -329,28 +657,26 @@ class Download:
         return FetchFailed("disk-full", f"no space left in {os.path.dirname(self.target)}" + self._kept())
 
     def _kept(self) -> str:
-        have = _size(self.files["part"])
+        have = _size(self.folder, self.names["part"])
         return f"; the partial file ({have} bytes) was kept for a resume" if have else ""
 
-    def _sha256(self) -> str:
-        return str(self._sha256_object().hexdigest())
-
-    def _sha256_object(self) -> Any:
-        h = hashlib.sha256()
-        with open(self.files["part"], "rb") as f:
-            while True:
-                block = f.read(CHUNK * 4)
-                if not block:
-                    return h
-                h.update(block)
-
     def _truncate(self) -> None:
-        with open(self.files["part"], "wb"):
-            pass
+        os.close(self._open_part(append=False))
 
     def _discard(self) -> None:
-        _unlink(self.files["part"])
-        _unlink(self.files["meta"])
+        _unlink(self.folder, self.names["part"])
+        _unlink(self.folder, self.names["meta"])
+
+
+def _hash_prefix(fd: int, h: Any, length: int) -> None:
+    """Feed the first ``length`` bytes of the open partial file to ``h`` (a resume)."""
+    offset = 0
+    while offset < length:
+        block = os.pread(fd, min(CHUNK * 4, length - offset), offset)
+        if not block:
+            raise http.client.HTTPException("the partial file shrank while resuming; restarting")
+        h.update(block)
+        offset += len(block)
 
 
 def _parse_content_range(value: str | None) -> tuple[int, int]:
@@ -365,43 +691,49 @@ def _total_from_range(value: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+def _present(folder: int, config: dict[str, Any]) -> dict[str, Any] | None:
+    """What to answer when the target exists and may be kept; None when it must be fetched
+    (absent, empty, or not what the pinned sha256 says: a verified download replaces it)."""
+    target = config["target"]
+    size = _size(folder, os.path.basename(target))
+    if size <= 0:
+        return None
+    expected = config.get("sha256")
+    if not expected:
+        return {"state": "present", "bytes": size}
+    ok, digest = verify_target(folder, target, expected)
+    if not ok:
+        config["replacing"] = f"{target} has sha256 {digest}, not the pinned {expected}: downloading it again"
+        return None
+    return {"state": "present", "bytes": size, "sha256": digest, "verified": True}
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _error(kind: str, message: str) -> None:
+    _emit({"state": "error", "kind": kind, "message": message})
 
 
 def fetch(config: dict[str, Any]) -> None:
     target = config["target"]
-    files = side_files(target)
-    if os.path.isfile(target) and _size(target) > 0:
-        _emit({"state": "present", "bytes": _size(target)})
-        return
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    lock = os.open(files["lock"], os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        _emit({"state": "attached"})  # another fetch of this file runs: follow its status
+        folder = open_folder(os.path.dirname(target), create=True)
+    except FetchFailed as exc:
+        _error(exc.kind, str(exc))
         return
-    if os.path.isfile(target) and _size(target) > 0:  # finished while we took the lock
-        _emit({"state": "present", "bytes": _size(target)})
-        return
-    job = Download(config)
-    try:
-        job.report(True)  # the control host's first poll must not see an older run's status
     except OSError as exc:
-        kind = "disk-full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "node"
-        _emit(
-            {"state": "error", "kind": kind, "message": f"cannot write beside {target}: {exc}" + job._kept()}
-        )
+        _error("node", f"cannot open {os.path.dirname(target)}: {exc}")
+        return
+    try:
+        _fetch_in(folder, config)
+    finally:
+        os.close(folder)
+
+
+def _fetch_in(folder: int, config: dict[str, Any]) -> None:
+    lock = _lock(folder, config)
+    if lock is None:
+        return
+    job = _job(folder, config, lock)
+    if job is None:
         return
     foreground = bool(config.get("foreground"))
     if not foreground and not _detach():
@@ -419,6 +751,125 @@ def fetch(config: dict[str, Any]) -> None:
         os.close(lock)  # the status says done or error before the lock is free
     if not foreground:
         os._exit(0)
+
+
+def _lock(folder: int, config: dict[str, Any]) -> int | None:
+    """The job's lock, held; None once the answer (present, attached, error) is printed."""
+    target = config["target"]
+    lock_path = side_files(target)["lock"]
+    try:
+        inspect(folder, target)
+        present = _present(folder, config)
+        if present:
+            _emit(present)
+            return None
+        lock = open_file(folder, os.path.basename(lock_path), os.O_RDWR | os.O_CREAT, lock_path, mode=0o600)
+    except FetchFailed as exc:
+        _error(exc.kind, str(exc))
+        return None
+    except OSError as exc:
+        _error("node", f"cannot check {target}: {exc}")
+        return None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        _emit({"state": "attached"})  # another fetch of this file runs: follow its status
+        return None
+    return lock
+
+
+def _job(folder: int, config: dict[str, Any], lock: int) -> Download | None:
+    """The download, its status written; None (lock released) once the answer is printed."""
+    target = config["target"]
+    try:
+        present = _present(folder, config)  # finished while we took the lock?
+        if present:
+            os.close(lock)
+            _emit(present)
+            return None
+        job = Download(config, folder)
+        if config.get("replacing"):
+            job.status["replacing"] = config["replacing"]
+        job.open_status()
+        job.report(True)  # the control host's first poll must not see an older run's status
+    except FetchFailed as exc:
+        os.close(lock)
+        _error(exc.kind, str(exc))
+        return None
+    except OSError as exc:
+        os.close(lock)
+        kind = "disk-full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "node"
+        have = _size(folder, os.path.basename(side_files(target)["part"]))
+        kept = f"; the partial file ({have} bytes) was kept for a resume" if have else ""
+        _error(kind, f"cannot write beside {target}: {exc}{kept}")
+        return None
+    return job
+
+
+def verify(config: dict[str, Any]) -> None:
+    """Print whether the target exists and matches ``sha256``: ``verified``, ``mismatch``
+    (with the sha256 found), ``absent``, or an error (a link, someone else's bookkeeping);
+    ``present`` without a sha256 to check."""
+    target = config["target"]
+    try:
+        folder = open_folder(os.path.dirname(target), create=False)
+    except FileNotFoundError:
+        _emit({"state": "absent"})
+        return
+    except FetchFailed as exc:
+        _error(exc.kind, str(exc))
+        return
+    except OSError as exc:
+        _error("node", f"cannot open {os.path.dirname(target)}: {exc}")
+        return
+    try:
+        inspect(folder, target)
+        if _size(folder, os.path.basename(target)) <= 0:
+            _emit({"state": "absent"})
+            return
+        if not config.get("sha256"):
+            _emit({"state": "present"})  # nothing to check it against: a regular file is all
+            return
+        ok, digest = verify_target(folder, target, config["sha256"])
+        _emit({"state": "verified" if ok else "mismatch", "sha256": digest})
+    except FetchFailed as exc:
+        _error(exc.kind, str(exc))
+    except OSError as exc:
+        _error("node", f"cannot verify {target}: {exc}")
+    finally:
+        os.close(folder)
+
+
+def poll(config: dict[str, Any]) -> None:
+    """Print ``{"free": <nobody holds the job's lock>, "status": <its status or {}>}``,
+    reading both without following links (what ``flock``/``cat`` on the paths would do)."""
+    target = config["target"]
+    files = side_files(target)
+    answer: dict[str, Any] = {"free": True, "status": {}}
+    try:
+        folder = open_folder(os.path.dirname(target), create=False)
+    except (FetchFailed, OSError) as exc:
+        _emit({**answer, "error": str(exc)})
+        return
+    try:
+        try:
+            lock = open_file(folder, os.path.basename(files["lock"]), os.O_RDONLY, files["lock"])
+        except FileNotFoundError:
+            lock = -1
+        if lock >= 0:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                answer["free"] = False
+            finally:
+                os.close(lock)
+        answer["status"] = _read_json(folder, os.path.basename(files["status"]))
+    except (FetchFailed, OSError) as exc:
+        answer["error"] = str(exc)
+    finally:
+        os.close(folder)
+    _emit(answer)
 
 
 # --- serve ----------------------------------------------------------------------------
@@ -447,8 +898,9 @@ class _Activity:
             self.last = time.monotonic()
 
 
-def _handler(path: str, secret: str, activity: _Activity) -> type[BaseHTTPRequestHandler]:
-    route = "/" + secret + "/" + os.path.basename(path)
+def _handler(path: str, folder: int, secret: str, activity: _Activity) -> type[BaseHTTPRequestHandler]:
+    name = os.path.basename(path)
+    route = "/" + secret + "/" + name
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -473,7 +925,16 @@ def _handler(path: str, secret: str, activity: _Activity) -> type[BaseHTTPReques
             if self.path != route:
                 self.send_error(404)
                 return
-            st = os.stat(path)
+            try:  # the name, opened again per request without following a link
+                fd = open_file(folder, name, os.O_RDONLY, path, strict=False)
+            except (FetchFailed, OSError):
+                self.send_error(404)
+                return
+            with os.fdopen(fd, "rb") as f:
+                self._send(f, body)
+
+        def _send(self, f: IO[bytes], body: bool) -> None:
+            st = os.fstat(f.fileno())
             size, etag = st.st_size, f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
             start, end = 0, size - 1
             wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
@@ -496,16 +957,26 @@ def _handler(path: str, secret: str, activity: _Activity) -> type[BaseHTTPReques
                 self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
             self.end_headers()
             if body:
-                with open(path, "rb") as f:
-                    self.connection.sendfile(f, start, end - start + 1)
+                self.connection.sendfile(f, start, end - start + 1)
 
     return Handler
 
 
 def serve(config: dict[str, Any]) -> None:
     """Serve one file until idle; prints ``{"state": "serving", "port": N, "pid": P}``."""
+    path = config["file"]
+    try:
+        folder = open_folder(os.path.dirname(path), create=False)
+        inspect(folder, path)
+        os.close(open_file(folder, os.path.basename(path), os.O_RDONLY, path, strict=False))
+    except FetchFailed as exc:
+        _error(exc.kind, str(exc))
+        return
+    except OSError as exc:
+        _error("node", f"cannot serve {path}: {exc}")
+        return
     activity = _Activity()
-    server = ThreadingHTTPServer(("0.0.0.0", 0), _handler(config["file"], config["secret"], activity))
+    server = ThreadingHTTPServer(("0.0.0.0", 0), _handler(path, folder, config["secret"], activity))
     server.daemon_threads = True
     port = server.server_address[1]
     idle = float(config.get("idle", 120))
@@ -534,10 +1005,15 @@ def serve(config: dict[str, Any]) -> None:
         os._exit(0)
 
 
+MODES = {"fetch": fetch, "verify": verify, "poll": poll, "serve": serve}
+
+
 def main(config: dict[str, Any]) -> None:
-    if config["mode"] == "fetch":
-        fetch(config)
-    elif config["mode"] == "serve":
-        serve(config)
-    else:
-        raise SystemExit(f"unknown mode {config['mode']!r}")
+    mode = MODES.get(str(config.get("mode")))
+    if mode is None:
+        raise SystemExit(f"unknown mode {config.get('mode')!r}; one of {', '.join(MODES)}")
+    mode(config)
+
+
+if __name__ == "__main__" and sys.argv[0] != "-":  # piped as `python3 -`, a main() line follows
+    main(json.load(sys.stdin))

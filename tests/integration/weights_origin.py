@@ -9,6 +9,14 @@ Paths under the served folder ``www``:
 - ``/gated/<file>``: 401 unless ``Authorization: Bearer <TOKEN>``.
 - ``/org/repo/resolve/main/<file>``: 302 to ``/cdn/<file>`` with ``X-Linked-Etag`` =
   the sha256 written in ``linked/<file>`` (what Hugging Face does for LFS files).
+- ``/to-http/<file>``: 302 to ``http://<host>:<http_port>/<file>``, a plain-http listener
+  of the same host serving the same folder (a downgrade, as a hostile origin or a
+  misconfigured proxy answers).
+- ``/to-other/<file>`` and ``/to-localhost/<file>``: 302 to ``https://<host>:<other_port>/<file>``
+  and ``https://localhost:<other_port>/<file>``: another origin (another port, another
+  host name) serving the same folder, as a CDN does.
+
+Every listener logs the Authorization header it received, with its scheme and port.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ http {{
   default_type application/octet-stream;
   log_format origin escape=json '{{"method":"$request_method","uri":"$uri","status":$status,'
     '"sent":$body_bytes_sent,"range":"$http_range","if_range":"$http_if_range",'
-    '"auth":"$http_authorization"}}';
+    '"auth":"$http_authorization","scheme":"$scheme","port":"$server_port","host":"$host"}}';
   access_log {d}/access.log origin;
   client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp;
   uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;
@@ -58,6 +66,19 @@ http {{
       add_header X-Linked-Etag $linked always;
       return 302 /cdn/$name;
     }}
+    location ~ ^/to-http/(?<name>[^/]+)$ {{ return 302 http://{host}:{http_port}/$name; }}
+    location ~ ^/to-other/(?<name>[^/]+)$ {{ return 302 https://{host}:{other_port}/$name; }}
+    location ~ ^/to-localhost/(?<name>[^/]+)$ {{ return 302 https://localhost:{other_port}/$name; }}
+  }}
+  server {{
+    listen {host}:{http_port};
+    root {d}/www;
+  }}
+  server {{
+    listen {host}:{other_port} ssl;
+    ssl_certificate {d}/cert.pem;
+    ssl_certificate_key {d}/key.pem;
+    root {d}/www;
   }}
   map $uri $linked {{
     include {d}/linked.map;
@@ -78,6 +99,8 @@ class Origin:
     port: int
     proc: subprocess.Popen[bytes]
     host: str = "127.0.0.1"
+    http_port: int = 0
+    other_port: int = 0
 
     @property
     def www(self) -> Path:
@@ -142,11 +165,12 @@ def start_origin(root: Path, host: str = "127.0.0.1") -> Origin:
     (root / "linked.map").write_text('default "";\n')
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={host}",
-         "-addext", f"subjectAltName=IP:{host}", "-keyout", str(root / "key.pem"), "-out", str(root / "cert.pem")],
+         "-addext", f"subjectAltName=IP:{host},DNS:localhost", "-keyout", str(root / "key.pem"), "-out", str(root / "cert.pem")],
         check=True, capture_output=True,
     )  # fmt: skip
-    port = _free_port()
-    (root / "nginx.conf").write_text(_CONF.format(d=root, host=host, port=port, token=TOKEN))
+    port, http_port, other_port = _free_port(), _free_port(), _free_port()
+    conf = _CONF.format(d=root, host=host, port=port, token=TOKEN, http_port=http_port, other_port=other_port)
+    (root / "nginx.conf").write_text(conf)
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     proc = subprocess.Popen(
         [nginx, "-p", str(root), "-c", str(root / "nginx.conf")],
@@ -158,7 +182,7 @@ def start_origin(root: Path, host: str = "127.0.0.1") -> Origin:
     while time.monotonic() < deadline:
         try:
             socket.create_connection((host, port), 0.2).close()
-            return Origin(root, port, proc, host)
+            return Origin(root, port, proc, host, http_port, other_port)
         except OSError:
             if proc.poll() is not None:
                 raise RuntimeError((root / "error.log").read_text()) from None
