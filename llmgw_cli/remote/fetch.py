@@ -268,7 +268,7 @@ class Fetcher:
                 unreadable = 0 if status else unreadable + 1
                 if not status and not (free and unreadable > 10):
                     continue  # torn or not yet written: read it again
-                if status.get("state") in ("done", "error"):
+                if status.get("state") in ("done", "present", "error"):  # present: verified, kept
                     return dict(status)
                 total = status.get("total")
                 self.report(FetchEvent(model, node, "fetching", source, int(status.get("bytes") or 0), total))
@@ -284,15 +284,17 @@ class Fetcher:
 async def verified(fetcher: Fetcher, spec: ClusterSpec, held: set[tuple[str, str]]) -> set[tuple[str, str]]:
     """The ``held`` pairs that may be trusted, as the node program sees them: a regular
     file (not a link, nothing planted beside it) and, when its model pins a sha256, one
-    that matches it (a node remembers a checked file by inode, size, mtime and ctime, so
-    only a new or changed file is hashed again). Any other is fetched again (or fails
-    with the node's reason), and replaced only by a verified download."""
+    the node remembers having checked against it (by inode, size, mtime and ctime). Any
+    other gets a fetch job: the node hashes a never-checked file there (detached: that can
+    take longer than one command may run) and keeps it when it matches; a wrong file is
+    replaced only by a verified download; a planted one fails with the node's reason."""
 
     async def one(model: str, node: str) -> bool:
         sha = spec.model(model).sha256
         target = target_path(spec.model(model), spec.node(node))
         try:
-            out = await fetcher.call(node, {"mode": "verify", "target": target, "sha256": sha})
+            job = {"mode": "verify", "target": target, "sha256": sha, "quick": True}
+            out = await fetcher.call(node, job)
         except NodeError:
             return False
         return out.get("state") in ("verified", "present")

@@ -12,17 +12,18 @@ from zero, 416 finishes or restarts); a resumed file is hashed whole before the 
 A ``flock`` on a hidden lock file beside the target makes concurrent fetches of one file
 on one node one download: the second caller attaches to the first one's status instead of
 downloading again. An existing target is accepted only once it matches the pinned
-sha256; one that does not is downloaded again and replaced only by a verified copy.
+sha256 (a file never checked is hashed by the detached job first, state ``verifying``);
+one that does not is downloaded again and replaced only by a verified copy.
 
 The download runs in a detached process (double fork), so it survives the control host
 going away; its progress is a small JSON status file beside the target, rewritten twice a
 second, which the control host polls (``poll``). Hidden files (``.name.*``) are ignored by
 the weights scan.
 
-``verify``: whether an existing target matches a sha256. Hashing a large file takes
-minutes, so a verified file is remembered in ``.name.fetch-verified`` together with its
-inode, size, mtime and ctime; no account but root can set a ctime back, so a changed file
-is always hashed again.
+``verify``: whether an existing target matches a sha256 (``quick``: only from what was
+remembered). Hashing a large file takes minutes, so a hashed file is remembered in
+``.name.fetch-verified`` together with its inode, size, mtime and ctime; no account but
+root can set a ctime back, so a changed file is always hashed again.
 
 ``serve``: a read-only HTTP server on an ephemeral port that answers only
 ``/<secret>/<name>`` with that one file (HEAD, GET, single ranges, If-Range), and exits
@@ -449,23 +450,39 @@ def _settled(st: os.stat_result) -> bool:
     return time.time() - st.st_ctime > SETTLE_SECONDS
 
 
-def verify_target(folder: int, target: str, expected: str) -> tuple[bool, str]:
-    """(whether ``target`` has sha256 ``expected``, its sha256). Hashes it unless the
-    verified marker names this very inode, size, mtime and ctime with that sha256."""
-    name = os.path.basename(target)
-    marker = os.path.basename(side_files(target)["verified"])
-    fd = open_file(folder, name, os.O_RDONLY, target, strict=False)
+def remembered(folder: int, target: str) -> str | None:
+    """The sha256 the verified marker gives ``target``, when it names this very inode,
+    size, mtime and ctime; else None (never hashed, or changed since)."""
+    fd = open_file(folder, os.path.basename(target), os.O_RDONLY, target, strict=False)
+    try:
+        identity = _identity(os.fstat(fd))
+    finally:
+        os.close(fd)
+    seen = _read_json(folder, os.path.basename(side_files(target)["verified"]))
+    known = seen.get("sha256")
+    return known if seen.get("identity") == identity and isinstance(known, str) else None
+
+
+def hash_target(folder: int, target: str, progress: Any = None) -> str:
+    """Hash ``target`` (``progress(bytes)`` on the way) and remember the result."""
+    fd = open_file(folder, os.path.basename(target), os.O_RDONLY, target, strict=False)
     try:
         before = _identity(os.fstat(fd))
-        seen = _read_json(folder, marker)
-        known = seen.get("sha256")
-        if seen.get("identity") == before and isinstance(known, str):
-            return known == expected, known
-        digest = _hash_fd(fd)
+        h, done = hashlib.sha256(), 0
+        while True:
+            block = os.read(fd, CHUNK * 4)
+            if not block:
+                break
+            h.update(block)
+            done += len(block)
+            if progress is not None:
+                progress(done)
+        digest = h.hexdigest()
         now = os.fstat(fd)
         if _identity(now) == before and _settled(now):  # not changed while it was hashed
+            marker = os.path.basename(side_files(target)["verified"])
             _write_json(folder, marker, {"sha256": digest, "identity": before})
-        return digest == expected, digest
+        return digest
     finally:
         os.close(fd)
 
@@ -494,6 +511,7 @@ class Download:
         self.folder = folder
         self.name = os.path.basename(self.target)
         self.expected_sha: str | None = config.get("sha256")
+        self.check = bool(config.get("check")) and bool(self.expected_sha)
         token = config.get("token")
         self.auth = {"Authorization": "Bearer " + token} if token else {}
         self.files = side_files(self.target)
@@ -534,7 +552,24 @@ class Download:
         os.pwrite(self._status_fd, text, 0)
         os.ftruncate(self._status_fd, len(text))  # drop what a longer earlier status left behind
 
+    def kept(self) -> bool:
+        """Whether the existing target matches the pinned sha256 (hashed here, in the
+        detached job, with progress); if not, the download replaces it."""
+        size = _size(self.folder, self.name)
+        self.report(True, state="verifying", bytes=0, total=size)
+        digest = hash_target(self.folder, self.target, lambda done: self.report(bytes=done))
+        if digest == self.expected_sha:
+            self.report(True, state="present", bytes=size, total=size, sha256=digest, finished=time.time())
+            return True
+        why = f"{self.target} has sha256 {digest}, not the pinned {self.expected_sha}: downloading it again"
+        self.report(
+            True, state="running", bytes=_size(self.folder, self.names["part"]), total=None, replacing=why
+        )
+        return False
+
     def run(self) -> None:
+        if self.check and self.kept():
+            return
         url, linked_sha, linked_size = _resolve(self.url, self.auth)
         expected = self.expected_sha or linked_sha
         meta = _read_json(self.folder, self.names["meta"])
@@ -692,8 +727,10 @@ def _total_from_range(value: str | None) -> int | None:
 
 
 def _present(folder: int, config: dict[str, Any]) -> dict[str, Any] | None:
-    """What to answer when the target exists and may be kept; None when it must be fetched
-    (absent, empty, or not what the pinned sha256 says: a verified download replaces it)."""
+    """What to answer at once when the target exists and may be kept; None when a job must
+    run: the target is absent or empty, its remembered sha256 is not the pinned one (a
+    verified download replaces it), or it was never hashed (``config["check"]``: the
+    detached job hashes it first, as that may take longer than a command may run)."""
     target = config["target"]
     size = _size(folder, os.path.basename(target))
     if size <= 0:
@@ -701,11 +738,14 @@ def _present(folder: int, config: dict[str, Any]) -> dict[str, Any] | None:
     expected = config.get("sha256")
     if not expected:
         return {"state": "present", "bytes": size}
-    ok, digest = verify_target(folder, target, expected)
-    if not ok:
-        config["replacing"] = f"{target} has sha256 {digest}, not the pinned {expected}: downloading it again"
+    known = remembered(folder, target)
+    if known is None:
+        config["check"] = True
         return None
-    return {"state": "present", "bytes": size, "sha256": digest, "verified": True}
+    if known != expected:
+        config["replacing"] = f"{target} has sha256 {known}, not the pinned {expected}: downloading it again"
+        return None
+    return {"state": "present", "bytes": size, "sha256": known, "verified": True}
 
 
 def _error(kind: str, message: str) -> None:
@@ -810,7 +850,8 @@ def _job(folder: int, config: dict[str, Any], lock: int) -> Download | None:
 def verify(config: dict[str, Any]) -> None:
     """Print whether the target exists and matches ``sha256``: ``verified``, ``mismatch``
     (with the sha256 found), ``absent``, or an error (a link, someone else's bookkeeping);
-    ``present`` without a sha256 to check."""
+    ``present`` without a sha256 to check. With ``quick``, a file that would have to be
+    hashed (never checked, or changed since) is ``unchecked`` instead."""
     target = config["target"]
     try:
         folder = open_folder(os.path.dirname(target), create=False)
@@ -831,8 +872,12 @@ def verify(config: dict[str, Any]) -> None:
         if not config.get("sha256"):
             _emit({"state": "present"})  # nothing to check it against: a regular file is all
             return
-        ok, digest = verify_target(folder, target, config["sha256"])
-        _emit({"state": "verified" if ok else "mismatch", "sha256": digest})
+        digest = remembered(folder, target)
+        if digest is None and config.get("quick"):
+            _emit({"state": "unchecked"})  # never hashed, or changed since: a fetch job hashes it
+            return
+        digest = digest or hash_target(folder, target)
+        _emit({"state": "verified" if digest == config["sha256"] else "mismatch", "sha256": digest})
     except FetchFailed as exc:
         _error(exc.kind, str(exc))
     except OSError as exc:

@@ -180,6 +180,21 @@ def test_full_fetch_verified_and_renamed(origin: Origin, tmp_path: Path) -> None
     assert len(origin.gets("full.gguf")) == 1
 
 
+def test_a_correct_file_already_there_is_hashed_on_the_node_and_kept(origin: Origin, tmp_path: Path) -> None:
+    """A file put there by hand (or before the fetcher remembered checks) is hashed once,
+    by the detached job, and kept; the next run plans it as present from what the node
+    remembers, without hashing or downloading."""
+    digest = origin.add("kept.gguf", 8 * MiB)
+    (tmp_path / "n1").mkdir()
+    (tmp_path / "n1" / "kept.gguf").write_bytes((origin.www / "kept.gguf").read_bytes())
+    spec = cluster(tmp_path, model("m", origin.url("kept.gguf"), digest))
+    [result] = fetch(spec, tmp_path, {"m": ["n1"]})
+    assert result.ok and result.state == "present", result
+    assert status(tmp_path / "n1" / "kept.gguf")["sha256"] == digest
+    assert fetch(spec, tmp_path, {"m": ["n1"]}) == []
+    assert origin.gets("kept.gguf") == []
+
+
 def test_killed_download_resumes_with_range_and_only_the_rest_is_sent(origin: Origin, tmp_path: Path) -> None:
     size = 48 * MiB
     digest = origin.add("resume.gguf", size)
