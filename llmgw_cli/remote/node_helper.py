@@ -368,7 +368,8 @@ def main(argv: list[str]) -> int:
         if os.geteuid() != 0 and words[0] != "probe":
             sys.stdout.flush()
             os.execv(SUDO, ["sudo", "-n", HELPER, *words])
-        config = load_config() if words[0] != "probe" else {}
+        needs = ("write-unit", "fetch", "fetch-status", "held")
+        config = load_config() if words[0] in needs else {}
         return run_verb(words, config)
     except Refused as exc:
         print(f"node-helper: refused: {exc}", file=sys.stderr)
