@@ -2,9 +2,9 @@
 
 Per REFERENCE.md sections 4 and 5: the unit is ``Type=exec`` (a missing binary or user
 fails the start), restarts on failure after a pause, kills the whole cgroup on stop so GPU
-memory is freed, lifts the memlock limit for RDMA, selects cards by UUID in PCI order,
-and passes the engine a key it reads from a root-only EnvironmentFile, so the engine
-refuses traffic that did not come through the gateway.
+memory is freed, lifts the memlock limit for RDMA, and selects cards by UUID in PCI order.
+What keeps the engine answering only the gateway (the listen address, the unit's
+firewall, the key in the environment instead of argv) is in ``engine_access.py``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,21 @@ import json
 import re
 from dataclasses import dataclass
 
+from llmgw_cli.core.engine_access import (
+    ENGINE_ENV_FILE,
+    ENGINE_KEY_VAR,
+    allowed_addresses,
+    environment_quote,
+    key_flags,
+    secret_env_file,
+    secret_env_text,
+    split_env,
+)
 from llmgw_cli.core.render import render
 from llmgw_cli.core.spec import ClusterSpec, Engine, Model, Node, Profile, SourceKind
 
-ENGINE_ENV_FILE = "/etc/llmgw/engine.env"
-ENGINE_KEY_VAR = "LLMGW_ENGINE_KEY"
+__all__ = ["ENGINE_ENV_FILE", "ENGINE_KEY_VAR"]  # re-exported: where callers have always found them
+
 UNIT_DIR = "/etc/systemd/system"
 
 
@@ -74,34 +84,41 @@ def model_path(model: Model, node: Node) -> str:
 def engine_args(
     spec: ClusterSpec, model: Model, member: Member, *, port: int, head: Node, dist_port: int
 ) -> list[str]:
-    """The full argv of one member of a replica."""
+    """The full argv of one member of a replica. It holds no key: each engine reads its
+    key from the environment or a credential file (``engine_access.key_flags``)."""
     profile = spec.profiles[model.profile]
-    key = "${" + ENGINE_KEY_VAR + "}"
     path = model_path(model, member.node)
+    host = member.node.engine_host
     tp, count, rank = model.tensor_parallel, model.nodes, member.rank
     argv = profile.argv0
     if profile.engine is Engine.vllm and count > 1 and profile.multi_node == "ray":
         if rank > 0:  # a Ray worker node: joins the head's cluster and holds its GPUs
-            return [ray_program(profile), "start", f"--address={head.address}:{dist_port}", "--block"]
-        argv += [path, "--host", "0.0.0.0", "--port", str(port), "--served-model-name", model.name]
+            return [
+                ray_program(profile),
+                "start",
+                f"--address={head.engine_host}:{dist_port}",
+                f"--node-ip-address={host}",
+                "--block",
+            ]
+        argv += [path, "--host", host, "--port", str(port), "--served-model-name", model.name]
         argv += ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(count)]
-        argv += ["--distributed-executor-backend", "ray", "--api-key", key]
+        argv += ["--distributed-executor-backend", "ray"]
     elif profile.engine is Engine.vllm:
-        argv += [path, "--host", "0.0.0.0", "--port", str(port), "--served-model-name", model.name]
-        argv += ["--tensor-parallel-size", str(tp), "--api-key", key]
+        argv += [path, "--host", host, "--port", str(port), "--served-model-name", model.name]
+        argv += ["--tensor-parallel-size", str(tp)]
         if count > 1:
             argv += ["--pipeline-parallel-size", str(count), "--nnodes", str(count), "--node-rank", str(rank)]
-            argv += ["--master-addr", head.address, "--master-port", str(dist_port)]
+            argv += ["--master-addr", head.engine_host, "--master-port", str(dist_port)]
             if rank > 0:
                 argv.append("--headless")
     elif profile.engine is Engine.sglang:
-        argv += ["--model-path", path, "--host", "0.0.0.0", "--port", str(port)]
-        argv += ["--served-model-name", model.name, "--tp", str(tp * count), "--api-key", key]
+        argv += ["--model-path", path, "--host", host, "--port", str(port)]
+        argv += ["--served-model-name", model.name, "--tp", str(tp * count)]
         if count > 1:
             argv += ["--nnodes", str(count), "--node-rank", str(rank)]
-            argv += ["--dist-init-addr", f"{head.address}:{dist_port}"]
+            argv += ["--dist-init-addr", f"{head.engine_host}:{dist_port}"]
     else:
-        argv += ["-m", path, "--host", "0.0.0.0", "--port", str(port), "-a", model.name, "--api-key", key]
+        argv += ["-m", path, "--host", host, "--port", str(port), "-a", model.name]
     return argv + list(profile.args) + list(model.args)
 
 
@@ -116,17 +133,20 @@ def pre_start(spec: ClusterSpec, model: Model, member: Member, dist_port: int) -
     """What runs before the engine: the Ray head of a ``multi_node: ray`` replica."""
     profile = spec.profiles[model.profile]
     if profile.engine is Engine.vllm and model.nodes > 1 and profile.multi_node == "ray" and member.rank == 0:
-        return [ray_program(profile), "start", "--head", f"--port={dist_port}"]
+        return [
+            ray_program(profile),
+            "start",
+            "--head",
+            f"--port={dist_port}",
+            f"--node-ip-address={member.node.engine_host}",
+        ]
     return None
 
 
 def systemd_quote(arg: str) -> str:
-    """One ExecStart= word: ``%`` doubled, ``$`` doubled unless it is our key variable,
-    quoted when it holds spaces or quotes."""
-    keep = "${" + ENGINE_KEY_VAR + "}"
-    text = arg.replace("%", "%%")
-    if text != keep:
-        text = text.replace("$", "$$")
+    """One ExecStart= word: ``%`` and ``$`` doubled (systemd expands both there), quoted
+    when it holds spaces or quotes."""
+    text = arg.replace("%", "%%").replace("$", "$$")
     if re.search(r"[\s\"'\\;]", text) or not text:
         text = '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return text
@@ -143,7 +163,7 @@ def environment(spec: ClusterSpec, model: Model, member: Member) -> dict[str, st
             env["NCCL_SOCKET_IFNAME"] = fabric.socket_interface
         if fabric and fabric.kind == "roce":
             env.setdefault("NCCL_IB_GID_INDEX", "3")
-        env["VLLM_HOST_IP"] = member.node.address
+        env["VLLM_HOST_IP"] = member.node.engine_host
     return {**env, **profile.env, **model.env}
 
 
@@ -162,7 +182,8 @@ def replica_unit(
     profile = spec.profiles[model.profile]
     argv = engine_args(spec, model, member, port=port, head=head, dist_port=dist_port)
     pre = pre_start(spec, model, member, dist_port)
-    env = environment(spec, model, member)
+    plain, _ = split_env(spec, model, environment(spec, model, member))
+    exec_start = " ".join(systemd_quote(a) for a in argv + key_flags(profile.engine, profile.user))
     text = render(
         "llmgw-replica.service.j2",
         model=model,
@@ -174,9 +195,11 @@ def replica_unit(
         engine=profile.engine.value,
         user=profile.user,
         spec_hash=spec_hash(spec, model),
-        exec_start=" ".join(systemd_quote(a) for a in argv),
+        exec_start=exec_start,
         exec_start_pre=" ".join(systemd_quote(a) for a in pre) if pre else "",
-        environment=[systemd_quote(f"{k}={v}") for k, v in sorted(env.items())],
+        environment=[environment_quote(k, v) for k, v in sorted(plain.items())],
         env_file=ENGINE_ENV_FILE,
+        secret_env_file=secret_env_file(model.name) if secret_env_text(spec, model) else "",
+        ip_allow=" ".join(allowed_addresses(spec, model, [m.node for m in members])),
     )
     return ReplicaUnit(member.node.name, unit_name(model.name, replica), text)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from llmgw_cli.core.engines import ENGINE_ENV_FILE
 from llmgw_cli.core.render import render
 from llmgw_cli.core.spec import ClusterSpec
 
 GATEWAY_UNIT = "llmgw-gateway.service"
+GATEWAY_DIR = "/etc/llmgw/gateway"  # core/gateway_install.py imports this module: the path lives here
 
 
 def gateway_unit(
@@ -30,7 +30,7 @@ def gateway_unit(
         user=user,
         state_dir=state_dir,
         state_directory=managed,
-        engine_env_file=ENGINE_ENV_FILE,
+        engine_keys_file=f"{GATEWAY_DIR}/engine-keys.json",
         ssh_key=ssh_key,
         known_hosts=known_hosts,
     )

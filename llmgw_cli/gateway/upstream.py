@@ -303,6 +303,8 @@ class Upstreams:
     (the gateway's per-model admission is the limit)."""
 
     def __init__(self, connect_timeout: float, headers: dict[str, str]) -> None:
+        self._auth: dict[str, tuple[bytes, ...]] = {}
+        self._default_auth: tuple[bytes, ...] = ()
         self.configure(connect_timeout, headers)
         # Per address, the idle connections; a dict as an ordered set, so that the most
         # recently used (the least likely to have been closed by the engine) goes first.
@@ -313,10 +315,38 @@ class Upstreams:
         self.connect_timeout = connect_timeout
         self._headers = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
 
+    def configure_keys(self, by_host: dict[str, tuple[str, ...]], default: tuple[str, ...] = ()) -> None:
+        """The engine keys by engine host (keys are per node), current key first; ``default``
+        for a host not in the map. A second key is the one the host held before a
+        rotation: an engine still running with it answers 401 to the first, and the
+        request is sent once more with the other (nothing was processed)."""
+
+        def lines(keys: tuple[str, ...]) -> tuple[bytes, ...]:
+            return tuple(f"Authorization: Bearer {k}\r\n".encode("latin-1") for k in keys if k)
+
+        self._auth = {host: lines(keys) for host, keys in by_host.items()}
+        self._default_auth = lines(default)
+
     async def request(
         self, address: str, path: str, body: bytes, read_timeout: float, *, fresh: bool = False
     ) -> Answer:
         """POST ``body`` to ``http://{address}{path}``; ``fresh``: on a new connection."""
+        auth = self._auth.get(address.rpartition(":")[0].strip("[]"), self._default_auth) or (b"",)
+        for attempt, line in enumerate(auth):
+            answer = await self._send(address, path, body, read_timeout, line, fresh=fresh)
+            if answer.status != 401 or attempt == len(auth) - 1:
+                return answer
+            # Refused before any work: drain the short 401 (the connection stays usable)
+            # and try the host's other key.
+            try:
+                await answer.read()
+            finally:
+                answer.release()
+        raise AssertionError("unreachable: the last key's answer is returned")
+
+    async def _send(
+        self, address: str, path: str, body: bytes, read_timeout: float, auth: bytes, *, fresh: bool
+    ) -> Answer:
         conn = None if fresh else self._take(address)
         reused = conn is not None
         if conn is None:
@@ -324,8 +354,8 @@ class Upstreams:
         assert conn.transport is not None
         answer = conn.answer = Answer(conn, read_timeout, reused)
         conn.transport.write(
-            b"POST %b HTTP/1.1\r\nHost: %b\r\n%bContent-Length: %d\r\n\r\n%b"
-            % (path.encode("latin-1"), address.encode("latin-1"), self._headers, len(body), body)
+            b"POST %b HTTP/1.1\r\nHost: %b\r\n%b%bContent-Length: %d\r\n\r\n%b"
+            % (path.encode("latin-1"), address.encode("latin-1"), self._headers, auth, len(body), body)
         )
         try:
             await answer._head

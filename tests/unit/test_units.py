@@ -20,7 +20,9 @@ def test_state_dir_under_var_lib_is_managed_by_systemd() -> None:
     )
     assert "StateDirectory=llmgw\n" in unit
     assert "ReadWritePaths" not in unit
-    assert "ExecStart=/b gateway run -f /c.yaml\n" in unit
+    assert (
+        "ExecStart=/b gateway run -f /c.yaml --engine-keys-file /etc/llmgw/gateway/engine-keys.json\n" in unit
+    )
     assert "User=llmgw\n" in unit
 
 
@@ -37,8 +39,10 @@ def test_missing_template_and_missing_variable_are_errors() -> None:
         render("llmgw-gateway.service.j2")
 
 
-def test_gateway_gets_the_engine_key_through_systemd() -> None:
+def test_gateway_gets_the_engine_key_map_not_one_key() -> None:
     unit = gateway_unit(
         parse_cluster(spec_with_state_dir("/var/lib/llmgw")), llmgw_bin="/b", config_path="/c.yaml"
     )
-    assert "\nEnvironmentFile=/etc/llmgw/engine.env\n" in unit
+    # keys are per node: the gateway reads the map (again on SIGHUP), no node's key file
+    assert " --engine-keys-file /etc/llmgw/gateway/engine-keys.json" in unit
+    assert "engine.env" not in unit

@@ -1,0 +1,182 @@
+"""Engine keys on the nodes: one per node, put there by `apply`, rotated on request.
+
+Every node of the cluster file gets its key file (and every model's secret environment
+file), not only the nodes a plan touches: the gateway starts on-demand replicas on any
+node and never writes keys or secrets itself. A node that already holds a key keeps it.
+
+Rotation (``llmgw apply --rotate-engine-key``) loses no request that reaches a replica
+before or after its restart:
+
+1. the gateway is given both keys of every node, old first, and reloaded (SIGHUP keeps
+   its listeners and connections); an engine answers 401 to a key it does not hold
+   before doing any work, and the gateway then sends the request once more with the
+   node's other key;
+2. every node's key files get the new key (replicas keep the key they started with);
+3. the running replicas are restarted one at a time, each waited for until it answers
+   its readiness path, so a model with two replicas or more keeps serving throughout;
+4. the gateway is given only the new keys, and reloaded.
+
+A model with a single replica is unavailable while that replica restarts (requests wait
+in the gateway's queue up to ``load_wait``); requests in flight on a replica when it is
+stopped end with it, as with any restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shlex
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from llmgw_cli.core.engine_access import sglang_users
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.errors import NodeError
+from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.execute import (
+    Outcome,
+    Report,
+    ensure_engine_key,
+    ensure_secret_env,
+    must,
+    node_engine_keys,
+    read_engine_key,
+    ready_status,
+)
+from llmgw_cli.remote.transport import Transport
+
+KeyMap = dict[str, tuple[str, ...]]
+UNIT_NAME = re.compile(r"llmgw-[a-z0-9.-]+-[0-9]+\.service")
+
+
+async def distribute_engine_keys(
+    spec: ClusterSpec, transports: list[Transport], report: Report, *, rotate: bool = False
+) -> tuple[dict[str, str], list[Outcome]]:
+    """Each reachable node's key (new ones with ``rotate``), written where missing, and the
+    secret environment files; one failed Outcome per node that could not be written."""
+    keys = await node_engine_keys(transports, rotate=rotate)
+
+    async def one(t: Transport) -> Outcome | None:
+        try:
+            if await ensure_engine_key(t, keys[t.node], sglang_users(spec)):
+                report(t.node, "engine key written")
+            await ensure_secret_env(t, spec)
+        except NodeError as exc:
+            report(t.node, f"failed: {exc.reason}")
+            return Outcome(t.node, False, f"engine key or secrets: {exc.reason}")
+        return None
+
+    failed = [o for o in await asyncio.gather(*(one(t) for t in transports)) if o is not None]
+    return keys, failed
+
+
+async def nodes_without_key(spec: ClusterSpec, base: Path, names: list[str]) -> list[str]:
+    """The nodes among ``names`` that hold no engine key yet (shown in the plan)."""
+    transports = [transport_for(spec, spec.node(n), base) for n in names]
+    try:
+        found = await asyncio.gather(*(read_engine_key(t) for t in transports))
+    finally:
+        await asyncio.gather(*(t.close() for t in transports))
+    return [t.node for t, key in zip(transports, found, strict=True) if not key]
+
+
+def _replicas(facts: dict[str, NodeFacts]) -> dict[tuple[str, str], list[tuple[str, str, int]]]:
+    """Active llmgw units by (model, replica): [(node, unit, port)], rank 0 first."""
+    found: dict[tuple[str, str], list[tuple[int, str, str, int]]] = defaultdict(list)
+    for node, f in facts.items():
+        active = {u.name for u in f.units if u.active_state in ("active", "activating")}
+        for unit, labels in f.unit_labels.items():
+            # Names and labels come from the node: used only when they look like ours.
+            if unit not in active or not UNIT_NAME.fullmatch(unit) or "X-Llmgw-Model" not in labels:
+                continue
+            rank_text, port_text = labels.get("X-Llmgw-Rank", "0"), labels.get("X-Llmgw-Port", "")
+            if not rank_text.isdigit() or not port_text.isdigit():
+                continue
+            rank, port = int(rank_text), int(port_text)
+            key = (labels["X-Llmgw-Model"], labels.get("X-Llmgw-Replica", "0"))
+            found[key].append((rank, node, unit, port))
+    return {k: [(n, u, p) for _, n, u, p in sorted(v)] for k, v in found.items()}
+
+
+async def rotate_engine_keys(
+    spec: ClusterSpec,
+    facts: dict[str, NodeFacts],
+    transports: dict[str, Transport],
+    give_gateway: Callable[[KeyMap], Awaitable[Outcome]],
+    report: Report,
+) -> list[Outcome]:
+    """New keys on every node in ``transports``, with no request lost (module docstring)."""
+    ts = list(transports.values())
+    old = await node_engine_keys(ts)
+    new = await node_engine_keys(ts, rotate=True)
+    both: KeyMap = {node: (old[node], new[node]) for node in new}
+    first = await give_gateway(both)
+    if not first.ok:
+        return [first]
+    failed = await _write_all(ts, new, sglang_users(spec), report)
+    if failed:  # the gateway keeps both keys: nothing is locked out; apply again to finish
+        return [first, *failed]
+    outcomes = [first]
+    for (model, replica), members in sorted(_replicas(facts).items()):
+        if all(node in transports for node, _, _ in members):
+            outcomes.append(
+                await _restart(
+                    spec, model=model, replica=replica, members=members, transports=transports, report=report
+                )
+            )
+    if all(o.ok for o in outcomes):
+        outcomes.append(await give_gateway({node: (key,) for node, key in new.items()}))
+    return outcomes
+
+
+async def _write_all(
+    ts: list[Transport], keys: dict[str, str], users: list[str], report: Report
+) -> list[Outcome]:
+    async def one(t: Transport) -> Outcome | None:
+        try:
+            await ensure_engine_key(t, keys[t.node], users)
+            report(t.node, "new engine key written")
+        except NodeError as exc:
+            return Outcome(t.node, False, f"engine key: {exc.reason}")
+        return None
+
+    return [o for o in await asyncio.gather(*(one(t) for t in ts)) if o is not None]
+
+
+async def _restart(
+    spec: ClusterSpec,
+    *,
+    model: str,
+    replica: str,
+    members: list[tuple[str, str, int]],
+    transports: dict[str, Transport],
+    report: Report,
+) -> Outcome:
+    """Restart one replica (every member, so they meet again) and wait until it is ready."""
+    subject = f"{model}#{replica}"
+    head, _, port = members[0]
+    try:
+        await asyncio.gather(
+            *(
+                must(transports[node], f"systemctl restart {shlex.quote(unit)}", f"restart {unit}")
+                for node, unit, _ in members
+            )
+        )
+    except NodeError as exc:
+        return Outcome(subject, False, f"restart with the new key: {exc.reason}")
+    report(subject, "restarted with the new engine key")
+    known = next((m for m in spec.models if m.name == model), None)
+    profile = spec.profiles[known.profile] if known else None
+    path = profile.readiness.path if profile else "/health"
+    timeout = profile.readiness.start_timeout if profile else 600.0
+    host = spec.node(head).engine_host
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await ready_status(transports[head], host, port, path) == 200:
+            report(subject, "ready")
+            return Outcome(subject, True, "ready with the new engine key")
+        await asyncio.sleep(0.5)
+    return Outcome(subject, False, f"not ready {timeout:g}s after its restart with the new engine key")
