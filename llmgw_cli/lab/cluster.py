@@ -243,4 +243,5 @@ def inventory(record: LabRecord) -> str:
         shape=record.shape,
         state_dir=record.state_dir,
         big_tp=min(8, max(s.gpu_count for s in node_shapes)),  # tp 8 needs an 8-GPU node
+        gateway_address=f"{host.SUBNET}.1",  # the bridge: where this machine reaches the nodes from
     )

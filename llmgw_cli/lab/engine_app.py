@@ -91,6 +91,9 @@ class EngineApp:
         if self.cfg.kind == "vllm":
             routes["/v1/embeddings"] = ("POST", self._embeddings)
             routes["/version"] = ("GET", self._version)
+            # vLLM's SageMaker entry point: outside /v1, so it needs no key (the real
+            # engine checks --api-key only under /v1).
+            routes["/invocations"] = ("POST", self._invocations)
         else:
             routes["/health_generate"] = ("GET", self._health)
             routes["/get_model_info"] = ("GET", self._model_info)
@@ -102,6 +105,11 @@ class EngineApp:
             await resp.send_json(405, {"detail": "Method Not Allowed"})
         else:
             await route[1](req, resp)
+
+    async def _invocations(self, req: Request, resp: Response) -> None:
+        """A chat answer for ``messages``, else a completion, as vLLM's ``/invocations``."""
+        body = self._body(req)
+        await (self._chat if "messages" in body else self._completions)(req, resp)
 
     async def _health(self, req: Request, resp: Response) -> None:
         await resp.send(200 if self.ready else 503)

@@ -1,15 +1,22 @@
 """Command lines of the simulated engines: vLLM's and SGLang's flags, one config.
 
-Pure: argv in, ``EngineConfig`` out; bad flags exit 2 with argparse's error line, as
-the real engines do.
+Pure apart from the key: argv (and the environment or a ``--config`` file for the key)
+in, ``EngineConfig`` out; bad flags exit 2 with argparse's error line, as the real
+engines do. The key is taken where the real engines take it: vLLM from ``--api-key``,
+else ``$VLLM_API_KEY``; SGLang from ``--api-key``, else its ``--config`` YAML/JSON file
+(SGLang has no key variable).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Literal, NoReturn
+
+import yaml  # the lab's engines run on llmgw's own interpreter, which has PyYAML
 
 Kind = Literal["vllm", "sglang"]
 
@@ -35,6 +42,10 @@ class EngineConfig:
     max_model_len: int | None
     executor_backend: str | None
     enable_metrics: bool
+    # The multi-node rendezvous: rank 0 listens there, the other ranks connect to it
+    # (vLLM's --master-addr/--master-port, SGLang's --dist-init-addr).
+    control_addr: str | None = None
+    control_port: int | None = None
 
     @property
     def serves_api(self) -> bool:
@@ -133,6 +144,7 @@ def _sglang_parser() -> _Parser:
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--dist-init-addr")
     p.add_argument("--api-key")
+    p.add_argument("--config")
     for flag in (
         "--tokenizer-path",
         "--dtype",
@@ -189,10 +201,12 @@ def _parse_vllm(argv: list[str]) -> EngineConfig:
         nnodes=ns.nnodes,
         node_rank=ns.node_rank,
         headless=ns.headless,
-        api_key=ns.api_key,
+        api_key=ns.api_key or os.environ.get("VLLM_API_KEY") or None,
         max_model_len=ns.max_model_len,
         executor_backend=ns.distributed_executor_backend,
         enable_metrics=True,
+        control_addr=ns.master_addr if ns.nnodes > 1 else None,
+        control_port=ns.master_port if ns.nnodes > 1 else None,
     )
 
 
@@ -205,6 +219,11 @@ def _parse_sglang(argv: list[str]) -> EngineConfig:
             raise SystemExit(f"python3: No module named {module or '(none)'}")
         argv = argv[2:]
     ns = _sglang_parser().parse_args(argv)
+    api_key = ns.api_key or (_config_key(ns.config) if ns.config else None)
+    control_addr, control_port = None, None
+    if ns.nnodes > 1 and ns.dist_init_addr:
+        host, _, port = ns.dist_init_addr.rpartition(":")
+        control_addr, control_port = host.strip("[]"), int(port)
     return EngineConfig(
         kind="sglang",
         model=ns.model_path,
@@ -217,8 +236,26 @@ def _parse_sglang(argv: list[str]) -> EngineConfig:
         nnodes=ns.nnodes,
         node_rank=ns.node_rank,
         headless=False,
-        api_key=ns.api_key,
+        api_key=api_key,
         max_model_len=ns.context_length,
         executor_backend=None,
         enable_metrics=ns.enable_metrics,
+        control_addr=control_addr,
+        control_port=control_port,
     )
+
+
+def _config_key(path: str) -> str | None:
+    """``api-key`` (or ``api_key``) from SGLang's ``--config`` file, which must be YAML or
+    JSON by its suffix, as SGLang requires."""
+    if not path.endswith((".yaml", ".yml", ".json")):
+        raise SystemExit(f"ValueError: Config file must be YAML or JSON format, got: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+    except OSError as exc:
+        raise SystemExit(f"ValueError: Config file not found: {path} ({exc.strerror})") from None
+    if not isinstance(data, dict):
+        raise SystemExit("ValueError: Config file must contain a dictionary at root level")
+    value = {str(k).replace("-", "_"): v for k, v in data.items()}.get("api_key")
+    return str(value) if value is not None else None

@@ -9,8 +9,11 @@ It behaves like the real engine where llmgw can observe it: the same flags (unkn
 ones exit 2), CUDA_VISIBLE_DEVICES checked against the node's ``/etc/lab/gpus.csv``,
 model directories checked for completeness, connections refused while "loading" (the
 socket is bound only afterwards), SGLang's 503 warm-up, the OpenAI endpoints with
-deterministic text at a set token rate, ``--api-key``, headless multi-node workers, and
-a prompt exit 0 on SIGTERM.
+deterministic text at a set token rate, the key (``--api-key``, ``$VLLM_API_KEY``,
+SGLang's ``--config`` file; vLLM checks it only under ``/v1``), headless multi-node
+workers that join rank 0's rendezvous port (vLLM's ``--master-port``, SGLang's
+``--dist-init-addr``; rank 0 listens there on the given address), and a prompt exit 0 on
+SIGTERM.
 
 Environment: LLMGW_LAB_GPUS (GPU list, default /etc/lab/gpus.csv), LLMGW_LAB_LOAD_SECONDS
 (2), LLMGW_LAB_WARMUP_SECONDS (SGLang, 1), LLMGW_LAB_TOKENS_PER_SECOND (200, 0 = no
@@ -97,6 +100,9 @@ async def run(cfg: EngineConfig, max_model_len: int, timing: Timing) -> int:
     if await _wait(stop, timing.load_s):
         return 0
     log(cfg.kind, "INFO", f"Loading weights took {timing.load_s:.2f} seconds")
+    rendezvous = await _rendezvous(cfg, stop)
+    if rendezvous is False:
+        return 1
     if not cfg.serves_api:
         log(
             cfg.kind,
@@ -124,12 +130,56 @@ async def run(cfg: EngineConfig, max_model_len: int, timing: Timing) -> int:
             log(cfg.kind, "INFO", READY_BANNER)
     await stop.wait()
     server.close()
+    if isinstance(rendezvous, asyncio.Server):
+        rendezvous.close()
     log(cfg.kind, "INFO", "Shutting down")
     return 0
 
 
+async def _answer_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"llmgw-lab-rendezvous\n")
+    writer.close()
+
+
+async def _rendezvous(cfg: EngineConfig, stop: asyncio.Event) -> asyncio.Server | bool:
+    """Rank 0 of a multi-node replica listens on its control port (torch's TCPStore for
+    vLLM, SGLang's dist-init port); the other ranks connect to it before they report up.
+    True when there is nothing to do or the peer answered, False on failure."""
+    if cfg.control_addr is None or cfg.control_port is None:
+        return True
+    if cfg.node_rank == 0:
+        try:
+            return await asyncio.start_server(_answer_peer, cfg.control_addr, cfg.control_port)
+        except OSError as exc:
+            log(cfg.kind, "ERROR", f"rendezvous on {cfg.control_addr}:{cfg.control_port}: {exc.strerror}")
+            return False
+    deadline = time.monotonic() + 60
+    while not stop.is_set():
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(cfg.control_addr, cfg.control_port), timeout=2
+            )
+            writer.close()
+            log(cfg.kind, "INFO", f"Joined rank 0 at {cfg.control_addr}:{cfg.control_port}")
+            return True
+        except (OSError, TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                log(
+                    cfg.kind,
+                    "ERROR",
+                    f"could not reach rank 0 at {cfg.control_addr}:{cfg.control_port}: {exc}",
+                )
+                return False
+            await _wait(stop, 0.5)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_argv(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    cfg = parse_argv(args)
+    # Like the real engines (vLLM's "non-default args", SGLang's server_args), the command
+    # line goes to the log, and so to the journal: a key given in argv would be there.
+    log(cfg.kind, "INFO", f"non-default args: {args[1:]}")
     try:
         timing = timing_from_env()
         gpus = _load_gpus()
