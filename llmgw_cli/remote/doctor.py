@@ -10,7 +10,7 @@ from pathlib import Path
 from llmgw_cli.core.doctor import Collected, DoctorFacts
 from llmgw_cli.core.doctor.collect import doctor_script, parse_doctor
 from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe
+from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe, printable
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.connect import transport_for
@@ -36,7 +36,7 @@ async def _collect_one(spec: ClusterSpec, node: Node, base: Path, progress: Prog
         return Collected(facts, DoctorFacts(node=node.name), sent, time.time())
     except Exception as exc:  # one node's surprise is that node's error, not every node's
         progress(node.name, "failed")
-        reason = f"doctor failed: {type(exc).__name__}: {str(exc)[:200]}"
+        reason = f"doctor failed: {type(exc).__name__}: {printable(str(exc)[:200])}"
         facts = NodeFacts(node=node.name, error=reason, error_kind=BAD_OUTPUT)
         return Collected(facts, DoctorFacts(node=node.name), sent, time.time())
     finally:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe, probe_script
+from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe, printable, probe_script
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.connect import GatewayAccess, transport_for
@@ -44,7 +44,8 @@ async def _probe_one(
         else:  # the gateway: the script apply installed on the node, through the helper
             result = await NodeOps(transport, root=False).probe()
         if not complete(result.stdout):
-            raise NodeError(node.name, BAD_OUTPUT, "probe output ended early: " + _stderr_line(result.stderr))
+            reason = "probe output ended early: " + printable(_stderr_line(result.stderr))
+            raise NodeError(node.name, BAD_OUTPUT, reason)
         facts = parse_probe(node, result.stdout)
         progress(node.name, "done" if facts.reachable else "failed")
         return facts.model_copy(update={"probe_seconds": time.monotonic() - started})
@@ -57,7 +58,7 @@ async def _probe_one(
         progress(node.name, "failed")
         return NodeFacts(
             node=node.name,
-            error=f"probe failed: {type(exc).__name__}: {str(exc)[:200]}",
+            error=f"probe failed: {type(exc).__name__}: {printable(str(exc)[:200])}",
             error_kind=BAD_OUTPUT,
             probe_seconds=time.monotonic() - started,
         )

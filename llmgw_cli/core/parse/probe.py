@@ -178,6 +178,12 @@ def _labels(text: str) -> dict[str, dict[str, str]]:
     return dict(labels)
 
 
+def printable(text: str) -> str:
+    """``text`` with every character a terminal could act on (escapes, control characters)
+    shown as ``?``: error messages may quote what a node printed."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 BAD_OUTPUT = "bad-output"
 """``NodeFacts.error_kind`` of a node whose probe output could not be read."""
 
@@ -189,7 +195,7 @@ def parse_probe(node: Node, text: str) -> NodeFacts:
     try:
         return _parse(node, text)
     except (ValueError, LookupError, TypeError, ArithmeticError) as exc:  # pydantic's errors are ValueErrors
-        reason = str(exc).split("\n", 1)[0][:200]
+        reason = printable(str(exc).split("\n", 1)[0][:200])
         return NodeFacts(
             node=node.name,
             error=f"probe output unreadable ({type(exc).__name__}: {reason})",
