@@ -160,7 +160,7 @@ def endpoints(
     for model, port, members, active in running:
         if not active or not port or not members or members[0] not in nodes or model not in catalog:
             continue
-        found.setdefault(model, []).append(serving_address(nodes[members[0]].address, port))
+        found.setdefault(model, []).append(serving_address(nodes[members[0]].engine_host, port))
     return found
 
 
