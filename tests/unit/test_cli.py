@@ -90,5 +90,8 @@ def test_render_gateway_unit() -> None:
         "/opt/llmgw/bin/llmgw",
     )
     assert result.returncode == 0, result.stderr
-    assert "ExecStart=/opt/llmgw/bin/llmgw gateway run -f /etc/llmgw/cluster.yaml\n" in result.stdout
+    assert (
+        "ExecStart=/opt/llmgw/bin/llmgw gateway run -f /etc/llmgw/cluster.yaml "
+        "--engine-keys-file /etc/llmgw/gateway/engine-keys.json\n" in result.stdout
+    )
     assert "StateDirectory=llmgw-lab/gateway\n" in result.stdout
