@@ -25,9 +25,14 @@ import httpx
 import openai
 import pytest
 
+from llmgw_cli.core.engine_access import engine_env_text
+from llmgw_cli.core.engines import Member as UnitMember
+from llmgw_cli.core.engines import engine_args
+from llmgw_cli.core.load import parse_cluster
 from tests.gateway.harness import free_port, stop, wait_http
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import cluster_variant, engine_keys_file, reset, run
+from tests.test_llama_server import _script
 
 pytestmark = pytest.mark.integration
 
@@ -219,10 +224,11 @@ def test_token_is_not_in_the_unit_but_reaches_the_engine(lab: Lab, applied: Appl
     assert f"HF_TOKEN={HF_TOKEN}" in environ
     # `$`, `%` and quotes come through Environment= exactly as written
     assert f"LLMGW_ODD={ODD_VALUE}" in environ
-    # systemctl show prints the assignments shell-quoted: read back, the exact value
-    props = lab.ssh(head.node, f"systemctl show -p Environment --value {head.unit}").stdout
-    assert f"LLMGW_ODD={ODD_VALUE}" in shlex.split(props)
-    assert not any(word.startswith("HF_TOKEN") for word in shlex.split(props))
+    # systemctl show prints the assignments quoted for a shell: read back by one, the exact value
+    script = f'eval "set -- $(systemctl show -p Environment --value {head.unit})"; printf "%s\\n" "$@"'
+    props = lab.ssh(head.node, f"bash -c {shlex.quote(script)}").stdout.splitlines()
+    assert f"LLMGW_ODD={ODD_VALUE}" in props
+    assert not any(word.startswith("HF_TOKEN") for word in props)
 
 
 def _sim_engine(tmp: Path, host: str, model: str, key: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -298,3 +304,33 @@ def test_gateway_sends_each_node_its_key_and_rides_out_a_rotation(tmp_path: Path
         stop(gateway)
         for proc, _ in engines:
             stop(proc)
+
+
+def test_llama_server_takes_its_key_from_the_environment(tmp_path: Path) -> None:
+    """The real llama-server, started with the argv llmgw renders (no --api-key) and the
+    node's key file as its environment, refuses a request without the key and shows the
+    key to no one in its command line."""
+    binary = _script("build-llama-server", "--print-path")
+    model = _script("fetch-smollm2")
+    port = free_port()
+    spec = parse_cluster(
+        "cluster: {name: c}\nnodes: [{name: n1, address: 127.0.0.1, connection: local}]\n"
+        f"profiles: {{cpp: {{engine: llama-server, command: [{binary}], args: [-ngl, '0', -c, '2048', -np, '1']}}}}\n"
+        f"models: [{{name: smol, source: {model}, profile: cpp, scaling: {{min: 1, max: 1}}}}]\n"
+    )
+    node = spec.nodes[0]
+    argv = engine_args(spec, spec.model("smol"), UnitMember(node, 0, ()), port=port, head=node, dist_port=0)
+    key = "d" * 64
+    env = dict(line.split("=", 1) for line in engine_env_text(key).splitlines() if "=" in line)
+    log = tmp_path / "llama.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=out, env={"PATH": "/usr/bin:/bin", **env})
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc, log, seconds=60)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+        ok = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200, ok.text
+        assert key not in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
+        assert key not in log.read_text(errors="replace")
+    finally:
+        stop(proc)
