@@ -46,8 +46,20 @@ def parse_expiry(text: str) -> datetime:
 
 
 def bearer(header: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer ...`` header, or None."""
+    """The token of an ``Authorization: Bearer ...`` header, or None.
+
+    The header is client bytes: a token that is not printable ASCII (bytes the HTTP parser
+    kept as surrogates, a control character, an inner space) is no key anyone was given,
+    and is None here rather than an error wherever it is hashed or compared."""
     if not header:
         return None
     scheme, _, token = header.partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
+    token = token.strip()
+    if scheme.lower() != "bearer" or not plausible_token(token):
+        return None
+    return token
+
+
+def plausible_token(token: str) -> bool:
+    """Printable ASCII without spaces, as every key is (and nothing a hash rejects)."""
+    return bool(token) and token.isascii() and token.isprintable() and " " not in token

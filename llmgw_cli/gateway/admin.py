@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import time
 from functools import cache
 from typing import Any
@@ -20,7 +19,7 @@ import jinja2
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from llmgw_cli.core.keys import bearer
+from llmgw_cli.core.keys import bearer, plausible_token
 from llmgw_cli.core.render import template_dirs
 from llmgw_cli.core.summary import Summary
 from llmgw_cli.gateway.fleet import probe_ages, probing, summary_of
@@ -42,10 +41,10 @@ def admin_token(authorization: str | None) -> str | None:
         return None
     try:
         decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
+    except ValueError:  # not base64 (a non-ASCII header too), not UTF-8: no key, a 401
         return None
     _, sep, password = decoded.partition(":")
-    return (password or None) if sep else None
+    return password if sep and plausible_token(password) else None
 
 
 async def _summary(gw: Gateway) -> Summary:

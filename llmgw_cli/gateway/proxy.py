@@ -4,12 +4,20 @@ Hot path, per request: one dict lookup for the key, one ``json.loads`` of the bo
 pick from the pool, one upstream request on a pooled connection. Streams are written to
 the client once per upstream read (never re-split into SSE events), and usage is read
 from the tail of the stream, so no chunk is parsed on the way.
+
+Every request is hostile data: the body must be a UTF-8 JSON object nested at most
+``MAX_DEPTH`` deep, and the fields the gateway itself acts on (``model``, ``stream``,
+``stream_options``) must have their JSON types; anything else is a 400 in the OpenAI error
+format, never a 500. When the body could read differently to the engine than to the
+gateway (a key given twice, or spelled with escapes), the engine gets the gateway's own
+reading of it, encoded again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 from collections import deque
@@ -28,13 +36,21 @@ GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_ATTEMPTS = 3
 TAIL_READS = 16  # reads of a stream kept to find the usage chunk at its end
+MAX_DEPTH = 64  # deepest nesting of arrays and objects in a request body
+BYTES_PER_TOKEN = 4  # estimate of a prompt's tokens when the engine never said
 
 
 def error(
-    status: int, message: str, kind: str, code: str, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    kind: str,
+    code: str,
+    headers: dict[str, str] | None = None,
+    *,
+    param: str | None = None,
 ) -> web.Response:
     """An error in the OpenAI format."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.Response(
         status=status, text=json.dumps(body), content_type="application/json", headers=headers
     )
@@ -53,6 +69,7 @@ class Outcome:
     stream: bool = False
     first_byte_ms: float = 0.0
     attempts: int = 0
+    prompt_estimate: int = 0  # prompt tokens to meter when the engine never reported usage
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -139,6 +156,87 @@ def with_include_usage(body: bytes, payload: dict[str, Any]) -> bytes:
     return json.dumps(payload).encode()
 
 
+class BadRequest(Exception):
+    """A client mistake in the body: answered 400 with this message, code and param."""
+
+    def __init__(self, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
+
+    def response(self) -> web.Response:
+        return error(400, self.message, "invalid_request_error", self.code, param=self.param)
+
+
+_KEEP = b'"[]{}'
+_NOT_KEPT = bytes(b for b in range(256) if b not in _KEEP)
+_STRING = re.compile(rb'"[^"]*"')
+_PAIR = re.compile(rb"\[\]|\{\}")
+
+
+def too_deep(body: bytes, limit: int = MAX_DEPTH) -> bool:
+    """Whether a valid JSON text nests arrays and objects more than ``limit`` deep.
+
+    Bodies with fewer brackets than ``limit`` (most) are answered by two counts. Else
+    brackets inside strings must not count: escaped backslashes and quotes are dropped
+    (left to right, as a parser reads them), then all but quotes and brackets, so what is
+    left of each string is ``"`` brackets ``"``, dropped in turn. Each round then removes
+    the innermost pairs: a text ``limit`` deep is empty after ``limit`` rounds. All of it
+    runs in C, over a copy no longer than the body's quotes and brackets."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    rest = body.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_KEPT)
+    rest = _STRING.sub(b"", rest)
+    for _ in range(limit):
+        if not rest:
+            return False
+        rest = _PAIR.sub(b"", rest)  # one pass: only pairs that are innermost now
+    return bool(rest)
+
+
+_READ_KEYS = (b'"model"', b'"stream"', b'"stream_options"')
+
+
+def parse_body(body: bytes) -> tuple[dict[str, Any], bytes]:
+    """The request's JSON object and the body to send on, or BadRequest.
+
+    The body sent on is the client's own bytes, unless the engine's JSON parser could read
+    a field the gateway acts on differently: a key given twice (parsers keep the first or
+    the last) or a body with ``\\u`` escapes (a key can be spelled with them). Then it is
+    the gateway's reading, encoded again."""
+    if not json.detect_encoding(body).startswith("utf-8"):
+        raise BadRequest("The body must be JSON in UTF-8.", "invalid_json")
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise BadRequest("The body is not valid JSON.", "invalid_json") from None
+    except RecursionError:
+        raise BadRequest(f"The body nests deeper than {MAX_DEPTH} levels.", "invalid_json") from None
+    if not isinstance(payload, dict):
+        raise BadRequest("The body must be a JSON object.", "invalid_json")
+    if too_deep(body):
+        raise BadRequest(f"The body nests deeper than {MAX_DEPTH} levels.", "invalid_json")
+    name = payload.get("model")
+    if name is None:
+        raise BadRequest("The request names no model.", "missing_model", "model")
+    if not isinstance(name, str):
+        raise BadRequest("`model` must be a string.", "invalid_type", "model")
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("`stream` must be true or false.", "invalid_type", "stream")
+    options = payload.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise BadRequest("`stream_options` must be an object.", "invalid_type", "stream_options")
+        include = options.get("include_usage")
+        if include is not None and not isinstance(include, bool):
+            raise BadRequest(
+                "`stream_options.include_usage` must be true or false.", "invalid_type", "stream_options"
+            )
+    if b"\\u" in body or any(body.count(k) > 1 for k in _READ_KEYS):
+        body = json.dumps(payload).encode()
+    return payload, body
+
+
 async def forward(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     started = time.monotonic()
@@ -152,6 +250,10 @@ async def forward(request: web.Request) -> web.StreamResponse:
         # to `data: [DONE]` and hung up without waiting for the end of the body (the openai
         # client does) got the whole answer: that is a 200, not a 499.
         outcome.status = 200 if outcome.extra.get("done") else 499
+        if outcome.attempts and not (outcome.prompt or outcome.completion):
+            # Gone before the engine said what it used: its prompt was read all the same.
+            outcome.prompt = outcome.prompt_estimate
+            outcome.extra["estimated"] = True
         raise
     finally:
         key: ApiKey | None = outcome.extra.get("api_key")
@@ -188,6 +290,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
                     "stream": outcome.stream,
                     "prompt_tokens": outcome.prompt,
                     "completion_tokens": outcome.completion,
+                    "usage_estimated": bool(outcome.extra.get("estimated")),
                     "attempts": outcome.attempts,
                     "first_byte_ms": round(outcome.first_byte_ms, 3),
                     "ms": round(seconds * 1000, 3),
@@ -204,20 +307,30 @@ async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started:
     if (request.content_length or 0) > limit:
         return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
     content = request.content
+    settings = gw.spec.gateway
     try:
         if request.content_length is not None and content.is_eof():
             body = content.read_nowait()  # the usual case: the whole body came with the head
         else:
-            body = await request.read()
+            # A client that trickles its body holds a socket: it gets a bounded time.
+            async with asyncio.timeout(settings.client_timeouts.body):
+                body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
+    except TimeoutError:
+        late = error(
+            408,
+            f"The request body did not arrive within {settings.client_timeouts.body:g}s.",
+            "invalid_request_error",
+            "request_timeout",
+        )
+        late.force_close()
+        return late
     try:
-        payload = json.loads(body)
-    except ValueError:
-        return error(400, "The body is not valid JSON.", "invalid_request_error", "invalid_json")
-    name = payload.get("model") if isinstance(payload, dict) else None
-    if not isinstance(name, str):
-        return error(400, "The request names no model.", "invalid_request_error", "missing_model")
+        payload, body = parse_body(body)
+    except BadRequest as exc:
+        return exc.response()
+    name: str = payload["model"]
     model = gw.catalog.get(name)
     if model is None:
         return error(404, f"The model `{name}` does not exist.", "invalid_request_error", "model_not_found")
@@ -227,6 +340,7 @@ async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started:
         )
     outcome.model = name
     outcome.extra["api_key"] = key
+    outcome.prompt_estimate = len(body) // BYTES_PER_TOKEN
     outcome.stream = payload.get("stream") is True and request.path in STREAMING_PATHS
     if outcome.stream:
         options = payload.get("stream_options")
@@ -236,9 +350,19 @@ async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started:
             outcome.extra["hide_usage"] = True
             body = with_include_usage(body, payload)
 
-    settings = gw.spec.gateway
     limit = settings.model_concurrency * max(1, gw.pool.ready_count(name))
-    if not await gw.admission.enter(name, limit, settings.model_queue):
+    key_queue = max(1, math.ceil(settings.model_queue * settings.key_queue_share))
+    if not await gw.admission.enter(name, limit, settings.model_queue, key.name, key_queue):
+        queued = gw.admission.queued().get(name, 0)
+        if queued < settings.model_queue and gw.admission.key_waiting(name, key.name) >= key_queue:
+            return error(
+                429,
+                f"This key has {key_queue} requests waiting for `{name}`, its share of the "
+                "queue; retry later.",
+                "rate_limit_error",
+                "key_overloaded",
+                {"Retry-After": "1"},
+            )
         return error(
             429,
             f"Too many requests for `{name}`; retry later.",
@@ -380,11 +504,13 @@ async def _relay(request: web.Request, upstream: Answer, outcome: Outcome) -> we
     # The last reads only: copying a growing tail on every read cost more than the relay.
     tail: deque[bytes] = deque(maxlen=TAIL_READS)
     hide_usage = outcome.extra.get("hide_usage", False)
+    events = 0  # `data:` events the engine sent: its tokens, if it never says its usage
     try:
         while chunk := await upstream.next_chunk():
             if not tail:  # the first chunk: time to first token, for the metrics
                 outcome.extra["first_chunk"] = time.monotonic()
             tail.append(chunk)
+            events += chunk.count(b"data:")
             sent = without_usage_event(chunk) if hide_usage and b'"usage"' in chunk else chunk
             if sent and upstream.complete:  # the last read: one write with the body's end
                 await out.write_eof(sent)
@@ -400,18 +526,28 @@ async def _relay(request: web.Request, upstream: Answer, outcome: Outcome) -> we
     except ConnectionResetError:
         # The client left: the caller's release closes the upstream connection, which
         # stops the generation. One that had read to `data: [DONE]` got a whole answer.
-        _stream_end(tail, outcome)
+        _stream_end(tail, events, outcome)
         outcome.status = 200 if outcome.extra.get("done") else 499
         return out
     finally:
         # Whatever ended the stream (its end, a cut, the client leaving, cancellation), the
-        # tokens that went out are metered: they were made and delivered.
-        _stream_end(tail, outcome)
+        # tokens the engine made are metered.
+        _stream_end(tail, events, outcome)
     await out.write_eof()  # nothing more when the last read ended the body
     return out
 
 
-def _stream_end(tail: deque[bytes], outcome: Outcome) -> None:
+def _stream_end(tail: deque[bytes], events: int, outcome: Outcome) -> None:
+    """Usage from the engine's usage chunk. A stream that ended before it (the client hung
+    up, which closes the engine's connection and stops the generation; or a cut) is
+    metered from what the engine sent: one completion token per event (engines send one
+    token per event unless told to batch them, so this is a floor), and the prompt
+    estimated from the body's size, as the gateway cannot tokenize it."""
     data = b"".join(tail)
+    done = data.rstrip().endswith(b"data: [DONE]")
+    outcome.extra["done"] = done
     outcome.prompt, outcome.completion = stream_usage(data)
-    outcome.extra["done"] = data.rstrip().endswith(b"data: [DONE]")
+    if not (outcome.prompt or outcome.completion):
+        outcome.prompt = outcome.prompt_estimate
+        outcome.completion = max(0, events - done)
+        outcome.extra["estimated"] = True

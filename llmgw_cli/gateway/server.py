@@ -5,6 +5,14 @@
   request needs an admin key (Bearer, or the password of HTTP Basic for a browser);
 - ``metrics_listen``: only ``/metrics`` and ``/health``, so monitoring never reaches admin.
 
+Clients are bounded in time (``gateway.client_timeouts``): a connection that has not sent
+a whole request head ``header`` seconds after it opened or after its previous answer is
+closed (aiohttp's keep-alive timer: it is not restarted by bytes that trickle in, so it
+bounds a slow head and an idle connection alike); a body must arrive within ``body``; a
+client whose socket stays full for ``write`` (it stopped reading) is dropped by
+``WriteWatch``, which cancels its handler: the model slot is freed and the engine's
+connection closed. ``gateway.tls`` puts TLS on the public listener.
+
 SIGHUP reloads the cluster file (listeners and connections stay); SIGTERM/SIGINT stop
 accepting, let requests and streams in flight finish for up to ``drain_timeout``, write
 the pending usage, and return.
@@ -14,14 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import signal
+import ssl
 import time
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from llmgw_cli.core.keys import bearer, hash_token
 from llmgw_cli.core.routing import ModelState, model_state
+from llmgw_cli.core.spec import GatewayTls
 from llmgw_cli.errors import LlmgwError
 from llmgw_cli.gateway import admin
 from llmgw_cli.gateway.fleet import FleetCollector
@@ -123,6 +135,76 @@ def metrics_app(gw: Gateway) -> web.Application:
     return app
 
 
+class ClientMistakes(logging.Filter):
+    """aiohttp logs a request its HTTP parser refuses (a 400: a control character in a
+    header, a broken request line) as an error with a traceback. That is a client's
+    mistake, and anyone can send it as often as they like: it becomes one debug line,
+    without the traceback. Errors in the gateway's own code keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args = (
+                "refused a malformed request: %s",
+                (" ".join(str(exc.message).split())[:200],),
+            )
+            record.exc_info = None
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+class WriteWatch:
+    """Drops clients that stopped reading. A connection whose transport has paused writing
+    (its socket and the buffer above it are full) at every look for ``timeout`` seconds is
+    aborted; losing the connection cancels its handler (``handler_cancellation``), which
+    frees the model slot and closes the engine's connection. One task looks at every
+    connection a few times per ``timeout``: nothing is added to the path of a write."""
+
+    def __init__(self, runners: list[web.AppRunner], timeout: float) -> None:
+        self.runners = runners
+        self.timeout = timeout
+        self.stalled: dict[Any, float] = {}  # connection -> when it was first seen full
+
+    def look(self, now: float) -> int:
+        """Abort the connections full since ``timeout`` ago; how many were aborted."""
+        seen: dict[Any, float] = {}
+        dropped = 0
+        for runner in self.runners:
+            server = runner.server
+            for conn in server.connections if server is not None else ():
+                if not conn.writing_paused or conn.transport is None:
+                    continue
+                since = seen[conn] = self.stalled.get(conn, now)
+                if now - since >= self.timeout:
+                    log.info("dropping a client that has not read for %gs", self.timeout)
+                    conn.transport.abort()
+                    dropped += 1
+        self.stalled = seen
+        return dropped
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        every = min(1.0, self.timeout / 4)
+        while True:
+            await asyncio.sleep(every)
+            self.look(loop.time())
+
+
+def tls_context(tls: GatewayTls) -> ssl.SSLContext:
+    """A server context with the ssl module's current defaults, TLS 1.2 at least."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(tls.cert, tls.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise LlmgwError(
+            f"gateway.tls: cannot load the certificate {tls.cert} with the key {tls.key}: {exc} "
+            "(both PEM files, readable by the gateway's account)"
+        ) from None
+    return context
+
+
 def split_listen(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     return host.strip("[]"), int(port)
@@ -131,30 +213,45 @@ def split_listen(listen: str) -> tuple[str, int]:
 async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT; the caller owns the loop."""
     settings = gw.spec.gateway
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, ClientMistakes) for f in server_log.filters):
+        server_log.addFilter(ClientMistakes())
     await gw.start()
     # The registry exists once there is something true to report: until now /metrics
     # answers 503 (the listeners below open after this today; the 503 keeps it so if
     # they ever open first).
     gw.metrics.build(FleetCollector(gw))
-    listeners = [(public_app(gw), settings.listen), (admin_app(gw), settings.admin_listen)]
+    public_tls = tls_context(settings.tls) if settings.tls is not None else None
+    listeners = [
+        (public_app(gw), settings.listen, public_tls),
+        (admin_app(gw), settings.admin_listen, None),
+    ]
     if settings.metrics_listen:
-        listeners.append((metrics_app(gw), settings.metrics_listen))
+        listeners.append((metrics_app(gw), settings.metrics_listen, None))
     runners: list[web.AppRunner] = []
+    clients = settings.client_timeouts
+    watch = asyncio.create_task(WriteWatch(runners, clients.write).run(), name="gateway-write-watch")
     try:
-        for app, listen in listeners:
+        for app, listen, context in listeners:
             # handler_cancellation: a client that disconnects cancels its handler, which
             # closes the upstream connection, so the engine stops generating.
+            # keepalive_timeout: aiohttp closes a connection that has not sent a whole
+            # request head this long after it opened or its last answer ended.
             runner = web.AppRunner(
-                app, handler_cancellation=True, shutdown_timeout=settings.drain_timeout, access_log=None
+                app,
+                handler_cancellation=True,
+                shutdown_timeout=settings.drain_timeout,
+                access_log=None,
+                keepalive_timeout=clients.header,
             )
             await runner.setup()
             runners.append(runner)
             host, port = split_listen(listen)
             try:
-                await web.TCPSite(runner, host, port, backlog=2048).start()
+                await web.TCPSite(runner, host, port, backlog=2048, ssl_context=context).start()
             except OSError as exc:
                 raise LlmgwError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
-            log.info("listening on %s", listen)
+            log.info("listening on %s%s", listen, " (TLS)" if context is not None else "")
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -170,6 +267,7 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
         log.info("stopping: draining requests in flight for up to %ss", settings.drain_timeout)
         started = time.monotonic()
     finally:
+        watch.cancel()
         # Each listener stops accepting, then waits for its handlers (up to drain_timeout).
         await asyncio.gather(*(r.cleanup() for r in runners))
         await gw.stop()

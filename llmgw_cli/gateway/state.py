@@ -49,55 +49,106 @@ def read_engine_key(path: Path) -> str:
     raise InputError(f"engine key file {path}: no LLMGW_ENGINE_KEY=... line")
 
 
-class Admission:
-    """Per-model concurrency limit with a bounded FIFO queue.
+class _Queue:
+    """One model's waiters, per key. The dict's order is the keys' turn order: the key
+    served goes to the back while it still waits, so keys take turns for freed slots."""
 
-    ``enter`` returns False at once when the queue is full; otherwise it returns when the
-    caller holds a slot. ``leave`` hands the slot straight to the oldest waiter, so a
-    newcomer never overtakes the queue. ``oldest_wait`` says how long the first in line
-    has waited: the saturation signal for scale-out.
+    def __init__(self) -> None:
+        self.by_key: dict[str, deque[tuple[asyncio.Future[None], float]]] = {}
+        self.count = 0
+
+    def push(self, key: str, entry: tuple[asyncio.Future[None], float]) -> None:
+        self.by_key.setdefault(key, deque()).append(entry)
+        self.count += 1
+
+    def pop(self) -> asyncio.Future[None] | None:
+        """The oldest waiter of the key whose turn it is (None when nobody waits)."""
+        while self.by_key:
+            key = next(iter(self.by_key))
+            waiters = self.by_key.pop(key)
+            future, _ = waiters.popleft()
+            self.count -= 1
+            if waiters:
+                self.by_key[key] = waiters  # to the back of the turn order
+            if not future.done():
+                return future
+        return None
+
+    def remove(self, key: str, entry: tuple[asyncio.Future[None], float]) -> bool:
+        waiters = self.by_key.get(key)
+        if waiters is None or entry not in waiters:
+            return False
+        waiters.remove(entry)
+        self.count -= 1
+        if not waiters:
+            del self.by_key[key]
+        return True
+
+    def of(self, key: str) -> int:
+        waiters = self.by_key.get(key)
+        return len(waiters) if waiters else 0
+
+    def oldest(self) -> float | None:
+        return min((w[0][1] for w in self.by_key.values()), default=None)
+
+
+class Admission:
+    """Per-model concurrency limit with a bounded queue shared fairly between API keys.
+
+    ``enter`` returns False at once when the model's queue is full, or when the caller's
+    key already holds its share of that queue (``key_queue`` places); otherwise it returns
+    when the caller holds a slot. ``leave`` hands the slot straight to a waiter, so a
+    newcomer never overtakes the queue; waiting keys take turns (each key's own requests in
+    order), so one key's backlog cannot starve another key. ``oldest_wait`` says how long
+    the longest waiter has waited: the saturation signal for scale-out.
     """
 
     def __init__(self) -> None:
         self.active: dict[str, int] = {}
-        self.waiting: dict[str, deque[tuple[asyncio.Future[None], float]]] = {}
+        self.waiting: dict[str, _Queue] = {}
 
-    async def enter(self, model: str, limit: int, queue: int) -> bool:
-        waiters = self.waiting.setdefault(model, deque())
-        if self.active.get(model, 0) < limit and not waiters:
+    async def enter(
+        self, model: str, limit: int, queue: int, key: str = "", key_queue: int | None = None
+    ) -> bool:
+        waiters = self.waiting.get(model)
+        if waiters is None:
+            waiters = self.waiting[model] = _Queue()
+        if self.active.get(model, 0) < limit and not waiters.count:
             self.active[model] = self.active.get(model, 0) + 1
             return True
-        if len(waiters) >= queue:
+        if waiters.count >= queue or (key_queue is not None and waiters.of(key) >= key_queue):
             return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (future, time.monotonic())
-        waiters.append(entry)
+        waiters.push(key, entry)
         try:
             await future
         except asyncio.CancelledError:
-            if entry in waiters:
-                waiters.remove(entry)
-            elif future.done() and not future.cancelled():
+            if not waiters.remove(key, entry) and future.done() and not future.cancelled():
                 self.leave(model)  # the slot was handed to us as we left: pass it on
             raise
         return True
 
+    def key_waiting(self, model: str, key: str) -> int:
+        waiters = self.waiting.get(model)
+        return waiters.of(key) if waiters is not None else 0
+
     def leave(self, model: str) -> None:
         waiters = self.waiting.get(model)
-        while waiters:
-            future, _ = waiters.popleft()
-            if not future.done():
-                future.set_result(None)
-                return
+        future = waiters.pop() if waiters is not None else None
+        if future is not None:
+            future.set_result(None)
+            return
         self.active[model] -= 1
 
     def queued(self) -> dict[str, int]:
-        return {m: len(w) for m, w in self.waiting.items()}
+        return {m: w.count for m, w in self.waiting.items()}
 
     def oldest_wait(self, model: str, now: float) -> float:
-        """Seconds the first request in ``model``'s queue has waited (0 when none waits)."""
+        """Seconds the longest waiter in ``model``'s queue has waited (0 when none waits)."""
         waiters = self.waiting.get(model)
-        return now - waiters[0][1] if waiters else 0.0
+        oldest = waiters.oldest() if waiters is not None else None
+        return 0.0 if oldest is None else now - oldest
 
 
 class Gateway:
