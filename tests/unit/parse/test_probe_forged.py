@@ -28,14 +28,14 @@ FORGED_UNITS = (
 )
 
 
-def spec_for(weights: str) -> ClusterSpec:
+def spec_for(weights: str, engine: str = "/opt/vllm/bin/vllm") -> ClusterSpec:
     return parse_cluster(
         f"""\
 cluster: {{name: t}}
 nodes:
   - {{name: a, address: 10.0.0.1, weights: [{weights}]}}
 profiles:
-  vllm: {{engine: vllm, command: [/opt/vllm/bin/vllm, serve]}}
+  vllm: {{engine: vllm, command: [{engine}, serve]}}
 models: []
 """
     )
@@ -220,7 +220,9 @@ def hostile_tree(root: Path, canary: Path) -> tuple[Path, str]:
 def test_rendered_probe_reads_a_hostile_folder_as_data(tmp_path: Path) -> None:
     canary = tmp_path / "CANARY"
     weights, forged = hostile_tree(tmp_path, canary)
-    spec = spec_for(str(weights))
+    engine = tmp_path / "engine"  # a FIFO where the engine's binary should be
+    os.mkfifo(engine, 0o755)
+    spec = spec_for(str(weights), str(engine))
     script = probe_script(spec, spec.nodes[0])
     assert "x|e;#" not in script  # names on the node are never in the script
     done = subprocess.run(
@@ -239,3 +241,4 @@ def test_rendered_probe_reads_a_hostile_folder_as_data(tmp_path: Path) -> None:
     shards = [line.split(" ", 1)[1] for line in done.stdout.split("\n") if line.startswith("@shards ")]
     assert shards and all(b"SECRET" not in base64.b64decode(s) for s in shards), "read through a symlink"
     assert models["peek"].complete and models["stuck"].complete
+    assert [(e.path, e.found) for e in facts.engines] == [(str(engine), True)]
