@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -169,3 +170,67 @@ def test_include_usage_is_asked_for_without_losing_stream_options() -> None:
             **payload,
             "stream_options": {**payload.get("stream_options", {}), "include_usage": True},
         }
+
+
+def test_admission_waiting_keys_take_turns() -> None:
+    async def scenario() -> list[str]:
+        gate = Admission()
+        order: list[str] = []
+        assert await gate.enter("m", 1, 10, "flood")
+
+        async def waiter(key: str, name: str) -> None:
+            assert await gate.enter("m", 1, 10, key)
+            order.append(name)
+            gate.leave("m")
+
+        tasks = []
+        for key, name in [
+            ("flood", "flood-1"),
+            ("flood", "flood-2"),
+            ("flood", "flood-3"),
+            ("other", "other-1"),
+        ]:
+            tasks.append(asyncio.create_task(waiter(key, name)))
+            await asyncio.sleep(0)
+        assert gate.queued() == {"m": 4} and gate.key_waiting("m", "flood") == 3
+        assert gate.oldest_wait("m", time.monotonic() + 1) >= 1
+        gate.leave("m")
+        await asyncio.gather(*tasks)
+        assert gate.active["m"] == 0 and gate.queued() == {"m": 0}
+        return order
+
+    # FIFO would serve all three of the flooder's first.
+    assert asyncio.run(scenario()) == ["flood-1", "other-1", "flood-2", "flood-3"]
+
+
+def test_admission_refuses_a_key_beyond_its_share_of_the_queue() -> None:
+    async def scenario() -> None:
+        gate = Admission()
+        assert await gate.enter("m", 1, 4, "flood", key_queue=2)
+        waiting = [asyncio.create_task(gate.enter("m", 1, 4, "flood", key_queue=2)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert not await gate.enter("m", 1, 4, "flood", key_queue=2)  # its share is full
+        other = asyncio.create_task(gate.enter("m", 1, 4, "other", key_queue=2))
+        await asyncio.sleep(0)
+        assert gate.queued() == {"m": 3}
+        for _ in range(4):
+            gate.leave("m")
+            await asyncio.sleep(0)
+        assert all(t.result() for t in [*waiting, other])
+        assert gate.active["m"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_bearer_is_none_for_tokens_no_key_can_be() -> None:
+    assert bearer("Bearer llmgw-abc_DEF-123") == "llmgw-abc_DEF-123"
+    # "\udcff" is how the HTTP parser keeps a byte 0xff it cannot decode.
+    for header in [
+        "Bearer \udcff",
+        "Bearer caf\u00e9",
+        "Bearer a\x01b",
+        "Bearer ",
+        "Basic abc",
+        "Bearer a b",
+    ]:
+        assert bearer(header) is None, header
