@@ -1,6 +1,13 @@
 """The node probe: the script sent to each node and the parse of what it prints.
 
 One script per node, one round trip: the sections below each feed a parser of their own.
+
+The script is the same text for the same cluster file and node (no per-run value), so it can
+be installed on the node and run there on its own; its output is the only interface. Every
+name the node chooses (file and folder names, index contents) reaches that output only as
+base64 of NUL-separated fields, on a line of its own: nothing a node holds becomes program
+text, and no name can start a line, so none can open a section. The parser splits on
+``\n`` only and refuses a section printed twice.
 """
 
 from __future__ import annotations

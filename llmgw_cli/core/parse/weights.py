@@ -1,7 +1,8 @@
 """Which models a weights directory really holds.
 
-The probe lists each directory two levels deep (``find -printf '%y\t%s\t%P'``) and the
-shard names of each safetensors index. A model counts only when complete: a non-empty
+The probe lists each directory two levels deep (``find -printf '%y\t%s\t%P\0'``) and the
+shard names of each safetensors index, both as data (NUL-separated, base64-encoded): a name
+may hold any byte but ``/`` and NUL, and is only ever compared and shown. A model counts only when complete: a non-empty
 folder without ``.part``/``.incomplete`` files whose index shards are all present, or a
 non-empty GGUF file. Half-downloaded or empty folders, and folders with a config but no
 weight file, are not weights.
