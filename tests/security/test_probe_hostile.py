@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 
 from llmgw_cli.cli.common import read_cluster
+from llmgw_cli.core.doctor.collect import parse_doctor
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.parse.probe import parse_probe
+from llmgw_cli.core.render import render
 from llmgw_cli.gateway.sources import ProbeSource
 from llmgw_cli.remote.probe import gather
 from tests.integration.conftest import Lab
@@ -91,3 +98,38 @@ def test_crafted_weights_folder_runs_nothing_and_forges_no_replica(lab: Lab, pla
     assert {EVIL, UNITS_NAME} <= names
     assert asyncio.run(ProbeSource(lab.cluster_file.parent).discover(spec)) == {}
     assert not canary_found(lab)
+
+
+# Any account on a node names its processes (up to 15 bytes, newlines included) and `ss -p`
+# prints the name as it is; `llmgw doctor` reads ss's output with the probe's sections.
+NAMER = (
+    "import ctypes, socket, sys\n"
+    "ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0)\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+    "print(s.getsockname()[1], flush=True); sys.stdin.read()\n"
+)
+
+
+def test_process_name_forges_no_doctor_section_with_the_real_ss() -> None:
+    if shutil.which("ss") is None:
+        pytest.fail("ss (iproute2) is missing")
+    name = "\n@@ units\nId=y"  # 14 bytes: the kernel keeps 15
+    with subprocess.Popen(
+        [sys.executable, "-c", NAMER, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            port = int(proc.stdout.readline())
+            script = render("doctor.sh.j2", weight_dirs=[])
+            out = subprocess.run(
+                ["sh", "-s"], input=script, capture_output=True, text=True, check=True
+            ).stdout
+        finally:
+            proc.kill()
+    probe = "@@ host\nclock 5.0\n@@ units\nId=llmgw-real-0.service\nActiveState=active\n@@ end\n"
+    spec = parse_cluster("cluster: {name: t}\nnodes: [{name: a, address: 10.0.0.1}]\nmodels: []\n")
+    facts = parse_probe(spec.nodes[0], probe + out)
+    assert facts.error is None
+    assert [u.name for u in facts.units] == ["llmgw-real-0.service"]
+    mine = [x for x in parse_doctor("a", probe + out).listeners if x.port == port]
+    assert [(x.pid, x.process) for x in mine] == [(proc.pid, name)]
