@@ -7,8 +7,6 @@ engine's side of a connection, a raw socket server written here.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import socket
 import ssl
@@ -22,15 +20,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw_cli.gateway.proxy import MAX_DEPTH, BadRequest, parse_body, too_deep
-from tests.gateway.harness import Engine, Gateway, free_port
+from tests.gateway.harness import Engine, Gateway, free_port, self_signed_cert
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 FAST = {"header": "2s", "body": "2s", "write": "1s"}
@@ -490,41 +484,11 @@ def test_fuzzed_requests_never_get_a_5xx(
 # --- TLS on the public listener ----------------------------------------------------------------
 
 
-def _self_signed(directory: Path) -> tuple[Path, Path]:
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "llmgw test")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "gateway.crt", directory / "gateway.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    key_path.chmod(0o600)
-    return cert_path, key_path
-
-
 @pytest.mark.integration
 def test_tls_listener_serves_the_openai_client_that_trusts_its_certificate(
     sim: Engine, tmp_path: Path
 ) -> None:
-    cert, private = _self_signed(tmp_path)
+    cert, private = self_signed_cert(tmp_path)
     gw, key, _ = _gateway(tmp_path, sim.address, tls={"cert": str(cert), "key": str(private)})
     # Started here, not with the harness's start: its readiness check speaks plain HTTP.
     argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(gw.cluster)]
