@@ -35,7 +35,8 @@ from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.spec import ClusterSpec, SourceKind
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.connect import transport_for
-from llmgw_cli.remote.transport import Transport
+from llmgw_cli.remote.nodeops import NodeOps
+from llmgw_cli.remote.transport import CommandResult, Transport
 
 POLL_SECONDS = 0.5
 SERVE_IDLE_SECONDS = 120
@@ -92,8 +93,12 @@ class Fetcher:
         token: str | None = None,
         hf_endpoint: str | None = None,
         transports: dict[str, Transport] | None = None,
+        helper: bool = False,
     ) -> None:
         self.spec, self.base, self.report = spec, base, report
+        # The gateway's transports reach the node helper only: jobs go to its `fetch` verb,
+        # which runs the fetcher apply installed, for files in the weights folders only.
+        self.helper = helper
         self._token, self._endpoint = token, hf_endpoint
         self._given = transports or {}
         self._own: dict[str, Transport] = {}
@@ -120,7 +125,11 @@ class Fetcher:
 
     async def _check(self, model: str, node: str, path: str) -> list[FetchResult]:
         try:
-            found = await self.transport(node).run(f"test -e {shlex.quote(path)}", root=True)
+            if self.helper:
+                held = await NodeOps(self.transport(node), root=False).call("held", path)
+                found = CommandResult(0 if held.stdout.strip() else 1, held.stdout, held.stderr)
+            else:
+                found = await self.transport(node).run(f"test -e {shlex.quote(path)}", root=True)
         except NodeError as exc:
             return [FetchResult(model, node, False, "failed", "path", exc.reason, "node")]
         if found.ok:
@@ -200,12 +209,18 @@ class Fetcher:
         return f"http://{address}:{out['port']}/{secret}/", int(out["pid"])
 
     async def _stop(self, seed: str, pid: int) -> None:
+        if self.helper:
+            return  # the helper kills nothing: the server stops by itself once idle
         with contextlib.suppress(NodeError):  # else the server stops by itself once idle
             await self.transport(seed).run(f"kill {pid} 2>/dev/null", root=True)
 
     async def call(self, node: str, config: dict[str, Any]) -> dict[str, Any]:
         """Run the node program with job ``config`` on ``node``; its last line, parsed."""
-        result = await self.transport(node).run("python3 -", root=True, stdin=node_script(config))
+        if self.helper:
+            ops = NodeOps(self.transport(node), root=False)
+            result = await ops.call("fetch", stdin=json.dumps(config))
+        else:
+            result = await self.transport(node).run("python3 -", root=True, stdin=node_script(config))
         lines = result.stdout.strip().splitlines()
         if not result.ok or not lines:
             tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
@@ -317,7 +332,10 @@ async def held_on_nodes(
     async def one(node: str, pairs: list[tuple[str, str]]) -> set[tuple[str, str]]:
         cmd = "; ".join(f"test -s {shlex.quote(p)} && echo {shlex.quote(p)}" for _, p in pairs) + "; true"
         try:
-            out = await fetcher.transport(node).run(cmd, root=True)
+            if fetcher.helper:
+                out = await NodeOps(fetcher.transport(node), root=False).call("held", *(p for _, p in pairs))
+            else:
+                out = await fetcher.transport(node).run(cmd, root=True)
         except NodeError:
             return set()
         found = set(out.stdout.splitlines())
@@ -350,6 +368,8 @@ async def ensure_for_plan(
     plan: Plan,
     transports: dict[str, Transport],
     report: Callable[[str, str], None],
+    *,
+    helper: bool = False,
 ) -> dict[str, str]:
     """Fetch the URL-sourced weights of every replica the plan starts, onto its nodes,
     before its units start. Returns node -> why its weights could not be brought."""
@@ -368,6 +388,7 @@ async def ensure_for_plan(
         token=os.environ.get("HF_TOKEN"),
         hf_endpoint=os.environ.get("HF_ENDPOINT"),
         transports=transports,
+        helper=helper,
     )
     try:
         held = await held_on_nodes(fetcher, spec, wanted)

@@ -25,8 +25,9 @@ Verbs (unit names must be ``llmgw-<model>-<replica>.service``, except that ``sho
 - ``write-unit UNIT``: the unit text on stdin, checked line by line against what
   llmgw's replica template produces (see ``check_unit``), then written atomically;
 - ``daemon-reload``;
-- ``fetch``: a JSON job on stdin for the installed weights fetcher (its files must lie
-  in the node's weights folders); ``fetch-status TARGET``; ``held PATH...``.
+- ``fetch``: a JSON job on stdin for the installed weights fetcher (fetch, poll, verify,
+  serve; its file must lie directly in one of the node's weights folders);
+- ``held PATH...``: which of these files (in the weights folders) exist, not empty.
 
 What the gateway may run is bounded by ``/etc/llmgw/node-helper.json`` (root, written by
 ``apply`` from the cluster file): the engine programs, the engine accounts and the
@@ -221,14 +222,14 @@ def _write_unit(name: str, text: str) -> None:
         raise
 
 
+FETCH_MODES = {"fetch": "target", "poll": "target", "verify": "target", "serve": "file"}
+
+
 def _fetch(job: dict[str, Any], config: dict[str, list[str]]) -> int:
     mode = job.get("mode")
-    if mode == "fetch":
-        _under_weights(str(job.get("target", "")), config)
-    elif mode == "serve":
-        _under_weights(str(job.get("file", "")), config)
-    else:
-        raise Refused(f"fetch mode {mode!r} is not fetch or serve")
+    if not isinstance(mode, str) or mode not in FETCH_MODES:
+        raise Refused(f"fetch mode {mode!r} is not one of {', '.join(FETCH_MODES)}")
+    _under_weights(str(job.get(FETCH_MODES[mode], "")), config)
     namespace: dict[str, Any] = {"__name__": "llmgw_nodefetch"}
     # The root-owned copy apply installed, run in this process as ``python3 -`` would.
     with open(NODEFETCH, encoding="utf-8") as fh:
@@ -283,9 +284,6 @@ def check_words(words: list[str]) -> None:
         if len(args) != 1:
             raise Refused("write-unit takes one unit name (the text on stdin)")
         check_unit_name(args[0])
-    elif verb == "fetch-status":
-        if len(args) != 1 or not args[0].startswith("/"):
-            raise Refused("fetch-status takes one absolute target path")
     elif verb == "held":
         if not args or not all(a.startswith("/") for a in args):
             raise Refused("held takes absolute paths")
@@ -334,8 +332,6 @@ def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
         if not isinstance(job, dict):
             raise Refused("fetch: the job is not a JSON object")
         return _fetch(job, config)
-    if verb == "fetch-status":
-        return _fetch_status(_under_weights(args[0], config))
     if verb == "held":
         for a in args:
             path = _under_weights(a, config)
@@ -343,21 +339,6 @@ def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
                 print(path)
         return 0
     raise Refused(f"{verb!r} is not a node-helper verb")
-
-
-def _fetch_status(target: str) -> int:
-    folder, name = os.path.split(target)
-    hidden = os.path.join(folder, "." + name)
-    free = subprocess.call(["flock", "-n", hidden + ".fetch-lock", "true"], stderr=subprocess.DEVNULL) == 0
-    if free:
-        print("FREE")
-    try:
-        fd = os.open(hidden + ".fetch-status", os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return 0
-    with os.fdopen(fd, encoding="utf-8", errors="replace") as fh:
-        sys.stdout.write(fh.read(4096))
-    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -368,7 +349,7 @@ def main(argv: list[str]) -> int:
         if os.geteuid() != 0 and words[0] != "probe":
             sys.stdout.flush()
             os.execv(SUDO, ["sudo", "-n", HELPER, *words])
-        needs = ("write-unit", "fetch", "fetch-status", "held")
+        needs = ("write-unit", "fetch", "held")
         config = load_config() if words[0] in needs else {}
         return run_verb(words, config)
     except Refused as exc:

@@ -71,7 +71,10 @@ def test_every_unit_llmgw_renders_is_accepted(inventory: str) -> None:
         (("User=llmgw", "User=0"), "not an engine account"),
         (("User=llmgw\n", ""), "exactly one User="),
         (("User=llmgw\n", "User=llmgw\nUser=root\n"), "exactly one User="),
-        (("ExecStart=/opt/vllm/bin/vllm", "ExecStart=/bin/sh -c /opt/vllm/bin/vllm"), "not an engine program"),
+        (
+            ("ExecStart=/opt/vllm/bin/vllm", "ExecStart=/bin/sh -c /opt/vllm/bin/vllm"),
+            "not an engine program",
+        ),
         (("ExecStart=/opt/vllm/bin/vllm serve", "ExecStart=/opt/vllm/bin/vllm serve ; /bin/sh"), "second"),
         (("Type=exec", "Type=exec\nExecStartPost=/bin/sh -c id"), "not allowed"),
         (("Type=exec", "Type=exec\nPAMName=login"), "not allowed"),
@@ -150,3 +153,19 @@ def test_authorized_keys_line_restricts_the_key_to_the_helper() -> None:
     assert line == f'restrict,command="{node_access.HELPER}" ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0\n'
     assert not node_access.valid_public_key('command="/bin/sh" ssh-ed25519 AAAA')
     assert not node_access.valid_public_key("ssh-ed25519 AAAA\nssh-ed25519 BBBB")
+
+
+@pytest.mark.parametrize(
+    "job",
+    [
+        {"mode": "fetch", "target": "/etc/sudoers", "url": "http://x/y"},
+        {"mode": "serve", "file": "/etc/shadow"},
+        {"mode": "poll", "target": "/data/models/../../root/.ssh/id_ed25519"},
+        {"mode": "run", "target": "/data/models/x"},
+        {"target": "/data/models/x"},
+    ],
+)
+def test_fetch_jobs_outside_the_weights_folders_are_refused(job: dict[str, str]) -> None:
+    cfg = {"programs": [], "users": [], "weights": ["/data/models"]}
+    with pytest.raises(Refused):
+        node_helper._fetch(job, cfg)
