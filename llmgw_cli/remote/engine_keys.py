@@ -7,10 +7,11 @@ node and never writes keys or secrets itself. A node that already holds a key ke
 Rotation (``llmgw apply --rotate-engine-key``) loses no request that reaches a replica
 before or after its restart:
 
-1. the gateway is given both keys of every node, old first, and reloaded (SIGHUP keeps
-   its listeners and connections); an engine answers 401 to a key it does not hold
-   before doing any work, and the gateway then sends the request once more with the
-   node's other key;
+1. the gateway is given both keys of every node, old first (it re-reads its map within
+   seconds; an installed one is also reloaded, SIGHUP keeping its listeners and
+   connections), and apply waits that long; an engine answers 401 to a key it does not
+   hold before doing any work, and the gateway then sends the request once more with
+   the node's other key;
 2. every node's key files get the new key (replicas keep the key they started with);
 3. the running replicas are restarted one at a time, each waited for until it answers
    its readiness path, so a model with two replicas or more keeps serving throughout;
@@ -27,12 +28,12 @@ import asyncio
 import re
 import shlex
 import time
-from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from llmgw_cli.core.engine_access import sglang_users
 from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.plan import running_replicas
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.connect import transport_for
@@ -49,6 +50,7 @@ from llmgw_cli.remote.execute import (
 from llmgw_cli.remote.transport import Transport
 
 KeyMap = dict[str, tuple[str, ...]]
+GATEWAY_PICKUP = 7.0  # seconds: the gateway's key timer (5 s) and a margin
 UNIT_NAME = re.compile(r"llmgw-[a-z0-9.-]+-[0-9]+\.service")
 
 
@@ -84,21 +86,15 @@ async def nodes_without_key(spec: ClusterSpec, base: Path, names: list[str]) -> 
 
 
 def _replicas(facts: dict[str, NodeFacts]) -> dict[tuple[str, str], list[tuple[str, str, int]]]:
-    """Active llmgw units by (model, replica): [(node, unit, port)], rank 0 first."""
-    found: dict[tuple[str, str], list[tuple[int, str, str, int]]] = defaultdict(list)
-    for node, f in facts.items():
-        active = {u.name for u in f.units if u.active_state in ("active", "activating")}
-        for unit, labels in f.unit_labels.items():
-            # Names and labels come from the node: used only when they look like ours.
-            if unit not in active or not UNIT_NAME.fullmatch(unit) or "X-Llmgw-Model" not in labels:
-                continue
-            rank_text, port_text = labels.get("X-Llmgw-Rank", "0"), labels.get("X-Llmgw-Port", "")
-            if not rank_text.isdigit() or not port_text.isdigit():
-                continue
-            rank, port = int(rank_text), int(port_text)
-            key = (labels["X-Llmgw-Model"], labels.get("X-Llmgw-Replica", "0"))
-            found[key].append((rank, node, unit, port))
-    return {k: [(n, u, p) for _, n, u, p in sorted(v)] for k, v in found.items()}
+    """Running llmgw replicas by (model, replica): [(node, unit, port)], rank 0 first."""
+    found: dict[tuple[str, str], list[tuple[str, str, int]]] = {}
+    for r in running_replicas(facts):
+        # Names and labels come from the nodes: used only when they look like ours.
+        if not UNIT_NAME.fullmatch(r.unit) or not r.port or not r.members:
+            continue
+        if all(r.states.get(node) in ("active", "activating") for node in r.members):
+            found[(r.model, str(r.replica))] = [(node, r.unit, r.port) for node in r.members]
+    return found
 
 
 async def rotate_engine_keys(
@@ -116,19 +112,29 @@ async def rotate_engine_keys(
     first = await give_gateway(both)
     if not first.ok:
         return [first]
+    # The gateway re-reads its map every few seconds (and a reload is a signal, not an
+    # answer): give it that long before any engine takes the new key.
+    await asyncio.sleep(GATEWAY_PICKUP)
     failed = await _write_all(ts, new, sglang_users(spec), report)
     if failed:  # the gateway keeps both keys: nothing is locked out; apply again to finish
         return [first, *failed]
     outcomes = [first]
+    behind: set[str] = set()  # nodes with a replica still on its old key: they keep both
     for (model, replica), members in sorted(_replicas(facts).items()):
-        if all(node in transports for node, _, _ in members):
-            outcomes.append(
-                await _restart(
-                    spec, model=model, replica=replica, members=members, transports=transports, report=report
-                )
-            )
-    if all(o.ok for o in outcomes):
-        outcomes.append(await give_gateway({node: (key,) for node, key in new.items()}))
+        nodes = {node for node, _, _ in members}
+        if not nodes <= transports.keys():
+            behind |= nodes
+            why = f"not restarted: {', '.join(sorted(nodes - transports.keys()))} unreachable"
+            outcomes.append(Outcome(f"{model}#{replica}", False, f"{why}; run the rotation again"))
+            continue
+        done = await _restart(
+            spec, model=model, replica=replica, members=members, transports=transports, report=report
+        )
+        outcomes.append(done)
+        if not done.ok:
+            behind |= nodes
+    final: KeyMap = {node: (key,) if node not in behind else (key, old[node]) for node, key in new.items()}
+    outcomes.append(await give_gateway(final))
     return outcomes
 
 
