@@ -16,7 +16,15 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from llmgw_cli.core.quantities import Duration, Size
 
@@ -30,6 +38,28 @@ class Spec(BaseModel):
     """Base of every cluster-file model: frozen, unknown keys refused."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+# Words systemd's IPAddressAllow= takes besides addresses and CIDR blocks.
+FIREWALL_WORDS = ("localhost", "link-local", "multicast")
+
+
+def _firewall_entry(text: str) -> str:
+    """An IP address or CIDR block as systemd's ``IPAddressAllow=`` reads it (never a host
+    name: systemd does not resolve names there, it would drop the entry)."""
+    if text in FIREWALL_WORDS:
+        return text
+    try:
+        if "/" not in text:
+            return str(ipaddress.ip_address(text))
+        return str(ipaddress.ip_network(text, strict=False))
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not an IP address or CIDR block (systemd's engine firewall takes no host names)"
+        ) from None
+
+
+FirewallEntry = Annotated[str, AfterValidator(_firewall_entry)]
 
 
 # --- ssh ----------------------------------------------------------------------------
@@ -208,6 +238,12 @@ class GatewaySettings(Spec):
         description="Start on-demand models at their first request, stop idle replicas, "
         "evict and scale out. Off: the gateway only routes to what `apply` started.",
     )
+    engine_clients: list[FirewallEntry] = Field(
+        default_factory=list,
+        description="Addresses or CIDR blocks the gateway connects to engines from, besides "
+        "`host` (taken when it is a node or an IP address). Every engine's firewall lets "
+        "only these, the engine's own node, its peer nodes and localhost in.",
+    )
 
 
 # --- fabrics and nodes --------------------------------------------------------------
@@ -262,6 +298,11 @@ class Node(Spec):
 
     name: str = Field(pattern=NAME_PATTERN, description="Unique short name (lowercase, digits, `-`).")
     address: str = Field(description="Host name or IP address that SSH connects to.")
+    engine_address: str | None = Field(
+        None,
+        description="IP address the node's engines listen on and the gateway connects to; "
+        "unset: `address`. Engines never listen on every interface.",
+    )
     connection: Literal["ssh", "local"] = Field(
         "ssh", description="`local`: this machine itself, without SSH."
     )
@@ -277,6 +318,21 @@ class Node(Spec):
     )
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
     gpus: ExpectedGpus | None = Field(None, description="Expected GPUs, checked against the probe.")
+
+    @field_validator("engine_address")
+    @classmethod
+    def _engine_ip(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not an IP address") from None
+        return value
+
+    @property
+    def engine_host(self) -> str:
+        """Where the node's engines listen and are reached."""
+        return self.engine_address or self.address
 
 
 # --- profiles -----------------------------------------------------------------------
@@ -337,6 +393,18 @@ class Profile(Spec):
     )
     args: list[str] = Field(default_factory=list, description="Extra arguments for every model.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables.")
+    secret_env: list[str] = Field(
+        default_factory=list,
+        description="Names in `env` (here or in a model) whose values are secrets: they go to a "
+        "root-only file on the node, never into the unit. `HF_TOKEN` and "
+        "`HUGGING_FACE_HUB_TOKEN` always do.",
+    )
+    network_allow: list[FirewallEntry] = Field(
+        default_factory=list,
+        description="More addresses or CIDR blocks the engine may exchange traffic with (a "
+        "proxy or hub mirror it downloads weights through): the engine's firewall works "
+        "both ways, so without them it reaches only the gateway and its peers.",
+    )
     user: str = Field("llmgw", description="Unprivileged account the engine runs as.")
     multi_node: Literal["native", "ray"] = Field(
         "native", description="vLLM only: multi-node replicas with `--nnodes` (native) or Ray."
@@ -416,6 +484,9 @@ class Model(Spec):
     gpu_memory: Size | None = Field(None, description="Memory needed on each GPU, e.g. `40GiB`.")
     args: list[str] = Field(default_factory=list, description="Arguments added to the profile's.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment added to the profile's.")
+    secret_env: list[str] = Field(
+        default_factory=list, description="Names in `env` whose values are secrets (see the profile's)."
+    )
     scaling: Scaling | None = Field(None, description="Replica counts; unset: the model is off.")
 
     @field_validator("source")
