@@ -173,7 +173,7 @@ _STRING = re.compile(rb'"[^"]*"')
 _PAIR = re.compile(rb"\[\]|\{\}")
 
 
-def too_deep(body: bytes, limit: int = MAX_DEPTH) -> bool:
+def too_deep(body: bytes, limit: int = MAX_DEPTH, *, escaped: bool = True) -> bool:
     """Whether a valid JSON text nests arrays and objects more than ``limit`` deep.
 
     Bodies with fewer brackets than ``limit`` (most) are answered by two counts. Else
@@ -181,10 +181,13 @@ def too_deep(body: bytes, limit: int = MAX_DEPTH) -> bool:
     (left to right, as a parser reads them), then all but quotes and brackets, so what is
     left of each string is ``"`` brackets ``"``, dropped in turn. Each round then removes
     the innermost pairs: a text ``limit`` deep is empty after ``limit`` rounds. All of it
-    runs in C, over a copy no longer than the body's quotes and brackets."""
+    runs in C, over a copy no longer than the body's quotes and brackets. ``escaped``
+    False says the body has no backslash (skips two passes)."""
     if body.count(b"[") + body.count(b"{") <= limit:
         return False
-    rest = body.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_KEPT)
+    if escaped:
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    rest = body.translate(None, _NOT_KEPT)
     rest = _STRING.sub(b"", rest)
     for _ in range(limit):
         if not rest:
@@ -213,7 +216,8 @@ def parse_body(body: bytes) -> tuple[dict[str, Any], bytes]:
         raise BadRequest(f"The body nests deeper than {MAX_DEPTH} levels.", "invalid_json") from None
     if not isinstance(payload, dict):
         raise BadRequest("The body must be a JSON object.", "invalid_json")
-    if too_deep(body):
+    escaped = b"\\" in body
+    if too_deep(body, escaped=escaped):
         raise BadRequest(f"The body nests deeper than {MAX_DEPTH} levels.", "invalid_json")
     name = payload.get("model")
     if name is None:
@@ -232,7 +236,7 @@ def parse_body(body: bytes) -> tuple[dict[str, Any], bytes]:
             raise BadRequest(
                 "`stream_options.include_usage` must be true or false.", "invalid_type", "stream_options"
             )
-    if b"\\u" in body or any(body.count(k) > 1 for k in _READ_KEYS):
+    if (escaped and b"\\u" in body) or any(body.count(k) > 1 for k in _READ_KEYS):
         body = json.dumps(payload).encode()
     return payload, body
 

@@ -119,6 +119,31 @@ def test_slow_header_client_is_dropped(sim: Engine, tmp_path: Path) -> None:
         gw.stop()
 
 
+@pytest.mark.integration
+def test_slow_body_client_is_answered_408_and_dropped(sim: Engine, tmp_path: Path) -> None:
+    gw, key, _ = _gateway(tmp_path, sim.address)
+    gw.start()
+    try:
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+        ).encode()
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+            sock.sendall(head + b'{"model":')  # and then nothing: the body never ends
+            started = time.monotonic()
+            sock.settimeout(8)
+            try:
+                answer = sock.recv(65536)
+            except TimeoutError:
+                answer = b""
+            waited = time.monotonic() - started
+        assert answer, "no answer 8s after the body stalled (body timeout 2s)"
+        assert _status(answer) == 408 and waited < 4, (waited, answer[:200])
+        _no_traceback(gw)
+    finally:
+        gw.stop()
+
+
 def _serve_forever_stream(server: socket.socket, closed: list[float]) -> None:
     """A fake engine: `GET` is healthy; a `POST` whose body says `forever` gets an endless
     stream (until the gateway closes the connection: the time is put in ``closed``), any
