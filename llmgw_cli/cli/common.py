@@ -27,9 +27,10 @@ DEFAULT_FILE = Path("cluster.yaml")
 def read_cluster(path: Path) -> ClusterSpec:
     """Read and validate a cluster file; every problem is raised at once as a SpecError."""
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise InputError(f"{path}: no such file (give the cluster file with -f FILE)") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc}") from None
-    return parse_cluster(text, str(path))
+    # Bytes, not text: a byte that is not UTF-8 is reported at its line and column.
+    return parse_cluster(data, str(path))

@@ -5,6 +5,12 @@ build plain data from it ourselves (so duplicate keys are caught, which PyYAML w
 silently merge), keep a map from each value's path to its position, and translate
 pydantic's error locations through that map. Cross-reference checks (``refs.py``) run
 on the same plain data, so one run reports structural and reference problems together.
+
+Whatever the bytes, the outcome is a ClusterSpec or a located ``SpecError``, never a
+traceback: bytes that are not UTF-8, characters YAML refuses, tags whose constructor
+fails (``!!timestamp 2024-02-30``, ``!!python/...``), aliases that expand without end
+(a "billion laughs" file) or refer to themselves, and nesting deep enough to exhaust the
+stack are all reported at their line and column.
 """
 
 from __future__ import annotations
@@ -20,10 +26,15 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from llmgw_cli.core import refs
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.spec import CONTROL_CHARACTER, ClusterSpec, find_forbidden
 from llmgw_cli.errors import Problem, SpecError
 
 Loc = tuple[str | int, ...]
+
+# A cluster file of thousands of nodes holds some hundred thousand values; more means
+# aliases multiplying one another. No sensible file nests this deep.
+MAX_VALUES = 500_000
+MAX_DEPTH = 40
 
 
 @dataclass
@@ -48,6 +59,14 @@ def _mark(node: yaml.Node) -> tuple[int, int]:
     return (node.start_mark.line + 1, node.start_mark.column + 1)
 
 
+class _Refused(Exception):
+    """The document cannot be turned into data at all: one located problem ends the build."""
+
+    def __init__(self, position: tuple[int, int], loc: Loc, message: str) -> None:
+        super().__init__(message)
+        self.position, self.loc, self.message = position, loc, message
+
+
 class _Builder:
     """Plain data from a composed YAML node tree, recording positions and duplicate keys."""
 
@@ -55,46 +74,78 @@ class _Builder:
         self.positions = Positions()
         self.duplicates: list[tuple[Loc, str, tuple[int, int]]] = []
         self._scalars = yaml.SafeLoader("")
+        self._count = 0
 
-    def _merged(self, node: yaml.Node, loc: Loc) -> dict[Any, Any]:
+    def _scalar(self, node: yaml.Node, loc: Loc) -> Any:
+        """A scalar (or a mapping key) constructed by PyYAML's safe constructor, whose
+        failures (unknown tags, ``!!int x``, a 30th of February) are located problems."""
+        try:
+            return self._scalars.construct_object(node, deep=True)
+        except Exception as exc:  # every constructor failure is a problem of the input
+            reason = exc.problem if isinstance(exc, yaml.MarkedYAMLError) and exc.problem else str(exc)
+            tag = str(node.tag).removeprefix("tag:yaml.org,2002:")
+            raise _Refused(
+                _mark(node), loc, f"cannot read this value as a YAML {tag}: {reason}; quote it if it is text"
+            ) from None
+
+    def _merged(self, node: yaml.Node, loc: Loc, depth: int) -> dict[Any, Any]:
         """The mapping(s) of a ``<<:`` merge key; later keys of the mapping override them."""
         sources = node.value if isinstance(node, yaml.SequenceNode) else [node]
         merged: dict[Any, Any] = {}
         own_position = self.positions.values[loc]
         for source in reversed(sources):  # earlier sources win, as in YAML 1.1
-            value = self.build(source, loc)
+            value = self.build(source, loc, depth + 1)
             if isinstance(value, dict):
                 merged.update(value)
         self.positions.values[loc] = own_position
         return merged
 
-    def build(self, node: yaml.Node, loc: Loc = ()) -> Any:
+    def build(self, node: yaml.Node, loc: Loc = (), depth: int = 0) -> Any:
+        self._count += 1
+        if self._count > MAX_VALUES:
+            raise _Refused(
+                _mark(node),
+                loc,
+                f"the file expands to more than {MAX_VALUES} values (aliases repeating aliases?); "
+                "write the values out",
+            )
+        if depth > MAX_DEPTH:
+            raise _Refused(
+                _mark(node),
+                loc,
+                f"values are nested more than {MAX_DEPTH} deep (or an alias refers to itself)",
+            )
         self.positions.values[loc] = _mark(node)
         if isinstance(node, yaml.MappingNode):
             result: dict[Any, Any] = {}
             for key_node, value_node in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
-                    result.update(self._merged(value_node, loc))
+                    result.update(self._merged(value_node, loc, depth))
                     continue
-                key = self._scalars.construct_object(key_node, deep=True)
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise _Refused(_mark(key_node), loc, "a key must be a plain value, not a list or mapping")
+                key = self._scalar(key_node, loc)
                 if not isinstance(key, str | int | float | bool) or key is None:
                     key = str(key)
                 child = (*loc, key) if isinstance(key, str | int) else (*loc, str(key))
                 if key in result:
                     self.duplicates.append((child, str(key), _mark(key_node)))
                 self.positions.keys[child] = _mark(key_node)
-                result[key] = self.build(value_node, child)
+                result[key] = self.build(value_node, child, depth + 1)
             return result
         if isinstance(node, yaml.SequenceNode):
-            return [self.build(item, (*loc, i)) for i, item in enumerate(node.value)]
-        return self._scalars.construct_object(node, deep=True)
+            return [self.build(item, (*loc, i), depth + 1) for i, item in enumerate(node.value)]
+        return self._scalar(node, loc)
 
 
 def where(loc: Loc) -> str:
     """``('models', 2, 'scaling')`` -> ``models[2].scaling``."""
     text = ""
     for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+        if isinstance(part, str) and (not part.isprintable() or " " in part):
+            text += f"[{part!r}]"  # a key holding blanks or control characters, quoted and escaped
+        else:
+            text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text
 
 
@@ -156,6 +207,18 @@ def _problem(filename: str, positions: Positions, error: ErrorDetails) -> Proble
         parent = loc[:-1]
         line, col = positions.of_key(loc)
         return Problem(filename, line, col, where(parent), _unknown_key_message(parent, str(loc[-1])))
+    if kind == CONTROL_CHARACTER:
+        # Point at the very item or key that holds it, not at the list or mapping around it.
+        found = find_forbidden(error["input"])
+        below, in_key = found[:2] if found else ((), False)
+        line, col = positions.of_key((*loc, *below)) if in_key else positions.of_value((*loc, *below))
+        return Problem(
+            filename, line, col, where((*loc, *below)), ("its key " if in_key else "") + error["msg"]
+        )
+    if loc and loc[-1] == "[key]":  # a mapping key of the wrong form: point at the key
+        loc = loc[:-1]
+        line, col = positions.of_key(loc)
+        return Problem(filename, line, col, where(loc), error["msg"].removeprefix("Value error, "))
     message = error["msg"].removeprefix("Value error, ")
     value = error["input"]
     if value is None:
@@ -168,16 +231,62 @@ def _problem(filename: str, positions: Positions, error: ErrorDetails) -> Proble
     return Problem(filename, line, col, where(loc), message)
 
 
-def parse_cluster(text: str, filename: str = "cluster.yaml") -> ClusterSpec:
-    """Validate a cluster file's text; raise ``SpecError`` listing every problem found."""
+def _line_col(text: str, index: int) -> tuple[int, int]:
+    """1-based line and column of ``text[index]``."""
+    line = text.count("\n", 0, index) + 1
+    return line, index - (text.rfind("\n", 0, index) + 1) + 1
+
+
+def decode(data: bytes, filename: str) -> str:
+    """A cluster file's bytes as text; bytes that are not UTF-8 are a located problem."""
     try:
-        documents = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        good = data[: exc.start].decode("utf-8")
+        line, col = _line_col(good + "?", len(good))
+        raise SpecError(
+            [
+                Problem(
+                    filename,
+                    line,
+                    col,
+                    "",
+                    f"byte 0x{data[exc.start]:02x} is not UTF-8: save the file as UTF-8",
+                )
+            ]
+        ) from None
+
+
+def _compose(text: str, filename: str) -> list[yaml.Node]:
+    """The YAML documents of ``text`` as node trees; every failure is a located SpecError."""
+    bad = yaml.reader.Reader.NON_PRINTABLE.search(text)
+    if bad is not None:
+        line, col = _line_col(text, bad.start())
+        message = (
+            f"the file holds control character U+{ord(bad.group()):04X}, which YAML does not allow: remove it"
+        )
+        raise SpecError([Problem(filename, line, col, "", message)])
+    try:
+        return [d for d in yaml.compose_all(text, Loader=yaml.SafeLoader) if d is not None]
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
         reason = exc.problem or exc.context or "invalid YAML"
         raise SpecError([Problem(filename, line, col, "", f"YAML syntax error: {reason}")]) from None
-    documents = [d for d in documents if d is not None]
+    except yaml.YAMLError as exc:
+        raise SpecError([Problem(filename, 0, 0, "", f"YAML syntax error: {exc}")]) from None
+    except RecursionError:
+        raise SpecError(
+            [Problem(filename, 1, 1, "", f"values are nested more than {MAX_DEPTH} deep: flatten the file")]
+        ) from None
+
+
+def parse_cluster(text: str | bytes, filename: str = "cluster.yaml") -> ClusterSpec:
+    """Validate a cluster file's text (or bytes, which must be UTF-8); raise ``SpecError``
+    listing every problem found."""
+    if isinstance(text, bytes):
+        text = decode(text, filename)
+    documents = _compose(text, filename)
     if not documents:
         raise SpecError(
             [Problem(filename, 1, 1, "", "the file is empty: it needs at least `cluster: {name: ...}`")]
@@ -188,7 +297,11 @@ def parse_cluster(text: str, filename: str = "cluster.yaml") -> ClusterSpec:
             [Problem(filename, line, col, "", "one cluster per file: remove the second document")]
         )
     builder = _Builder()
-    data = builder.build(documents[0])
+    try:
+        data = builder.build(documents[0])
+    except _Refused as refused:
+        line, col = refused.position
+        raise SpecError([Problem(filename, line, col, where(refused.loc), refused.message)]) from None
     if not isinstance(data, dict):
         raise SpecError(
             [

@@ -32,6 +32,12 @@ _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
 SIZE_PATTERN = r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
 
 
+# Bounds that keep every value usable as a timer or a byte count (a timeout of 10^300
+# seconds overflows the event loop's clock; infinity is no integer).
+MAX_DURATION = 365 * 86400.0
+MAX_SIZE = 1024 * 2**40
+
+
 def parse_duration(text: object) -> float:
     """Seconds in a duration such as ``90s``, ``10m``, ``1h30m`` or ``250ms``."""
     if isinstance(text, bool) or not isinstance(text, str | int | float):
@@ -41,7 +47,10 @@ def parse_duration(text: object) -> float:
     compact = text.strip().replace(" ", "")
     if not compact or _DURATION_PART.sub("", compact) != "":
         raise ValueError(f"{text!r} is not a duration: write e.g. 90s, 10m, 1h or 1h30m")
-    return sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(compact))
+    seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(compact))
+    if not seconds <= MAX_DURATION:  # also NaN and infinity, from hundreds of digits
+        raise ValueError(f"{text!r} is longer than a year: give at most 365d")
+    return seconds
 
 
 def format_duration(seconds: float) -> str:
@@ -69,7 +78,10 @@ def parse_size(text: object) -> int:
     match = _SIZE.match(text.strip())
     if not match:
         raise ValueError(f"{text!r} is not a size: write e.g. 80GiB, 512MiB or 2TB")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+    size = float(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    if not size <= MAX_SIZE:  # also infinity, which no integer holds
+        raise ValueError(f"{text!r} is larger than 1024TiB")
+    return int(size)
 
 
 def format_size(size: int) -> str:

@@ -25,6 +25,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from llmgw_cli.core.quantities import Duration, Size
 
@@ -34,32 +35,183 @@ HF_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
 LISTEN_PATTERN = r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):\d{1,5}$"
 
 
+# --- strings that reach unit files and shells -----------------------------------------
+
+# C0 controls (newline, CR, tab, NUL...), DEL, C1 controls, the Unicode line and paragraph
+# separators (Python's splitlines() breaks on them) and lone surrogates (no UTF-8 form).
+_FORBIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_CHARACTER_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL byte"}
+CONTROL_CHARACTER = "control_character"
+
+
+def forbidden_character(text: str) -> str | None:
+    """What the first character of ``text`` that no cluster-file value may hold is, or None."""
+    match = _FORBIDDEN.search(text)
+    if match is None:
+        return None
+    char = match.group()
+    name = _CHARACTER_NAMES.get(char, "a control character")
+    return f"{name} (U+{ord(char):04X}) at character {match.start() + 1}"
+
+
+def find_forbidden(value: Any) -> tuple[tuple[str | int, ...], bool, str] | None:
+    """The first forbidden character in a raw value: a string, or the strings of a list or
+    mapping (keys included), one level deep. Returns (path below the value, whether it is
+    in a key, what it is). Deeper values are objects of their own and checked there."""
+    if isinstance(value, str):
+        found = forbidden_character(value)
+        return ((), False, found) if found else None
+    items: list[tuple[Any, bool, Any]] = []
+    if isinstance(value, list | tuple):
+        items = [(i, False, item) for i, item in enumerate(value)]
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            items += [(key, True, key), (key, False, item)]
+    for part, is_key, item in items:
+        found = forbidden_character(item) if isinstance(item, str) else None
+        if found and isinstance(part, str | int):
+            return ((part,), is_key, found)
+    return None
+
+
 class Spec(BaseModel):
-    """Base of every cluster-file model: frozen, unknown keys refused."""
+    """Base of every cluster-file model: frozen, unknown keys refused, and no string of any
+    field, present or future, may hold a control character: values become lines of systemd
+    units and words of shell commands, where a newline starts a new directive."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_control_characters(cls, value: Any) -> Any:
+        found = find_forbidden(value)
+        if found is not None:
+            raise PydanticCustomError(
+                CONTROL_CHARACTER,
+                "holds {what}: values end up in systemd units and shell commands, where a "
+                "control character would start a new directive or command; remove it "
+                "(write the value on one line, without tabs or escapes such as \\n)",
+                {"what": found[2]},
+            )
+        return value
 
-# Words systemd's IPAddressAllow= takes besides addresses and CIDR blocks.
-FIREWALL_WORDS = ("localhost", "link-local", "multicast")
+
+USER_PATTERN = r"^[a-z_][a-z0-9_-]{0,30}\$?$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# A Linux interface name, or NCCL's forms of it: a list, a `^` exclusion, an `=` exact match.
+INTERFACE_PATTERN = r"^[=^]?[A-Za-z0-9_.:-]{1,15}(,[A-Za-z0-9_.:-]{1,15})*$"
+# A word pasted into a unit as is: no blank, quote, backslash, `$` or `%` (systemd's
+# variable and specifier signs) and no `;`.
+PLAIN_WORD_PATTERN = r"^[^\s\"'\\$%;`]+$"
+_LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOST_NAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?$")
 
 
-def _firewall_entry(text: str) -> str:
-    """An IP address or CIDR block as systemd's ``IPAddressAllow=`` reads it (never a host
-    name: systemd does not resolve names there, it would drop the entry)."""
-    if text in FIREWALL_WORDS:
-        return text
-    try:
-        if "/" not in text:
-            return str(ipaddress.ip_address(text))
-        return str(ipaddress.ip_network(text, strict=False))
-    except ValueError:
+def _user_name(text: str) -> str:
+    if not re.match(USER_PATTERN, text):
         raise ValueError(
-            f"{text!r} is not an IP address or CIDR block (systemd's engine firewall takes no host names)"
-        ) from None
+            f"{text!r} is not a user name: use lowercase letters, digits, '_' and '-', "
+            "starting with a letter or '_', at most 32 characters (systemd's User= and "
+            "sudo take nothing else)"
+        )
+    return text
 
 
-FirewallEntry = Annotated[str, AfterValidator(_firewall_entry)]
+def _engine_user(text: str) -> str:
+    if text == "root":
+        raise ValueError(
+            "engines never run as root: they run code that comes with the model (custom "
+            "modelling files, tokenizer scripts, pickled weights); give an unprivileged account "
+            "such as llmgw"
+        )
+    return _user_name(text)
+
+
+def _host(text: str) -> str:
+    """An IP address or a DNS host name: nothing a shell or ssh could read as an option."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        if not _HOST_NAME.match(text):
+            raise ValueError(
+                f"{text!r} is not a host name or IP address: use letters, digits, '-', '_' and "
+                "dots, or an IPv4/IPv6 address"
+            ) from None
+    return text
+
+
+def _port_in_range(port: int) -> int:
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range: give a port from 1 to 65535")
+    return port
+
+
+def _listen(text: str) -> str:
+    host, _, port = text.rpartition(":")
+    _host(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+    _port_in_range(int(port))
+    return text
+
+
+def _jump_host(text: str) -> str:
+    """``[user@]host[:port]``: each part checked, so no ssh option can be smuggled in."""
+    user, _, rest = text.rpartition("@")
+    if user:
+        _user_name(user)
+    host, port = rest, ""
+    if rest.startswith("["):
+        host, _, port = rest[1:].partition("]")
+        port = port.removeprefix(":")
+    elif rest.count(":") == 1:
+        host, _, port = rest.partition(":")
+    _host(host)
+    if port:
+        if not port.isdigit():
+            raise ValueError(f"{text!r}: the port after ':' must be a number")
+        _port_in_range(int(port))
+    return text
+
+
+def _env_name(text: str) -> str:
+    if not re.match(ENV_NAME_PATTERN, text):
+        raise ValueError(
+            f"{text!r} is not an environment variable name: use letters, digits and '_', "
+            "not starting with a digit"
+        )
+    return text
+
+
+def _interface(text: str) -> str:
+    if not re.match(INTERFACE_PATTERN, text):
+        raise ValueError(
+            f"{text!r} is not a network interface name: give one such as eth0, or "
+            "NCCL's forms ^docker, =eth0, eth0,eth1"
+        )
+    return text
+
+
+def _plain_word(text: str) -> str:
+    if not re.match(PLAIN_WORD_PATTERN, text):
+        raise ValueError(
+            f"{text!r} goes into a systemd unit as one word: it cannot hold blanks, quotes, "
+            "backslashes or the signs $ % ; `"
+        )
+    return text
+
+
+def _pattern(pattern: str) -> Any:
+    # The check is the validator (its message says what to do); the pattern is for editors.
+    return Field(json_schema_extra={"pattern": pattern})
+
+
+UserName = Annotated[str, AfterValidator(_user_name), _pattern(USER_PATTERN)]
+EngineUser = Annotated[str, AfterValidator(_engine_user), _pattern(USER_PATTERN)]
+Host = Annotated[str, AfterValidator(_host)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+EnvName = Annotated[str, AfterValidator(_env_name), _pattern(ENV_NAME_PATTERN)]
+Interface = Annotated[str, AfterValidator(_interface), _pattern(INTERFACE_PATTERN)]
+PlainWord = Annotated[str, AfterValidator(_plain_word), _pattern(PLAIN_WORD_PATTERN)]
+JumpHost = Annotated[str, AfterValidator(_jump_host)]
 
 
 # --- ssh ----------------------------------------------------------------------------
@@ -73,17 +225,17 @@ class Become(StrEnum):
 class SshOverrides(Spec):
     """Per-node SSH settings; each one left out falls back to the top-level ``ssh`` block."""
 
-    user: str | None = Field(None, description="Login user on this node.")
+    user: UserName | None = Field(None, description="Login user on this node.")
     port: int | None = Field(None, ge=1, le=65535, description="SSH port on this node.")
     identity_file: str | None = Field(None, description="Private key for this node.")
-    jump_host: str | None = Field(None, description="Jump host for this node (`[user@]host[:port]`).")
+    jump_host: JumpHost | None = Field(None, description="Jump host for this node (`[user@]host[:port]`).")
     become: Become | None = Field(None, description="`sudo` or `none` on this node.")
 
 
 class SshSettings(Spec):
     """How llmgw reaches nodes. Host keys are always checked: a changed key is never bypassed."""
 
-    user: str = Field("root", description="Login user.")
+    user: UserName = Field("root", description="Login user.")
     port: int = Field(22, ge=1, le=65535, description="SSH port.")
     identity_file: str | None = Field(
         None,
@@ -102,7 +254,7 @@ class SshSettings(Spec):
     connect_timeout: Duration = Field(10.0, description="Time allowed to connect and authenticate.")
     command_timeout: Duration = Field(60.0, description="Time allowed for one remote command.")
     max_parallel: int = Field(64, ge=1, le=4096, description="Nodes talked to at once.")
-    jump_host: str | None = Field(None, description="Jump host (`[user@]host[:port]`) for every node.")
+    jump_host: JumpHost | None = Field(None, description="Jump host (`[user@]host[:port]`) for every node.")
     become: Become = Field(
         Become.none,
         description="`sudo`: the login user is not root, and actions that need root run "
@@ -126,44 +278,13 @@ class UpstreamTimeouts(Spec):
     idle: Duration = Field(120.0, description="Longest silence between two chunks of an answer.")
 
 
-class ClientTimeouts(Spec):
-    """Timeouts between a client and the gateway's public listener, so a slow or stalled
-    client holds a socket and a model slot for a bounded time only."""
-
-    header: Duration = Field(
-        65.0,
-        gt=0,
-        description="Time a client connection has, from its opening or from the end of its "
-        "previous answer, to send a whole request head; then it is closed. Bytes that trickle "
-        "in do not restart it, so a client sending one byte at a time is dropped. It also "
-        "bounds an idle keep-alive connection (keep it above a TLS proxy's upstream keep-alive, "
-        "nginx: 60s).",
-    )
-    body: Duration = Field(
-        60.0, gt=0, description="Time to receive a whole request body once its head is in; else 408."
-    )
-    write: Duration = Field(
-        60.0,
-        gt=0,
-        description="A client that stops reading: once its socket has stayed full this long, the "
-        "connection is dropped, its model slot freed and the engine's request cancelled.",
-    )
-
-
-class GatewayTls(Spec):
-    """TLS on the public listener (PEM files on the gateway host, read at start)."""
-
-    cert: str = Field(description="Certificate chain (PEM), server certificate first.")
-    key: str = Field(description="Private key (PEM) of the certificate.")
-
-
-Listen = Annotated[str, Field(pattern=LISTEN_PATTERN)]
+Listen = Annotated[str, Field(pattern=LISTEN_PATTERN), AfterValidator(_listen)]
 
 
 class GatewaySettings(Spec):
     """The OpenAI-compatible gateway daemon (`llmgw gateway run`)."""
 
-    host: str = Field(
+    host: Host = Field(
         "localhost",
         description="Where the gateway runs: a node name, `localhost`, or an address.",
     )
@@ -174,8 +295,8 @@ class GatewaySettings(Spec):
     metrics_listen: Listen | None = Field(
         None, description="Listener serving only `/metrics` and `/health`, for monitoring."
     )
-    state_dir: str = Field("/var/lib/llmgw", description="Directory of the gateway's own data.")
-    llmgw_bin: str | None = Field(
+    state_dir: PlainWord = Field("/var/lib/llmgw", description="Directory of the gateway's own data.")
+    llmgw_bin: PlainWord | None = Field(
         None,
         pattern=r"^/",
         description="Absolute path of `llmgw` on the gateway host, for its systemd unit. "
@@ -198,27 +319,15 @@ class GatewaySettings(Spec):
     model_concurrency: int = Field(
         256,
         ge=1,
+        le=100_000,
         description="Requests forwarded at once to each ready replica of a model; more wait "
         "in the model's queue.",
     )
     model_queue: int = Field(
         1024,
         ge=0,
+        le=1_000_000,
         description="Requests that wait for a slot of one model; one more is answered 429.",
-    )
-    key_queue_share: float = Field(
-        0.5,
-        gt=0,
-        le=1,
-        description="Largest share of a model's queue that one API key may fill; a key "
-        "beyond it is answered 429 while other keys still queue. Waiting keys take turns "
-        "for freed slots, so one key's backlog does not starve the others.",
-    )
-    client_timeouts: ClientTimeouts = Field(
-        default_factory=ClientTimeouts, description="Timeouts of clients of the public listener."
-    )
-    tls: GatewayTls | None = Field(
-        None, description="TLS on the public listener. Unset: plain HTTP (put a TLS proxy in front)."
     )
     drain_timeout: Duration = Field(
         30.0, description="On SIGTERM, how long in-flight requests and streams may still run."
@@ -238,12 +347,6 @@ class GatewaySettings(Spec):
         description="Start on-demand models at their first request, stop idle replicas, "
         "evict and scale out. Off: the gateway only routes to what `apply` started.",
     )
-    engine_clients: list[FirewallEntry] = Field(
-        default_factory=list,
-        description="Addresses or CIDR blocks the gateway connects to engines from, besides "
-        "`host` (taken when it is a node or an IP address). Every engine's firewall lets "
-        "only these, the engine's own node, its peer nodes and localhost in.",
-    )
 
 
 # --- fabrics and nodes --------------------------------------------------------------
@@ -253,7 +356,7 @@ class Fabric(Spec):
     """A network over which multi-node replicas talk (NCCL)."""
 
     kind: Literal["infiniband", "roce"] = Field(description="`infiniband` or `roce`.")
-    socket_interface: str | None = Field(
+    socket_interface: Interface | None = Field(
         None, description="Interface for NCCL's bootstrap (`NCCL_SOCKET_IFNAME`), e.g. `eth0`."
     )
 
@@ -270,7 +373,7 @@ class Hca(Spec):
     """A declared InfiniBand/RoCE adapter; write `mlx5_0` or `mlx5_0:1` for short."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_]+$", description="Adapter name, e.g. `mlx5_0`.")
-    port: int | None = Field(None, ge=1, description="Port number; unset: every port.")
+    port: int | None = Field(None, ge=1, le=255, description="Port number; unset: every port.")
 
 
 def _weights_shorthand(value: Any) -> Any:
@@ -297,12 +400,7 @@ class Node(Spec):
     """A server that runs engines."""
 
     name: str = Field(pattern=NAME_PATTERN, description="Unique short name (lowercase, digits, `-`).")
-    address: str = Field(description="Host name or IP address that SSH connects to.")
-    engine_address: str | None = Field(
-        None,
-        description="IP address the node's engines listen on and the gateway connects to; "
-        "unset: `address`. Engines never listen on every interface.",
-    )
+    address: Host = Field(description="Host name or IP address that SSH connects to.")
     connection: Literal["ssh", "local"] = Field(
         "ssh", description="`local`: this machine itself, without SSH."
     )
@@ -318,21 +416,6 @@ class Node(Spec):
     )
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
     gpus: ExpectedGpus | None = Field(None, description="Expected GPUs, checked against the probe.")
-
-    @field_validator("engine_address")
-    @classmethod
-    def _engine_ip(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                ipaddress.ip_address(value)
-            except ValueError:
-                raise ValueError(f"{value!r} is not an IP address") from None
-        return value
-
-    @property
-    def engine_host(self) -> str:
-        """Where the node's engines listen and are reached."""
-        return self.engine_address or self.address
 
 
 # --- profiles -----------------------------------------------------------------------
@@ -354,7 +437,7 @@ DEFAULT_COMMAND: dict[Engine, list[str]] = {
 class Readiness(Spec):
     """How llmgw decides that a replica is ready."""
 
-    path: str = Field("/health", pattern=r"^/", description="HTTP path that answers 200 when ready.")
+    path: str = Field("/health", pattern=r"^/[!-~]*$", description="HTTP path that answers 200 when ready.")
     start_timeout: Duration = Field(
         600.0, description="Longest time from start to ready before the start counts as failed."
     )
@@ -392,20 +475,10 @@ class Profile(Spec):
         "`python3 -m sglang.launch_server` or `llama-server`.",
     )
     args: list[str] = Field(default_factory=list, description="Extra arguments for every model.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables.")
-    secret_env: list[str] = Field(
-        default_factory=list,
-        description="Names in `env` (here or in a model) whose values are secrets: they go to a "
-        "root-only file on the node, never into the unit. `HF_TOKEN` and "
-        "`HUGGING_FACE_HUB_TOKEN` always do.",
+    env: dict[EnvName, str] = Field(default_factory=dict, description="Extra environment variables.")
+    user: EngineUser = Field(
+        "llmgw", description="Unprivileged account the engine runs as (never root: engines run model code)."
     )
-    network_allow: list[FirewallEntry] = Field(
-        default_factory=list,
-        description="More addresses or CIDR blocks the engine may exchange traffic with (a "
-        "proxy or hub mirror it downloads weights through): the engine's firewall works "
-        "both ways, so without them it reaches only the gateway and its peers.",
-    )
-    user: str = Field("llmgw", description="Unprivileged account the engine runs as.")
     multi_node: Literal["native", "ray"] = Field(
         "native", description="vLLM only: multi-node replicas with `--nnodes` (native) or Ray."
     )
@@ -414,6 +487,18 @@ class Profile(Spec):
         default_factory=lambda: PortRange(first=8100, last=8199),
         description="Port range for replicas of this profile.",
     )
+
+    @field_validator("command")
+    @classmethod
+    def _plain_program(cls, command: list[str] | None) -> list[str] | None:
+        # systemd reads a leading - @ : + ! of ExecStart='s program as a flag, even quoted:
+        # `+/bin/sh` would run as root, ignoring User=.
+        if command and (not command[0] or command[0][0] in "-@:+!"):
+            raise ValueError(
+                f"the program {command[0]!r} must be a path or a name, not start with one of - @ : + ! "
+                "(systemd reads those as flags; `+` runs it as root)"
+            )
+        return command
 
     @property
     def argv0(self) -> list[str]:
@@ -434,8 +519,10 @@ class Scaling(Spec):
     """How many replicas run. `min: 0, max: 0` is off; `min: 0, max >= 1` on demand;
     `min >= 1` that many always running. `max` is never filled in for you."""
 
-    min: int = Field(ge=0, description="Replicas always running (never idled or evicted below this).")
-    max: int = Field(ge=0, description="Most replicas ever running.")
+    min: int = Field(
+        ge=0, le=1024, description="Replicas always running (never idled or evicted below this)."
+    )
+    max: int = Field(ge=0, le=1024, description="Most replicas ever running.")
     idle_timeout: Duration | None = Field(
         None, description="Stop a replica above `min` after nobody used it this long; unset: never."
     )
@@ -483,10 +570,7 @@ class Model(Spec):
     nodes: int = Field(1, ge=1, le=64, description="Nodes per replica (more than 1: multi-node).")
     gpu_memory: Size | None = Field(None, description="Memory needed on each GPU, e.g. `40GiB`.")
     args: list[str] = Field(default_factory=list, description="Arguments added to the profile's.")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment added to the profile's.")
-    secret_env: list[str] = Field(
-        default_factory=list, description="Names in `env` whose values are secrets (see the profile's)."
-    )
+    env: dict[EnvName, str] = Field(default_factory=dict, description="Environment added to the profile's.")
     scaling: Scaling | None = Field(None, description="Replica counts; unset: the model is off.")
 
     @field_validator("source")
