@@ -9,7 +9,6 @@ restart, so the eviction after the restart is not blocked by "unknown is not idl
 
 from __future__ import annotations
 
-import secrets
 import subprocess
 import sys
 import time
@@ -128,15 +127,14 @@ def _serve(
     # key and the node its helper: the gateway starts and stops replicas with that key only.
     applied = run("apply", "-f", str(cluster), "--yes")
     assert applied.returncode == 0, applied.stdout + applied.stderr
-    current = lab.ssh("node01", "cat /etc/llmgw/engine.env 2>/dev/null").stdout
-    engine_env = tmp_path / "engine.env"
-    engine_env.write_text(current or f"LLMGW_ENGINE_KEY={secrets.token_hex(32)}\n")
     key = run("keys", "create", "--name", "lab-user", "-f", str(cluster)).stdout.strip()
     admin = run("keys", "create", "--name", "ops", "--admin", "-f", str(cluster)).stdout.strip()
     log = tmp_path / "gateway.log"
     procs: list[subprocess.Popen[bytes]] = []
     argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(cluster)]
-    argv += ["--engine-key-file", str(engine_env), "--health-every", "0.5", "--flush-every", "0.5"]
+    # keys are per node: apply wrote every node's key and left the gateway their map
+    argv += ["--engine-keys-file", str(tmp_path / "state/engine-keys.json")]
+    argv += ["--health-every", "0.5", "--flush-every", "0.5"]
     argv += ["--identity-file", str(tmp_path / "state/ssh-key")]
 
     def start() -> None:
