@@ -47,7 +47,8 @@ async def _execute_with_progress(
     def report(subject: str, message: str) -> None:
         states[subject] = message
         if live is None:
-            err.print(f"  {subject}: {message}", highlight=False, soft_wrap=True)
+            # Messages carry node output (journal tails): printed as text, never as markup.
+            err.print(Text(f"  {subject}: {message}"), highlight=False, soft_wrap=True)
         else:
             live.update(progress_view(states), refresh=True)
 
@@ -100,7 +101,7 @@ def plan(
     )
     if save:
         save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
-        out.print(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}")
+        out.print(Text(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}"), highlight=False)
 
 
 def apply(

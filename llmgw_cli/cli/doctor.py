@@ -16,6 +16,7 @@ from rich.text import Text
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.status import NodesOption
+from llmgw_cli.cli.views import plain
 from llmgw_cli.core.doctor import Finding, Severity, diagnose
 from llmgw_cli.errors import UsageError
 from llmgw_cli.remote.doctor import collect
@@ -32,13 +33,26 @@ def doctor_view(findings: list[Finding], nodes: list[str], seconds: float) -> Re
     table.add_column("fix", overflow="fold", ratio=2)
     for f in findings:
         if f.node is None:
-            table.add_row("(gateway)", Text(f.severity.value, STYLE[f.severity]), f.check, f.message, f.fix)
+            table.add_row(
+                "(gateway)",
+                Text(f.severity.value, STYLE[f.severity]),
+                plain(f.check),
+                plain(f.message),
+                plain(f.fix),
+            )
     for node in nodes:
         mine = [f for f in findings if f.node == node]
         if not mine:
-            table.add_row(node, Text("ok", "green"), "", "", "")
+            table.add_row(plain(node), Text("ok", "green"), "", "", "")
         for f in mine:
-            table.add_row(node, Text(f.severity.value, STYLE[f.severity]), f.check, f.message, f.fix)
+            # Findings quote what the node said (folder names, process names): text, not markup.
+            table.add_row(
+                plain(node),
+                Text(f.severity.value, STYLE[f.severity]),
+                plain(f.check),
+                plain(f.message),
+                plain(f.fix),
+            )
     errors = sum(1 for f in findings if f.severity is Severity.error)
     warnings = sum(1 for f in findings if f.severity is Severity.warning)
     verdict = (

@@ -24,6 +24,7 @@ from rich.text import Text
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.status import NodesOption, probe_with_progress
+from llmgw_cli.cli.views import plain
 from llmgw_cli.core.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, select
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import LlmgwError, UsageError
@@ -48,12 +49,13 @@ async def _run(
     fetched again), then run the plan with one progress bar per (model, node) on a
     terminal, lines otherwise."""
     bars = Progress(
-        TextColumn("{task.description}"),
+        # Model and node names, and states holding remote error text: never markup.
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
-        TextColumn("{task.fields[state]}"),
+        TextColumn("{task.fields[state]}", markup=False),
         console=err,
         disable=not err.is_terminal,
     )
@@ -68,7 +70,7 @@ async def _run(
             tasks[key] = bars.add_task(f"{e.model} -> {e.node}", total=None, state=state)
         bars.update(tasks[key], completed=e.bytes, total=e.total, state=state)
         if not err.is_terminal and last.get(key) != state:
-            err.print(f"  {e.model} -> {e.node}: {state}", highlight=False)
+            err.print(plain(f"  {e.model} -> {e.node}: {state}"), highlight=False)
         last[key] = state
 
     fetcher = Fetcher(spec, base, on_event, token=token, hf_endpoint=os.environ.get("HF_ENDPOINT"))
@@ -87,9 +89,9 @@ def _results_view(plan: FetchPlan, results: list[FetchResult]) -> Table:
         style = "green" if r.ok else "red"
         result = Text(r.state if r.ok else f"failed: {r.message}", style=style)
         size = f"{r.bytes / 2**30:.2f} GiB" if r.bytes else ""
-        table.add_row(r.model, r.node, result, r.source, size, f"{r.seconds:.1f}s", rate)
+        table.add_row(plain(r.model), plain(r.node), result, plain(r.source), size, f"{r.seconds:.1f}s", rate)
     for s in plan.skipped:
-        table.add_row(s.model, s.node, Text(s.reason, style="dim"), "", "", "", "")
+        table.add_row(plain(s.model), plain(s.node), Text(s.reason, style="dim"), "", "", "", "")
     return table
 
 

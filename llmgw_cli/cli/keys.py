@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.core.keys import TOKEN_PREFIX, ApiKey, hash_token, parse_expiry
@@ -55,9 +56,9 @@ def list_keys(file: ClusterFile = DEFAULT_FILE) -> None:
     table = Table("name", "models", "expires", "created", "state", "admin")
     for k in SqliteStore(spec.gateway.state_dir).api_keys():
         state = "revoked" if k.revoked else ("expired" if not k.valid(now) else "active")
-        table.add_row(
-            k.name,
-            ",".join(k.models) or "all",
+        table.add_row(  # names come from whoever made the key (the admin API too): not markup
+            Text(k.name),
+            Text(",".join(k.models) or "all"),
             k.expires.isoformat() if k.expires else "never",
             k.created.strftime("%Y-%m-%d %H:%M") if k.created else "",
             state,
@@ -74,4 +75,4 @@ def revoke(
     spec = read_cluster(file)
     if not SqliteStore(spec.gateway.state_dir).revoke(name):
         raise InputError(f"no key named {name!r}")
-    out.print(f"revoked {name}")
+    out.print(Text(f"revoked {name}"))

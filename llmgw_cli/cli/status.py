@@ -32,7 +32,7 @@ def probe_with_progress(spec: ClusterSpec, file: Path, nodes: str | None, consol
         TextColumn("probing"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # node names and events, not markup
         TimeElapsedColumn(),
         console=console,
         transient=True,

@@ -1,4 +1,9 @@
-"""Renderables for the CLI. Views never print: they return something rich can render."""
+"""Renderables for the CLI. Views never print: they return something rich can render.
+
+Every value that came from a node, a file name or the cluster file goes into a view as a
+``Text``, never as a ``str``: rich reads a str cell as markup, so a GPU name or journal
+line holding ``[/x]`` would raise MarkupError halfway through a command, and ``[link=...]``
+would forge a hyperlink."""
 
 from __future__ import annotations
 
@@ -14,6 +19,11 @@ from llmgw_cli.core.summary import Summary
 from llmgw_cli.errors import Problem
 
 
+def plain(value: object) -> Text:
+    """A cell or line that rich shows literally, whatever brackets it holds."""
+    return Text(str(value))
+
+
 def problems_view(problems: list[Problem]) -> RenderableType:
     """One line per problem, located, then a count."""
     lines = [Text(str(p), style="red") for p in problems]
@@ -26,22 +36,24 @@ def spec_summary(spec: ClusterSpec, path: str) -> RenderableType:
     """What a valid cluster file declares, in one table."""
     modes = Counter(m.mode for m in spec.models)
     table = Table(
-        title=f"{path}: valid (cluster {spec.cluster.name})", title_justify="left", show_header=False
+        title=plain(f"{path}: valid (cluster {spec.cluster.name})"), title_justify="left", show_header=False
     )
     table.add_column(style="bold")
     table.add_column()
     gpus = sum(n.gpus.count for n in spec.nodes if n.gpus)
-    table.add_row("nodes", f"{len(spec.nodes)}" + (f" ({gpus} GPUs declared)" if gpus else ""))
-    table.add_row("fabrics", ", ".join(f"{k} ({v.kind})" for k, v in spec.fabrics.items()) or "none")
+    table.add_row("nodes", plain(f"{len(spec.nodes)}" + (f" ({gpus} GPUs declared)" if gpus else "")))
+    table.add_row("fabrics", plain(", ".join(f"{k} ({v.kind})" for k, v in spec.fabrics.items()) or "none"))
     table.add_row(
-        "profiles", ", ".join(f"{k} ({v.engine.value})" for k, v in spec.profiles.items()) or "none"
+        "profiles", plain(", ".join(f"{k} ({v.engine.value})" for k, v in spec.profiles.items()) or "none")
     )
     table.add_row(
         "models",
-        f"{len(spec.models)}: {modes[ScalingMode.always]} always on, "
-        f"{modes[ScalingMode.on_demand]} on demand, {modes[ScalingMode.off]} off",
+        plain(
+            f"{len(spec.models)}: {modes[ScalingMode.always]} always on, "
+            f"{modes[ScalingMode.on_demand]} on demand, {modes[ScalingMode.off]} off"
+        ),
     )
-    table.add_row("gateway", f"{spec.gateway.host} listening on {spec.gateway.listen}")
+    table.add_row("gateway", plain(f"{spec.gateway.host} listening on {spec.gateway.listen}"))
     return table
 
 
@@ -60,9 +72,16 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
     for r in summary.nodes:
         if not r.reachable:
             nodes.add_row(
-                r.name, r.address, Text("unreachable", style="red"), "-", "-", r.fabric or "-", "-", "-"
+                plain(r.name),
+                plain(r.address),
+                Text("unreachable", style="red"),
+                "-",
+                "-",
+                plain(r.fabric or "-"),
+                "-",
+                "-",
             )
-            findings.add_row(r.name, Text(r.error or "unreachable", style="red"))
+            findings.add_row(plain(r.name), Text(r.error or "unreachable", style="red"))
             continue
         gpus = f"{r.gpus} x {r.gpu_class}" if r.gpus else "none"
         if r.faulty:
@@ -76,13 +95,13 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
         if r.fabric and not r.fabric_ok:
             notes.insert(0, f"fabric {r.fabric} not advertised: {r.fabric_reason}")
         for note in notes:
-            findings.add_row(r.name, Text(note, style="yellow"))
+            findings.add_row(plain(r.name), Text(note, style="yellow"))
         nodes.add_row(
-            r.name,
-            r.address,
+            plain(r.name),
+            plain(r.address),
             Text("ok", style="green"),
             Text(gpus, style="yellow" if r.faulty else ""),
-            r.topology,
+            plain(r.topology),
             Text(fabric, style="" if r.fabric_ok or r.fabric is None else "yellow"),
             f"{r.memory_gib:g} GiB" if r.memory_gib else "-",
             str(len(r.models)),
@@ -91,19 +110,19 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
     for col in ("class", "total", "used", "free", "faulty"):
         classes.add_column(col, justify="right" if col != "class" else "left")
     for c in summary.classes:
-        classes.add_row(c.gpu_class, str(c.total), str(c.used), str(c.free), str(c.faulty))
+        classes.add_row(plain(c.gpu_class), str(c.total), str(c.used), str(c.free), str(c.faulty))
     fabrics = Table(title="Fabrics", title_justify="left")
     for col in ("fabric", "kind", "nodes", "advertising", "free whole nodes", "rate", "models held"):
         fabrics.add_column(col)
     for f in summary.fabrics:
         fabrics.add_row(
-            f.name,
-            f.kind,
+            plain(f.name),
+            plain(f.kind),
             str(f.nodes),
             str(f.advertising),
             str(f.free_nodes),
             _rate(f.rate_gbps),
-            ", ".join(f.models_held) or "-",
+            plain(", ".join(f.models_held) or "-"),
         )
     models = Table(title="Models", title_justify="left")
     for col in ("model", "mode", "running / min", "max", "where"):
@@ -111,11 +130,11 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
     for m in summary.models:
         style = "red" if m.running < m.desired else ""
         models.add_row(
-            m.name,
-            m.mode,
+            plain(m.name),
+            plain(m.mode),
             Text(f"{m.running} / {m.desired}", style=style),
             str(m.maximum),
-            ", ".join(m.where) or "-",
+            plain(", ".join(m.where) or "-"),
         )
     parts: list[RenderableType] = [nodes]
     if findings.row_count:
@@ -164,5 +183,5 @@ def progress_view(states: dict[str, str]) -> RenderableType:
             if state in ("ready", "units in place")
             else ("red" if state.startswith("failed") else "yellow")
         )
-        table.add_row(subject, Text(state, style=style))
+        table.add_row(plain(subject), Text(state, style=style))
     return table

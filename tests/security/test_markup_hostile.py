@@ -1,0 +1,148 @@
+"""Attacks through text that comes back from nodes (journal lines, GPU names, folder names,
+error messages): rich must show it literally, never read it as markup. A closing tag such
+as ``[/x]`` raises MarkupError mid-command; ``[link=...]`` forges a hyperlink."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console, RenderableType
+
+from llmgw_cli.cli import apply as apply_cli
+from llmgw_cli.cli.doctor import doctor_view
+from llmgw_cli.cli.fetch import _results_view
+from llmgw_cli.cli.views import problems_view, progress_view, spec_summary, status_view
+from llmgw_cli.core.doctor.facts import Finding, Severity
+from llmgw_cli.core.fetch import FetchPlan, Skip
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.summary import ClassRow, FabricRow, ModelRow, NodeRow, Summary
+from llmgw_cli.errors import Problem
+from llmgw_cli.remote.fetch import FetchResult
+
+ROOT = Path(__file__).resolve().parents[2]
+# Each is a markup error, a style that would hide what follows, or a forged link.
+HOSTILE = ["[/x]", "[/]", "[bold red]boom", "[link=https://evil.example]click[/link]", "a [b] c [/b]"]
+
+
+def rendered(view: RenderableType) -> str:
+    console = Console(file=io.StringIO(), width=400, color_system=None, force_terminal=False)
+    console.print(view)
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert isinstance(out, str)
+    return out
+
+
+def node_row(text: str, **changes: Any) -> NodeRow:
+    row: dict[str, Any] = {
+        "name": "node01",
+        "address": "10.0.0.1",
+        "reachable": True,
+        "error": None,
+        "gpu_class": text,
+        "gpus": 1,
+        "used": 0,
+        "faulty": 1,
+        "faulty_reasons": (f"GPU 0: {text}",),
+        "expected": None,
+        "topology": text,
+        "nvlink_peers": None,
+        "fabric": None,
+        "fabric_ok": True,
+        "fabric_reason": "",
+        "rate_gbps": None,
+        "memory_gib": None,
+        "models": (),
+        "warnings": (text,),
+    }
+    return NodeRow(**{**row, **changes})
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_status_shows_a_hostile_gpu_name_and_topology_literally(text: str) -> None:
+    summary = Summary(
+        nodes=(node_row(text), node_row(text, name="node02", reachable=False, error=f"ssh: {text}")),
+        classes=(ClassRow(gpu_class=text, total=1, used=0, free=1, faulty=0),),
+        fabrics=(
+            FabricRow(
+                name="f",
+                kind="roce",
+                nodes=1,
+                advertising=1,
+                free_nodes=1,
+                rate_gbps=None,
+                models_held=(text,),
+            ),
+        ),
+        models=(ModelRow(name="m", mode="off", desired=0, maximum=0, running=0, where=(text,)),),
+    )
+    out = rendered(status_view(summary, 0.1))
+    assert out.count(text) >= 6, out
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_doctor_shows_what_a_node_said_literally(text: str) -> None:
+    findings = [
+        Finding(
+            node="node01", check="weights.folder", severity=Severity.error, message=f"{text} is bad", fix=text
+        ),
+        Finding(node=None, check="gateway", severity=Severity.warning, message=text, fix=text),
+    ]
+    out = rendered(doctor_view(findings, ["node01"], 0.1))
+    assert out.count(text) >= 4, out
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_fetch_report_shows_a_remote_error_literally(text: str) -> None:
+    results = [FetchResult(model="m", node="node01", ok=False, state="failed", source=text, message=text)]
+    plan = FetchPlan(spreads=(), skipped=(Skip(model="m2", node="node02", reason=text),), checks=())
+    out = rendered(_results_view(plan, results))
+    assert out.count(text) >= 3, out
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_apply_progress_table_shows_a_journal_line_literally(text: str) -> None:
+    out = rendered(progress_view({f"llmgw-{text}.service": f"failed: journal: {text}"}))
+    assert out.count(text) == 2, out
+
+
+def test_problems_and_summary_show_file_text_literally() -> None:
+    problem = Problem("c[/x].yaml", 1, 1, "models[0]", "unknown key '[/x]'")
+    assert "c[/x].yaml:1:1: models[0]: unknown key '[/x]'" in rendered(problems_view([problem]))
+    spec = parse_cluster((ROOT / "inventories/single-box.yaml").read_text())
+    assert "[/x]/c.yaml: valid" in rendered(spec_summary(spec, "[/x]/c.yaml"))
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_apply_line_output_survives_a_journal_line_with_markup(
+    text: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without a terminal apply prints one line per event; an engine's journal tail in a
+    failure message used to abort apply with MarkupError, leaving the other nodes half done."""
+    console = Console(file=io.StringIO(), width=400, color_system=None, force_terminal=False)
+    monkeypatch.setattr(apply_cli, "err", console)
+
+    class Stop(Exception):
+        pass
+
+    async def prepare(spec: Any, base: Any, nodes: Any, report: Any) -> list[Any]:
+        report("llmgw-m-0.service on node01", f"failed: exited 1; journal: {text}")
+        raise Stop
+
+    monkeypatch.setattr(apply_cli, "prepare", prepare)
+    spec = parse_cluster((ROOT / "inventories/single-box.yaml").read_text())
+    run = apply_cli._execute_with_progress(
+        spec,
+        tmp_path / "c.yaml",
+        None,  # type: ignore[arg-type]
+        wait=False,
+        gateway=None,  # type: ignore[arg-type]
+        unreachable=set(),
+        facts={},
+    )
+    with pytest.raises(Stop):
+        asyncio.run(run)
+    assert f"llmgw-m-0.service on node01: failed: exited 1; journal: {text}" in console.file.getvalue()  # type: ignore[attr-defined]
