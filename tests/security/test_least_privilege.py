@@ -6,6 +6,8 @@ as root; and the gateway still starts an on-demand model with that key alone."""
 
 from __future__ import annotations
 
+import asyncio
+import shlex
 import subprocess
 import sys
 import time
@@ -17,8 +19,14 @@ import openai
 import pytest
 import yaml
 
+from llmgw_cli.core.fetch import Peers, plan_fetch
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.lab import host as lab_host
+from llmgw_cli.remote.connect import GatewayAccess, transport_for
+from llmgw_cli.remote.fetch import Fetcher, FetchResult
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import reset, run
+from tests.integration.weights_origin import Origin, start_origin
 
 pytestmark = pytest.mark.integration
 
@@ -191,3 +199,65 @@ def test_on_demand_start_through_the_restricted_key(lab: Lab, installed: Install
     assert "".join(users).split() == ["User=llmgw"], users
     journal = lab.ssh(HOST, "journalctl -u llmgw-gateway --no-pager -o cat").stdout
     assert "refused" not in journal, journal[-2000:]
+
+
+BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+@pytest.fixture
+def origin(lab: Lab, installed: Installed, tmp_path: Path) -> Iterator[Origin]:
+    """An HTTPS origin on the lab bridge whose certificate the nodes trust."""
+    o = start_origin(tmp_path / "origin", host=f"{lab_host.SUBNET}.1")
+    pem = shlex.quote(o.cert.read_text())
+    for node in lab.nodes:
+        done = lab.ssh(node.name, f"cp {BUNDLE} {BUNDLE}.llmgw-test && printf '%s\\n' {pem} >> {BUNDLE}")
+        assert done.returncode == 0, done.stderr
+    try:
+        yield o
+    finally:
+        o.stop()
+        for node in lab.nodes:
+            lab.ssh(node.name, f"mv -f {BUNDLE}.llmgw-test {BUNDLE}")
+
+
+def test_gateway_fetches_weights_only_into_the_weights_folders(
+    lab: Lab, installed: Installed, origin: Origin
+) -> None:
+    name = "gw-fetch.bin"
+    sha = origin.add(name, 2 << 20, seed=7)
+    data = yaml.safe_load(installed.cluster.read_text())
+    data["models"] = [
+        {
+            "name": "gw",
+            "source": origin.url(name),
+            "sha256": sha,
+            "profile": "llama-cpp",
+            "scaling": {"min": 0, "max": 1},
+        }
+    ]
+    spec = parse_cluster(yaml.safe_dump(data))
+    base = installed.cluster.parent
+    access = GatewayAccess(installed.key, installed.known_hosts)
+    nodes = ["node01", "node02"]  # one from the origin, the other from its peer
+
+    async def fetch() -> list[FetchResult]:
+        transports = {n: transport_for(spec, spec.node(n), base, access) for n in nodes}
+        fetcher = Fetcher(spec, base, lambda _event: None, transports=transports, helper=True)
+        try:
+            return await fetcher.run(plan_fetch(spec, {"gw": nodes}, set(), set(), Peers.fabric))
+        finally:
+            await asyncio.gather(*(t.close() for t in transports.values()))
+
+    try:
+        results = asyncio.run(fetch())
+        assert all(r.ok for r in results) and len(results) == 2, results
+        for node in nodes:
+            assert lab.ssh(node, f"sha256sum /data/models/{name}").stdout.split()[0] == sha
+        # A job aimed anywhere else is refused before anything runs as root.
+        job = f'{{"mode": "fetch", "url": "{origin.url(name)}", "target": "/etc/cron.d/llmgw-owned"}}'
+        done = installed.as_key("llmgw-gateway", "node01", "fetch", stdin=job)
+        assert done.returncode != 0 and "node-helper: refused" in done.stderr, done.stderr
+        assert lab.ssh("node01", "ls /etc/cron.d/ | grep -c llmgw; true").stdout.strip() == "0"
+    finally:
+        for node in nodes:
+            lab.ssh(node, f"rm -f /data/models/{name} /data/models/{name}.part /data/models/.{name}.*")
