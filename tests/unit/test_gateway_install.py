@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from llmgw_cli.core.gateway_install import (
     CLUSTER_FILE,
-    KNOWN_HOSTS,
     GATEWAY_ACCOUNT,
     GATEWAY_KEY,
+    KNOWN_HOSTS,
     UNIT_FILE,
     gateway_change,
     gateway_files,
