@@ -79,6 +79,11 @@ def node_script(config: dict[str, Any]) -> str:
     return f"{SCRIPT}\nmain(json.loads({json.dumps(config)!r}))\n"
 
 
+def _count(value: object) -> int:
+    """A byte count from a node's answer (hostile data: garbage counts as 0)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
@@ -205,8 +210,11 @@ class Fetcher:
         out = await self.call(seed, config)
         if out.get("state") != "serving":
             raise NodeError(seed, "failed", f"could not serve {path} to peers: {out}")
+        port, pid = _count(out.get("port")), _count(out.get("pid"))
+        if not 0 < port < 65536 or not pid:
+            raise NodeError(seed, "failed", f"the peer server on {seed} gave no usable port and pid")
         address = _host(self.spec.node(seed).address)
-        return f"http://{address}:{out['port']}/{secret}/", int(out["pid"])
+        return f"http://{address}:{port}/{secret}/", pid
 
     async def _stop(self, seed: str, pid: int) -> None:
         if self.helper:
@@ -252,7 +260,7 @@ class Fetcher:
         seconds = time.monotonic() - started
         state = final.get("state")
         if state in ("present", "done"):
-            size = int(final.get("bytes") or 0)
+            size = _count(final.get("bytes"))
             self.report(FetchEvent(s.model, node, str(state), source, size, size))
             return FetchResult(
                 s.model, node, True, str(state), source, "", "", size, seconds, final.get("sha256")
@@ -285,8 +293,8 @@ class Fetcher:
                     continue  # torn or not yet written: read it again
                 if status.get("state") in ("done", "present", "error"):  # present: verified, kept
                     return dict(status)
-                total = status.get("total")
-                self.report(FetchEvent(model, node, "fetching", source, int(status.get("bytes") or 0), total))
+                total = _count(status.get("total")) or None
+                self.report(FetchEvent(model, node, "fetching", source, _count(status.get("bytes")), total))
                 if free:
                     break  # nobody holds the lock and it is not finished: the job died
         return {
