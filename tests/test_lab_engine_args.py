@@ -250,3 +250,32 @@ def test_data_parallel_counts_and_ray_share_is_unknown() -> None:
     assert [g.index for g in select_gpus("0,1,2,3,4,5,6", GPUS, ray.gpus_per_node)] == list(range(7))
     with pytest.raises(EngineStartError, match="GPU 7"):
         select_gpus(None, GPUS, ray.gpus_per_node)  # all visible, GPU 7 is unhealthy
+
+
+def test_keys_come_from_where_the_real_engines_read_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vLLM: --api-key, else $VLLM_API_KEY (what llmgw's units use: the key is never argv)
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert parse_argv(["vllm", "serve", "/m"]).api_key == "from-env"
+    assert parse_argv(["vllm", "serve", "/m", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert parse_argv(["vllm", "serve", "/m"]).api_key is None
+    # SGLang: no key variable; a --config YAML file (keys with - or _), which must be YAML or JSON
+    config = tmp_path / "key.yaml"
+    config.write_text('api-key: "0123e4"\n')  # quoted: unquoted, YAML would read a number
+    assert parse_argv(["sglang", "--model-path", "/m", "--config", str(config)]).api_key == "0123e4"
+    with pytest.raises(SystemExit, match="YAML or JSON"):
+        parse_argv(["sglang", "--model-path", "/m", "--config", str(tmp_path / "key.txt")])
+
+
+def test_multi_node_rendezvous_address() -> None:
+    vllm = parse_argv(
+        ["vllm", "serve", "/m", "--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "29511"]
+    )
+    assert (vllm.control_addr, vllm.control_port) == ("10.0.0.1", 29511)
+    sglang = parse_argv(
+        ["sglang", "--model-path", "/m", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:29600"]
+    )
+    assert (sglang.control_addr, sglang.control_port) == ("10.0.0.1", 29600)
+    assert parse_argv(["vllm", "serve", "/m"]).control_port is None

@@ -153,6 +153,11 @@ async def _rendezvous(cfg: EngineConfig, stop: asyncio.Event) -> asyncio.Server 
         except OSError as exc:
             log(cfg.kind, "ERROR", f"rendezvous on {cfg.control_addr}:{cfg.control_port}: {exc.strerror}")
             return False
+    log(
+        cfg.kind,
+        "INFO",
+        f"Headless worker node rank {cfg.node_rank} of {cfg.nnodes}: joining rank 0 at {cfg.control_addr}:{cfg.control_port}",
+    )
     deadline = time.monotonic() + 60
     while not stop.is_set():
         try:
