@@ -14,7 +14,8 @@ before or after its restart:
    the node's other key;
 2. every node's key files get the new key (replicas keep the key they started with);
 3. the running replicas are restarted one at a time, each waited for until it answers
-   its readiness path, so a model with two replicas or more keeps serving throughout;
+   its readiness path and then until the gateway's health checks have taken it back, so
+   a model with two replicas or more keeps serving throughout;
 4. the gateway is given only the new keys, and reloaded.
 
 A model with a single replica is unavailable while that replica restarts (requests wait
@@ -50,7 +51,7 @@ from llmgw_cli.remote.execute import (
 from llmgw_cli.remote.transport import Transport
 
 KeyMap = dict[str, tuple[str, ...]]
-GATEWAY_PICKUP = 7.0  # seconds: the gateway's key timer (5 s) and a margin
+GATEWAY_PICKUP = 7.0  # seconds: the gateway's key timer (5 s), health checks (2 s) and a margin
 UNIT_NAME = re.compile(r"llmgw-[a-z0-9.-]+-[0-9]+\.service")
 
 
@@ -127,6 +128,11 @@ async def rotate_engine_keys(
             why = f"not restarted: {', '.join(sorted(nodes - transports.keys()))} unreachable"
             outcomes.append(Outcome(f"{model}#{replica}", False, f"{why}; run the rotation again"))
             continue
+        if len(outcomes) > 1:
+            # The replica restarted last is ready, but the gateway takes it back only at
+            # its next health check: restarting the next one sooner would leave a model
+            # with no replica in rotation.
+            await asyncio.sleep(GATEWAY_PICKUP)
         done = await _restart(
             spec, model=model, replica=replica, members=members, transports=transports, report=report
         )
