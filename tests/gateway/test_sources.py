@@ -42,7 +42,7 @@ def probed(*facts: NodeFacts) -> Snapshot:
 def run(
     source: ProbeSource, spec: ClusterSpec, snapshot: Snapshot, monkeypatch: pytest.MonkeyPatch
 ) -> dict[str, list[str]]:
-    async def fake_gather(_spec: ClusterSpec, _base: Path) -> Snapshot:
+    async def fake_gather(_spec: ClusterSpec, _base: Path, access: object = None) -> Snapshot:
         return snapshot
 
     monkeypatch.setattr(sources, "gather", fake_gather)
