@@ -61,9 +61,7 @@ MAX_JOURNAL_LINES = 1000
 # Exactly the directives llmgw's replica template writes, section by section. Anything
 # else (ExecStartPost, PAMName, RootDirectory, a drop-in's worth of surprises) is refused.
 SECTIONS: dict[str, frozenset[str]] = {
-    "Unit": frozenset(
-        {"Description", "After", "Wants", "Requires", "StartLimitIntervalSec", "StartLimitBurst"}
-    ),
+    "Unit": frozenset({"Description", "After", "Wants", "StartLimitIntervalSec", "StartLimitBurst"}),
     "Service": frozenset(
         {
             "Type",
@@ -89,6 +87,10 @@ SECTIONS: dict[str, frozenset[str]] = {
 LABEL = re.compile(r"^X-Llmgw-[A-Za-z-]+$")
 EXEC_PREFIXES = "+!@-:|"
 ENV_DIR = "/etc/llmgw/"
+NOT_FOR_ENGINES = "/etc/llmgw/gateway/"  # the gateway host's own files
+# Wants= would start any unit (a root shell on a console, a rescue target) along with the
+# replica: only what the template names.
+DEPENDENCIES = frozenset({"network-online.target"})
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
@@ -134,7 +136,13 @@ def _exec_words(key: str, value: str, programs: list[str], lineno: int) -> None:
 
 def _llmgw_file(key: str, path: str, lineno: int) -> None:
     """Files systemd reads as root for the engine: llmgw's own under /etc/llmgw only."""
-    if not path.startswith(ENV_DIR) or os.path.normpath(path) != path or "\\" in path or "%" in path:
+    if (
+        not path.startswith(ENV_DIR)
+        or path.startswith(NOT_FOR_ENGINES)
+        or os.path.normpath(path) != path
+        or "\\" in path
+        or "%" in path
+    ):
         raise Refused(f"line {lineno}: {key}= names {path!r}, which is not a file under {ENV_DIR}")
 
 
@@ -174,6 +182,9 @@ def check_unit(text: str, config: dict[str, list[str]]) -> None:
             users.append(value)
         elif key in ("ExecStart", "ExecStartPre"):
             _exec_words(key, value, config["programs"], lineno)
+        elif key in ("Wants", "After"):
+            if not value or not set(value.split()) <= DEPENDENCIES:
+                raise Refused(f"line {lineno}: {key}= may name only {', '.join(sorted(DEPENDENCIES))}")
         elif key == "EnvironmentFile":
             _llmgw_file(key, value[1:] if value.startswith("-") else value, lineno)
         elif key == "LoadCredential":

@@ -84,6 +84,15 @@ def test_every_unit_llmgw_renders_is_accepted(inventory: str) -> None:
         (("Type=exec", "Type=exec \\\n"), "continuation"),
         (("Type=exec", "Type=exec\r"), "control"),
         (("Type=exec", "Type=exec\nLoadCredential=k:/etc/shadow"), "not a file under"),
+        (("Wants=network-online.target", "Wants=debug-shell.service"), "may name only"),
+        (
+            ("After=network-online.target", "After=network-online.target\nRequires=rescue.target"),
+            "not allowed",
+        ),
+        (
+            ("EnvironmentFile=/etc/llmgw/engine.env", "EnvironmentFile=/etc/llmgw/gateway/id_ed25519"),
+            "not a file",
+        ),
         (("[Install]", "[Service]"), "section"),
         (("[Install]", "[X-Other]"), "section"),
     ],
