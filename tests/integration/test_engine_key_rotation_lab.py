@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import openai
@@ -83,7 +84,9 @@ def test_rotation_loses_no_request(lab: Lab, tmp_path: Path) -> None:
             threads = [threading.Thread(target=keep_asking) for _ in range(4)]
             for t in threads:
                 t.start()
+            started = time.monotonic()
             rotated = run("apply", "-f", str(cluster), "--yes", "--rotate-engine-key", timeout=600)
+            took = time.monotonic() - started
             done_event.set()
             for t in threads:
                 t.join(60)
@@ -94,6 +97,9 @@ def test_rotation_loses_no_request(lab: Lab, tmp_path: Path) -> None:
             assert rotated.stderr.count("restarted with the new engine key") == 2, rotated.stderr
             assert failures == [], failures[:5]
             assert answered[0] > 20
+            print(
+                f"rotation of 4 nodes, 2 replicas: {took:.1f} s, {answered[0]} requests answered, none failed"
+            )
             # and after the rotation, the replicas answer with the new keys only
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, timeout=30)
         finally:
