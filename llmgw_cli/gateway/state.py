@@ -9,6 +9,7 @@ never mutate them in place. Disk work (the store) runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
@@ -92,6 +93,24 @@ class _Queue:
         return min((w[0][1] for w in self.by_key.values()), default=None)
 
 
+def read_engine_keys(path: Path) -> dict[str, tuple[str, ...]]:
+    """The engine keys by node from the map ``apply`` writes on the gateway host
+    (JSON ``{"node": ["current key", "key before a rotation"]}``)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"engine key map {path}: {exc.strerror} (give it with --engine-keys-file)") from None
+    except ValueError as exc:
+        raise InputError(
+            f"engine key map {path}: not JSON ({exc}); run `llmgw apply` to rewrite it"
+        ) from None
+    if not isinstance(data, dict) or not all(
+        isinstance(keys, list) and all(isinstance(k, str) for k in keys) for keys in data.values()
+    ):
+        raise InputError(f'engine key map {path}: expected {{"node": ["key", ...]}}; run `llmgw apply`')
+    return {str(node): tuple(keys) for node, keys in data.items()}
+
+
 class Admission:
     """Per-model concurrency limit with a bounded queue shared fairly between API keys.
 
@@ -159,6 +178,7 @@ class Gateway:
         store: Store,
         engine_key: str,
         *,
+        engine_keys: Callable[[], dict[str, tuple[str, ...]]] | None = None,
         reload_spec: Callable[[], ClusterSpec] | None = None,
         discover_every: float = 15.0,
         health_every: float = 2.0,
@@ -170,7 +190,9 @@ class Gateway:
         self.catalog: dict[str, Model] = {m.name: m for m in spec.models}
         self.source = source
         self.store = store
-        self.engine_key = engine_key
+        self.engine_key = engine_key  # one key for every engine: the fallback without a map
+        self.read_engine_keys = engine_keys  # the per-node map, read again on every reload
+        self.engine_keys: dict[str, tuple[str, ...]] = engine_keys() if engine_keys else {}
         self.reload_spec = reload_spec
         self.every = {
             "discover": discover_every,
@@ -196,9 +218,14 @@ class Gateway:
         """What every upstream request shares, built once per configuration, not per request."""
         timeouts = self.spec.gateway.timeouts
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
-        if self.engine_key:
-            headers["Authorization"] = f"Bearer {self.engine_key}"
         self.upstreams.configure(timeouts.connect, headers)
+        # Keys are per node: each engine host gets its own node's key(s).
+        by_host = {
+            node.engine_host: self.engine_keys[node.name]
+            for node in self.spec.nodes
+            if node.name in self.engine_keys
+        }
+        self.upstreams.configure_keys(by_host, (self.engine_key,) if self.engine_key else ())
         # The read timeout bounds every wait for the engine. A non-streamed answer arrives
         # whole, so first_byte; engines open a stream at once (the role chunk), so idle
         # bounds every gap of it.
@@ -280,6 +307,22 @@ class Gateway:
     async def load_keys(self) -> None:
         keys = await asyncio.to_thread(self.store.api_keys)
         self.keys = {k.digest: k for k in keys}
+        await self.load_engine_keys()
+
+    async def load_engine_keys(self) -> None:
+        """The engine key map again, when apply rewrote it (a new node, a rotation): on
+        the keys timer, so a rotation needs no signal to reach the gateway."""
+        if self.read_engine_keys is None:
+            return
+        try:
+            keys = await asyncio.to_thread(self.read_engine_keys)
+        except Exception as exc:
+            log.error("engine key map not reloaded, keeping the keys in use: %s", exc)
+            return
+        if keys != self.engine_keys:
+            self.engine_keys = keys
+            self._upstream_settings()
+            log.info("engine keys reloaded: %d node(s)", len(keys))
 
     async def discover(self) -> None:
         found = await self.source.discover(self.spec)
