@@ -254,13 +254,13 @@ def test_one_key_flooding_a_model_cannot_starve_another_key(sim: Engine, tmp_pat
         flooder, other = gw.client(flooder_key), gw.client(other_key)
         finished: list[str] = []
 
-        def ask(client: openai.OpenAI, name: str) -> None:
-            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=10)
+        def ask(client: openai.OpenAI, name: str, tokens: int = 4) -> None:
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=tokens)
             finished.append(name)
 
-        holding = threading.Thread(target=ask, args=(flooder, "flood-0"))
+        holding = threading.Thread(target=ask, args=(flooder, "flood-0", 60))
         holding.start()
-        time.sleep(0.2)  # holds the only slot for ~0.5s
+        time.sleep(0.3)  # holds the only slot for ~3s (60 tokens at 20/s)
         queued = [threading.Thread(target=ask, args=(flooder, f"flood-{i}")) for i in (1, 2)]
         for thread in queued:
             thread.start()
