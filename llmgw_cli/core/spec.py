@@ -278,6 +278,37 @@ class UpstreamTimeouts(Spec):
     idle: Duration = Field(120.0, description="Longest silence between two chunks of an answer.")
 
 
+class ClientTimeouts(Spec):
+    """Timeouts between a client and the gateway's public listener, so a slow or stalled
+    client holds a socket and a model slot for a bounded time only."""
+
+    header: Duration = Field(
+        65.0,
+        gt=0,
+        description="Time a client connection has, from its opening or from the end of its "
+        "previous answer, to send a whole request head; then it is closed. Bytes that trickle "
+        "in do not restart it, so a client sending one byte at a time is dropped. It also "
+        "bounds an idle keep-alive connection (keep it above a TLS proxy's upstream keep-alive, "
+        "nginx: 60s).",
+    )
+    body: Duration = Field(
+        60.0, gt=0, description="Time to receive a whole request body once its head is in; else 408."
+    )
+    write: Duration = Field(
+        60.0,
+        gt=0,
+        description="A client that stops reading: once its socket has stayed full this long, the "
+        "connection is dropped, its model slot freed and the engine's request cancelled.",
+    )
+
+
+class GatewayTls(Spec):
+    """TLS on the public listener (PEM files on the gateway host, read at start)."""
+
+    cert: str = Field(description="Certificate chain (PEM), server certificate first.")
+    key: str = Field(description="Private key (PEM) of the certificate.")
+
+
 Listen = Annotated[str, Field(pattern=LISTEN_PATTERN), AfterValidator(_listen)]
 
 
@@ -328,6 +359,20 @@ class GatewaySettings(Spec):
         ge=0,
         le=1_000_000,
         description="Requests that wait for a slot of one model; one more is answered 429.",
+    )
+    key_queue_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Largest share of a model's queue that one API key may fill; a key "
+        "beyond it is answered 429 while other keys still queue. Waiting keys take turns "
+        "for freed slots, so one key's backlog does not starve the others.",
+    )
+    client_timeouts: ClientTimeouts = Field(
+        default_factory=ClientTimeouts, description="Timeouts of clients of the public listener."
+    )
+    tls: GatewayTls | None = Field(
+        None, description="TLS on the public listener. Unset: plain HTTP (put a TLS proxy in front)."
     )
     drain_timeout: Duration = Field(
         30.0, description="On SIGTERM, how long in-flight requests and streams may still run."
