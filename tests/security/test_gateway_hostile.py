@@ -481,7 +481,8 @@ def fuzz_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gat
 @given(
     body=BODIES,
     authorization=st.none() | HEADER_BYTES.map(lambda b: b"Bearer " + b) | HEADER_BYTES,
-    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"]),
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"])
+    | st.from_regex(r"/[!-~]{0,40}", fullmatch=True),
     use_key=st.booleans(),
 )
 def test_fuzzed_requests_never_get_a_5xx(
@@ -493,7 +494,7 @@ def test_fuzzed_requests_never_get_a_5xx(
         head += b"Authorization: Bearer " + key.encode() + b"\r\n"
     elif authorization is not None:
         head += b"Authorization: " + authorization + b"\r\n"
-    method = b"GET" if path == "/v1/models" else b"POST"
+    method = b"GET" if path == "/v1/models" or not path.startswith("/v1/") else b"POST"
     request = b"%b %b HTTP/1.1\r\n%bContent-Length: %d\r\n\r\n%b" % (
         method,
         path.encode(),
