@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,9 @@ from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.summary import ClassRow, FabricRow, ModelRow, NodeRow, Summary
 from llmgw_cli.errors import Problem
 from llmgw_cli.remote.fetch import FetchResult
+from tests.integration.conftest import Lab
+from tests.integration.lab_helpers import llmgw_units, reset, run
+from tests.security.test_spec_hostile import HOSTILE_ARGS, _quoted, exec_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 # Each is a markup error, a style that would hide what follows, or a forged link.
@@ -146,3 +150,79 @@ def test_apply_line_output_survives_a_journal_line_with_markup(
     with pytest.raises(Stop):
         asyncio.run(run)
     assert f"llmgw-m-0.service on node01: failed: exited 1; journal: {text}" in console.file.getvalue()  # type: ignore[attr-defined]
+
+
+# --- on the lab: an engine whose journal holds markup, and whose argv systemd built -----
+
+ENGINE = "/usr/local/bin/llmgw-hostile-engine"
+# The engine records the argv systemd gave it, prints markup to its journal and fails.
+ENGINE_SCRIPT = """#!/bin/sh
+printf '%s\\0' "$@" > /tmp/llmgw-hostile-argv
+echo '[/x] [bold red]boom[/bold red] [link=https://evil.example]click[/link]'
+exit 3
+"""
+JOURNAL_LINE = "[/x] [bold red]boom[/bold red] [link=https://evil.example]click[/link]"
+# A lone ";" word is left to the unit verify test: the node helper refuses it in any form.
+LAB_ARGS = [a for a in HOSTILE_ARGS if a != ";"]
+
+
+@pytest.fixture(scope="module")
+def hostile_apply(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lab, Any, str]]:
+    """`llmgw apply` of one model run by the hostile engine, with hostile but legal args."""
+    reset(lab)
+    for node in lab.nodes:
+        lab.ssh(
+            node.name,
+            f"cat > {ENGINE} <<'EOF'\n{ENGINE_SCRIPT}EOF\nchmod 755 {ENGINE}; rm -f /tmp/llmgw-hostile-argv",
+        )
+    folder = tmp_path_factory.mktemp("hostile")
+    head = lab.cluster_file.read_text().split("\nmodels:\n")[0]
+    head = head.replace("state_dir: /var/lib/llmgw-lab/gateway", f"state_dir: {folder / 'state'}")
+    args = "[" + ", ".join(_quoted(a) for a in LAB_ARGS) + "]"
+    cluster = folder / "cluster.yaml"
+    cluster.write_text(
+        head.replace(
+            "profiles:\n",
+            f"profiles:\n  hostile:\n    engine: llama-server\n    command: [{ENGINE}]\n"
+            "    readiness: {start_timeout: 30s}\n    ports: 8400-8499\n",
+            1,
+        )
+        + "\nmodels:\n  - name: hostile-args\n    source: /data/models/SmolLM2-135M-Instruct.Q4_1.gguf\n"
+        f"    profile: hostile\n    args: {args}\n    scaling: {{min: 1, max: 1}}\n"
+    )
+    done = run("apply", "-f", str(cluster), "--yes", timeout=240)
+    try:
+        yield lab, done, "llmgw-hostile-args-0.service"
+    finally:
+        for node in lab.nodes:
+            lab.ssh(node.name, f"rm -f {ENGINE} /tmp/llmgw-hostile-argv")
+        reset(lab)
+
+
+@pytest.mark.integration
+def test_apply_reports_an_engine_journal_line_holding_markup_literally(
+    hostile_apply: tuple[Lab, Any, str],
+) -> None:
+    _, done, unit = hostile_apply
+    output = done.stdout + done.stderr
+    assert "MarkupError" not in output and "Traceback" not in output, output
+    assert done.returncode == 1, output  # the replica failed; apply said so and finished
+    assert "steps failed; fix them and run apply again" in output, output
+    assert JOURNAL_LINE in output, output
+    assert unit in output
+
+
+@pytest.mark.integration
+def test_systemd_runs_hostile_args_exactly_as_written(hostile_apply: tuple[Lab, Any, str]) -> None:
+    """What systemd really passed the engine: every hostile arg verbatim and in order, and
+    the same argv a strict re-reading of the unit's ExecStart= gives."""
+    lab, done, unit = hostile_apply
+    where = [node for node, units in llmgw_units(lab).items() if unit in units]
+    assert len(where) == 1, (where, done.stdout + done.stderr)
+    dumped = lab.ssh(where[0], "cat /tmp/llmgw-hostile-argv").stdout
+    argv = dumped.split("\0")[:-1]
+    start = argv.index(LAB_ARGS[0])
+    assert argv[start : start + len(LAB_ARGS)] == LAB_ARGS
+    text = lab.ssh(where[0], f"cat /etc/systemd/system/{unit}").stdout
+    (exec_line,) = [line for line in text.splitlines() if line.startswith("ExecStart=")]
+    assert exec_argv(exec_line.removeprefix("ExecStart=")) == [ENGINE, *argv]

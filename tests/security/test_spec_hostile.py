@@ -4,15 +4,22 @@ words or crashes of the loader. Every answer is a ClusterSpec or a located SpecE
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmgw_cli.core.engine_access import key_flags
+from llmgw_cli.core.engines import Member, engine_args, replica_unit
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import SpecError
+from tests.integration.test_replica_units_verify import scratch_root, verify
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Line 1..8 of every document below; the hostile value is always on line 9.
 BASE = """\
@@ -429,3 +436,118 @@ def test_fuzz_any_string_in_a_model_arg_loads_only_without_control_characters(va
         assert spec is None
     else:
         assert spec is not None and spec.models[0].args == [value]
+
+
+# --- hostile but legal values: a unit systemd accepts, no extra directive, same argv -----
+
+# Each is legal in a cluster file and means something to systemd or a shell.
+HOSTILE_ARGS = [
+    "ExecStartPre=+/bin/sh -c 'id > /root/pwned'",
+    "$HOME",
+    "${LLMGW_ENGINE_KEY}",
+    "$$",
+    "--x=$(id)",
+    "`id`",
+    "%n",
+    "%%",
+    "100%",
+    "'single'",
+    '"double"',
+    "back\\slash",
+    "trailing\\",
+    "\\x41\\n",
+    "a b  c",
+    ";",
+    "a;b",
+    "#not a comment",
+    "",
+    "*",
+    "~",
+    "é\u00a0ü",
+]
+
+
+def unit_keys(text: str) -> list[str]:
+    """The directive names of a unit, in order (comments and section headers left out)."""
+    keys = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith(("#", ";", "[")):
+            key, sep, _ = line.partition("=")
+            assert sep, f"not a directive: {line!r}"
+            keys.append(key)
+    return keys
+
+
+def exec_argv(value: str) -> list[str]:
+    """The argv systemd runs for an ``ExecStart=`` value made of bare words and whole-word
+    double-quoted strings, as systemd's parser reads them (unquoting and C escapes, then
+    ``%%`` and ``$$``). Anything else in the value is a failure: it is not what llmgw writes."""
+    words: list[str] = []
+    i = 0
+    while i < len(value):
+        if value[i] == " ":
+            i += 1
+            continue
+        if value[i] == '"':
+            word, i = [], i + 1
+            while value[i] != '"':
+                if value[i] == "\\":
+                    assert value[i + 1] in '\\"', f"unexpected escape in {value!r}"
+                    i += 1
+                word.append(value[i])
+                i += 1
+            i += 1
+            assert i == len(value) or value[i] == " ", f"quote inside a word: {value!r}"
+            raw = "".join(word)
+        else:
+            end = value.find(" ", i)
+            end = len(value) if end < 0 else end
+            raw = value[i:end]
+            assert not re.search(r"[\"'\\]", raw), f"bare word with quote or backslash: {raw!r}"
+            i = end
+        assert not re.search(r"%[^%]", raw.replace("%%", "")), f"specifier left in {raw!r}"
+        assert not re.search(r"\$[^$]", raw.replace("$$", "")), f"variable left in {raw!r}"
+        words.append(raw.replace("%%", "%").replace("$$", "$"))
+    return words
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.parametrize("profile", ["vllm", "llama-cpp"])
+def test_hostile_but_legal_args_render_a_unit_systemd_accepts_with_no_extra_directive(
+    profile: str, tmp_path: Path
+) -> None:
+    inventory = (ROOT / "inventories/single-box.yaml").read_text()
+    clean = parse_cluster(inventory)
+    args = "[" + ", ".join(_quoted(a) for a in HOSTILE_ARGS) + "]"
+    hostile = parse_cluster(
+        inventory.replace("profile: llama-cpp\n", "profile: llama-cpp\n    args: " + args + "\n").replace(
+            "profile: vllm\n    scaling: {min: 1",
+            "profile: vllm\n    args: " + args + "\n    scaling: {min: 1",
+        )
+    )
+    name = "qwen2.5-7b-instruct" if profile == "vllm" else "smollm2-135m"
+    assert hostile.model(name).args == HOSTILE_ARGS
+    root = scratch_root(tmp_path, hostile)
+    member = Member(hostile.nodes[0], 0, ("GPU-0",))
+    units = []
+    for spec in (clean, hostile):
+        model = spec.model(name)
+        units.append(
+            replica_unit(spec, model, replica=0, member=member, port=8100, members=(member,), dist_port=0)
+        )
+    clean_unit, unit = units
+    assert unit_keys(unit.text) == unit_keys(clean_unit.text)
+    assert unit.text.count("\n") == clean_unit.text.count("\n")
+    (exec_line,) = [line for line in unit.text.splitlines() if line.startswith("ExecStart=")]
+    argv = exec_argv(exec_line.removeprefix("ExecStart="))
+    model = hostile.model(name)
+    intended = engine_args(hostile, model, member, port=8100, head=member.node, dist_port=0)
+    intended += key_flags(hostile.profiles[model.profile].engine, hostile.profiles[model.profile].user)
+    assert argv == intended
+    start = argv.index(HOSTILE_ARGS[0])
+    assert argv[start : start + len(HOSTILE_ARGS)] == HOSTILE_ARGS
+    (root / "etc/systemd/system" / unit.name).write_text(unit.text)
+    result = verify(root, unit.name)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", result.stderr
