@@ -214,6 +214,28 @@ PlainWord = Annotated[str, AfterValidator(_plain_word), _pattern(PLAIN_WORD_PATT
 JumpHost = Annotated[str, AfterValidator(_jump_host)]
 
 
+# Words systemd's IPAddressAllow= takes besides addresses and CIDR blocks.
+FIREWALL_WORDS = ("localhost", "link-local", "multicast")
+
+
+def _firewall_entry(text: str) -> str:
+    """An IP address or CIDR block as systemd's ``IPAddressAllow=`` reads it (never a host
+    name: systemd does not resolve names there, it would drop the entry)."""
+    if text in FIREWALL_WORDS:
+        return text
+    try:
+        if "/" not in text:
+            return str(ipaddress.ip_address(text))
+        return str(ipaddress.ip_network(text, strict=False))
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not an IP address or CIDR block (systemd's engine firewall takes no host names)"
+        ) from None
+
+
+FirewallEntry = Annotated[str, AfterValidator(_firewall_entry)]
+
+
 # --- ssh ----------------------------------------------------------------------------
 
 
@@ -392,6 +414,12 @@ class GatewaySettings(Spec):
         description="Start on-demand models at their first request, stop idle replicas, "
         "evict and scale out. Off: the gateway only routes to what `apply` started.",
     )
+    engine_clients: list[FirewallEntry] = Field(
+        default_factory=list,
+        description="Addresses or CIDR blocks the gateway connects to engines from, besides "
+        "`host` (taken when it is a node or an IP address). Every engine's firewall lets "
+        "only these, the engine's own node, its peer nodes and localhost in.",
+    )
 
 
 # --- fabrics and nodes --------------------------------------------------------------
@@ -446,6 +474,11 @@ class Node(Spec):
 
     name: str = Field(pattern=NAME_PATTERN, description="Unique short name (lowercase, digits, `-`).")
     address: Host = Field(description="Host name or IP address that SSH connects to.")
+    engine_address: str | None = Field(
+        None,
+        description="IP address the node's engines listen on and the gateway connects to; "
+        "unset: `address`. Engines never listen on every interface.",
+    )
     connection: Literal["ssh", "local"] = Field(
         "ssh", description="`local`: this machine itself, without SSH."
     )
@@ -461,6 +494,21 @@ class Node(Spec):
     )
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
     gpus: ExpectedGpus | None = Field(None, description="Expected GPUs, checked against the probe.")
+
+    @field_validator("engine_address")
+    @classmethod
+    def _engine_ip(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not an IP address") from None
+        return value
+
+    @property
+    def engine_host(self) -> str:
+        """Where the node's engines listen and are reached."""
+        return self.engine_address or self.address
 
 
 # --- profiles -----------------------------------------------------------------------
@@ -521,6 +569,18 @@ class Profile(Spec):
     )
     args: list[str] = Field(default_factory=list, description="Extra arguments for every model.")
     env: dict[EnvName, str] = Field(default_factory=dict, description="Extra environment variables.")
+    secret_env: list[str] = Field(
+        default_factory=list,
+        description="Names in `env` (here or in a model) whose values are secrets: they go to a "
+        "root-only file on the node, never into the unit. `HF_TOKEN` and "
+        "`HUGGING_FACE_HUB_TOKEN` always do.",
+    )
+    network_allow: list[FirewallEntry] = Field(
+        default_factory=list,
+        description="More addresses or CIDR blocks the engine may exchange traffic with (a "
+        "proxy or hub mirror it downloads weights through): the engine's firewall works "
+        "both ways, so without them it reaches only the gateway and its peers.",
+    )
     user: EngineUser = Field(
         "llmgw", description="Unprivileged account the engine runs as (never root: engines run model code)."
     )
@@ -616,6 +676,9 @@ class Model(Spec):
     gpu_memory: Size | None = Field(None, description="Memory needed on each GPU, e.g. `40GiB`.")
     args: list[str] = Field(default_factory=list, description="Arguments added to the profile's.")
     env: dict[EnvName, str] = Field(default_factory=dict, description="Environment added to the profile's.")
+    secret_env: list[str] = Field(
+        default_factory=list, description="Names in `env` whose values are secrets (see the profile's)."
+    )
     scaling: Scaling | None = Field(None, description="Replica counts; unset: the model is off.")
 
     @field_validator("source")
