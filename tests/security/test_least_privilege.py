@@ -22,8 +22,7 @@ import yaml
 from llmgw_cli.core.fetch import Peers, plan_fetch
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.lab import host as lab_host
-from llmgw_cli.remote.connect import GatewayAccess, transport_for
-from llmgw_cli.remote.fetch import Fetcher, FetchResult
+from llmgw_cli.remote import connect, fetch
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import reset, run
 from tests.integration.weights_origin import Origin, start_origin
@@ -237,19 +236,19 @@ def test_gateway_fetches_weights_only_into_the_weights_folders(
     ]
     spec = parse_cluster(yaml.safe_dump(data))
     base = installed.cluster.parent
-    access = GatewayAccess(installed.key, installed.known_hosts)
+    access = connect.GatewayAccess(installed.key, installed.known_hosts)
     nodes = ["node01", "node02"]  # one from the origin, the other from its peer
 
-    async def fetch() -> list[FetchResult]:
-        transports = {n: transport_for(spec, spec.node(n), base, access) for n in nodes}
-        fetcher = Fetcher(spec, base, lambda _event: None, transports=transports, helper=True)
+    async def gateway_fetch() -> list[fetch.FetchResult]:
+        transports = {n: connect.transport_for(spec, spec.node(n), base, access) for n in nodes}
+        fetcher = fetch.Fetcher(spec, base, lambda _event: None, transports=transports, helper=True)
         try:
             return await fetcher.run(plan_fetch(spec, {"gw": nodes}, set(), set(), Peers.fabric))
         finally:
             await asyncio.gather(*(t.close() for t in transports.values()))
 
     try:
-        results = asyncio.run(fetch())
+        results = asyncio.run(gateway_fetch())
         assert all(r.ok for r in results) and len(results) == 2, results
         for node in nodes:
             assert lab.ssh(node, f"sha256sum /data/models/{name}").stdout.split()[0] == sha
