@@ -569,7 +569,7 @@ class Profile(Spec):
     )
     args: list[str] = Field(default_factory=list, description="Extra arguments for every model.")
     env: dict[EnvName, str] = Field(default_factory=dict, description="Extra environment variables.")
-    secret_env: list[str] = Field(
+    secret_env: list[EnvName] = Field(
         default_factory=list,
         description="Names in `env` (here or in a model) whose values are secrets: they go to a "
         "root-only file on the node, never into the unit. `HF_TOKEN` and "
@@ -676,7 +676,7 @@ class Model(Spec):
     gpu_memory: Size | None = Field(None, description="Memory needed on each GPU, e.g. `40GiB`.")
     args: list[str] = Field(default_factory=list, description="Arguments added to the profile's.")
     env: dict[EnvName, str] = Field(default_factory=dict, description="Environment added to the profile's.")
-    secret_env: list[str] = Field(
+    secret_env: list[EnvName] = Field(
         default_factory=list, description="Names in `env` whose values are secrets (see the profile's)."
     )
     scaling: Scaling | None = Field(None, description="Replica counts; unset: the model is off.")

@@ -191,6 +191,14 @@ def test_environment_variable_name_that_systemd_would_not_read_is_refused(name: 
     assert message.startswith("c.yaml:9:")
 
 
+def test_secret_env_name_that_systemd_would_not_read_is_refused() -> None:
+    (message,) = problems(BASE + MODEL + "env: {A: v}, secret_env: ['A B']}\n")
+    assert (
+        message.startswith("c.yaml:9:")
+        and "secret_env[0]: 'A B' is not an environment variable name" in message
+    )
+
+
 @pytest.mark.parametrize("program", ["+/bin/sh", "-/opt/vllm", "!/bin/vllm", "@/bin/sh", ":/x", ""])
 def test_program_read_by_systemd_as_a_privilege_flag_is_refused(program: str) -> None:
     """`command: ['+/bin/sh', ...]` would run as root whatever User= says."""
