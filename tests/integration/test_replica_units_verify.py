@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.engines import Member, replica_unit
+from llmgw_cli.core.engines import Member, ray_program, replica_unit
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
+from tests.security.hostile_values import HOSTILE_ARGS, exec_argv, unit_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
@@ -81,3 +82,39 @@ def test_verify_catches_a_broken_replica_unit(tmp_path: Path) -> None:
     shutil.rmtree(root / "usr/bin")
     (root / "etc/systemd/system" / unit.name).write_text(unit.text)
     assert verify(root, unit.name).returncode != 0  # the engine binary is missing
+
+
+@pytest.mark.parametrize("inventory", ["hgx-two-fabrics.yaml", "single-box.yaml", "lab.yaml"])
+def test_hostile_args_add_no_directive_to_any_engine_unit(inventory: str, tmp_path: Path) -> None:
+    """Every engine and shape (multi-node, Ray head) with args that mean something to
+    systemd or a shell: the unit still verifies, has the directives of the clean unit, and
+    its ExecStart= gives the engine each arg verbatim."""
+    spec = parse_cluster((ROOT / "inventories" / inventory).read_text())
+    root = scratch_root(tmp_path, spec)
+    for profile in spec.profiles.values():  # Ray heads and workers run `ray` beside the engine
+        ray = root / ray_program(profile).lstrip("/")
+        ray.parent.mkdir(parents=True, exist_ok=True)
+        ray.write_text("#!/bin/sh\n")
+        ray.chmod(0o755)
+    fabric_nodes = [n for n in spec.nodes if n.fabric] or spec.nodes
+    for i, model in enumerate(spec.models):
+        hostile = model.model_copy(update={"args": HOSTILE_ARGS})
+        nodes = fabric_nodes[: model.nodes] if model.nodes > 1 else spec.nodes[:1]
+        members = tuple(Member(n, r, (f"GPU-{n.name}-0",), "=mlx5_0:1") for r, n in enumerate(nodes))
+        for member in members:
+            clean = replica_unit(
+                spec, model, replica=i, member=member, port=8100, members=members, dist_port=29500
+            )
+            unit = replica_unit(
+                spec, hostile, replica=i, member=member, port=8100, members=members, dist_port=29500
+            )
+            assert unit_keys(unit.text) == unit_keys(clean.text)
+            (line,) = [x for x in unit.text.splitlines() if x.startswith("ExecStart=")]
+            argv = exec_argv(line.removeprefix("ExecStart="))
+            if "--address=" not in line:  # a Ray worker runs `ray start`, not the engine
+                start = argv.index(HOSTILE_ARGS[0])
+                assert argv[start : start + len(HOSTILE_ARGS)] == HOSTILE_ARGS
+            (root / "etc/systemd/system" / unit.name).write_text(unit.text)
+            result = verify(root, unit.name)
+            assert result.returncode == 0, result.stderr
+            assert result.stderr == "", result.stderr

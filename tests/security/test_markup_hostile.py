@@ -25,7 +25,7 @@ from llmgw_cli.errors import Problem
 from llmgw_cli.remote.fetch import FetchResult
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import llmgw_units, reset, run
-from tests.security.test_spec_hostile import HOSTILE_ARGS, _quoted, exec_argv
+from tests.security.hostile_values import HOSTILE_ARGS, exec_argv, yaml_quoted
 
 ROOT = Path(__file__).resolve().parents[2]
 # Each is a markup error, a style that would hide what follows, or a forged link.
@@ -178,7 +178,7 @@ def hostile_apply(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     folder = tmp_path_factory.mktemp("hostile")
     head = lab.cluster_file.read_text().split("\nmodels:\n")[0]
     head = head.replace("state_dir: /var/lib/llmgw-lab/gateway", f"state_dir: {folder / 'state'}")
-    args = "[" + ", ".join(_quoted(a) for a in LAB_ARGS) + "]"
+    args = "[" + ", ".join(yaml_quoted(a) for a in LAB_ARGS) + "]"
     cluster = folder / "cluster.yaml"
     cluster.write_text(
         head.replace(

@@ -18,6 +18,7 @@ from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import SpecError
 from tests.integration.test_replica_units_verify import scratch_root, verify
+from tests.security.hostile_values import HOSTILE_ARGS, exec_argv, unit_keys, yaml_quoted
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -377,19 +378,6 @@ def test_fuzz_random_bytes_never_crash_the_loader(data: bytes) -> None:
     located_or_spec(b"cluster: {name: t}\n" + data)
 
 
-def _quoted(value: str) -> str:
-    """A YAML double-quoted scalar that reads back as ``value``, control characters and all."""
-    out = []
-    for char in value:
-        if char in '"\\':
-            out.append("\\" + char)
-        elif ord(char) < 0x20 or 0x7F <= ord(char) <= 0x9F or char in "\u2028\u2029":
-            out.append(f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
-        else:
-            out.append(char)
-    return '"' + "".join(out) + '"'
-
-
 SLOTS = [
     "  - {name: m, source: org/m, profile: p, args: [%s]}",
     "  - {name: m, source: org/m, profile: p, env: {A: %s}}",
@@ -419,7 +407,7 @@ TOP_SLOTS = [
 @FUZZ
 @given(st.data())
 def test_fuzz_structured_documents_with_hostile_strings(data: st.DataObject) -> None:
-    values = st.one_of(HOSTILE.map(_quoted), st.integers(-(2**70), 2**70).map(str), HOSTILE)
+    values = st.one_of(HOSTILE.map(yaml_quoted), st.integers(-(2**70), 2**70).map(str), HOSTILE)
     kind = data.draw(st.sampled_from(["model", "profile", "top"]))
     if kind == "model":
         slot = data.draw(st.sampled_from(SLOTS))
@@ -438,7 +426,7 @@ def test_fuzz_structured_documents_with_hostile_strings(data: st.DataObject) -> 
 @given(st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x3000), min_size=1, max_size=20))
 def test_fuzz_any_string_in_a_model_arg_loads_only_without_control_characters(value: str) -> None:
     spec = located_or_spec(
-        BASE + "  - {name: m, source: org/m, profile: p, args: [" + _quoted(value) + "]}\n"
+        BASE + "  - {name: m, source: org/m, profile: p, args: [" + yaml_quoted(value) + "]}\n"
     )
     if CONTROL.search(value) or any(0xD800 <= ord(c) <= 0xDFFF for c in value):
         assert spec is None
@@ -447,76 +435,6 @@ def test_fuzz_any_string_in_a_model_arg_loads_only_without_control_characters(va
 
 
 # --- hostile but legal values: a unit systemd accepts, no extra directive, same argv -----
-
-# Each is legal in a cluster file and means something to systemd or a shell.
-HOSTILE_ARGS = [
-    "ExecStartPre=+/bin/sh -c 'id > /root/pwned'",
-    "$HOME",
-    "${LLMGW_ENGINE_KEY}",
-    "$$",
-    "--x=$(id)",
-    "`id`",
-    "%n",
-    "%%",
-    "100%",
-    "'single'",
-    '"double"',
-    "back\\slash",
-    "trailing\\",
-    "\\x41\\n",
-    "a b  c",
-    ";",
-    "a;b",
-    "#not a comment",
-    "",
-    "*",
-    "~",
-    "é\u00a0ü",
-]
-
-
-def unit_keys(text: str) -> list[str]:
-    """The directive names of a unit, in order (comments and section headers left out)."""
-    keys = []
-    for line in text.splitlines():
-        if line.strip() and not line.startswith(("#", ";", "[")):
-            key, sep, _ = line.partition("=")
-            assert sep, f"not a directive: {line!r}"
-            keys.append(key)
-    return keys
-
-
-def exec_argv(value: str) -> list[str]:
-    """The argv systemd runs for an ``ExecStart=`` value made of bare words and whole-word
-    double-quoted strings, as systemd's parser reads them (unquoting and C escapes, then
-    ``%%`` and ``$$``). Anything else in the value is a failure: it is not what llmgw writes."""
-    words: list[str] = []
-    i = 0
-    while i < len(value):
-        if value[i] == " ":
-            i += 1
-            continue
-        if value[i] == '"':
-            word, i = [], i + 1
-            while value[i] != '"':
-                if value[i] == "\\":
-                    assert value[i + 1] in '\\"', f"unexpected escape in {value!r}"
-                    i += 1
-                word.append(value[i])
-                i += 1
-            i += 1
-            assert i == len(value) or value[i] == " ", f"quote inside a word: {value!r}"
-            raw = "".join(word)
-        else:
-            end = value.find(" ", i)
-            end = len(value) if end < 0 else end
-            raw = value[i:end]
-            assert not re.search(r"[\"'\\]", raw), f"bare word with quote or backslash: {raw!r}"
-            i = end
-        assert not re.search(r"%[^%]", raw.replace("%%", "")), f"specifier left in {raw!r}"
-        assert not re.search(r"\$[^$]", raw.replace("$$", "")), f"variable left in {raw!r}"
-        words.append(raw.replace("%%", "%").replace("$$", "$"))
-    return words
 
 
 @pytest.mark.integration
@@ -527,7 +445,7 @@ def test_hostile_but_legal_args_render_a_unit_systemd_accepts_with_no_extra_dire
 ) -> None:
     inventory = (ROOT / "inventories/single-box.yaml").read_text()
     clean = parse_cluster(inventory)
-    args = "[" + ", ".join(_quoted(a) for a in HOSTILE_ARGS) + "]"
+    args = "[" + ", ".join(yaml_quoted(a) for a in HOSTILE_ARGS) + "]"
     hostile = parse_cluster(
         inventory.replace("profile: llama-cpp\n", "profile: llama-cpp\n    args: " + args + "\n").replace(
             "profile: vllm\n    scaling: {min: 1",
