@@ -123,13 +123,18 @@ def check_unit_name(name: str, *, replica: bool = True) -> str:
 def _exec_words(key: str, value: str, programs: list[str], lineno: int) -> None:
     if not value or value[0] in EXEC_PREFIXES:
         raise Refused(f"line {lineno}: {key}= may not start with a prefix ({EXEC_PREFIXES}) or be empty")
-    try:
-        words = shlex.split(value)
-    except ValueError as exc:
-        raise Refused(f"line {lineno}: {key}= cannot be split into words: {exc}") from None
-    if not words or words[0] not in programs:
-        first = words[0] if words else ""
-        raise Refused(f"line {lineno}: {key}= runs {first!r}, which is not an engine program of this cluster")
+    # The program is compared as written, so it must be a word that systemd reads the same
+    # way: no quotes, backslash escapes, %-specifiers or $-variables, which systemd would
+    # turn into another path than the one checked here. The arguments are the engine's.
+    words = value.split()
+    program = words[0]
+    if any(c in program for c in "\\\"'%$"):
+        raise Refused(f"line {lineno}: {key}= names its program with quotes, escapes or variables")
+    if program not in programs:
+        raise Refused(
+            f"line {lineno}: {key}= runs {program!r}, which is not an engine program of this cluster"
+        )
+    # An unquoted lone ';' starts a second command in systemd's reading of the line.
     if ";" in words:
         raise Refused(f"line {lineno}: {key}= holds a second command (';')")
 

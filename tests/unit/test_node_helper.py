@@ -93,6 +93,10 @@ def test_every_unit_llmgw_renders_is_accepted(inventory: str) -> None:
             ("EnvironmentFile=/etc/llmgw/engine.env", "EnvironmentFile=/etc/llmgw/gateway/id_ed25519"),
             "not a file",
         ),
+        # shell rules would read these programs as the allowed one; systemd reads another path
+        (("ExecStart=/opt/vllm/bin/vllm", "ExecStart=/opt/vllm/bin/vl\\lm"), "quotes, escapes"),
+        (("ExecStart=/opt/vllm/bin/vllm", 'ExecStart="/opt/vllm/bin/vllm"x'), "quotes, escapes"),
+        (("ExecStart=/opt/vllm/bin/vllm", "ExecStart=/opt/vllm/bin/vllm%h"), "quotes, escapes"),
         (("[Install]", "[Service]"), "section"),
         (("[Install]", "[X-Other]"), "section"),
     ],
@@ -104,6 +108,15 @@ def test_hostile_unit_is_refused(edit: tuple[str, str], why: str) -> None:
     assert old in text
     with pytest.raises(Refused, match=why):
         check_unit(text.replace(old, new, 1), config(spec))
+
+
+def test_a_quoted_semicolon_is_an_argument_not_a_second_command() -> None:
+    spec = lab_spec()
+    text = next(u for u in units(spec) if "/opt/vllm/bin/vllm" in u)
+    check_unit(
+        text.replace("ExecStart=/opt/vllm/bin/vllm serve", 'ExecStart=/opt/vllm/bin/vllm serve ";"', 1),
+        config(spec),
+    )
 
 
 @pytest.mark.parametrize(
