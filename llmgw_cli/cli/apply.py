@@ -15,12 +15,17 @@ from rich.text import Text
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.status import probe_with_progress
 from llmgw_cli.cli.views import plan_view, progress_view
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.gateway_install import GatewayChange
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError, LlmgwError
 from llmgw_cli.remote.connect import transport_for
-from llmgw_cli.remote.execute import Outcome, cluster_engine_key, execute
-from llmgw_cli.remote.gateway_install import GatewayPreview, gateway_transport, install, preview
+from llmgw_cli.remote.engine_keys import distribute_engine_keys, nodes_without_key, rotate_engine_keys
+from llmgw_cli.remote.execute import Outcome, Report, execute
+from llmgw_cli.remote.gateway_install import GatewayPreview, install, preview
+from llmgw_cli.remote.node_setup import prepare, stale_nodes
+from llmgw_cli.remote.transport import Transport
 
 out = Console()
 err = Console(stderr=True)
@@ -38,6 +43,8 @@ async def _execute_with_progress(
     wait: bool,
     gateway: GatewayPreview,
     unreachable: set[str],
+    facts: dict[str, NodeFacts],
+    rotate: bool = False,
 ) -> list[Outcome]:
     """Run the plan, then install the gateway, with a live table of nodes and replicas on
     a terminal, lines otherwise."""
@@ -55,26 +62,49 @@ async def _execute_with_progress(
     base = file.resolve().parent
 
     async def run() -> list[Outcome]:
-        # Every node, not only those the plan touches: a node with no key yet must get the
-        # one the others (and the gateway) already hold.
+        # The gateway's key and the node helper first: the units below go through it.
+        reachable = [n.name for n in spec.nodes if n.name not in unreachable]
+        setup = await prepare(spec, base, reachable, report)
+        # Every node, not only those the plan touches: the gateway starts on-demand replicas
+        # anywhere and never writes keys or secrets itself.
         transports = [transport_for(spec, n, base) for n in spec.nodes if n.name not in unreachable]
-        if gateway.changes:
-            transports.append(gateway_transport(spec, base))
         try:
-            key = await cluster_engine_key(transports)
+            keys, outcomes = await distribute_engine_keys(spec, transports, report)
+            outcomes = setup + outcomes
+            if chosen.changes:
+                outcomes += await execute(spec, base, chosen, report, wait=wait, engine_keys=keys)
+            outcomes.append(await install(spec, base, gateway, {n: (k,) for n, k in keys.items()}, report))
+            if rotate:
+                outcomes += await _rotate(
+                    spec, base, gateway=gateway, facts=facts, transports=transports, report=report
+                )
         finally:
             await asyncio.gather(*(t.close() for t in transports))
-        outcomes = (
-            await execute(spec, base, chosen, report, wait=wait, engine_key=key) if chosen.changes else []
-        )
-        if gateway.changes:
-            outcomes.append(await install(spec, base, gateway, key, report))
         return outcomes
 
     if live is None:
         return await run()
     with live:
         return await run()
+
+
+async def _rotate(
+    spec: ClusterSpec,
+    base: Path,
+    *,
+    gateway: GatewayPreview,
+    facts: dict[str, NodeFacts],
+    transports: list[Transport],
+    report: Report,
+) -> list[Outcome]:
+    """New engine keys on every reachable node, the installed gateway holding both meanwhile."""
+    # The gateway's files were installed just before: only its key map changes now.
+    settled = gateway if gateway.change is None else GatewayPreview(gateway.host, GatewayChange((), "none"))
+
+    async def give_gateway(keys: dict[str, tuple[str, ...]]) -> Outcome:
+        return await install(spec, base, settled, keys, report)
+
+    return await rotate_engine_keys(spec, facts, {t.node: t for t in transports}, give_gateway, report)
 
 
 def _unplaced_is_failure(chosen: Plan) -> None:
@@ -99,6 +129,14 @@ def plan(
         highlight=False,
         soft_wrap=True,
     )
+    reachable = [f.node for f in snapshot.nodes if f.reachable]
+    helper_nodes = asyncio.run(stale_nodes(spec, file.resolve().parent, reachable))
+    if helper_nodes:
+        out.print(
+            Text(f"node helper: install or update on {', '.join(helper_nodes)}", style="yellow"),
+            highlight=False,
+            soft_wrap=True,
+        )
     if save:
         save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
         out.print(Text(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}"), highlight=False)
@@ -106,10 +144,19 @@ def plan(
 
 def apply(
     saved: Annotated[Path | None, typer.Argument(help="A plan saved by `llmgw plan --out`.")] = None,
+    *,
     file: ClusterFile = DEFAULT_FILE,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan and stop.")] = False,
     wait: Annotated[bool, typer.Option(help="Wait until started replicas answer their health check.")] = True,
+    rotate_engine_key: Annotated[
+        bool,
+        typer.Option(
+            "--rotate-engine-key",
+            help="Give every node a new engine key: the gateway holds old and new keys while "
+            "the replicas restart one at a time.",
+        ),
+    ] = False,
 ) -> None:
     """Bring the nodes to the cluster file: start, replace and stop replicas, then wait for health.
 
@@ -135,9 +182,28 @@ def apply(
     unreachable = [f.node for f in snapshot.nodes if not f.reachable]
     if unreachable:
         err.print(Text(f"unreachable, left out: {', '.join(unreachable)}", style="yellow"))
+    reachable = [f.node for f in snapshot.nodes if f.reachable]
+    helper_nodes = asyncio.run(stale_nodes(spec, file.resolve().parent, reachable))
+    if helper_nodes:
+        out.print(
+            Text(f"node helper: install or update on {', '.join(helper_nodes)}", style="yellow"),
+            highlight=False,
+            soft_wrap=True,
+        )
     if dry_run:
         return
-    if not chosen.changes and not gateway.changes:
+    if rotate_engine_key and chosen.changes:
+        # the rotation restarts the replicas the probe found: one this apply starts would
+        # keep the old key
+        raise InputError(
+            "--rotate-engine-key rotates a settled cluster: run `llmgw apply` first, then rotate"
+        )
+    keyless = asyncio.run(nodes_without_key(spec, file.resolve().parent, reachable))
+    if keyless or rotate_engine_key:
+        where = "every node" if rotate_engine_key else ", ".join(keyless)
+        verb = "rotate" if rotate_engine_key else "write"
+        out.print(Text(f"engine key: {verb} on {where}", style="yellow"), highlight=False, soft_wrap=True)
+    if not (chosen.changes or gateway.changes or helper_nodes or keyless or rotate_engine_key):
         _unplaced_is_failure(chosen)
         return
     if not yes:
@@ -146,7 +212,16 @@ def apply(
         typer.confirm("Apply these changes?", abort=True)
 
     outcomes = asyncio.run(
-        _execute_with_progress(spec, file, chosen, wait=wait, gateway=gateway, unreachable=set(unreachable))
+        _execute_with_progress(
+            spec,
+            file,
+            chosen,
+            wait=wait,
+            gateway=gateway,
+            unreachable=set(unreachable),
+            facts=facts,
+            rotate=rotate_engine_key,
+        )
     )
     failed = [o for o in outcomes if not o.ok]
     for o in failed:

@@ -15,13 +15,15 @@ import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.core.engines import ENGINE_ENV_FILE, ENGINE_KEY_VAR
+from llmgw_cli.core.gateway_install import ENGINE_KEYS_FILE
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.gateway.accesslog import AccessLog
 from llmgw_cli.gateway.server import serve
 from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource, StaticSource
-from llmgw_cli.gateway.state import Gateway, read_engine_key
+from llmgw_cli.gateway.state import Gateway, read_engine_key, read_engine_keys
 from llmgw_cli.gateway.store import SqliteStore
 from llmgw_cli.gateway.supervisor import Supervisor
+from llmgw_cli.remote.connect import GatewayAccess
 
 app = typer.Typer(help="The OpenAI-compatible gateway.", no_args_is_help=True)
 
@@ -38,22 +40,32 @@ def run(
             "probing the nodes (engines outside llmgw, tests, benchmarks).",
         ),
     ] = None,
+    engine_keys_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--engine-keys-file",
+            envvar="LLMGW_ENGINE_KEYS_FILE",
+            help="The engine keys by node, as `apply` writes them on the gateway host "
+            f"({ENGINE_KEYS_FILE}); read again on SIGHUP.",
+        ),
+    ] = None,
     engine_key_file: Annotated[
         Path,
         typer.Option(
             "--engine-key-file",
             envvar="LLMGW_ENGINE_KEY_FILE",
-            readable=False,  # read only without $LLMGW_ENGINE_KEY, with a clear error then
-            help="Env file with LLMGW_ENGINE_KEY=..., the key the engines require "
-            "($LLMGW_ENGINE_KEY, when set, is used instead).",
+            readable=False,  # read only without a map and $LLMGW_ENGINE_KEY, with a clear error then
+            help="Without --engine-keys-file: env file with LLMGW_ENGINE_KEY=..., one key for "
+            "every engine ($LLMGW_ENGINE_KEY, when set, is used instead).",
         ),
     ] = Path(ENGINE_ENV_FILE),
     identity_file: Annotated[
         Path | None,
         typer.Option(
             "--identity-file",
-            help="SSH key for the nodes instead of the cluster file's ssh.identity_file "
-            "(the installed unit passes its systemd credential here).",
+            help="The gateway's own SSH key: it logs in to the nodes as llmgw-gateway, where "
+            "it may run the node helper only (the installed unit passes the key apply made "
+            "on the gateway host). Without it, the cluster file's ssh settings are used.",
         ),
     ] = None,
     known_hosts: Annotated[
@@ -72,18 +84,28 @@ def run(
 
     def load() -> ClusterSpec:
         spec = read_cluster(file)
-        ssh = {
-            k: str(v.absolute())
-            for k, v in (("identity_file", identity_file), ("known_hosts", known_hosts))
-            if v is not None
-        }
+        ssh = {"known_hosts": str(known_hosts.absolute())} if known_hosts is not None else {}
         return spec.model_copy(update={"ssh": spec.ssh.model_copy(update=ssh)}) if ssh else spec
 
     spec = load()
     # $LLMGW_ENGINE_KEY first: a systemd unit can pass the root-only engine.env with
     # EnvironmentFile= to a gateway that runs unprivileged and cannot read the file itself.
-    engine_key = os.environ.get(ENGINE_KEY_VAR) or read_engine_key(engine_key_file)
-    probe = ProbeSource(file.parent) if replicas is None else None
+    keys_file = engine_keys_file
+    if keys_file is None and engine_key_file == Path(ENGINE_ENV_FILE):
+        # where apply puts the map: beside the installed gateway's files, else (a gateway
+        # run by hand) in its state folder
+        own = Path(spec.gateway.state_dir) / "engine-keys.json"
+        keys_file = next((p for p in (Path(ENGINE_KEYS_FILE), own) if p.is_file()), None)
+    engine_keys = (lambda: read_engine_keys(keys_file)) if keys_file is not None else None
+    engine_key = (
+        "" if engine_keys is not None else os.environ.get(ENGINE_KEY_VAR) or read_engine_key(engine_key_file)
+    )
+    access = (
+        GatewayAccess(identity_file.absolute(), known_hosts.absolute() if known_hosts else None)
+        if identity_file is not None
+        else None
+    )
+    probe = ProbeSource(file.parent, access) if replicas is None else None
     source: ReplicaSource = probe if probe is not None else StaticSource.from_file(replicas or Path())
     store = SqliteStore(spec.gateway.state_dir)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
@@ -92,6 +114,7 @@ def run(
         source,
         store,
         engine_key,
+        engine_keys=engine_keys,
         reload_spec=load,
         discover_every=discover_every if replicas is None else 3600.0,
         health_every=health_every,

@@ -1,16 +1,19 @@
 """What `apply` puts on the gateway host (pure: inputs in, files out).
 
-The gateway runs as ``llmgw-gateway.service`` under the ``llmgw`` account, from files
-under ``/etc/llmgw/gateway``:
+The gateway runs as ``llmgw-gateway.service`` under its own account, ``llmgw-gateway``
+(never the engines' account, never root), from files under ``/etc/llmgw/gateway``:
 
 - ``cluster.yaml``: the cluster file as the operator wrote it (comments included);
-- ``ssh-key``: the key that reaches the nodes, readable by root and the ``llmgw`` group
-  only (0640);
+- ``id_ed25519``: the gateway's own SSH key, made on the gateway host by ``apply``
+  (``ssh-keygen`` there, llmgw-gateway 0600; only its public half is read back). Each
+  node lets it in as ``llmgw-gateway`` and runs the node helper for it, nothing else
+  (``core/node_access.py``). The operator's key is never copied anywhere;
 - ``known_hosts``: the host keys the control host trusts, so the gateway checks them too;
 - the unit in ``/etc/systemd/system``.
 
-The engine key (``/etc/llmgw/engine.env``) is handled beside these: written when absent,
-and an error when it holds another key (see ``remote/gateway_install.py``).
+- ``engine-keys.json``: the engine key of every node (keys are per node), written by
+  ``apply`` beside these (``remote/gateway_install.py``), readable by the gateway's account
+  only; the gateway reads it again on SIGHUP.
 """
 
 from __future__ import annotations
@@ -24,8 +27,15 @@ from llmgw_cli.core.units import GATEWAY_UNIT, gateway_unit
 
 GATEWAY_DIR = "/etc/llmgw/gateway"
 CLUSTER_FILE = f"{GATEWAY_DIR}/cluster.yaml"
-SSH_KEY = f"{GATEWAY_DIR}/ssh-key"
+GATEWAY_KEY = f"{GATEWAY_DIR}/id_ed25519"
+# Where llmgw before the gateway had its own key put a copy of the operator's root key:
+# apply deletes it.
+OLD_OPERATOR_KEY = f"{GATEWAY_DIR}/ssh-key"
 KNOWN_HOSTS = f"{GATEWAY_DIR}/known_hosts"
+# The engine keys by node (JSON), root:<the gateway's account> 0640, re-read on SIGHUP.
+ENGINE_KEYS_FILE = f"{GATEWAY_DIR}/engine-keys.json"  # the same path as in units.py
+# The gateway's own account: never the engines' (which must not read every node's key).
+GATEWAY_ACCOUNT = "llmgw-gateway"
 UNIT_FILE = f"{UNIT_DIR}/{GATEWAY_UNIT}"
 
 
@@ -42,14 +52,18 @@ class GatewayFile:
 
 
 def gateway_files(
-    spec: ClusterSpec, *, cluster_text: str, llmgw_bin: str, ssh_key: str, known_hosts: str
+    spec: ClusterSpec, *, cluster_text: str, llmgw_bin: str, known_hosts: str
 ) -> tuple[GatewayFile, ...]:
     unit = gateway_unit(
-        spec, llmgw_bin=llmgw_bin, config_path=CLUSTER_FILE, ssh_key=SSH_KEY, known_hosts=KNOWN_HOSTS
+        spec,
+        llmgw_bin=llmgw_bin,
+        config_path=CLUSTER_FILE,
+        user=GATEWAY_ACCOUNT,
+        ssh_key=GATEWAY_KEY,
+        known_hosts=KNOWN_HOSTS,
     )
     return (
         GatewayFile(CLUSTER_FILE, cluster_text, 0o644),
-        GatewayFile(SSH_KEY, ssh_key, 0o640, secret=True),
         GatewayFile(KNOWN_HOSTS, known_hosts, 0o644),
         GatewayFile(UNIT_FILE, unit, 0o644),
     )

@@ -19,6 +19,7 @@ from llmgw_cli.core.plan import running_replicas
 from llmgw_cli.core.routing import endpoints
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError
+from llmgw_cli.remote.connect import GatewayAccess
 from llmgw_cli.remote.probe import gather
 
 log = logging.getLogger("llmgw.gateway")
@@ -58,15 +59,16 @@ class ProbeSource:
     The latest snapshot stays in ``facts`` (the gateway's Summary reads it), with the
     monotonic time of each node's last successful probe in ``probed``."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, access: GatewayAccess | None = None) -> None:
         self.base = base
+        self.access = access  # the gateway's own key (None: the cluster file's ssh settings)
         self.last: dict[str, list[str]] = {}
         self.facts: dict[str, NodeFacts] = {}  # of the last probe (the supervisor plans on them)
         self.probed: dict[str, float] = {}  # node -> monotonic time of its last good probe
         self.since = time.monotonic()  # the age of a node never reached counts from here
 
     async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
-        snapshot = await gather(spec, self.base)
+        snapshot = await gather(spec, self.base, access=self.access)
         facts = {f.node: f for f in snapshot.nodes}
         for name, f in facts.items():  # say so when a node stops (or starts) answering
             before = self.facts.get(name)
@@ -89,7 +91,7 @@ class ProbeSource:
         found = endpoints(spec, running)
         # A node that could not be probed keeps the replicas it had: an SSH hiccup must not
         # take healthy engines out of rotation (the health checks still judge them).
-        unreachable = {spec.node(f.node).address for f in facts.values() if f.error}
+        unreachable = {spec.node(f.node).engine_host for f in facts.values() if f.error}
         for model, addresses in self.last.items():
             for address in addresses:
                 host = address.rsplit(":", 1)[0].strip("[]")

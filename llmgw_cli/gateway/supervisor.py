@@ -181,7 +181,7 @@ class Supervisor:
         for r in running_replicas(facts):
             if not r.members or r.members[0] not in nodes or not r.port:
                 continue
-            address = serving_address(nodes[r.members[0]].address, r.port)
+            address = serving_address(nodes[r.members[0]].engine_host, r.port)
             key = replica_key(r.model, address)
             first = self.first_seen.setdefault(key, now)
             in_pool = pool.get((r.model, address))
@@ -248,15 +248,13 @@ class Supervisor:
             self.progress[model] = f"{subject}: {message}"  # e.g. weights being fetched
 
         self.progress[model] = f"starting on {','.join(action.nodes)}"
-        outcomes = await execute(
-            spec, self.base, plan, report, wait=False, engine_key=self.gw.engine_key or None
-        )
+        outcomes = await execute(spec, self.base, plan, report, wait=False, access=self.source.access)
         self.progress[model] = "engine loading"
         broken = [f"{o.subject}: {o.message}" for o in outcomes if not o.ok]
         if broken:
             raise StartFailed("; ".join(broken))
         assert action.port is not None
-        address = serving_address(spec.node(action.nodes[0]).address, action.port)
+        address = serving_address(spec.node(action.nodes[0]).engine_host, action.port)
         replica = self.gw.pool.add(model, address, time.monotonic())
         replica.last_used = self.clock()  # the request that asked for it is about to use it
         return address
@@ -302,6 +300,7 @@ class Supervisor:
                         stop_plan(facts, model, index, "never became ready"),
                         _log_report,
                         wait=False,
+                        access=self.source.access,
                     )
 
     async def _idle_stop(self, use: ReplicaUse) -> None:
@@ -339,9 +338,7 @@ class Supervisor:
             return False
         log.info("%s: stopping replica %d at %s: %s", use.model, use.replica, address, reason)
         plan: Plan = stop_plan(facts, use.model, use.replica, reason)
-        outcomes = await execute(
-            spec, self.base, plan, _log_report, wait=False, engine_key=self.gw.engine_key or None
-        )
+        outcomes = await execute(spec, self.base, plan, _log_report, wait=False, access=self.source.access)
         for o in outcomes:
             if not o.ok:
                 log.error("%s: stopping replica %d: %s: %s", use.model, use.replica, o.subject, o.message)

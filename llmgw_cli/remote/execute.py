@@ -18,20 +18,25 @@ import secrets
 import shlex
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from llmgw_cli.core.engines import ENGINE_ENV_FILE, ENGINE_KEY_VAR, UNIT_DIR
-from llmgw_cli.core.facts import UnitState
-from llmgw_cli.core.parse.systemctl import parse_show, unit_state
+from llmgw_cli.core.engine_access import (
+    engine_env_text,
+    keys_from_env_text,
+    secret_env_file,
+    secret_env_text,
+    sglang_key_file,
+    sglang_key_text,
+)
+from llmgw_cli.core.engines import ENGINE_ENV_FILE
 from llmgw_cli.core.plan import Action, Plan
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.errors import LlmgwError, NodeError
-from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.errors import NodeError
+from llmgw_cli.remote.connect import GatewayAccess, transport_for
 from llmgw_cli.remote.fetch import ensure_for_plan
+from llmgw_cli.remote.nodeops import NodeOps, ShellOps
 from llmgw_cli.remote.transport import Transport
 
 Report = Callable[[str, str], None]
@@ -71,38 +76,65 @@ def _work_by_node(spec: ClusterSpec, plan: Plan) -> dict[str, _NodeWork]:
 
 def new_engine_key() -> str:
     """A new engine key: 64 hex digits. Never URL-safe base64, which starts with `-` once
-    in 64 keys: engines read `--api-key -xyz` as a missing value and exit."""
+    in 64 keys: an engine given `--api-key -xyz` would read a missing value and exit."""
     return secrets.token_hex(32)
 
 
-async def _read_engine_key(t: Transport) -> str | None:
+async def read_engine_key(t: Transport) -> str | None:
     """The key in the host's engine env file; None when absent or the host is unreachable."""
     try:
         result = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
     except NodeError:
         return None
-    for line in result.stdout.splitlines():
-        if line.startswith(f"{ENGINE_KEY_VAR}="):
-            return line.split("=", 1)[1].strip()
-    return None
+    return keys_from_env_text(result.stdout)
 
 
-async def cluster_engine_key(transports: list[Transport]) -> str:
-    """The cluster's engine key, read from every host given (nodes and the gateway host):
-    the one they hold, a new one when none holds any. Hosts that disagree are an error,
-    since the gateway can only hold one key."""
-    found = await asyncio.gather(*(_read_engine_key(t) for t in transports))
-    holders: dict[str, list[str]] = defaultdict(list)
-    for t, key in zip(transports, found, strict=True):
+async def node_engine_keys(transports: list[Transport], *, rotate: bool = False) -> dict[str, str]:
+    """Each node's engine key: the one it holds, a new one for a node that holds none (or
+    for every node with ``rotate``). Keys are per node, so a key read on one node opens
+    only that node's engines."""
+    found = await asyncio.gather(*(read_engine_key(t) for t in transports))
+    return {
+        t.node: key if key and not rotate else new_engine_key()
+        for t, key in zip(transports, found, strict=True)
+    }
+
+
+async def ensure_engine_key(t: Transport, key: str, sglang_users: Iterable[str] = ()) -> bool:
+    """Make the node's key files hold ``key``; True when they were written. The env file is
+    0600 root (systemd reads it before it drops privileges); SGLang's file, one per SGLang
+    engine account, is 0440 root:account (SGLang opens it itself)."""
+    sglang = {user: sglang_key_file(user) for user in sglang_users}
+    missing = [
+        u for u, path in sglang.items() if not (await t.run(f"test -f {shlex.quote(path)}", root=True)).ok
+    ]
+    if await read_engine_key(t) == key and not missing:
+        return False
+    for user, path in sglang.items():
+        await ensure_account(t, user)
+        await t.write_file(path, sglang_key_text(key), mode=0o600, root=True)
+        q = shlex.quote
+        await must(t, f'chgrp "$(id -g {q(user)})" {q(path)} && chmod 440 {q(path)}', f"give {user} its key")
+    await t.write_file(ENGINE_ENV_FILE, engine_env_text(key), mode=0o600, root=True)
+    return True
+
+
+async def ensure_secret_env(t: Transport, spec: ClusterSpec) -> None:
+    """Every model's secret environment file (0600, root), on every node that may host it:
+    the gateway starts on-demand replicas anywhere and never writes secrets itself."""
+    for model in spec.models:
+        text = secret_env_text(spec, model)
+        if text is not None:
+            await t.write_file(secret_env_file(model.name), text, mode=0o600, root=True)
+
+
+def redact_keys(text: str, keys: Iterable[str]) -> str:
+    """``text`` (a journal tail) with every engine key replaced: a second guard, since no
+    engine gets its key in argv any more, for an engine that prints its environment."""
+    for key in keys:
         if key:
-            holders[key].append(t.node)
-    if len(holders) > 1:
-        groups = "; ".join(", ".join(sorted(nodes)) for nodes in holders.values())
-        raise LlmgwError(
-            f"the hosts hold different engine keys in {ENGINE_ENV_FILE} ({groups}): copy one "
-            "file to every node and to the gateway host, then restart the replicas"
-        )
-    return next(iter(holders)) if holders else new_engine_key()
+            text = text.replace(key, "[engine key]")
+    return text
 
 
 async def ensure_account(t: Transport, user: str) -> None:
@@ -115,41 +147,21 @@ async def ensure_account(t: Transport, user: str) -> None:
     )
 
 
-async def ensure_engine_key(t: Transport, key: str, other_key_hint: str) -> None:
-    """Write ``key`` to the host's engine env file (0600, root) when it has none. A file
-    with another key is an error (``other_key_hint`` says what to do): the replicas on a
-    host take their key from it, so a second key would lock the gateway out of some."""
-    present = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
-    if not present.stdout.strip():
-        await t.write_file(ENGINE_ENV_FILE, f"{ENGINE_KEY_VAR}={key}\n", mode=0o600, root=True)
-    elif f"{ENGINE_KEY_VAR}={key}" not in present.stdout.splitlines():
-        raise NodeError(
-            t.node,
-            "failed",
-            f"{ENGINE_ENV_FILE} holds another engine key than the one in use; {other_key_hint}",
-        )
-
-
-async def _apply_node(t: Transport, w: _NodeWork, key: str) -> None:
-    q = shlex.quote
-    for user in sorted(w.users):
-        await ensure_account(t, user)
-    await ensure_engine_key(
-        t, key, "copy the cluster's key there (or remove the file when no replica runs on the node)"
-    )
-    for name in w.remove + w.restart:
-        await t.run(f"systemctl stop {q(name)}", root=True)
-    for name in w.remove:
-        if name not in w.write:
-            await t.run(
-                f"systemctl disable {q(name)} 2>/dev/null; rm -f {q(f'{UNIT_DIR}/{name}')}", root=True
-            )
+async def _apply_node(t: Transport, w: _NodeWork, key: str | None, *, operator: bool = True) -> None:
+    """Accounts and the key file (the operator only: the gateway finds them made by apply),
+    then the units through the node helper's verbs, the one path both callers share."""
+    if operator:
+        for user in sorted(w.users):
+            await ensure_account(t, user)
+    if key is not None:  # apply brings keys; the gateway's on-demand starts find them there
+        await ensure_engine_key(t, key)
+    ops = NodeOps(t, root=operator)
+    await ops.stop(w.remove + w.restart)
+    await ops.remove([name for name in w.remove if name not in w.write])
     for name, text in sorted(w.write.items()):
-        await t.write_file(f"{UNIT_DIR}/{name}", text, mode=0o644, root=True)
-    await must(t, "systemctl daemon-reload", "systemctl daemon-reload")
-    units = sorted(set(w.start + w.restart))
-    if units:
-        await must(t, "systemctl enable --now " + " ".join(q(u) for u in units), "start units")
+        await ops.write_unit(name, text)
+    await ops.daemon_reload()
+    await ops.start(sorted(set(w.start + w.restart)))
 
 
 async def must(t: Transport, command: str, what: str) -> None:
@@ -166,70 +178,79 @@ async def _wait_ready(
     profile = spec.profiles[model.profile]
     head = action.nodes[0]
     unit = next(w.name for w in action.write if w.node == head)
-    url = f"http://{spec.node(head).address}:{action.port}{profile.readiness.path}"
+    host = spec.node(head).engine_host
+    url = f"http://{host}:{action.port}{profile.readiness.path}"
     subject = f"{action.model}#{action.replica}"
-    watch = await UnitWatch.start(transports[head], unit)
+    watch = await UnitWatch.start(NodeOps(transports[head]), unit)
     report(subject, "starting")
     deadline = time.monotonic() + profile.readiness.start_timeout
     last = "starting"
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        while time.monotonic() < deadline:
-            try:
-                response = await client.get(url)
-                state = "ready" if response.status_code == 200 else f"loading ({response.status_code})"
-            except httpx.TransportError:
-                state = "starting"
-            if state == "ready":
-                report(subject, "ready")
-                return Outcome(subject, True, f"ready on {head}:{action.port}")
-            if state != last:
-                report(subject, state)
-                last = state
-            failed = await watch.failure()
-            if failed:
-                return Outcome(subject, False, failed)
-            await asyncio.sleep(0.5)
+    # Polled on the head node itself: the engine's firewall lets in only its nodes and the gateway.
+    while time.monotonic() < deadline:
+        status = await ready_status(transports[head], host, action.port or 0, profile.readiness.path)
+        state = "starting" if status is None else "ready" if status == 200 else f"loading ({status})"
+        if state == "ready":
+            report(subject, "ready")
+            return Outcome(subject, True, f"ready on {head}:{action.port}")
+        if state != last:
+            report(subject, state)
+            last = state
+        failed = await watch.failure()
+        if failed:
+            return Outcome(subject, False, failed)
+        await asyncio.sleep(0.5)
     return Outcome(subject, False, f"not ready after {profile.readiness.start_timeout:g}s ({last}); {url}")
+
+
+async def ready_status(t: Transport, host: str, port: int, path: str) -> int | None:
+    """The HTTP status of ``http://host:port/path`` asked from the node itself (bash's
+    /dev/tcp: nothing to install); None when nothing answers. apply polls this over SSH
+    rather than over HTTP from the operator's machine, so the engines' firewall needs to
+    let in only the gateway and the replica's peers, never wherever apply runs from."""
+    script = (
+        f"exec 3<>/dev/tcp/{host}/{port} || exit 1; "
+        f"printf 'GET %s HTTP/1.0\\r\\nHost: %s\\r\\n\\r\\n' {shlex.quote(path)} {host} >&3; "
+        "head -n 1 <&3"
+    )
+    result = await t.run(f"timeout 5 bash -c {shlex.quote(script)} 2>/dev/null")
+    words = result.stdout.split()
+    return int(words[1]) if result.ok and len(words) > 1 and words[1].isdigit() else None
 
 
 @dataclass
 class UnitWatch:
     """Notices a unit that failed or restarted since the watch began (systemd keeps NRestarts
-    and the journal across a unit's earlier lives, so both are taken relative to the start)."""
+    and the journal across a unit's earlier lives, so both are taken relative to the start).
+    It reads through ``ops``: the node helper's verbs, or plain commands on a gateway host."""
 
-    transport: Transport
+    ops: NodeOps | ShellOps
     unit: str
     restarts: int
     since: str
 
-    @classmethod
-    async def start(cls, transport: Transport, unit: str) -> UnitWatch:
-        state = await cls._state(transport, unit)
-        clock = await transport.run("date +%s")
-        since = clock.stdout.strip() if clock.ok else ""
-        return cls(transport, unit, state.n_restarts if state else 0, since)
+    @property
+    def transport(self) -> Transport:
+        return self.ops.transport
 
-    @staticmethod
-    async def _state(t: Transport, unit: str) -> UnitState | None:
-        show = await t.run(
-            f"systemctl show -p Id,ActiveState,SubState,Result,NRestarts,ExecMainStatus {shlex.quote(unit)}"
-        )
-        blocks = parse_show(show.stdout)
-        return unit_state(blocks[0]) if blocks else None
+    @classmethod
+    async def start(cls, ops: NodeOps | ShellOps, unit: str) -> UnitWatch:
+        state = await ops.show(unit)
+        return cls(ops, unit, state.n_restarts if state else 0, await ops.date())
 
     async def failure(self, lines: int = 15) -> str | None:
         """The reason and the last ``lines`` of its journal if the unit failed or
         restarted, else None."""
-        state = await self._state(self.transport, self.unit)
+        state = await self.ops.show(self.unit)
         if state is None or (state.active_state != "failed" and state.n_restarts <= self.restarts):
             return None
-        since = f"--since @{self.since}" if self.since.isdigit() else ""
-        journal = await self.transport.run(
-            f"journalctl -u {shlex.quote(self.unit)} {since} -n {lines} --no-pager -o cat", root=True
-        )
+        journal_text = await self.ops.journal(self.unit, self.since, lines)
+        # A second guard: no engine takes its key in argv, but one that prints its
+        # environment would put it in the journal, and this text ends up in apply's output.
+        key = await read_engine_key(self.transport)
+        tail = redact_keys(journal_text, [key] if key else [])
         restarts = state.n_restarts - self.restarts
         why = f"{self.unit} {state.active_state} ({state.result}, exit status {state.exec_main_status}, {restarts} restart(s))"
-        return why + "\n" + journal.stdout.strip()
+        return why + "\n" + tail.strip()
 
 
 async def execute(
@@ -239,25 +260,28 @@ async def execute(
     report: Report,
     *,
     wait: bool = True,
-    engine_key: str | None = None,
+    engine_keys: dict[str, str] | None = None,
+    access: GatewayAccess | None = None,
 ) -> list[Outcome]:
     """Carry out ``plan``; one Outcome per node worked on and per replica waited for.
-    ``engine_key``: the key the engines must take (the gateway's); by default the one
-    already on a node, else a new one."""
+    ``engine_keys``: each node's key (``node_engine_keys``), written where a node lacks
+    it; None (the gateway's on-demand starts): the keys apply left on the nodes.
+    ``access``: the gateway's own key, which reaches only the node helper (None: the
+    operator's transport, as root)."""
     work = _work_by_node(spec, plan)
-    transports = {name: transport_for(spec, spec.node(name), base) for name in work}
+    transports = {name: transport_for(spec, spec.node(name), base, access) for name in work}
     outcomes: list[Outcome] = []
     try:
-        key = engine_key or await cluster_engine_key(list(transports.values()))
+        keys = engine_keys or {}
         # Weights first: a replica whose URL-sourced file is missing on a node waits for it.
-        no_weights = await ensure_for_plan(spec, base, plan, transports, report)
+        no_weights = await ensure_for_plan(spec, base, plan, transports, report, helper=access is not None)
 
         async def one(node: str) -> Outcome:
             if node in no_weights:
                 report(node, f"failed: {no_weights[node]}")
                 return Outcome(node, False, no_weights[node])
             try:
-                await _apply_node(transports[node], work[node], key)
+                await _apply_node(transports[node], work[node], keys.get(node), operator=access is None)
             except NodeError as exc:
                 report(node, f"failed: {exc.reason}")
                 return Outcome(node, False, exc.reason)

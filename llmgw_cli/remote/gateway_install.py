@@ -14,6 +14,8 @@ the lab's own host) gets nothing, with a note saying how to run the gateway by h
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import shlex
 import time
 from dataclasses import dataclass
@@ -23,20 +25,26 @@ import httpx
 
 from llmgw_cli.core.gateway_install import (
     CLUSTER_FILE,
+    ENGINE_KEYS_FILE,
+    GATEWAY_ACCOUNT,
     GATEWAY_DIR,
-    SSH_KEY,
+    GATEWAY_KEY,
+    OLD_OPERATOR_KEY,
     UNIT_FILE,
     GatewayChange,
     gateway_change,
     gateway_files,
 )
 from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.node_access import valid_public_key
 from llmgw_cli.core.spec import Become, ClusterSpec, Node
 from llmgw_cli.core.units import GATEWAY_UNIT
 from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.remote.connect import resolve_path, transport_for
-from llmgw_cli.remote.execute import Outcome, Report, UnitWatch, ensure_account, ensure_engine_key, must
+from llmgw_cli.remote.execute import Outcome, Report, UnitWatch, ensure_account, must
 from llmgw_cli.remote.local import LocalTransport
+from llmgw_cli.remote.node_access import ensure_gateway_account
+from llmgw_cli.remote.nodeops import ShellOps
 from llmgw_cli.remote.transport import Transport
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -121,7 +129,8 @@ async def preview(spec: ClusterSpec, base: Path, cluster_text: str) -> GatewayPr
             return GatewayPreview(
                 host,
                 None,
-                f"{host} does not run systemd; start the gateway yourself: llmgw gateway run -f CLUSTER_FILE",
+                f"{host} does not run systemd; start the gateway yourself: llmgw gateway run -f CLUSTER_FILE "
+                f"--identity-file {gateway_key_path(spec, systemd=False)}",
             )
         llmgw_bin = spec.gateway.llmgw_bin
         if llmgw_bin is None:
@@ -135,17 +144,11 @@ async def preview(spec: ClusterSpec, base: Path, cluster_text: str) -> GatewayPr
                 f"llmgw is not installed on the gateway host ({where}): install it there "
                 "(pip install llmgw) or set gateway.llmgw_bin",
             )
-        settings = spec.ssh
-        if settings.identity_file is None:
-            raise LlmgwError(
-                "the gateway needs an SSH key to probe the nodes and start replicas: set ssh.identity_file"
-            )
         files = gateway_files(
             spec,
             cluster_text=cluster_text,
             llmgw_bin=llmgw_bin,
-            ssh_key=_read_local(resolve_path(settings.identity_file, base), "ssh.identity_file"),
-            known_hosts=_read_local(resolve_path(settings.known_hosts, base), "ssh.known_hosts"),
+            known_hosts=_read_local(resolve_path(spec.ssh.known_hosts, base), "ssh.known_hosts"),
         )
         digests, active, running_cluster = await _host_state(t, [f.path for f in files])
         wanted = (spec.gateway.listen, spec.gateway.admin_listen, spec.gateway.metrics_listen)
@@ -158,15 +161,26 @@ async def preview(spec: ClusterSpec, base: Path, cluster_text: str) -> GatewayPr
 
 
 async def install(
-    spec: ClusterSpec, base: Path, planned: GatewayPreview, engine_key: str, report: Report
+    spec: ClusterSpec,
+    base: Path,
+    planned: GatewayPreview,
+    engine_keys: dict[str, tuple[str, ...]],
+    report: Report,
 ) -> Outcome:
-    """Carry out ``planned`` (from ``preview``); never raises for a node failure."""
+    """Carry out ``planned`` (from ``preview``) and bring the engine key map up to date;
+    never raises for a node failure."""
     change = planned.change
-    if change is None or change.how == "none":
-        return Outcome(SUBJECT, True, planned.describe())
+    if change is None:
+        return await _keys_for_own_gateway(spec, base, planned, engine_keys)
     t = gateway_transport(spec, base)
     try:
-        await _install(t, spec, change, engine_key, report)
+        keys_changed = await sync_engine_keys(t, engine_keys)
+        if change.how == "none":
+            if keys_changed and (await t.run(f"systemctl is-active {GATEWAY_UNIT}")).ok:
+                await must(t, f"systemctl reload {GATEWAY_UNIT}", "reload the gateway (new engine keys)")
+                report(SUBJECT, "reloaded (engine keys)")
+            return Outcome(SUBJECT, True, planned.describe())
+        await _install(t, spec, change, report)
         return await _wait(t, spec, planned.host, report)
     except NodeError as exc:
         report(SUBJECT, f"failed: {exc.reason}")
@@ -175,8 +189,67 @@ async def install(
         await t.close()
 
 
-async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, key: str, report: Report) -> None:
-    await ensure_account(t, "llmgw")
+async def _keys_for_own_gateway(
+    spec: ClusterSpec, base: Path, planned: GatewayPreview, engine_keys: dict[str, tuple[str, ...]]
+) -> Outcome:
+    """A gateway apply does not install (no systemd there) still needs the keys: the map
+    goes to its state folder on its host (owned by that folder's owner, 0600), where
+    `llmgw gateway run` finds it; the gateway re-reads it when it changes."""
+    if not spec.gateway.install:
+        return Outcome(SUBJECT, True, planned.describe())
+    t = gateway_transport(spec, base)
+    try:
+        path = engine_keys_path(spec, installed=False)
+        owner = await t.run(f"stat -c %U {shlex.quote(spec.gateway.state_dir)} 2>/dev/null")
+        await sync_engine_keys(t, engine_keys, path=path, group=None, owner=owner.stdout.strip() or "root")
+        return Outcome(SUBJECT, True, f"{planned.describe()}; engine keys in {path}")
+    except NodeError as exc:
+        return Outcome(SUBJECT, False, f"engine keys for the gateway: {exc.reason}")
+    finally:
+        await t.close()
+
+
+def engine_keys_path(spec: ClusterSpec, *, installed: bool) -> str:
+    """Where the gateway's map node -> engine keys lives on its host."""
+    return ENGINE_KEYS_FILE if installed else f"{spec.gateway.state_dir.rstrip('/')}/engine-keys.json"
+
+
+async def sync_engine_keys(
+    t: Transport,
+    engine_keys: dict[str, tuple[str, ...]],
+    *,
+    path: str = ENGINE_KEYS_FILE,
+    group: str | None = "",
+    owner: str = "root",
+) -> bool:
+    """Write the map node -> engine keys for the gateway; True when it changed. Installed:
+    root:<the gateway unit's account> 0640 (``group`` ""; no other account reads it);
+    ``group`` None: ``owner``'s alone, 0600. The gateway re-reads it when it changes (and
+    on SIGHUP). The gateway host itself needs no engine key file."""
+    text = json.dumps({node: list(keys) for node, keys in sorted(engine_keys.items())}, indent=1) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    q = shlex.quote
+    current = await t.run(f"sha256sum {q(path)} 2>/dev/null", root=True)
+    if current.stdout.split(" ", 1)[0] == digest:
+        return False
+    if group == "":
+        shown = await t.run(f"systemctl show -p User --value {GATEWAY_UNIT} 2>/dev/null")
+        group = shown.stdout.strip() or GATEWAY_ACCOUNT
+        await ensure_account(t, group)
+    folder = str(Path(path).parent)
+    await must(t, f"mkdir -p {q(folder)}", f"create {folder}")
+    await t.write_file(path, text, mode=0o600, root=True)
+    if group is not None:
+        await must(
+            t, f"chgrp {q(group)} {q(path)} && chmod 640 {q(path)}", "give the gateway its engine keys"
+        )
+    else:
+        await must(t, f"chown {q(owner)} {q(path)}", "give the gateway its engine keys")
+    return True
+
+
+async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, report: Report) -> None:
+    await ensure_gateway_account(t)
     # /etc/llmgw may exist already as 0700 (written by an older llmgw): the account must
     # traverse it to read its files (engine.env in it stays 0600).
     await must(
@@ -184,12 +257,8 @@ async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, key: 
         f"mkdir -p {GATEWAY_DIR} && chmod 755 {GATEWAY_DIR} {Path(GATEWAY_DIR).parent}",
         f"create {GATEWAY_DIR}",
     )
-    await ensure_engine_key(
-        t, key, "the gateway could not talk to the engines: copy the nodes' file to the gateway host"
-    )
     for f in change.write:
         await t.write_file(f.path, f.text, mode=f.mode, root=True)
-    await must(t, f"chgrp llmgw {SSH_KEY}", "give the llmgw group its key")
     report(SUBJECT, "files in place")
     if any(f.path == UNIT_FILE for f in change.write):
         await must(t, "systemctl daemon-reload", "systemctl daemon-reload")
@@ -213,7 +282,7 @@ def _health_url(spec: ClusterSpec, host: str) -> str:
 async def _wait(t: Transport, spec: ClusterSpec, host: str, report: Report, timeout: float = 30) -> Outcome:
     """Ready when ``/health`` answers 200; when it cannot be reached from here, when the
     unit has stayed active for a few seconds. A unit that fails is reported with its journal."""
-    watch = await UnitWatch.start(t, GATEWAY_UNIT)
+    watch = await UnitWatch.start(ShellOps(t), GATEWAY_UNIT)
     url = _health_url(spec, host)
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=2.0) as client:
@@ -232,3 +301,57 @@ async def _wait(t: Transport, spec: ClusterSpec, host: str, report: Report, time
     if active.stdout.strip() == "active":
         return Outcome(SUBJECT, True, f"unit active; {url} did not answer from here")
     return Outcome(SUBJECT, False, f"{GATEWAY_UNIT} is {active.stdout.strip() or 'unknown'}")
+
+
+def gateway_key_path(spec: ClusterSpec, *, systemd: bool) -> str:
+    """Where the gateway's private key lives on the gateway host: beside its other files
+    when apply installs it as a unit; in its state folder when it is run by hand."""
+    return GATEWAY_KEY if systemd else f"{spec.gateway.state_dir.rstrip('/')}/ssh-key"
+
+
+async def gateway_public_key(spec: ClusterSpec, base: Path, *, create: bool) -> tuple[str | None, str]:
+    """The public half of the gateway's own key and the path of its private half on the
+    gateway host; with ``create``, the pair is made there first when missing (``ssh-keygen``
+    on that host: the private half never travels). ``(None, "")`` with gateway.install off.
+
+    An installed gateway's key belongs to ``llmgw-gateway`` (0600); a gateway run by hand
+    (no systemd on its host) gets it in its state folder, owned by whoever runs apply
+    there. A copy of the operator's key left by an older llmgw is deleted."""
+    if not spec.gateway.install:
+        return None, ""
+    t = gateway_transport(spec, base)
+    try:
+        systemd = (await t.run("test -d /run/systemd/system")).ok
+        path = gateway_key_path(spec, systemd=systemd)
+        q, pub = shlex.quote(path), shlex.quote(path + ".pub")
+        if create:
+            if systemd:
+                await ensure_gateway_account(t)
+                folder = f"mkdir -p {GATEWAY_DIR} && chmod 755 {GATEWAY_DIR} {Path(GATEWAY_DIR).parent}"
+                owner = f"chown {GATEWAY_ACCOUNT}: {q} {pub} && "
+                old = f"rm -f {shlex.quote(OLD_OPERATOR_KEY)} && "
+            else:
+                folder, owner, old = f"mkdir -p {shlex.quote(str(Path(path).parent))}", "", ""
+            await must_as(
+                t,
+                f"{folder} && {old}{{ [ -s {q} ] && [ -s {pub} ] || {{ rm -f {q} {pub} && "
+                f"ssh-keygen -q -t ed25519 -N '' -C {GATEWAY_ACCOUNT}@{shlex.quote(spec.gateway.host)} "
+                f"-f {q} </dev/null >/dev/null; }}; }} && {owner}chmod 600 {q} && chmod 644 {pub}",
+                "make the gateway's SSH key",
+                root=systemd,
+            )
+        found = await t.run(f"cat {pub} 2>/dev/null", root=systemd)
+    finally:
+        await t.close()
+    text = found.stdout.strip()
+    if not text:
+        return None, path
+    if not valid_public_key(text):
+        raise NodeError(SUBJECT, "failed", f"{path}.pub on {spec.gateway.host} is not an SSH public key")
+    return text, path
+
+
+async def must_as(t: Transport, command: str, what: str, *, root: bool) -> None:
+    result = await t.run(command, root=root)
+    if not result.ok:
+        raise NodeError(t.node, "failed", f"{what}: {(result.stderr or result.stdout).strip()}")

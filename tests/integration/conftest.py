@@ -16,7 +16,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-
 STATE = Path(os.environ.get("LLMGW_LAB_STATE", "/var/lib/llmgw-lab"))
 NODES = int(os.environ.get("LLMGW_LAB_NODES", "4"))
 

@@ -17,7 +17,8 @@ from .conftest import Lab
 
 RESET_UNITS = (
     "systemctl stop 'llmgw-*' 2>/dev/null; rm -f /etc/systemd/system/llmgw-*.service; "
-    "systemctl daemon-reload; systemctl reset-failed 2>/dev/null; rm -f /etc/llmgw/engine.env; true"
+    "systemctl daemon-reload; systemctl reset-failed 2>/dev/null; "
+    "rm -rf /etc/llmgw/engine.env /etc/llmgw/engine-sglang-*.yaml /etc/llmgw/env; true"
 )
 
 
@@ -49,6 +50,19 @@ def cluster_variant(
         text = text.replace(old, new)
     path = folder / "cluster.yaml"
     path.write_text(text + edit)
+    return path
+
+
+def engine_keys_file(lab: Lab, path: Path) -> Path:
+    """The gateway's map node -> engine key, read from every node's key file (what `apply`
+    writes on an installed gateway's host; the lab's gateway runs on this machine)."""
+    keys = {}
+    for node in lab.nodes:
+        text = lab.ssh(node.name, "sed -n 's/^LLMGW_ENGINE_KEY=//p' /etc/llmgw/engine.env 2>/dev/null").stdout
+        if text.strip():
+            keys[node.name] = [text.strip()]
+    path.write_text(json.dumps(keys))
+    path.chmod(0o600)
     return path
 
 
@@ -104,15 +118,18 @@ def applied_with_gateway(lab: Lab, tmp_path: Path) -> Iterator[LabGateway]:
     )
     applied = run("apply", "-f", str(cluster), "--yes")
     assert applied.returncode == 0, applied.stdout + applied.stderr
-    engine_env = tmp_path / "engine.env"
-    engine_env.write_text(lab.ssh("node01", "cat /etc/llmgw/engine.env").stdout)
+    keys_file = engine_keys_file(lab, tmp_path / "engine-keys.json")
     key = run("keys", "create", "--name", "lab-user", "-f", str(cluster)).stdout.strip()
     admin = run("keys", "create", "--name", "ops", "--admin", "-f", str(cluster)).stdout.strip()
     log = tmp_path / "gateway.log"
     argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(cluster)]
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [*argv, "--engine-key-file", str(engine_env)], stdout=out, stderr=subprocess.STDOUT
+            # the gateway's own key, made by apply in its state folder (the lab's host runs
+            # no systemd): it reaches the nodes' helper only, never a root shell
+            [*argv, "--engine-keys-file", str(keys_file), "--identity-file", str(tmp_path / "state/ssh-key")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, log)
