@@ -161,7 +161,27 @@ async def _apply_node(t: Transport, w: _NodeWork, key: str | None, *, operator: 
     for name, text in sorted(w.write.items()):
         await ops.write_unit(name, text)
     await ops.daemon_reload()
-    await ops.start(sorted(set(w.start + w.restart)))
+    units = sorted(set(w.start + w.restart))
+    since = await ops.date() if units else ""
+    try:
+        await ops.start(units)
+    except NodeError as exc:
+        # An engine that exits at once can fail its start job before the readiness wait
+        # would have seen it: say why with the journals of the units that did not come up.
+        tails = [await _start_failure(t, ops, unit, since) for unit in units]
+        raise NodeError(t.node, exc.kind, "\n".join([exc.reason, *filter(None, tails)])) from None
+
+
+async def _start_failure(t: Transport, ops: NodeOps, unit: str, since: str, lines: int = 15) -> str:
+    """The state and last journal lines of ``unit`` when it is not active, else ""."""
+    state = await ops.show(unit)
+    if state is None or state.active_state == "active":
+        return ""
+    key = await read_engine_key(t)
+    tail = redact_keys(await ops.journal(unit, since, lines), [key] if key else [])
+    return (
+        f"{unit} {state.active_state} ({state.result}, exit status {state.exec_main_status})\n{tail.strip()}"
+    )
 
 
 async def must(t: Transport, command: str, what: str) -> None:

@@ -227,3 +227,26 @@ def test_multi_node_replica_with_ray(clean: Lab, tmp_path: Path) -> None:
     journal = clean.ssh(worker, f"journalctl -u {unit} -o cat --no-pager").stdout
     assert "Ray runtime started (joined" in journal
     assert "No changes." in apply(cluster).stdout
+
+
+BAD_ENGINE = "/usr/local/bin/llmgw-bad-interpreter"
+
+
+def test_engine_that_cannot_start_is_reported_with_its_journal(clean: Lab, tmp_path: Path) -> None:
+    """An engine whose program cannot be executed fails its start job (``Type=exec``) before
+    the readiness wait begins; apply still says why, with the unit's journal."""
+    for node in clean.nodes:
+        clean.ssh(node.name, f"printf '#!/nonexistent/interpreter\\n' > {BAD_ENGINE}; chmod 755 {BAD_ENGINE}")
+    try:
+        cluster = cluster_variant(
+            clean, tmp_path, replace=(("command: [/usr/local/bin/llama-server]", f"command: [{BAD_ENGINE}]"),)
+        )
+        done = apply(cluster)
+        output = done.stdout + done.stderr
+        assert done.returncode == 1, output
+        assert f"{SMOL} failed" in output, output
+        # systemd's own journal line for the failed exec, which only the journal holds
+        assert "No such file or directory" in output, output
+    finally:
+        for node in clean.nodes:
+            clean.ssh(node.name, f"rm -f {BAD_ENGINE}")
