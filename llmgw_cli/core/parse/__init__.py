@@ -1,3 +1,3 @@
 """Pure parsers of what nodes print: each takes text and returns facts, never raises on
 odd output (a parser that cannot tell says "unknown"), and is tested against recorded
-real outputs (../shared/reference/fixtures)."""
+real outputs (tests/fixtures)."""
