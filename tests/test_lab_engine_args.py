@@ -16,7 +16,7 @@ from llmgw_cli.lab.engine_checks import (
     select_gpus,
 )
 
-# The format the lab harness writes (shared/lab-reference/harness.sh), with a health column.
+# The format the lab harness writes (one line per node), with a health column.
 GPUS_CSV = "\n".join(
     f"{k},NVIDIA H100 80GB HBM3,81559,GPU-01-{k}-5f1c,550.54.15{',ok' if k != 7 else ',GPU requires reset'}"
     for k in range(8)

@@ -1,6 +1,6 @@
 """Engine command lines and systemd units for replicas (pure: spec and placement in, text out).
 
-Per REFERENCE.md sections 4 and 5: the unit is ``Type=exec`` (a missing binary or user
+As systemd and the engines behave: the unit is ``Type=exec`` (a missing binary or user
 fails the start), restarts on failure after a pause, kills the whole cgroup on stop so GPU
 memory is freed, lifts the memlock limit for RDMA, and selects cards by UUID in PCI order.
 What keeps the engine answering only the gateway (the listen address, the unit's

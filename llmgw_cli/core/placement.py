@@ -25,7 +25,8 @@ from llmgw_cli.core.facts import GpuHealth, NodeFacts, Topology
 from llmgw_cli.core.hardware import fabric_status, gpu_class, same_class
 from llmgw_cli.core.spec import ClusterSpec, Model, Node
 
-# Closeness of a link for tensor parallelism, best first (REFERENCE.md 1.3).
+# Closeness of a link for tensor parallelism, best first, as `nvidia-smi topo -m` names them:
+# one PCIe switch, several switches, a host bridge, host bridges of one NUMA node, across NUMA nodes.
 _LINK_RANK = {"PIX": 1, "PXB": 2, "PHB": 3, "NODE": 4, "SYS": 5}
 
 

@@ -6,7 +6,8 @@ enable and (re)start what comes. Nodes are worked on in parallel; a node that fa
 reported with its reason and the others carry on. Nothing is half-written by an
 interruption, and the next ``apply`` reads the nodes again and converges.
 
-Readiness follows the engines' semantics (REFERENCE.md 4.4): connection refused means
+Readiness follows the engines' semantics (vLLM, SGLang and llama-server listen only once
+loaded, and answer /health with 503 while loading): connection refused means
 starting, 503 means loading, 200 means ready; a unit that fails meanwhile is reported
 with the last lines of its journal.
 """

@@ -1,6 +1,6 @@
 """``nvidia-smi --query-gpu=FIELDS --format=csv,noheader,nounits``.
 
-Rules from REFERENCE.md 1.1 and 1.4: cells that cannot be read are bracketed strings
+nvidia-smi's own rules: cells that cannot be read are bracketed strings
 (``[N/A]``, ``[GPU requires reset]``); a lost GPU leaves an "Unable to determine the
 device handle" line while the other rows still come; extra commas belong to the name.
 An unknown field makes nvidia-smi refuse the whole query, so the core query holds only
@@ -80,7 +80,8 @@ _HEALTH_REASONS = {
 
 
 def parse_health(text: str) -> dict[int, list[str]]:
-    """Fault reasons per GPU index from the optional health query (REFERENCE.md 1.4).
+    """Fault reasons per GPU index from the optional health query (a reset required or
+    recommended, pending or failed row remaps, uncorrected ECC errors).
     Cells that read ``[N/A]``/``[Not Supported]`` say nothing either way."""
     faults: dict[int, list[str]] = {}
     for line in text.splitlines():
