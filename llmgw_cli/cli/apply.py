@@ -25,6 +25,7 @@ from llmgw_cli.remote.engine_keys import distribute_engine_keys, nodes_without_k
 from llmgw_cli.remote.execute import Outcome, Report, execute
 from llmgw_cli.remote.gateway_install import GatewayPreview, install, preview
 from llmgw_cli.remote.node_setup import prepare, stale_nodes
+from llmgw_cli.remote.probe import Snapshot
 from llmgw_cli.remote.transport import Transport
 
 out = Console()
@@ -124,6 +125,17 @@ def plan(
     result = make_plan(spec, {f.node: f for f in snapshot.nodes})
     gateway = asyncio.run(preview(spec, file.resolve().parent, file.read_text(encoding="utf-8")))
     out.print(plan_view(result), soft_wrap=True)
+    _show_host_changes(spec, file, snapshot, gateway)
+    if save:
+        save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
+        out.print(Text(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}"), highlight=False)
+
+
+def _show_host_changes(
+    spec: ClusterSpec, file: Path, snapshot: Snapshot, gateway: GatewayPreview
+) -> list[str]:
+    """Print what plan and apply change beside the replicas (the gateway, the node helper);
+    return the reachable nodes whose node helper is missing or out of date."""
     out.print(
         Text(gateway.describe(), style="yellow" if gateway.changes else "dim"),
         highlight=False,
@@ -137,9 +149,7 @@ def plan(
             highlight=False,
             soft_wrap=True,
         )
-    if save:
-        save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
-        out.print(Text(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}"), highlight=False)
+    return helper_nodes
 
 
 def apply(
@@ -174,22 +184,10 @@ def apply(
         chosen = make_plan(spec, facts)
     gateway = asyncio.run(preview(spec, file.resolve().parent, file.read_text(encoding="utf-8")))
     out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
-    out.print(
-        Text(gateway.describe(), style="yellow" if gateway.changes else "dim"),
-        highlight=False,
-        soft_wrap=True,
-    )
     unreachable = [f.node for f in snapshot.nodes if not f.reachable]
     if unreachable:
         err.print(Text(f"unreachable, left out: {', '.join(unreachable)}", style="yellow"))
-    reachable = [f.node for f in snapshot.nodes if f.reachable]
-    helper_nodes = asyncio.run(stale_nodes(spec, file.resolve().parent, reachable))
-    if helper_nodes:
-        out.print(
-            Text(f"node helper: install or update on {', '.join(helper_nodes)}", style="yellow"),
-            highlight=False,
-            soft_wrap=True,
-        )
+    helper_nodes = _show_host_changes(spec, file, snapshot, gateway)
     if dry_run:
         return
     if rotate_engine_key and chosen.changes:
@@ -198,6 +196,7 @@ def apply(
         raise InputError(
             "--rotate-engine-key rotates a settled cluster: run `llmgw apply` first, then rotate"
         )
+    reachable = [f.node for f in snapshot.nodes if f.reachable]
     keyless = asyncio.run(nodes_without_key(spec, file.resolve().parent, reachable))
     if keyless or rotate_engine_key:
         where = "every node" if rotate_engine_key else ", ".join(keyless)
