@@ -4,9 +4,8 @@ counters, and the 503 before the registry exists. Exposition checked by `promtoo
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,18 +46,13 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def promtool_check_metrics(text: str) -> None:
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool not installed (Debian package prometheus, scripts/obs-packages.txt)")
-    done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
 def gateway(tmp_path: Path, source: ProbeSource | StaticSource) -> Gateway:
     return Gateway(SPEC, source, SqliteStore(tmp_path / "state"), "engine-key")
 
 
-def test_fleet_metrics_come_from_the_summary(tmp_path: Path) -> None:
+def fleet_exposition(tmp_path: Path) -> str:
+    """The fleet metrics of four nodes: one with a replica and a faulty card, one on PCIe
+    only, one whose topology is unknown, one that never answered."""
     source = ProbeSource(tmp_path)
     a = node_facts("a", faulty=(3,))
     a = a.model_copy(
@@ -80,9 +74,11 @@ def test_fleet_metrics_come_from_the_summary(tmp_path: Path) -> None:
     gw.metrics.build(FleetCollector(gw))
     body = gw.metrics.render()
     assert body is not None
-    text = body.decode()
-    promtool_check_metrics(text)
-    got = samples(text)
+    return body.decode()
+
+
+def test_fleet_metrics_come_from_the_summary(tmp_path: Path) -> None:
+    got = samples(fleet_exposition(tmp_path))
 
     def value(name: str, **labels: str) -> float | None:
         return got.get((name, tuple(sorted(labels.items()))))
@@ -117,7 +113,8 @@ def test_without_probing_there_are_no_fleet_numbers(tmp_path: Path) -> None:
     assert not names & {"llmgw_gpus", "llmgw_node_up", "llmgw_fabric_free_nodes"}
 
 
-def test_supervisor_counters_and_histograms() -> None:
+def supervisor_exposition() -> str:
+    """The supervisor's counters after two loads (one failed), an eviction and two idle stops."""
     metrics = Metrics()
     assert metrics.render() is None  # not built: the endpoints answer 503
     metrics.build()
@@ -128,9 +125,11 @@ def test_supervisor_counters_and_histograms() -> None:
     metrics.idle_stopped("small")
     body = metrics.render()
     assert body is not None
-    text = body.decode()
-    promtool_check_metrics(text)
-    got = samples(text)
+    return body.decode()
+
+
+def test_supervisor_counters_and_histograms() -> None:
+    got = samples(supervisor_exposition())
     assert got[("llmgw_model_loads_total", (("model", "big"), ("result", "ok")))] == 1
     assert got[("llmgw_model_loads_total", (("model", "big"), ("result", "failed")))] == 1
     assert got[("llmgw_model_load_seconds_count", (("model", "big"),))] == 2
@@ -138,6 +137,14 @@ def test_supervisor_counters_and_histograms() -> None:
     assert got[("llmgw_model_load_seconds_bucket", (("le", "60.0"), ("model", "big")))] == 1
     assert got[("llmgw_evictions_total", (("model", "small"),))] == 1
     assert got[("llmgw_idle_stops_total", (("model", "small"),))] == 2
+
+
+@pytest.mark.integration
+def test_promtool_accepts_the_fleet_and_supervisor_metrics(
+    tmp_path: Path, promtool_check_metrics: Callable[[str], None]
+) -> None:
+    promtool_check_metrics(fleet_exposition(tmp_path))
+    promtool_check_metrics(supervisor_exposition())
 
 
 def test_request_metrics_by_model_status_and_key() -> None:

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -75,10 +74,9 @@ def families(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def test_live_metrics_on_both_listeners_pass_promtool(setup: Setup) -> None:
+def test_live_metrics_on_both_listeners(setup: Setup) -> None:
     gw = setup.gw
-    text = httpx.get(f"http://127.0.0.1:{gw.metrics_port}/metrics").text
-    got = families(text)
+    got = families(httpx.get(f"http://127.0.0.1:{gw.metrics_port}/metrics").text)
     assert got[("llmgw_requests_total", (("key", "alice"), ("model", "chat"), ("status", "200")))] == 4
     assert got[("llmgw_tokens_total", (("key", "alice"), ("kind", "completion"), ("model", "chat")))] == 16
     assert got[("llmgw_request_seconds_count", (("model", "chat"),))] == 4
@@ -86,14 +84,14 @@ def test_live_metrics_on_both_listeners_pass_promtool(setup: Setup) -> None:
     assert got[("llmgw_model_ready_replicas", (("model", "chat"),))] == 2
     assert got[("llmgw_model_state", (("model", "starting"), ("state", "loading")))] == 1
     assert got[("llmgw_in_flight", (("model", "chat"),))] == 0
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool not installed (Debian package prometheus, scripts/obs-packages.txt)")
-    done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
     # The admin listener serves the same registry, behind the admin key.
     assert gw.admin("/metrics", setup.keys["alice"]).status_code == 403
     admin = gw.admin("/metrics", setup.keys["admin"])
     assert admin.status_code == 200 and "llmgw_requests_total" in admin.text
+
+
+def test_live_metrics_pass_promtool(setup: Setup, promtool_check_metrics: Callable[[str], None]) -> None:
+    promtool_check_metrics(httpx.get(f"http://127.0.0.1:{setup.gw.metrics_port}/metrics").text)
 
 
 def test_summary_api(setup: Setup) -> None:
