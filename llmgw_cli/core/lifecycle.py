@@ -1,5 +1,5 @@
-"""On-demand lifecycle policy (pure): which replicas are idle, which one to evict, whether a
-request may start a model. Functions of (spec, state, now); the clock is a parameter.
+"""On-demand lifecycle policy (pure): which replicas are idle, which one to evict, when to
+start one more. Functions of (spec, state, now); the clock is a parameter.
 
 The gateway's supervisor (``gateway/supervisor.py``) owns the effects: it asks these
 functions, then starts or stops replicas through the same executor as ``apply``.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from enum import StrEnum
 
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
 
@@ -40,25 +39,6 @@ class ReplicaUse:
     ready_at: float | None  # when it became ready; None while loading
     last_used: float | None  # end of the last request; None = unknown
     in_flight: int = 0
-
-
-class Verdict(StrEnum):
-    serve = "serve"  # a ready replica exists
-    start = "start"  # on demand and stopped: place and start one
-    off = "off"  # switched off: never started by a request
-    unknown = "unknown"  # not in the catalog
-
-
-def on_request(spec: ClusterSpec, model: str, running: list[ReplicaUse]) -> Verdict:
-    """What a request for ``model`` leads to."""
-    found = next((m for m in spec.models if m.name == model), None)
-    if found is None:
-        return Verdict.unknown
-    if found.mode is ScalingMode.off:
-        return Verdict.off
-    if any(r.model == model for r in running):
-        return Verdict.serve
-    return Verdict.start
 
 
 def _idle_for(r: ReplicaUse, now: float) -> float | None:

@@ -5,11 +5,9 @@ from __future__ import annotations
 from llmgw_cli.core.lifecycle import (
     EVICTION_GRACE,
     ReplicaUse,
-    Verdict,
     eviction_candidate,
     idle_to_stop,
     known_last_use,
-    on_request,
     should_scale_out,
 )
 from llmgw_cli.core.load import parse_cluster
@@ -40,14 +38,6 @@ def use(
     nodes: int = 1,
 ) -> ReplicaUse:
     return ReplicaUse(model, replica, nodes, ready, last, flight)
-
-
-def test_requests_start_only_on_demand_models() -> None:
-    assert on_request(SPEC, "lazy", []) is Verdict.start
-    assert on_request(SPEC, "lazy", [use("lazy")]) is Verdict.serve
-    assert on_request(SPEC, "off", []) is Verdict.off
-    assert on_request(SPEC, "no-scaling", []) is Verdict.off
-    assert on_request(SPEC, "lazzy", []) is Verdict.unknown  # a typo never reads as "loading"
 
 
 def test_idle_timeout_stops_on_demand_replicas() -> None:
