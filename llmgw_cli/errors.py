@@ -1,6 +1,6 @@
 """Every error llmgw raises on purpose, and the exit code each one means.
 
-Hierarchy::
+Errors that reach the command line::
 
     LlmgwError                 exit 1: something failed while doing the work
     ├── InputError             exit 2: the user's input is wrong; fix it and retry
@@ -9,8 +9,8 @@ Hierarchy::
     ├── TemplateError          a packaged template is missing or failed to render
     ├── NodeError              one node could not be reached or a command on it failed;
     │                          carries the node and a kind (unreachable, auth, hostkey-...)
-    ├── FetchError             weights could not be brought onto a node (404, token needed,
-    │                          disk full, checksum mismatch...); carries model, node, kind
+    ├── ApplyFailed            ``apply``: some node or replica failed; the others were applied
+    ├── FetchFailed            ``fetch``: some weights could not be brought; the others were
     └── LabError               the lab cluster could not be booted, changed or removed
         └── LabUnavailable     exit 2: this machine cannot run the lab (not Linux, not root,
                                a tool missing)
@@ -18,6 +18,24 @@ Hierarchy::
 The CLI maps these to messages and exit codes in one place
 (``llmgw_cli.cli.main.main``). Anything else escaping is a bug and keeps its
 traceback.
+
+Errors handled where they arise, which never reach the command line (so they are not
+``LlmgwError``: one escaping is a bug and keeps its traceback)::
+
+    StartFailed                the gateway's supervisor could not start a replica
+    UpstreamError              the gateway could not ask an engine, or got no proper answer
+    ├── ConnectFailed          no connection: nothing was sent; another replica may be tried
+    ├── Disconnected           closed before any byte of the answer; ``reused``: a pooled
+    │                          keep-alive connection (one retry on a fresh one is safe)
+    ├── ReadTimeout            no byte for ``read_timeout`` seconds
+    └── BrokenAnswer           closed in the middle of the answer, or the answer is not HTTP
+    EngineStartError           the lab's simulated engine cannot start (its dying log line)
+    RequestError               the lab's simulated engine answers a request with a 4xx
+
+Two kinds of error live beside the code that raises them: those of the programs that run
+on a node (``remote/nodefetch.py``, ``remote/node_helper.py``: standard library only, they
+cannot import this module), and ``gateway/proxy.py``'s ``BadRequest``, which builds its own
+aiohttp answer.
 """
 
 from __future__ import annotations
@@ -83,13 +101,12 @@ class NodeError(LlmgwError):
         super().__init__(f"{node}: {reason}")
 
 
-class FetchError(LlmgwError):
-    """Bringing a model's weights onto a node failed. ``kind`` is one of: not-found, auth,
-    disk-full, checksum, size, network, tls, http, interrupted, crash, node."""
+class ApplyFailed(LlmgwError):
+    """``apply``: some node or replica failed; the others were applied."""
 
-    def __init__(self, model: str, node: str, kind: str, reason: str) -> None:
-        self.model, self.node, self.kind, self.reason = model, node, kind, reason
-        super().__init__(f"{model} on {node}: {reason}")
+
+class FetchFailed(LlmgwError):
+    """``fetch``: some weights could not be brought; the others were."""
 
 
 class LabError(LlmgwError):
@@ -100,3 +117,47 @@ class LabUnavailable(LabError):
     """This machine cannot run the lab: not Linux, not root, or a required tool is missing."""
 
     exit_code = 2
+
+
+class StartFailed(Exception):
+    """The supervisor's start of a replica could not happen (no room, a node refused) or
+    never became ready."""
+
+
+class UpstreamError(Exception):
+    """The engine could not be asked, or did not answer properly."""
+
+
+class ConnectFailed(UpstreamError):
+    """No connection (refused, unreachable, connect timeout): nothing was sent."""
+
+
+class Disconnected(UpstreamError):
+    """The connection closed before any byte of the answer; ``reused``: it was a pooled
+    keep-alive connection (one retry on a fresh connection is safe)."""
+
+    def __init__(self, message: str, *, reused: bool) -> None:
+        super().__init__(message)
+        self.reused = reused
+
+
+class ReadTimeout(UpstreamError):
+    """No byte from the engine for ``read_timeout`` seconds."""
+
+
+class BrokenAnswer(UpstreamError):
+    """The connection closed in the middle of the answer, or the answer is not HTTP."""
+
+
+class EngineStartError(Exception):
+    """The lab's simulated engine cannot start; the message is the log line it dies with."""
+
+
+class RequestError(Exception):
+    """A request the lab's simulated engine answers with 4xx; ``status`` and message as
+    vLLM words them."""
+
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_cli.errors import EngineStartError
 from llmgw_cli.lab.engine_args import parse_argv
 from llmgw_cli.lab.engine_checks import (
-    EngineStartError,
     SimGpu,
     check_model_source,
     parse_gpus_csv,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmgw_cli.errors import RequestError
 from llmgw_cli.lab import engine_openai as oai
 from llmgw_cli.lab.engine_args import parse_argv
 
@@ -25,7 +26,7 @@ def test_max_tokens_truncates_with_finish_length() -> None:
 
 @pytest.mark.parametrize("bad", [0, -1, "5", True])
 def test_bad_max_tokens_is_a_400(bad: object) -> None:
-    with pytest.raises(oai.RequestError) as exc:
+    with pytest.raises(RequestError) as exc:
         oai.max_tokens_of({"max_tokens": bad})
     assert exc.value.status == 400
 

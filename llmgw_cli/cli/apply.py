@@ -19,7 +19,7 @@ from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.gateway_install import GatewayChange
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.errors import InputError, LlmgwError
+from llmgw_cli.errors import ApplyFailed, InputError
 from llmgw_cli.remote.connect import transport_for
 from llmgw_cli.remote.engine_keys import distribute_engine_keys, nodes_without_key, rotate_engine_keys
 from llmgw_cli.remote.execute import Outcome, Report, execute
@@ -30,10 +30,6 @@ from llmgw_cli.remote.transport import Transport
 
 out = Console()
 err = Console(stderr=True)
-
-
-class ApplyFailed(LlmgwError):
-    """Some node or replica failed; the others were applied."""
 
 
 async def _execute_with_progress(

@@ -27,15 +27,11 @@ from llmgw_cli.cli.status import NodesOption, probe_with_progress
 from llmgw_cli.cli.views import plain
 from llmgw_cli.core.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, select
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.errors import LlmgwError, UsageError
+from llmgw_cli.errors import FetchFailed, UsageError
 from llmgw_cli.remote.fetch import Fetcher, FetchEvent, FetchResult, verified
 
 out = Console()
 err = Console(stderr=True)
-
-
-class FetchFailed(LlmgwError):
-    """Some weights could not be brought; the others were."""
 
 
 async def _run(

@@ -28,8 +28,9 @@ from aiohttp import web
 
 from llmgw_cli.core.keys import ApiKey, bearer, hash_token
 from llmgw_cli.core.routing import Health, ModelState, Replica, model_state
+from llmgw_cli.errors import ConnectFailed, Disconnected, UpstreamError
 from llmgw_cli.gateway.state import Gateway
-from llmgw_cli.gateway.upstream import Answer, ConnectFailed, Disconnected, UpstreamError
+from llmgw_cli.gateway.upstream import Answer
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 

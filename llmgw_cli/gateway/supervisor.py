@@ -40,6 +40,7 @@ from llmgw_cli.core.lifecycle import (
 from llmgw_cli.core.plan import Plan, Running, grow_plan, running_replicas, stop_plan
 from llmgw_cli.core.routing import Health, serving_address
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
+from llmgw_cli.errors import StartFailed
 from llmgw_cli.remote.execute import execute
 
 if TYPE_CHECKING:
@@ -50,10 +51,6 @@ log = logging.getLogger("llmgw.supervisor")
 
 RETRY_AFTER_FAILURE = 30.0  # seconds before a model whose start failed is tried again
 WATCH_EVERY = 0.25  # seconds between health checks of a replica that is loading
-
-
-class StartFailed(Exception):
-    """A start that could not happen (no room, a node refused) or never became ready."""
 
 
 def replica_key(model: str, address: str) -> str:

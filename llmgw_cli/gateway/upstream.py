@@ -22,7 +22,7 @@ Contract
 - Reading from the engine pauses while more than ``HIGH_WATER`` bytes of body wait for the
   caller, and resumes when the caller has taken them.
 
-Errors, all ``UpstreamError``::
+Errors, all ``UpstreamError`` (defined in ``llmgw_cli.errors``)::
 
     UpstreamError
     ├── ConnectFailed   no connection (refused, unreachable, connect timeout): nothing was
@@ -41,29 +41,9 @@ import asyncio
 
 import httptools
 
+from llmgw_cli.errors import BrokenAnswer, ConnectFailed, Disconnected, ReadTimeout, UpstreamError
+
 HIGH_WATER = 256 * 1024
-
-
-class UpstreamError(Exception):
-    """The engine could not be asked, or did not answer properly."""
-
-
-class ConnectFailed(UpstreamError):
-    pass
-
-
-class Disconnected(UpstreamError):
-    def __init__(self, message: str, *, reused: bool) -> None:
-        super().__init__(message)
-        self.reused = reused
-
-
-class ReadTimeout(UpstreamError):
-    pass
-
-
-class BrokenAnswer(UpstreamError):
-    pass
 
 
 class _Connection(asyncio.Protocol):

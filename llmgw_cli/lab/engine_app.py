@@ -13,6 +13,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw_cli.errors import RequestError
 from llmgw_cli.lab import engine_openai as oai
 from llmgw_cli.lab.engine_args import EngineConfig
 from llmgw_cli.lab.engine_http import Request, Response
@@ -65,7 +66,7 @@ class EngineApp:
     async def handle(self, req: Request, resp: Response) -> None:
         try:
             await self._route(req, resp)
-        except oai.RequestError as exc:
+        except RequestError as exc:
             await resp.send_json(exc.status, oai.error_body(exc.status, str(exc), exc.kind))
         except (ConnectionError, asyncio.CancelledError):
             resp.keep_alive = False
@@ -153,9 +154,9 @@ class EngineApp:
         try:
             body = req.json()
         except ValueError as exc:
-            raise oai.RequestError(400, f"JSON decode error: {exc}") from exc
+            raise RequestError(400, f"JSON decode error: {exc}") from exc
         if not isinstance(body, dict):
-            raise oai.RequestError(400, "Input should be a valid dictionary")
+            raise RequestError(400, "Input should be a valid dictionary")
         return body
 
     def _model_name(self, body: dict[str, Any]) -> str:
@@ -163,7 +164,7 @@ class EngineApp:
         if model is None:
             return self.cfg.served_names[0]
         if self.cfg.kind == "vllm" and model not in self.cfg.served_names:
-            raise oai.RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")
+            raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")
         return str(model)
 
     async def _embeddings(self, req: Request, resp: Response) -> None:
@@ -182,14 +183,14 @@ class EngineApp:
 
     async def _generate(self, req: Request, resp: Response, chat: bool) -> None:
         if not self.ready:
-            raise oai.RequestError(503, "The server is starting up", "ServiceUnavailableError")
+            raise RequestError(503, "The server is starting up", "ServiceUnavailableError")
         body = self._body(req)
         model = self._model_name(body)
         prompt = oai.prompt_of(body, chat)
         max_tokens = oai.max_tokens_of(body)
         n_prompt = oai.count_tokens(prompt)
         if n_prompt + (max_tokens or 0) > self.max_model_len:
-            raise oai.RequestError(
+            raise RequestError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{n_prompt + (max_tokens or 0)} tokens ({n_prompt} in the messages, {max_tokens} in the "

@@ -12,14 +12,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmgw_cli.errors import EngineStartError
 from llmgw_cli.lab.engine_args import Kind
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _HEALTHY = {"", "ok", "healthy", "good"}
-
-
-class EngineStartError(Exception):
-    """The engine cannot start; the message is the log line it dies with."""
 
 
 @dataclass(frozen=True)

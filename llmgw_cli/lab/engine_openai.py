@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw_cli.errors import RequestError
 from llmgw_cli.lab.engine_args import EngineConfig
 
 _WORDS = (
@@ -38,15 +39,6 @@ _WORDS = (
 )
 DEFAULT_REPLY_TOKENS = 16
 EMBEDDING_DIM = 16
-
-
-class RequestError(Exception):
-    """A request the engine answers with 4xx; ``status`` and message as vLLM words them."""
-
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
 
 
 def error_body(status: int, message: str, kind: str) -> dict[str, Any]:

@@ -29,10 +29,10 @@ import sys
 import time
 from pathlib import Path
 
+from llmgw_cli.errors import EngineStartError
 from llmgw_cli.lab.engine_app import READY_BANNER, EngineApp, Timing
 from llmgw_cli.lab.engine_args import EngineConfig, parse_argv
 from llmgw_cli.lab.engine_checks import (
-    EngineStartError,
     SimGpu,
     check_model_source,
     parse_gpus_csv,

@@ -78,13 +78,16 @@ _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a plante
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class FetchFailed(Exception):
+class JobFailed(Exception):
+    """The job (fetch, verify, poll, serve) cannot go on; ``kind`` is the failure's name in
+    the answer (not-found, auth, disk-full, checksum, size, network, tls, http, unsafe...)."""
+
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
 
-class Unsafe(FetchFailed):
+class Unsafe(JobFailed):
     """Something in the weights folder (or on the way to it) that others could have planted."""
 
     def __init__(self, message: str) -> None:
@@ -335,7 +338,7 @@ def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, s
         context = ssl.create_default_context()
         return http.client.HTTPSConnection(host, parts.port, timeout=timeout, context=context), path
     if parts.scheme != "http":
-        raise FetchFailed("http", f"{url}: only https (and plain http between peers) is fetched")
+        raise JobFailed("http", f"{url}: only https (and plain http between peers) is fetched")
     return http.client.HTTPConnection(host, parts.port, timeout=timeout), path
 
 
@@ -374,21 +377,21 @@ def _request(
         conn.close()
         target = urljoin(url, location)
         if urlsplit(url).scheme == "https" and urlsplit(target).scheme != "https":
-            raise FetchFailed(
+            raise JobFailed(
                 "http",
                 f"{url} redirected to {urlsplit(target).scheme}://{urlsplit(target).netloc}/...: a "
                 "download that starts on https never continues without TLS",
             )
         url = target
-    raise FetchFailed("http", "too many redirects")
+    raise JobFailed("http", "too many redirects")
 
 
-def _http_error(status: int, url: str, reason: str) -> FetchFailed:
+def _http_error(status: int, url: str, reason: str) -> JobFailed:
     if status == 404:
-        return FetchFailed("not-found", f"{url} answered 404 Not Found")
+        return JobFailed("not-found", f"{url} answered 404 Not Found")
     if status in (401, 403):
-        return FetchFailed("auth", f"{url} answered {status} {reason}")
-    return FetchFailed("http", f"{url} answered {status} {reason}")
+        return JobFailed("auth", f"{url} answered {status} {reason}")
+    return JobFailed("http", f"{url} answered {status} {reason}")
 
 
 def _resolve(url: str, auth: dict[str, str]) -> tuple[str, str | None, int | None]:
@@ -582,20 +585,20 @@ class Download:
                 break
             except (OSError, http.client.HTTPException) as exc:
                 if isinstance(exc, ssl.SSLCertVerificationError):
-                    raise FetchFailed("tls", f"{url}: {exc}") from None
+                    raise JobFailed("tls", f"{url}: {exc}") from None
                 if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise self._disk_full() from None
                 if attempt == RETRIES:
-                    raise FetchFailed("network", f"{url}: {exc}") from None
+                    raise JobFailed("network", f"{url}: {exc}") from None
                 self.report(True, retrying=f"{type(exc).__name__}: {exc}")
                 time.sleep(min(2**attempt, 10))
         fd = open_file(self.folder, self.names["part"], os.O_RDONLY, self.files["part"])
         try:
             have = os.fstat(fd).st_size
             if linked_size is not None and linked_size != total:
-                raise FetchFailed("size", f"the origin announced {linked_size} bytes but served {total}")
+                raise JobFailed("size", f"the origin announced {linked_size} bytes but served {total}")
             if have != total:
-                raise FetchFailed(
+                raise JobFailed(
                     "size", f"got {have} of {total} bytes; the partial file was kept for a resume"
                 )
             # The digest covers the whole file: a resume's kept prefix was read back from
@@ -603,7 +606,7 @@ class Download:
             digest = self._hash.hexdigest() if self._hash is not None else _hash_fd(fd)
             if expected and digest != expected:
                 self._discard()
-                raise FetchFailed(
+                raise JobFailed(
                     "checksum",
                     f"sha256 of the download is {digest}, expected {expected}; the partial file was removed",
                 )
@@ -683,13 +686,13 @@ class Download:
         st = os.statvfs(self.folder)
         free = st.f_bavail * st.f_frsize
         if needed > free:
-            raise FetchFailed(
+            raise JobFailed(
                 "disk-full",
                 f"needs {needed} more bytes in {os.path.dirname(self.target)}, {free} free" + self._kept(),
             )
 
-    def _disk_full(self) -> FetchFailed:
-        return FetchFailed("disk-full", f"no space left in {os.path.dirname(self.target)}" + self._kept())
+    def _disk_full(self) -> JobFailed:
+        return JobFailed("disk-full", f"no space left in {os.path.dirname(self.target)}" + self._kept())
 
     def _kept(self) -> str:
         have = _size(self.folder, self.names["part"])
@@ -756,7 +759,7 @@ def fetch(config: dict[str, Any]) -> None:
     target = config["target"]
     try:
         folder = open_folder(os.path.dirname(target), create=True)
-    except FetchFailed as exc:
+    except JobFailed as exc:
         _error(exc.kind, str(exc))
         return
     except OSError as exc:
@@ -782,7 +785,7 @@ def _fetch_in(folder: int, config: dict[str, Any]) -> None:
     job.status["pid"] = os.getpid()
     try:
         job.run()
-    except FetchFailed as exc:
+    except JobFailed as exc:
         job.report(True, state="error", kind=exc.kind, message=str(exc))
     except BaseException as exc:  # a bug: say so in the status instead of dying silently
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -804,7 +807,7 @@ def _lock(folder: int, config: dict[str, Any]) -> int | None:
             _emit(present)
             return None
         lock = open_file(folder, os.path.basename(lock_path), os.O_RDWR | os.O_CREAT, lock_path, mode=0o600)
-    except FetchFailed as exc:
+    except JobFailed as exc:
         _error(exc.kind, str(exc))
         return None
     except OSError as exc:
@@ -833,7 +836,7 @@ def _job(folder: int, config: dict[str, Any], lock: int) -> Download | None:
             job.status["replacing"] = config["replacing"]
         job.open_status()
         job.report(True)  # the control host's first poll must not see an older run's status
-    except FetchFailed as exc:
+    except JobFailed as exc:
         os.close(lock)
         _error(exc.kind, str(exc))
         return None
@@ -858,7 +861,7 @@ def verify(config: dict[str, Any]) -> None:
     except FileNotFoundError:
         _emit({"state": "absent"})
         return
-    except FetchFailed as exc:
+    except JobFailed as exc:
         _error(exc.kind, str(exc))
         return
     except OSError as exc:
@@ -878,7 +881,7 @@ def verify(config: dict[str, Any]) -> None:
             return
         digest = digest or hash_target(folder, target)
         _emit({"state": "verified" if digest == config["sha256"] else "mismatch", "sha256": digest})
-    except FetchFailed as exc:
+    except JobFailed as exc:
         _error(exc.kind, str(exc))
     except OSError as exc:
         _error("node", f"cannot verify {target}: {exc}")
@@ -894,7 +897,7 @@ def poll(config: dict[str, Any]) -> None:
     answer: dict[str, Any] = {"free": True, "status": {}}
     try:
         folder = open_folder(os.path.dirname(target), create=False)
-    except (FetchFailed, OSError) as exc:
+    except (JobFailed, OSError) as exc:
         _emit({**answer, "error": str(exc)})
         return
     try:
@@ -910,7 +913,7 @@ def poll(config: dict[str, Any]) -> None:
             finally:
                 os.close(lock)
         answer["status"] = _read_json(folder, os.path.basename(files["status"]))
-    except (FetchFailed, OSError) as exc:
+    except (JobFailed, OSError) as exc:
         answer["error"] = str(exc)
     finally:
         os.close(folder)
@@ -972,7 +975,7 @@ def _handler(path: str, folder: int, secret: str, activity: _Activity) -> type[B
                 return
             try:  # the name, opened again per request without following a link
                 fd = open_file(folder, name, os.O_RDONLY, path, strict=False)
-            except (FetchFailed, OSError):
+            except (JobFailed, OSError):
                 self.send_error(404)
                 return
             with os.fdopen(fd, "rb") as f:
@@ -1014,7 +1017,7 @@ def serve(config: dict[str, Any]) -> None:
         folder = open_folder(os.path.dirname(path), create=False)
         inspect(folder, path)
         os.close(open_file(folder, os.path.basename(path), os.O_RDONLY, path, strict=False))
-    except FetchFailed as exc:
+    except JobFailed as exc:
         _error(exc.kind, str(exc))
         return
     except OSError as exc:

@@ -8,13 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from llmgw_cli.gateway.upstream import (
-    BrokenAnswer,
-    ConnectFailed,
-    Disconnected,
-    ReadTimeout,
-    Upstreams,
-)
+from llmgw_cli.errors import BrokenAnswer, ConnectFailed, Disconnected, ReadTimeout
+from llmgw_cli.gateway.upstream import Upstreams
 
 HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer engine"}
 
