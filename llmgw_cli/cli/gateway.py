@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Coroutine
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -26,6 +27,12 @@ from llmgw_cli.gateway.supervisor import Supervisor
 from llmgw_cli.remote.connect import GatewayAccess
 
 app = typer.Typer(help="The OpenAI-compatible gateway.", no_args_is_help=True)
+
+
+class EventLoop(StrEnum):
+    auto = "auto"
+    asyncio = "asyncio"
+    uvloop = "uvloop"
 
 
 @app.command()
@@ -76,11 +83,21 @@ def run(
     health_every: Annotated[float, typer.Option(help="Seconds between health checks of replicas.")] = 2.0,
     flush_every: Annotated[float, typer.Option(help="Seconds between writes of usage totals.")] = 5.0,
     access_log: Annotated[bool, typer.Option(help="One JSON line per request on stderr.")] = True,
+    event_loop: Annotated[
+        EventLoop,
+        typer.Option(
+            "--event-loop",
+            envvar="LLMGW_EVENT_LOOP",
+            help="auto: uvloop when it is installed, else asyncio's own loop.",
+        ),
+    ] = EventLoop.auto,
 ) -> None:
     """Serve the OpenAI API on `gateway.listen`, routing to the cluster's replicas.
 
     SIGHUP reloads the cluster file; SIGTERM drains requests in flight, then exits.
     """
+
+    runner = _runner(event_loop)
 
     def load() -> ClusterSpec:
         spec = read_cluster(file)
@@ -125,8 +142,17 @@ def run(
         # On-demand starts, idle stops, eviction and scale-out need the nodes: only with a
         # probed cluster, not with a fixed replica list.
         gateway.supervisor = Supervisor(gateway, probe, file.parent, saved_last_use=store.last_use())
-    try:  # optional: uvloop makes the event loop cheaper when it is installed
-        runner: Callable[[Coroutine[Any, Any, None]], None] = importlib.import_module("uvloop").run
-    except ImportError:
-        runner = asyncio.run
     runner(serve(gateway))
+
+
+def _runner(loop: EventLoop) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """``asyncio.run`` on the chosen event loop."""
+    if loop is EventLoop.asyncio:
+        return asyncio.run
+    try:
+        run: Callable[[Coroutine[Any, Any, None]], None] = importlib.import_module("uvloop").run
+    except ImportError:
+        if loop is EventLoop.uvloop:
+            raise typer.BadParameter("uvloop is not installed", param_hint="--event-loop") from None
+        return asyncio.run
+    return run

@@ -253,6 +253,7 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
                 raise LlmgwError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
             log.info("listening on %s%s", listen, " (TLS)" if context is not None else "")
         loop = asyncio.get_running_loop()
+        log.info("event loop: %s", type(loop).__module__.partition(".")[0])  # asyncio or uvloop
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)

@@ -38,6 +38,7 @@ Errors, all ``UpstreamError`` (defined in ``llmgw_cli.errors``)::
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import httptools
 
@@ -63,8 +64,9 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A TCP connection's transport: asyncio's is an asyncio.Transport; uvloop's has the
+        # same methods without that base class, so no isinstance check can say which.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if self.answer is None:  # bytes nobody asked for: this connection can't be trusted

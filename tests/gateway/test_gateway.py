@@ -243,6 +243,13 @@ def test_admin_and_metrics_listeners(setup: Setup) -> None:
     assert public_health.status_code == 200 and public_health.content == b""
 
 
+def test_the_gateway_runs_on_the_event_loop_of_the_tests(setup: Setup, event_loop_choice: str) -> None:
+    deadline = time.monotonic() + 10  # logged once every listener is up
+    while f"event loop: {event_loop_choice}\n" not in setup.gw.log.read_text():
+        assert time.monotonic() < deadline, setup.gw.log.read_text()[-2000:]
+        time.sleep(0.05)
+
+
 def test_one_log_line_per_request(setup: Setup) -> None:
     setup.gw.client(setup.keys["chat-only"]).chat.completions.create(
         model="chat", messages=MESSAGES, max_tokens=3

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
+import uvloop
 
 from llmgw_cli.errors import BrokenAnswer, ConnectFailed, Disconnected, ReadTimeout
 from llmgw_cli.gateway.upstream import Upstreams
@@ -70,7 +71,14 @@ class Engine:
             writer.close()
 
 
-def run(behaviour: Behaviour, scenario: Callable[[Engine, Upstreams], Awaitable[None]]) -> None:
+def run(
+    behaviour: Behaviour,
+    scenario: Callable[[Engine, Upstreams], Awaitable[None]],
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+) -> None:
+    """``scenario`` against an engine with ``behaviour``, on the event loop the tests run on
+    (``LLMGW_TEST_LOOP``, tests/gateway/conftest.py) unless ``loop_factory`` makes another."""
+
     async def main() -> None:
         engine = Engine(behaviour)
         server = await engine.start()
@@ -82,7 +90,8 @@ def run(behaviour: Behaviour, scenario: Callable[[Engine, Upstreams], Awaitable[
             server.close()
             await server.wait_closed()
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main())
 
 
 async def answers_ok(writer: asyncio.StreamWriter, n: int, request: bytes) -> None:
@@ -152,6 +161,47 @@ def test_a_large_body_is_read_whole_while_reading_pauses_and_resumes() -> None:
             answer.release()
 
     run(sends_big, scenario)
+
+
+def test_the_client_runs_on_uvloop() -> None:
+    """uvloop's transports are no ``asyncio.Transport`` subclass: a keep-alive answer, a
+    stream and a paused-then-resumed read all work on them (`llmgw gateway run` uses
+    uvloop when it is installed)."""
+    big = b"x" * (3 * 1024 * 1024)
+
+    async def behaviour(writer: asyncio.StreamWriter, n: int, request: bytes) -> None:
+        if n == 0:
+            await answers_ok(writer, n, request)
+        elif n == 1:
+            await streams(writer, n, request)
+        else:
+            writer.write(plain(big))
+            await writer.drain()
+
+    async def scenario(engine: Engine, pool: Upstreams) -> None:
+        assert type(asyncio.get_running_loop()) is uvloop.Loop
+        answer = await pool.request(engine.address, "/v1/chat/completions", b"{}", 5)
+        try:
+            assert await answer.read() == b'{"n":0}'
+        finally:
+            answer.release()
+        answer = await pool.request(engine.address, "/v1/completions", b"{}", 5)
+        try:
+            received = []
+            while piece := await answer.next_chunk():
+                received.append(piece)
+            assert received == [b"data: 1\n\n", b"data: 2\n\ndata: [DONE]\n\n"]
+        finally:
+            answer.release()
+        answer = await pool.request(engine.address, "/v1/embeddings", b"{}", 0.1)
+        try:
+            await asyncio.sleep(0.3)  # past the read timeout: reading pauses at the high-water mark
+            assert await answer.read() == big
+        finally:
+            answer.release()
+        assert engine.connections == 1
+
+    run(behaviour, scenario, loop_factory=uvloop.new_event_loop)
 
 
 def test_a_body_delimited_by_the_end_of_the_connection() -> None:
