@@ -45,7 +45,9 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class Replica:
+class PlacedReplica:
+    """Where one replica of a model runs: its GPUs on each of its nodes."""
+
     model: str
     slots: tuple[Slot, ...]  # one per node; the first is rank 0 (serves HTTP)
     warnings: tuple[str, ...] = ()
@@ -59,7 +61,7 @@ class Unplaced:
 
 @dataclass(frozen=True)
 class Placement:
-    replicas: tuple[Replica, ...]
+    replicas: tuple[PlacedReplica, ...]
     unplaced: tuple[Unplaced, ...]
 
 
@@ -112,7 +114,7 @@ def _group(free: list[int], size: int, topo: Topology | None) -> tuple[tuple[int
 
 
 class _Placer:
-    def __init__(self, spec: ClusterSpec, facts: dict[str, NodeFacts], running: list[Replica]) -> None:
+    def __init__(self, spec: ClusterSpec, facts: dict[str, NodeFacts], running: list[PlacedReplica]) -> None:
         self.spec = spec
         self.states: dict[str, _NodeState] = {}
         for node in spec.nodes:
@@ -142,7 +144,7 @@ class _Placer:
         for replica in running:
             self._take(replica)
 
-    def _take(self, replica: Replica) -> None:
+    def _take(self, replica: PlacedReplica) -> None:
         for slot in replica.slots:
             state = self.states.get(slot.node)
             if state is not None:
@@ -195,13 +197,13 @@ class _Placer:
                     break  # larger buckets rank lower
         return best
 
-    def single(self, model: Model) -> Replica | Unplaced:
+    def single(self, model: Model) -> PlacedReplica | Unplaced:
         state = self._best_node(model)
         if state is not None:
             chosen = _group(self._usable(state, model), model.tensor_parallel, state.facts.topology)
             assert chosen is not None  # _fits guarantees enough usable cards
             gpus, warning = chosen
-            replica = Replica(
+            replica = PlacedReplica(
                 model.name,
                 (Slot(state.node.name, gpus, tuple(state.uuid[i] for i in gpus)),),
                 (warning,) if warning else (),
@@ -210,7 +212,7 @@ class _Placer:
             return replica
         return Unplaced(model.name, self._why_single(model))
 
-    def multi(self, model: Model) -> Replica | Unplaced:
+    def multi(self, model: Model) -> PlacedReplica | Unplaced:
         by_fabric: dict[str, list[_NodeState]] = defaultdict(list)
         for state in self.states.values():
             status = fabric_status(state.node, state.facts)
@@ -229,7 +231,7 @@ class _Placer:
         for state in chosen:
             gpus = tuple(sorted(self._usable(state, model))[: model.tensor_parallel])
             slots.append(Slot(state.node.name, gpus, tuple(state.uuid[i] for i in gpus)))
-        replica = Replica(model.name, tuple(slots))
+        replica = PlacedReplica(model.name, tuple(slots))
         self._take(replica)
         return replica
 
@@ -277,7 +279,7 @@ class _Placer:
 
 
 def place(
-    spec: ClusterSpec, facts: dict[str, NodeFacts], running: list[Replica], want: dict[str, int]
+    spec: ClusterSpec, facts: dict[str, NodeFacts], running: list[PlacedReplica], want: dict[str, int]
 ) -> Placement:
     """Place ``want[model]`` new replicas of each model around the ``running`` ones.
 
@@ -288,12 +290,12 @@ def place(
         (m for m in spec.models if want.get(m.name, 0) > 0),
         key=lambda m: (-m.nodes, -m.tensor_parallel, spec.models.index(m)),
     )
-    replicas: list[Replica] = []
+    replicas: list[PlacedReplica] = []
     unplaced: list[Unplaced] = []
     for model in order:
         for _ in range(want[model.name]):
             result = placer.multi(model) if model.nodes > 1 else placer.single(model)
-            if isinstance(result, Replica):
+            if isinstance(result, PlacedReplica):
                 replicas.append(result)
             else:
                 unplaced.append(result)

@@ -18,7 +18,7 @@ from typing import Literal
 from llmgw_cli.core.engines import Member, replica_unit, spec_hash
 from llmgw_cli.core.facts import Fact, NodeFacts
 from llmgw_cli.core.hardware import fabric_status
-from llmgw_cli.core.placement import Placement, Replica, Slot, place
+from llmgw_cli.core.placement import PlacedReplica, Placement, Slot, place
 from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode
 
 Op = Literal["+", "~", "-", "="]
@@ -117,13 +117,13 @@ def facts_digest(facts: dict[str, NodeFacts]) -> str:
     return hashlib.sha256(json.dumps(view, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _as_replica(facts: dict[str, NodeFacts], r: Running) -> Replica:
+def _as_replica(facts: dict[str, NodeFacts], r: Running) -> PlacedReplica:
     slots = []
     for node in r.members:
         uuids = r.gpus.get(node, ())
         indices = tuple(g.index for g in facts[node].gpus if g.uuid in uuids) if node in facts else ()
         slots.append(Slot(node, indices, uuids))
-    return Replica(r.model, tuple(slots))
+    return PlacedReplica(r.model, tuple(slots))
 
 
 def _used_ports(running: list[Running]) -> dict[str, set[int]]:
@@ -152,7 +152,13 @@ def _nccl(spec: ClusterSpec, facts: dict[str, NodeFacts], node: str) -> str:
 
 
 def _units(
-    spec: ClusterSpec, facts: dict[str, NodeFacts], model: Model, replica: Replica, *, index: int, port: int
+    spec: ClusterSpec,
+    facts: dict[str, NodeFacts],
+    model: Model,
+    replica: PlacedReplica,
+    *,
+    index: int,
+    port: int,
 ) -> tuple[UnitFile, ...]:
     nodes = {n.name: n for n in spec.nodes}
     members = tuple(

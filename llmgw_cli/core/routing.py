@@ -31,8 +31,9 @@ class Health(StrEnum):
 
 
 @dataclass
-class Replica:
-    """One serving endpoint of a model (rank 0 of a replica)."""
+class RoutedReplica:
+    """One replica as the router sees it: the address of its rank 0 (which serves HTTP),
+    its health and its request counters."""
 
     model: str
     address: str  # host:port
@@ -61,41 +62,41 @@ class Pool:
     """Every known replica, by model."""
 
     max_failures: int = 3
-    replicas: dict[str, dict[str, Replica]] = field(default_factory=dict)
+    replicas: dict[str, dict[str, RoutedReplica]] = field(default_factory=dict)
 
     def replace(self, found: dict[str, list[str]], now: float) -> None:
         """Set the replicas discovered now: new ones start ``unknown``; known ones keep
         their state and counters; vanished ones are dropped (requests in flight to them
         finish on their own connection)."""
-        updated: dict[str, dict[str, Replica]] = {}
+        updated: dict[str, dict[str, RoutedReplica]] = {}
         for model, addresses in found.items():
             known = self.replicas.get(model, {})
-            updated[model] = {a: known.get(a) or Replica(model, a, changed=now) for a in addresses}
+            updated[model] = {a: known.get(a) or RoutedReplica(model, a, changed=now) for a in addresses}
         self.replicas = updated
 
-    def all(self) -> list[Replica]:
+    def all(self) -> list[RoutedReplica]:
         return [r for by_addr in self.replicas.values() for r in by_addr.values()]
 
-    def of(self, model: str) -> list[Replica]:
+    def of(self, model: str) -> list[RoutedReplica]:
         return list(self.replicas.get(model, {}).values())
 
     def ready_count(self, model: str) -> int:
         return sum(r.health is Health.ready for r in self.replicas.get(model, {}).values())
 
-    def add(self, model: str, address: str, now: float) -> Replica:
+    def add(self, model: str, address: str, now: float) -> RoutedReplica:
         """A replica the gateway itself just started (before the next discovery finds it)."""
         found = self.replicas.setdefault(model, {})
         if address not in found:
-            found[address] = Replica(model, address, changed=now)
+            found[address] = RoutedReplica(model, address, changed=now)
         return found[address]
 
-    def remove(self, model: str, address: str) -> Replica | None:
+    def remove(self, model: str, address: str) -> RoutedReplica | None:
         """Out of rotation now (it is being stopped): no new request is sent to it."""
         return self.replicas.get(model, {}).pop(address, None)
 
-    def pick(self, model: str, now: float, exclude: frozenset[str] = frozenset()) -> Replica | None:
+    def pick(self, model: str, now: float, exclude: frozenset[str] = frozenset()) -> RoutedReplica | None:
         """The ready replica with the fewest outstanding requests, or None."""
-        best: Replica | None = None
+        best: RoutedReplica | None = None
         for r in self.replicas.get(model, {}).values():
             if r.health is not Health.ready or r.address in exclude:
                 continue
@@ -105,17 +106,17 @@ class Pool:
             best.last_pick = now
         return best
 
-    def failed(self, replica: Replica, now: float) -> None:
+    def failed(self, replica: RoutedReplica, now: float) -> None:
         """A connection to the replica failed (nothing was received)."""
         replica.failures += 1
         if replica.failures >= self.max_failures and replica.health is Health.ready:
             replica.health = Health.failing
             replica.changed = now
 
-    def succeeded(self, replica: Replica) -> None:
+    def succeeded(self, replica: RoutedReplica) -> None:
         replica.failures = 0
 
-    def checked(self, replica: Replica, status: int | None, now: float) -> None:
+    def checked(self, replica: RoutedReplica, status: int | None, now: float) -> None:
         """Result of a health check: an HTTP status, or None when the connection failed."""
         if status == 200:
             new = Health.ready
@@ -137,7 +138,7 @@ class ModelState(StrEnum):
     off = "off"
 
 
-def model_state(model: Model, replicas: list[Replica]) -> ModelState:
+def model_state(model: Model, replicas: list[RoutedReplica]) -> ModelState:
     """What ``/v1/models`` says about one catalog model."""
     if any(r.health is Health.ready for r in replicas):
         return ModelState.ready

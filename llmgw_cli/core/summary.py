@@ -16,7 +16,7 @@ from typing import Literal
 
 from llmgw_cli.core.facts import Fact, GpuHealth, NodeFacts
 from llmgw_cli.core.hardware import fabric_status, gpu_class
-from llmgw_cli.core.routing import Health, Replica, model_state
+from llmgw_cli.core.routing import Health, RoutedReplica, model_state
 from llmgw_cli.core.spec import ClusterSpec, Node
 
 LABEL_MODEL = "Model"
@@ -287,9 +287,9 @@ def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None 
         for labels in _active_units(f) if f else []:
             if LABEL_MODEL in labels:
                 running[labels[LABEL_MODEL]].append(node.name)
-    pool: dict[str, list[Replica]] = defaultdict(list)
+    pool: dict[str, list[RoutedReplica]] = defaultdict(list)
     for r in live.replicas if live else ():
-        pool[r.model].append(Replica(r.model, r.address, health=Health(r.health)))
+        pool[r.model].append(RoutedReplica(r.model, r.address, health=Health(r.health)))
     model_rows = tuple(
         ModelRow(
             name=m.name,

@@ -19,7 +19,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from llmgw_cli.core.routing import Health, Replica
+from llmgw_cli.core.routing import Health, RoutedReplica
 from llmgw_cli.core.summary import Live, LiveReplica, Summary, UseRow, summarize
 from llmgw_cli.gateway.sources import ProbeSource
 from llmgw_cli.gateway.state import Gateway
@@ -28,7 +28,7 @@ from llmgw_cli.gateway.store import Usage
 GPU_STATES = ("used", "free", "faulty")
 
 
-def _idle_seconds(r: Replica, now: float) -> float | None:
+def _idle_seconds(r: RoutedReplica, now: float) -> float | None:
     """Since its last request ended (the time the supervisor goes by, kept across
     restarts), else since the last request was routed to it or it became ready; None
     when not ready, 0 with a request in flight."""

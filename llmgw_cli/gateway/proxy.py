@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw_cli.core.keys import ApiKey, bearer, hash_token
-from llmgw_cli.core.routing import Health, ModelState, Replica, model_state
+from llmgw_cli.core.routing import Health, ModelState, RoutedReplica, model_state
 from llmgw_cli.errors import ConnectFailed, Disconnected, UpstreamError
 from llmgw_cli.gateway.state import Gateway
 from llmgw_cli.gateway.upstream import Answer
@@ -381,7 +381,7 @@ async def _forward(request: web.Request, gw: Gateway, outcome: Outcome, started:
         gw.admission.leave(name)
 
 
-async def _wait_ready(gw: Gateway, name: str, deadline: float) -> Replica | None:
+async def _wait_ready(gw: Gateway, name: str, deadline: float) -> RoutedReplica | None:
     """A ready replica, waiting up to ``deadline`` while one is loading or being started."""
     while True:
         replica = gw.pool.pick(name, time.monotonic())

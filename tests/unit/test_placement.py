@@ -6,7 +6,7 @@ import time
 
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.placement import Replica, Slot, place
+from llmgw_cli.core.placement import PlacedReplica, Slot, place
 from llmgw_cli.core.spec import ClusterSpec
 
 from .facts_factory import node_facts, topology
@@ -32,7 +32,7 @@ def model(name: str, tp: int = 1, nodes: int = 1, extra: str = "") -> str:
 def test_tp_group_on_bridged_pcie_box_is_a_bridged_pair() -> None:
     s = spec(hgx("p1"), model("m", tp=2))
     facts = {"p1": node_facts("p1", gpus=4, gpu_name="NVIDIA A30", topo="pairs")}
-    running = [Replica("other", (Slot("p1", (0,), ("GPU-p1-0",)),))]
+    running = [PlacedReplica("other", (Slot("p1", (0,), ("GPU-p1-0",)),))]
     (replica,) = place(s, facts, running, {"m": 1}).replicas
     assert replica.slots[0].gpus == (2, 3)  # 1 is free too, but 1-2 crosses SYS
     assert replica.warnings == ()
@@ -41,7 +41,7 @@ def test_tp_group_on_bridged_pcie_box_is_a_bridged_pair() -> None:
 def test_no_nvlink_pair_left_gives_a_warning_not_a_refusal() -> None:
     s = spec(hgx("p1"), model("m", tp=2))
     facts = {"p1": node_facts("p1", gpus=4, gpu_name="NVIDIA A30", topo="pairs")}
-    running = [Replica("x", (Slot("p1", (0, 2), ("GPU-p1-0", "GPU-p1-2")),))]
+    running = [PlacedReplica("x", (Slot("p1", (0, 2), ("GPU-p1-0", "GPU-p1-2")),))]
     (replica,) = place(s, facts, running, {"m": 1}).replicas
     assert replica.slots[0].gpus == (1, 3)
     assert "SYS" in replica.warnings[0]
@@ -93,7 +93,7 @@ def test_replicas_of_a_model_spread_across_nodes() -> None:
 
 def test_running_replicas_keep_their_cards() -> None:
     s = spec(hgx("a"), model("m", tp=4))
-    running = [Replica("m", (Slot("a", (0, 1, 2, 3), tuple(f"GPU-a-{i}" for i in range(4))),))]
+    running = [PlacedReplica("m", (Slot("a", (0, 1, 2, 3), tuple(f"GPU-a-{i}" for i in range(4))),))]
     (replica,) = place(s, {"a": node_facts("a")}, running, {"m": 1}).replicas
     assert replica.slots[0].gpus == (4, 5, 6, 7)
 
