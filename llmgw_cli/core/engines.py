@@ -24,8 +24,8 @@ from llmgw_cli.core.engine_access import (
     secret_env_text,
     split_env,
 )
-from llmgw_cli.core.render import render
 from llmgw_cli.core.spec import ClusterSpec, Engine, Model, Node, Profile, SourceKind
+from llmgw_cli.core.templates import render
 
 __all__ = ["ENGINE_ENV_FILE", "ENGINE_KEY_VAR"]  # re-exported: where callers have always found them
 

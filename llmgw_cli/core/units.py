@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from llmgw_cli.core.render import render
 from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.templates import render
 
 GATEWAY_UNIT = "llmgw-gateway.service"
 GATEWAY_DIR = "/etc/llmgw/gateway"  # core/gateway_install.py imports this module: the path lives here

@@ -20,8 +20,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmgw_cli.core.keys import bearer, plausible_token
-from llmgw_cli.core.render import template_dirs
 from llmgw_cli.core.summary import Summary
+from llmgw_cli.core.templates import template_dirs
 from llmgw_cli.gateway.fleet import probe_ages, probing, summary_of
 from llmgw_cli.gateway.proxy import GATEWAY
 from llmgw_cli.gateway.state import Gateway

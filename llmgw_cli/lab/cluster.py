@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw_cli.core.render import render
+from llmgw_cli.core.templates import render
 from llmgw_cli.errors import LabError, UsageError
 from llmgw_cli.lab import host, nodefs, shapes
 from llmgw_cli.lab.host import LabRecord, NodeRecord, sh

@@ -24,7 +24,7 @@ from llmgw_cli.cli.common import read_cluster
 from llmgw_cli.core.doctor.collect import parse_doctor
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.parse.probe import parse_probe
-from llmgw_cli.core.render import render
+from llmgw_cli.core.templates import render
 from llmgw_cli.gateway.sources import ProbeSource
 from llmgw_cli.remote.probe import gather
 from tests.integration.conftest import Lab

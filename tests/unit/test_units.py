@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.render import render
+from llmgw_cli.core.templates import render
 from llmgw_cli.core.units import gateway_unit
 from llmgw_cli.errors import TemplateError
 

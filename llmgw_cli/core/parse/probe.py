@@ -24,8 +24,8 @@ from llmgw_cli.core.parse.nvidia_smi import HEALTH_FIELDS, QUERY_FIELDS, parse_h
 from llmgw_cli.core.parse.systemctl import parse_show, unit_state
 from llmgw_cli.core.parse.topo import parse_topology
 from llmgw_cli.core.parse.weights import judge
-from llmgw_cli.core.render import render
 from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.core.templates import render
 
 
 def engine_binaries(spec: ClusterSpec) -> list[str]:

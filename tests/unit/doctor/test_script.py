@@ -12,7 +12,7 @@ import pytest
 
 from llmgw_cli.core.doctor.collect import doctor_script, parse_doctor, parse_fabric
 from llmgw_cli.core.parse.probe import parse_probe, split_sections
-from llmgw_cli.core.render import render
+from llmgw_cli.core.templates import render
 from tests.unit.doctor.conftest import FIXTURES, spec
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llmgw_cli.core.doctor.collect import parse_doctor
 from llmgw_cli.core.parse.probe import parse_probe, split_sections
-from llmgw_cli.core.render import render
+from llmgw_cli.core.templates import render
 from tests.unit.parse.test_probe_forged import NODE, probe_output
 
 # What ss prints for three sockets: one owned by a process whose name forges probe
