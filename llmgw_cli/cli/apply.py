@@ -20,9 +20,10 @@ from llmgw_cli.core.gateway_install import GatewayChange
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import ApplyFailed, InputError
+from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import transport_for
 from llmgw_cli.remote.engine_keys import distribute_engine_keys, nodes_without_key, rotate_engine_keys
-from llmgw_cli.remote.execute import Outcome, Report, execute
+from llmgw_cli.remote.execute import Outcome, execute
 from llmgw_cli.remote.gateway_install import GatewayPreview, install, preview
 from llmgw_cli.remote.node_setup import prepare, stale_nodes
 from llmgw_cli.remote.probe import Snapshot

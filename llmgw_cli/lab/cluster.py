@@ -16,7 +16,6 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,10 +24,10 @@ from llmgw_cli.errors import LabError, UsageError
 from llmgw_cli.lab import host, nodefs, shapes
 from llmgw_cli.lab.host import LabRecord, NodeRecord, sh
 from llmgw_cli.lab.teardown import down, read_pid
+from llmgw_cli.progress import LineReport
 
 NODE_INIT = Path(__file__).with_name("node-init.sh")
 MAX_NODES = 200
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ def _quiet(_: str) -> None:
     pass
 
 
-def up(opts: UpOptions, progress: Progress = _quiet) -> LabRecord:
+def up(opts: UpOptions, progress: LineReport = _quiet) -> LabRecord:
     """Boot the lab; returns its record once every node's systemd has finished booting."""
     host.require_host()
     if not 1 <= opts.nodes <= MAX_NODES:
@@ -69,7 +68,7 @@ def up(opts: UpOptions, progress: Progress = _quiet) -> LabRecord:
     return record
 
 
-def _boot(opts: UpOptions, state: Path, progress: Progress) -> LabRecord:
+def _boot(opts: UpOptions, state: Path, progress: LineReport) -> LabRecord:
     nodes = [
         NodeRecord(
             name=shapes.node_name(i),
@@ -171,7 +170,9 @@ def _pid_alive(pid: int) -> bool:
     return pid > 0 and Path(f"/proc/{pid}").exists()
 
 
-def _await_boot(state: Path, nodes: list[NodeRecord], timeout: float, progress: Progress) -> list[NodeRecord]:
+def _await_boot(
+    state: Path, nodes: list[NodeRecord], timeout: float, progress: LineReport
+) -> list[NodeRecord]:
     """Wait for every sshd's banner, then for every systemd to finish booting."""
     deadline = time.monotonic() + timeout
     pending = {n.name for n in nodes}

@@ -11,13 +11,11 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from llmgw_cli.lab import host
 from llmgw_cli.lab.host import sh
-
-Progress = Callable[[str], None]
+from llmgw_cli.progress import LineReport
 
 
 def _quiet(_: str) -> None:
@@ -31,7 +29,7 @@ def read_pid(path: Path) -> int:
         return 0
 
 
-def down(state_dir: Path, progress: Progress = _quiet) -> list[str]:
+def down(state_dir: Path, progress: LineReport = _quiet) -> list[str]:
     """Remove everything ``up`` created; returns warnings about what could not be removed."""
     host.require_host()
     state = state_dir.resolve()

@@ -13,11 +13,11 @@ from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe, printable
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
+from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import transport_for
-from llmgw_cli.remote.probe import Progress
 
 
-async def _collect_one(spec: ClusterSpec, node: Node, base: Path, progress: Progress) -> Collected:
+async def _collect_one(spec: ClusterSpec, node: Node, base: Path, progress: Report) -> Collected:
     transport = transport_for(spec, node, base)
     progress(node.name, "connecting")
     # Wall-clock times (not monotonic): they are compared with the node's clock.
@@ -44,7 +44,7 @@ async def _collect_one(spec: ClusterSpec, node: Node, base: Path, progress: Prog
 
 
 async def collect(
-    spec: ClusterSpec, base: Path, nodes: list[str] | None = None, progress: Progress | None = None
+    spec: ClusterSpec, base: Path, nodes: list[str] | None = None, progress: Report | None = None
 ) -> list[Collected]:
     """Collect ``nodes`` (default: all), at most ``ssh.max_parallel`` at once."""
     chosen = [n for n in spec.nodes if nodes is None or n.name in nodes]

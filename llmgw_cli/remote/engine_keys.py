@@ -37,10 +37,10 @@ from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.plan import running_replicas
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
+from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import transport_for
 from llmgw_cli.remote.execute import (
     Outcome,
-    Report,
     ensure_engine_key,
     ensure_secret_env,
     must,

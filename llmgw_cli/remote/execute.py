@@ -19,7 +19,7 @@ import secrets
 import shlex
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,13 +35,11 @@ from llmgw_cli.core.engines import ENGINE_ENV_FILE
 from llmgw_cli.core.plan import Action, Plan
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
+from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import GatewayAccess, transport_for
 from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.nodeops import NodeOps, ShellOps
 from llmgw_cli.remote.transport import Transport
-
-Report = Callable[[str, str], None]
-"""Called with (subject, message) as work progresses."""
 
 
 @dataclass(frozen=True)

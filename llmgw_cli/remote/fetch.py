@@ -23,7 +23,6 @@ import secrets
 import shlex
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path, PurePosixPath
@@ -34,6 +33,7 @@ from llmgw_cli.core.fetch import FetchPlan, Peers, Spread, plan_fetch, target_pa
 from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.spec import ClusterSpec, SourceKind
 from llmgw_cli.errors import NodeError
+from llmgw_cli.progress import FetchReport, Report
 from llmgw_cli.remote.connect import transport_for
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.transport import CommandResult, Transport
@@ -55,9 +55,6 @@ class FetchEvent:
     bytes: int = 0
     total: int | None = None
     message: str = ""
-
-
-Report = Callable[[FetchEvent], None]
 
 
 @dataclass(frozen=True)
@@ -93,7 +90,7 @@ class Fetcher:
         self,
         spec: ClusterSpec,
         base: Path,
-        report: Report,
+        report: FetchReport,
         *,
         token: str | None = None,
         hf_endpoint: str | None = None,
@@ -353,7 +350,7 @@ async def held_on_nodes(
     return await verified(fetcher, spec, set().union(*sets))
 
 
-def _progress_lines(report: Callable[[str, str], None]) -> Report:
+def _progress_lines(report: Report) -> FetchReport:
     """Fetch events as the executor's (subject, message) lines, at most one per 10%."""
     last: dict[str, tuple[str, int]] = {}
 
@@ -375,7 +372,7 @@ async def ensure_for_plan(
     base: Path,
     plan: Plan,
     transports: dict[str, Transport],
-    report: Callable[[str, str], None],
+    report: Report,
     *,
     helper: bool = False,
 ) -> dict[str, str]:

@@ -40,8 +40,9 @@ from llmgw_cli.core.node_access import valid_public_key
 from llmgw_cli.core.spec import Become, ClusterSpec, Node
 from llmgw_cli.core.units import GATEWAY_UNIT
 from llmgw_cli.errors import LlmgwError, NodeError
+from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import resolve_path, transport_for
-from llmgw_cli.remote.execute import Outcome, Report, UnitWatch, ensure_account, must
+from llmgw_cli.remote.execute import Outcome, UnitWatch, ensure_account, must
 from llmgw_cli.remote.local import LocalTransport
 from llmgw_cli.remote.node_access import ensure_gateway_account
 from llmgw_cli.remote.nodeops import ShellOps

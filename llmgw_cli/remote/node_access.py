@@ -26,8 +26,9 @@ from llmgw_cli.core.node_access import (
 )
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
+from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import transport_for
-from llmgw_cli.remote.execute import Outcome, Report, ensure_account, must
+from llmgw_cli.remote.execute import Outcome, ensure_account, must
 from llmgw_cli.remote.transport import Transport
 
 _SOURCES = resources.files("llmgw_cli.remote")

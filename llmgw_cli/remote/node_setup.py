@@ -10,8 +10,9 @@ from pathlib import Path
 
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
+from llmgw_cli.progress import Report
 from llmgw_cli.remote import node_access
-from llmgw_cli.remote.execute import Outcome, Report
+from llmgw_cli.remote.execute import Outcome
 from llmgw_cli.remote.gateway_install import SUBJECT, gateway_public_key
 
 

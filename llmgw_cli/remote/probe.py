@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,11 +15,9 @@ from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe, printable, probe_script
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
+from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import GatewayAccess, transport_for
 from llmgw_cli.remote.nodeops import NodeOps
-
-Progress = Callable[[str, str], None]
-"""Called with (node, event): "connecting", "done" or "failed"."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +30,7 @@ class Snapshot:
 
 
 async def _probe_one(
-    spec: ClusterSpec, node: Node, base: Path, progress: Progress, access: GatewayAccess | None = None
+    spec: ClusterSpec, node: Node, base: Path, progress: Report, access: GatewayAccess | None = None
 ) -> NodeFacts:
     started = time.monotonic()
     transport = transport_for(spec, node, base, access)
@@ -75,10 +72,11 @@ async def gather(
     spec: ClusterSpec,
     base: Path,
     nodes: list[str] | None = None,
-    progress: Progress | None = None,
+    progress: Report | None = None,
     access: GatewayAccess | None = None,
 ) -> Snapshot:
-    """Probe ``nodes`` (default: all), at most ``ssh.max_parallel`` at once."""
+    """Probe ``nodes`` (default: all), at most ``ssh.max_parallel`` at once; ``progress``
+    hears (node, event) with the events "connecting", then "done" or "failed"."""
     started = time.monotonic()
     chosen = [n for n in spec.nodes if nodes is None or n.name in nodes]
     limit = asyncio.Semaphore(spec.ssh.max_parallel)
