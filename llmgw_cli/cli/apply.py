@@ -12,8 +12,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
-from llmgw_cli.cli.status import probe_with_progress
+from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, probe_with_progress, read_cluster
 from llmgw_cli.cli.views import plan_view, progress_view
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.gateway_install import GatewayChange

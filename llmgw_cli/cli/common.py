@@ -1,15 +1,22 @@
-"""What every command shares: the -f option and reading the cluster file."""
+"""What the commands share: the -f and --nodes options, reading the cluster file, probing
+the nodes with a progress bar, and the console the results go to."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.errors import InputError
+from llmgw_cli.errors import InputError, UsageError
+from llmgw_cli.remote.probe import Snapshot, gather
 
 ClusterFile = Annotated[
     Path,
@@ -23,6 +30,10 @@ ClusterFile = Annotated[
 ]
 DEFAULT_FILE = Path("cluster.yaml")
 
+NodesOption = Annotated[
+    str | None, typer.Option("--nodes", help="Comma-separated node names (default: every node).")
+]
+
 
 def read_cluster(path: Path) -> ClusterSpec:
     """Read and validate a cluster file; every problem is raised at once as a SpecError."""
@@ -34,3 +45,54 @@ def read_cluster(path: Path) -> ClusterSpec:
         raise InputError(f"{path}: cannot read: {exc}") from None
     # Bytes, not text: a byte that is not UTF-8 is reported at its line and column.
     return parse_cluster(data, str(path))
+
+
+def chosen_nodes(spec: ClusterSpec, nodes: str | None, file: Path) -> list[str] | None:
+    """The nodes ``--nodes`` names, in its order (None: the option was not given, every
+    node). A name the cluster file does not declare, or an option that names none, is a
+    UsageError that says which nodes the file has."""
+    if nodes is None:
+        return None
+    declared = [n.name for n in spec.nodes]
+    chosen = list(dict.fromkeys(n.strip() for n in nodes.split(",") if n.strip()))
+    if not chosen:
+        raise UsageError(
+            f"--nodes {nodes!r} names no node: give names separated by commas, from {', '.join(declared)} "
+            "(or leave --nodes out for every node)"
+        )
+    unknown = [n for n in chosen if n not in declared]
+    if unknown:
+        raise UsageError(
+            f"--nodes: no node {', '.join(unknown)} in {file}; its nodes are {', '.join(declared)}"
+        )
+    return chosen
+
+
+def probe_with_progress(spec: ClusterSpec, file: Path, nodes: list[str] | None, console: Console) -> Snapshot:
+    """Probe ``nodes`` (None: every node) with a live progress bar on ``console`` (hidden
+    when it is not a terminal)."""
+    total = len([n for n in spec.nodes if nodes is None or n.name in nodes])
+    with Progress(
+        TextColumn("probing"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}", markup=False),  # node names and events, not markup
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    ) as bar:
+        task = bar.add_task("", total=total)
+
+        def update(node: str, event: str) -> None:
+            if event in ("done", "failed"):
+                bar.update(task, advance=1, description=f"{node} {event}")
+
+        return asyncio.run(gather(spec, file.resolve().parent, nodes, update))
+
+
+def stdout_console() -> Console:
+    """The console for a command's tables: the terminal's width, or 160 columns when the
+    output is piped (a log, a pager) and $COLUMNS does not say, instead of rich's 80."""
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+    return Console(width=width)

@@ -19,12 +19,16 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
-from rich.table import Table
-from rich.text import Text
 
-from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
-from llmgw_cli.cli.status import NodesOption, probe_with_progress
-from llmgw_cli.cli.views import plain
+from llmgw_cli.cli.common import (
+    DEFAULT_FILE,
+    ClusterFile,
+    NodesOption,
+    chosen_nodes,
+    probe_with_progress,
+    read_cluster,
+)
+from llmgw_cli.cli.views import fetch_results_view, plain
 from llmgw_cli.core.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, select
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import FetchFailed, UsageError
@@ -78,19 +82,6 @@ async def _run(
         await fetcher.close()
 
 
-def _results_view(plan: FetchPlan, results: list[FetchResult]) -> Table:
-    table = Table("model", "node", "result", "from", "size", "time", "rate", box=None)
-    for r in results:
-        rate = f"{r.bytes / r.seconds / 2**20:.0f} MiB/s" if r.state == "done" and r.seconds > 0 else ""
-        style = "green" if r.ok else "red"
-        result = Text(r.state if r.ok else f"failed: {r.message}", style=style)
-        size = f"{r.bytes / 2**30:.2f} GiB" if r.bytes else ""
-        table.add_row(plain(r.model), plain(r.node), result, plain(r.source), size, f"{r.seconds:.1f}s", rate)
-    for s in plan.skipped:
-        table.add_row(plain(s.model), plain(s.node), Text(s.reason, style="dim"), "", "", "", "")
-    return table
-
-
 def fetch(
     models: Annotated[
         list[str] | None,
@@ -125,7 +116,7 @@ def fetch(
     Exit code 0 when every wanted node has its weights, 1 when some failed, 2 on bad input.
     """
     spec = read_cluster(file)
-    chosen = [n.strip() for n in nodes.split(",")] if nodes else None
+    chosen = chosen_nodes(spec, nodes, file)
     snapshot = probe_with_progress(spec, file, None, err)
     facts = {f.node: f for f in snapshot.nodes}
     try:
@@ -142,7 +133,7 @@ def fetch(
             os.environ.get(token_env) or None,
         )
     )
-    out.print(_results_view(plan, results), soft_wrap=True)
+    out.print(fetch_results_view(plan, results), soft_wrap=True)
     failed = [r for r in results if not r.ok] + [s for s in plan.skipped if s.reason == "unreachable"]
     if failed:
         raise FetchFailed(f"{len(failed)} of {len(results) + len(plan.skipped)} model/node pairs failed")

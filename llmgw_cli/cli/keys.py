@@ -8,10 +8,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
+from llmgw_cli.cli.views import keys_view
 from llmgw_cli.core.keys import TOKEN_PREFIX, ApiKey, hash_token, parse_expiry
 from llmgw_cli.errors import InputError, UsageError
 from llmgw_cli.gateway.store import SqliteStore
@@ -52,19 +52,7 @@ def create(
 def list_keys(file: ClusterFile = DEFAULT_FILE) -> None:
     """Keys with their models, expiry and state (never the key itself)."""
     spec = read_cluster(file)
-    now = datetime.now(UTC)
-    table = Table("name", "models", "expires", "created", "state", "admin")
-    for k in SqliteStore(spec.gateway.state_dir).api_keys():
-        state = "revoked" if k.revoked else ("expired" if not k.valid(now) else "active")
-        table.add_row(  # names come from whoever made the key (the admin API too): not markup
-            Text(k.name),
-            Text(",".join(k.models) or "all"),
-            k.expires.isoformat() if k.expires else "never",
-            k.created.strftime("%Y-%m-%d %H:%M") if k.created else "",
-            state,
-            "yes" if k.admin else "",
-        )
-    out.print(table)
+    out.print(keys_view(SqliteStore(spec.gateway.state_dir).api_keys(), datetime.now(UTC)))
 
 
 @app.command()

@@ -14,12 +14,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
+from llmgw_cli.cli.views import lab_nodes_view
 from llmgw_cli.errors import LabError, UsageError
 from llmgw_cli.lab import cluster, fault, host, teardown, weights
 from llmgw_cli.lab.shapes import ShapeKind
-from llmgw_cli.lab.status import NodeStatus, lab_status
+from llmgw_cli.lab.status import lab_status
 
 app = typer.Typer(
     help="A simulated GPU cluster on this machine: nodes with their own network namespace, "
@@ -135,24 +135,6 @@ def _record(state: Path) -> host.LabRecord:
     return record
 
 
-def _ports_cell(ports: dict[str, str]) -> str:
-    """``3 ACTIVE, mlx5_1:1 DOWN``: the odd ones out by name."""
-    active = sum(1 for v in ports.values() if v == "ACTIVE")
-    odd = [f"{k} {v}" for k, v in ports.items() if v != "ACTIVE"]
-    return ", ".join(([f"{active} ACTIVE"] if active else []) + odd)
-
-
-def status_view(rows: list[NodeStatus]) -> Table:
-    table = Table(title="lab nodes")
-    for col in ("node", "address", "shape", "running", "link", "sshd", "GPUs", "IB ports"):
-        table.add_column(col, no_wrap=col not in ("GPUs", "IB ports"))
-    for s in rows:
-        gpus = f"{s.gpu_count}" + (f", unhealthy: {', '.join(s.gpus_bad)}" if s.gpus_bad else " ok")
-        table.add_row(s.name, s.ip, s.shape, "yes" if s.alive else "no", s.link,
-                      "up" if s.ssh else "down", gpus if s.alive else "", _ports_cell(s.ports))  # fmt: skip
-    return table
-
-
 @app.command()
 def status(
     state: StateDir = DEFAULT_STATE,
@@ -163,7 +145,7 @@ def status(
     if as_json:
         sys.stdout.write(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
     else:
-        out.print(status_view(rows))
+        out.print(lab_nodes_view(rows))
 
 
 @app.command(

@@ -8,15 +8,24 @@ would forge a hyperlink."""
 from __future__ import annotations
 
 from collections import Counter
+from datetime import datetime
+from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from llmgw_cli.core.doctor import Finding, Severity
+from llmgw_cli.core.fetch import FetchPlan
+from llmgw_cli.core.keys import ApiKey
 from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
 from llmgw_cli.core.summary import Summary
 from llmgw_cli.errors import Problem
+from llmgw_cli.remote.fetch import FetchResult
+
+if TYPE_CHECKING:  # the lab is imported only by the commands that drive it
+    from llmgw_cli.lab.status import NodeStatus
 
 
 def plain(value: object) -> Text:
@@ -184,4 +193,96 @@ def progress_view(states: dict[str, str]) -> RenderableType:
             else ("red" if state.startswith("failed") else "yellow")
         )
         table.add_row(plain(subject), Text(state, style=style))
+    return table
+
+
+_SEVERITY_STYLE = {Severity.error: "red", Severity.warning: "yellow", Severity.info: "cyan"}
+
+
+def doctor_view(findings: list[Finding], nodes: list[str], seconds: float) -> RenderableType:
+    """One row per finding (a node without any gets an "ok" row), then the counts."""
+    table = Table(title=f"Doctor ({len(nodes)} nodes checked in {seconds:.2f}s)", title_justify="left")
+    for col in ("node", "severity", "check"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("finding", overflow="fold", ratio=3)
+    table.add_column("fix", overflow="fold", ratio=2)
+    for f in findings:
+        if f.node is None:
+            table.add_row(
+                "(gateway)",
+                Text(f.severity.value, _SEVERITY_STYLE[f.severity]),
+                plain(f.check),
+                plain(f.message),
+                plain(f.fix),
+            )
+    for node in nodes:
+        mine = [f for f in findings if f.node == node]
+        if not mine:
+            table.add_row(plain(node), Text("ok", "green"), "", "", "")
+        for f in mine:
+            # Findings quote what the node said (folder names, process names): text, not markup.
+            table.add_row(
+                plain(node),
+                Text(f.severity.value, _SEVERITY_STYLE[f.severity]),
+                plain(f.check),
+                plain(f.message),
+                plain(f.fix),
+            )
+    errors = sum(1 for f in findings if f.severity is Severity.error)
+    warnings = sum(1 for f in findings if f.severity is Severity.warning)
+    verdict = (
+        Text(f"{errors} error(s), {warnings} warning(s): serving would break", "bold red")
+        if errors
+        else Text(f"no errors, {warnings} warning(s)", "bold green" if not warnings else "bold yellow")
+    )
+    return Group(table, verdict)
+
+
+def fetch_results_view(plan: FetchPlan, results: list[FetchResult]) -> Table:
+    """One row per model and node: fetched, present or failed (with why), and the rate;
+    then the pairs left out, with the reason."""
+    table = Table("model", "node", "result", "from", "size", "time", "rate", box=None)
+    for r in results:
+        rate = f"{r.bytes / r.seconds / 2**20:.0f} MiB/s" if r.state == "done" and r.seconds > 0 else ""
+        style = "green" if r.ok else "red"
+        result = Text(r.state if r.ok else f"failed: {r.message}", style=style)
+        size = f"{r.bytes / 2**30:.2f} GiB" if r.bytes else ""
+        table.add_row(plain(r.model), plain(r.node), result, plain(r.source), size, f"{r.seconds:.1f}s", rate)
+    for s in plan.skipped:
+        table.add_row(plain(s.model), plain(s.node), Text(s.reason, style="dim"), "", "", "", "")
+    return table
+
+
+def _ports_cell(ports: dict[str, str]) -> str:
+    """``3 ACTIVE, mlx5_1:1 DOWN``: the odd ones out by name."""
+    active = sum(1 for v in ports.values() if v == "ACTIVE")
+    odd = [f"{k} {v}" for k, v in ports.items() if v != "ACTIVE"]
+    return ", ".join(([f"{active} ACTIVE"] if active else []) + odd)
+
+
+def lab_nodes_view(rows: list[NodeStatus]) -> Table:
+    """``llmgw lab status``: one row per simulated node."""
+    table = Table(title="lab nodes")
+    for col in ("node", "address", "shape", "running", "link", "sshd", "GPUs", "IB ports"):
+        table.add_column(col, no_wrap=col not in ("GPUs", "IB ports"))
+    for s in rows:
+        gpus = f"{s.gpu_count}" + (f", unhealthy: {', '.join(s.gpus_bad)}" if s.gpus_bad else " ok")
+        table.add_row(plain(s.name), plain(s.ip), plain(s.shape), "yes" if s.alive else "no", plain(s.link),
+                      "up" if s.ssh else "down", plain(gpus if s.alive else ""), plain(_ports_cell(s.ports)))  # fmt: skip
+    return table
+
+
+def keys_view(keys: list[ApiKey], now: datetime) -> Table:
+    """``llmgw keys list``: one row per key, its state at ``now`` (never the key itself)."""
+    table = Table("name", "models", "expires", "created", "state", "admin")
+    for k in keys:
+        state = "revoked" if k.revoked else ("expired" if not k.valid(now) else "active")
+        table.add_row(  # names come from whoever made the key (the admin API too): not markup
+            Text(k.name),
+            Text(",".join(k.models) or "all"),
+            k.expires.isoformat() if k.expires else "never",
+            k.created.strftime("%Y-%m-%d %H:%M") if k.created else "",
+            state,
+            "yes" if k.admin else "",
+        )
     return table

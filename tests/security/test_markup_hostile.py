@@ -14,9 +14,14 @@ import pytest
 from rich.console import Console, RenderableType
 
 from llmgw_cli.cli import apply as apply_cli
-from llmgw_cli.cli.doctor import doctor_view
-from llmgw_cli.cli.fetch import _results_view
-from llmgw_cli.cli.views import problems_view, progress_view, spec_summary, status_view
+from llmgw_cli.cli.views import (
+    doctor_view,
+    fetch_results_view,
+    problems_view,
+    progress_view,
+    spec_summary,
+    status_view,
+)
 from llmgw_cli.core.doctor.facts import Finding, Severity
 from llmgw_cli.core.fetch import FetchPlan, Skip
 from llmgw_cli.core.load import parse_cluster
@@ -103,7 +108,7 @@ def test_doctor_shows_what_a_node_said_literally(text: str) -> None:
 def test_fetch_report_shows_a_remote_error_literally(text: str) -> None:
     results = [FetchResult(model="m", node="node01", ok=False, state="failed", source=text, message=text)]
     plan = FetchPlan(spreads=(), skipped=(Skip(model="m2", node="node02", reason=text),), checks=())
-    out = rendered(_results_view(plan, results))
+    out = rendered(fetch_results_view(plan, results))
     assert out.count(text) >= 3, out
 
 
