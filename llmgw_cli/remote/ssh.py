@@ -4,6 +4,12 @@ Host keys are checked strictly against the configured known_hosts. A host missin
 it is refused unless ``accept_unknown_hosts`` is set (then its key is recorded); a host
 whose key differs from the recorded one is always refused, with a message that says
 how to check and fix it.
+
+A transport holds its connection until closed, and is made to be held long (the gateway
+keeps one per node between discovery rounds). A connection that dropped (the node
+rebooted, sshd restarted) is opened again on the next command; so is one that stopped
+answering: a session it cannot open within ``connect_timeout`` means the link is gone.
+A command is never sent twice: only one that could not start is tried on a new connection.
 """
 
 from __future__ import annotations
@@ -46,11 +52,17 @@ def _is_known(known_hosts: Path, host: str, port: int) -> bool:
         return False
 
 
+class _Dropped(Exception):
+    """The connection could not open a session for a command: it is gone."""
+
+
 class SshTransport:
-    """One asyncssh connection to one node, opened on first use and reused."""
+    """One asyncssh connection to one node, opened on first use, reused, and opened again
+    when it dropped. ``connects`` counts the connections opened."""
 
     def __init__(self, target: SshTarget) -> None:
         self.node = target.node
+        self.connects = 0
         self._target = target
         self._conn: asyncssh.SSHClientConnection | None = None
         self._jump: asyncssh.SSHClientConnection | None = None
@@ -128,26 +140,82 @@ class SshTransport:
         with t.known_hosts.open("a", encoding="ascii") as fh:
             fh.write(f"{name} {key.export_public_key('openssh').decode().strip()}\n")
 
-    async def _connection(self) -> asyncssh.SSHClientConnection:
+    async def _connection(self) -> tuple[asyncssh.SSHClientConnection, bool]:
+        """The connection, opened when there is none or it closed; True when just opened."""
         async with self._lock:
-            if self._conn is None:
+            if self._conn is not None and not self._conn.is_closed():
+                return self._conn, False
+            await self._drop(self._conn)
+            try:
                 self._conn = await self._open()
-            return self._conn
+            except BaseException:
+                await self._drop(None)  # none is held now: closes a jump host opened for it
+                raise
+            self.connects += 1
+            return self._conn, True
+
+    async def _drop(self, conn: asyncssh.SSHClientConnection | None) -> None:
+        """Close ``conn`` (and its jump host) when it is still the one held."""
+        if conn is not self._conn:
+            return
+        held, jump = self._conn, self._jump
+        self._conn = self._jump = None
+        for c in (held, jump):
+            if c is not None:
+                c.close()
+                await c.wait_closed()
+
+    async def _start(
+        self, conn: asyncssh.SSHClientConnection, command: str, stdin: str | None
+    ) -> asyncssh.SSHClientProcess[str]:
+        """A session running ``command``; ``_Dropped`` when the connection cannot open one."""
+        try:
+            return await asyncio.wait_for(
+                conn.create_process(command, input=stdin), self._target.settings.connect_timeout
+            )
+        except (
+            TimeoutError,
+            asyncssh.TimeoutError,
+            asyncssh.ConnectionLost,
+            asyncssh.DisconnectError,
+            OSError,
+        ):
+            raise _Dropped() from None
+        except asyncssh.ChannelOpenError as exc:
+            if conn.is_closed():
+                raise _Dropped() from None
+            raise NodeError(self.node, "unreachable", f"cannot open a session: {exc.reason}") from None
+
+    async def _session(self, command: str, stdin: str | None) -> asyncssh.SSHClientProcess[str]:
+        """``command`` started on the connection held; when that connection turns out to be
+        gone, started once more on a new one (the command never ran on the old one)."""
+        for _ in range(2):
+            conn, new = await self._connection()
+            try:
+                return await self._start(conn, command, stdin)
+            except _Dropped:
+                await self._drop(conn)
+                if new:
+                    break
+        raise NodeError(
+            self.node, "unreachable", f"{self._target.host} dropped the connection before the command started"
+        )
 
     async def run(self, command: str, *, root: bool = False, stdin: str | None = None) -> CommandResult:
-        conn = await self._connection()
         sudo = root and self._target.settings.become is Become.sudo
         full = f"sudo -n sh -c {shlex.quote(command)}" if sudo else command
         timeout = self._target.settings.command_timeout
+        proc = await self._session(full, stdin)
         try:
-            proc = await conn.run(full, input=stdin, check=False, timeout=timeout)
+            done = await proc.wait(check=False, timeout=timeout)
         except (TimeoutError, asyncssh.TimeoutError):
+            proc.close()
             raise NodeError(self.node, "timeout", f"command timed out after {timeout:g}s") from None
         except (OSError, asyncssh.Error) as exc:
             raise NodeError(self.node, "unreachable", f"connection lost: {exc}") from None
-        out = proc.stdout if isinstance(proc.stdout, str) else ""
-        err = proc.stderr if isinstance(proc.stderr, str) else ""
-        status = proc.exit_status if proc.exit_status is not None else 255
+        out = done.stdout if isinstance(done.stdout, str) else ""
+        err = done.stderr if isinstance(done.stderr, str) else ""
+        status = done.exit_status if done.exit_status is not None else 255
         if sudo and status == 1 and "sudo:" in err and ("password" in err or "not allowed" in err):
             raise NodeError(
                 self.node, "sudo", f"sudo -n refused for {self._target.settings.user}: {err.strip()}"
@@ -160,8 +228,5 @@ class SshTransport:
             raise NodeError(self.node, "failed", f"cannot write {path}: {result.stderr.strip()}")
 
     async def close(self) -> None:
-        for conn in (self._conn, self._jump):
-            if conn is not None:
-                conn.close()
-                await conn.wait_closed()
-        self._conn = self._jump = None
+        async with self._lock:
+            await self._drop(self._conn)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,3 +129,63 @@ def test_local_transport(tmp_path: Path) -> None:
     with pytest.raises(NodeError) as info:
         asyncio.run(LocalTransport("ws", command_timeout=0.2).run("sleep 3"))
     assert info.value.kind == "timeout"
+
+
+def session_pid(out: str) -> int:
+    """The sshd process that serves the connection ($PPID of the command's shell)."""
+    return int(out.strip())
+
+
+def test_a_dropped_connection_is_opened_again(sshd: Sshd) -> None:
+    """sshd's process for the connection is killed (a node rebooted, sshd restarted): the
+    next command opens a new connection; the one that was running ends with status 255,
+    as with OpenSSH's client."""
+
+    async def scenario() -> tuple[str, int]:
+        t = transport(sshd)
+        try:
+            pid = session_pid((await t.run("echo $PPID")).stdout)
+            lost = await t.run(f"kill -9 {pid}; sleep 5; echo not reached")
+            assert (lost.exit_status, lost.stdout) == (255, "")
+            out = (await t.run("echo again")).stdout
+            return out, t.connects
+        finally:
+            await t.close()
+
+    assert asyncio.run(scenario()) == ("again\n", 2)
+
+
+def test_a_connection_that_stopped_answering_is_replaced(sshd: Sshd) -> None:
+    """The connection's sshd process is frozen (the link went dead, nothing tells the
+    client): a command cannot open its session within connect_timeout, so it runs on a
+    new connection instead of waiting for TCP to give up."""
+
+    async def scenario() -> tuple[str, int]:
+        t = transport(sshd, connect_timeout="1s")
+        pid = session_pid((await t.run("echo $PPID")).stdout)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            out = (await t.run("echo fresh")).stdout
+            return out, t.connects
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            await t.close()
+
+    assert asyncio.run(scenario()) == ("fresh\n", 2)
+
+
+def test_commands_share_one_connection_until_closed(sshd: Sshd) -> None:
+    async def scenario() -> tuple[set[int], int, int]:
+        t = transport(sshd)
+        pids = [session_pid((await t.run("echo $PPID")).stdout) for _ in range(3)]
+        pids += [
+            session_pid(r.stdout) for r in await asyncio.gather(*(t.run("echo $PPID") for _ in range(4)))
+        ]
+        await t.close()
+        after = session_pid((await t.run("echo $PPID")).stdout)  # a closed transport opens again
+        await t.close()
+        return set(pids), after, t.connects
+
+    pids, after, connects = asyncio.run(scenario())
+    assert len(pids) == 1 and after not in pids
+    assert connects == 2
