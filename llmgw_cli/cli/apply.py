@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -20,7 +19,7 @@ from llmgw_cli.core.plan import Plan, facts_digest, make_plan
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import ApplyFailed, InputError
 from llmgw_cli.progress import Report
-from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.connect import Connections, Session
 from llmgw_cli.remote.engine_keys import distribute_engine_keys, nodes_without_key, rotate_engine_keys
 from llmgw_cli.remote.execute import Outcome, execute
 from llmgw_cli.remote.gateway_install import GatewayPreview, install, preview
@@ -34,7 +33,7 @@ err = Console(stderr=True)
 
 async def _execute_with_progress(
     spec: ClusterSpec,
-    file: Path,
+    conns: Connections,
     chosen: Plan,
     *,
     wait: bool,
@@ -56,27 +55,22 @@ async def _execute_with_progress(
         else:
             live.update(progress_view(states), refresh=True)
 
-    base = file.resolve().parent
-
     async def run() -> list[Outcome]:
         # The gateway's key and the node helper first: the units below go through it.
         reachable = [n.name for n in spec.nodes if n.name not in unreachable]
-        setup = await prepare(spec, base, reachable, report)
+        setup = await prepare(spec, conns, reachable, report)
         # Every node, not only those the plan touches: the gateway starts on-demand replicas
         # anywhere and never writes keys or secrets itself.
-        transports = [transport_for(spec, n, base) for n in spec.nodes if n.name not in unreachable]
-        try:
-            keys, outcomes = await distribute_engine_keys(spec, transports, report)
-            outcomes = setup + outcomes
-            if chosen.changes:
-                outcomes += await execute(spec, base, chosen, report, wait=wait, engine_keys=keys)
-            outcomes.append(await install(spec, base, gateway, {n: (k,) for n, k in keys.items()}, report))
-            if rotate:
-                outcomes += await _rotate(
-                    spec, base, gateway=gateway, facts=facts, transports=transports, report=report
-                )
-        finally:
-            await asyncio.gather(*(t.close() for t in transports))
+        transports = [conns.to(name) for name in reachable]
+        keys, outcomes = await distribute_engine_keys(spec, transports, report)
+        outcomes = setup + outcomes
+        if chosen.changes:
+            outcomes += await execute(spec, conns, chosen, report, wait=wait, engine_keys=keys)
+        outcomes.append(await install(spec, conns, gateway, {n: (k,) for n, k in keys.items()}, report))
+        if rotate:
+            outcomes += await _rotate(
+                spec, conns, gateway=gateway, facts=facts, transports=transports, report=report
+            )
         return outcomes
 
     if live is None:
@@ -87,7 +81,7 @@ async def _execute_with_progress(
 
 async def _rotate(
     spec: ClusterSpec,
-    base: Path,
+    conns: Connections,
     *,
     gateway: GatewayPreview,
     facts: dict[str, NodeFacts],
@@ -99,7 +93,7 @@ async def _rotate(
     settled = gateway if gateway.change is None else GatewayPreview(gateway.host, GatewayChange((), "none"))
 
     async def give_gateway(keys: dict[str, tuple[str, ...]]) -> Outcome:
-        return await install(spec, base, settled, keys, report)
+        return await install(spec, conns, settled, keys, report)
 
     return await rotate_engine_keys(spec, facts, {t.node: t for t in transports}, give_gateway, report)
 
@@ -117,18 +111,19 @@ def plan(
 ) -> None:
     """Probe the nodes and show what `apply` would do, changing nothing."""
     spec = read_cluster(file)
-    snapshot = probe_with_progress(spec, file, None, err)
-    result = make_plan(spec, {f.node: f for f in snapshot.nodes})
-    gateway = asyncio.run(preview(spec, file.resolve().parent, file.read_text(encoding="utf-8")))
-    out.print(plan_view(result), soft_wrap=True)
-    _show_host_changes(spec, file, snapshot, gateway)
+    with Session(spec, file.resolve().parent) as session:
+        snapshot = probe_with_progress(spec, file, None, err, session)
+        result = make_plan(spec, {f.node: f for f in snapshot.nodes})
+        gateway = session.run(preview(spec, session.conns, file.read_text(encoding="utf-8")))
+        out.print(plan_view(result), soft_wrap=True)
+        _show_host_changes(spec, session, snapshot, gateway)
     if save:
         save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
         out.print(Text(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}"), highlight=False)
 
 
 def _show_host_changes(
-    spec: ClusterSpec, file: Path, snapshot: Snapshot, gateway: GatewayPreview
+    spec: ClusterSpec, session: Session, snapshot: Snapshot, gateway: GatewayPreview
 ) -> list[str]:
     """Print what plan and apply change beside the replicas (the gateway, the node helper);
     return the reachable nodes whose node helper is missing or out of date."""
@@ -138,7 +133,7 @@ def _show_host_changes(
         soft_wrap=True,
     )
     reachable = [f.node for f in snapshot.nodes if f.reachable]
-    helper_nodes = asyncio.run(stale_nodes(spec, file.resolve().parent, reachable))
+    helper_nodes = session.run(stale_nodes(spec, session.conns, reachable))
     if helper_nodes:
         out.print(
             Text(f"node helper: install or update on {', '.join(helper_nodes)}", style="yellow"),
@@ -170,54 +165,59 @@ def apply(
     Exit code 0 when everything applied and became ready, 1 when something failed.
     """
     spec = read_cluster(file)
-    snapshot = probe_with_progress(spec, file, None, err)
-    facts = {f.node: f for f in snapshot.nodes}
-    if saved is not None:
-        chosen = Plan.model_validate_json(saved.read_text(encoding="utf-8"))
-        if chosen.facts_digest != facts_digest(facts):
-            raise InputError(f"{saved}: the nodes changed since this plan was made; run `llmgw plan` again")
-    else:
-        chosen = make_plan(spec, facts)
-    gateway = asyncio.run(preview(spec, file.resolve().parent, file.read_text(encoding="utf-8")))
-    out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
-    unreachable = [f.node for f in snapshot.nodes if not f.reachable]
-    if unreachable:
-        err.print(Text(f"unreachable, left out: {', '.join(unreachable)}", style="yellow"))
-    helper_nodes = _show_host_changes(spec, file, snapshot, gateway)
-    if dry_run:
-        return
-    if rotate_engine_key and chosen.changes:
-        # the rotation restarts the replicas the probe found: one this apply starts would
-        # keep the old key
-        raise InputError(
-            "--rotate-engine-key rotates a settled cluster: run `llmgw apply` first, then rotate"
-        )
-    reachable = [f.node for f in snapshot.nodes if f.reachable]
-    keyless = asyncio.run(nodes_without_key(spec, file.resolve().parent, reachable))
-    if keyless or rotate_engine_key:
-        where = "every node" if rotate_engine_key else ", ".join(keyless)
-        verb = "rotate" if rotate_engine_key else "write"
-        out.print(Text(f"engine key: {verb} on {where}", style="yellow"), highlight=False, soft_wrap=True)
-    if not (chosen.changes or gateway.changes or helper_nodes or keyless or rotate_engine_key):
-        _unplaced_is_failure(chosen)
-        return
-    if not yes:
-        if not sys.stdin.isatty():
-            raise InputError("not a terminal: pass --yes to apply without confirmation")
-        typer.confirm("Apply these changes?", abort=True)
+    # One session for every step: each node is connected to once, from the probe to the
+    # gateway's install (the confirmation waits between two steps).
+    with Session(spec, file.resolve().parent) as session:
+        snapshot = probe_with_progress(spec, file, None, err, session)
+        facts = {f.node: f for f in snapshot.nodes}
+        if saved is not None:
+            chosen = Plan.model_validate_json(saved.read_text(encoding="utf-8"))
+            if chosen.facts_digest != facts_digest(facts):
+                raise InputError(
+                    f"{saved}: the nodes changed since this plan was made; run `llmgw plan` again"
+                )
+        else:
+            chosen = make_plan(spec, facts)
+        gateway = session.run(preview(spec, session.conns, file.read_text(encoding="utf-8")))
+        out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
+        unreachable = [f.node for f in snapshot.nodes if not f.reachable]
+        if unreachable:
+            err.print(Text(f"unreachable, left out: {', '.join(unreachable)}", style="yellow"))
+        helper_nodes = _show_host_changes(spec, session, snapshot, gateway)
+        if dry_run:
+            return
+        if rotate_engine_key and chosen.changes:
+            # the rotation restarts the replicas the probe found: one this apply starts would
+            # keep the old key
+            raise InputError(
+                "--rotate-engine-key rotates a settled cluster: run `llmgw apply` first, then rotate"
+            )
+        reachable = [f.node for f in snapshot.nodes if f.reachable]
+        keyless = session.run(nodes_without_key(session.conns, reachable))
+        if keyless or rotate_engine_key:
+            where = "every node" if rotate_engine_key else ", ".join(keyless)
+            verb = "rotate" if rotate_engine_key else "write"
+            out.print(Text(f"engine key: {verb} on {where}", style="yellow"), highlight=False, soft_wrap=True)
+        if not (chosen.changes or gateway.changes or helper_nodes or keyless or rotate_engine_key):
+            _unplaced_is_failure(chosen)
+            return
+        if not yes:
+            if not sys.stdin.isatty():
+                raise InputError("not a terminal: pass --yes to apply without confirmation")
+            typer.confirm("Apply these changes?", abort=True)
 
-    outcomes = asyncio.run(
-        _execute_with_progress(
-            spec,
-            file,
-            chosen,
-            wait=wait,
-            gateway=gateway,
-            unreachable=set(unreachable),
-            facts=facts,
-            rotate=rotate_engine_key,
+        outcomes = session.run(
+            _execute_with_progress(
+                spec,
+                session.conns,
+                chosen,
+                wait=wait,
+                gateway=gateway,
+                unreachable=set(unreachable),
+                facts=facts,
+                rotate=rotate_engine_key,
+            )
         )
-    )
     failed = [o for o in outcomes if not o.ok]
     for o in failed:
         err.print(Text(f"FAILED {o.subject}: {o.message}", style="red"))

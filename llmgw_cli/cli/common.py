@@ -3,7 +3,6 @@ the nodes with a progress bar, and the console the results go to."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError, UsageError
+from llmgw_cli.remote.connect import Session
 from llmgw_cli.remote.probe import Snapshot, gather
 
 ClusterFile = Annotated[
@@ -68,9 +68,15 @@ def chosen_nodes(spec: ClusterSpec, nodes: str | None, file: Path) -> list[str] 
     return chosen
 
 
-def probe_with_progress(spec: ClusterSpec, file: Path, nodes: list[str] | None, console: Console) -> Snapshot:
+def probe_with_progress(
+    spec: ClusterSpec, file: Path, nodes: list[str] | None, console: Console, session: Session | None = None
+) -> Snapshot:
     """Probe ``nodes`` (None: every node) with a live progress bar on ``console`` (hidden
-    when it is not a terminal)."""
+    when it is not a terminal), through ``session``'s connections (kept for the command's
+    next steps), or through connections of its own."""
+    if session is None:
+        with Session(spec, file.resolve().parent) as own:
+            return probe_with_progress(spec, file, nodes, console, own)
     total = len([n for n in spec.nodes if nodes is None or n.name in nodes])
     with Progress(
         TextColumn("probing"),
@@ -88,7 +94,7 @@ def probe_with_progress(spec: ClusterSpec, file: Path, nodes: list[str] | None, 
             if event in ("done", "failed"):
                 bar.update(task, advance=1, description=f"{node} {event}")
 
-        return asyncio.run(gather(spec, file.resolve().parent, nodes, update))
+        return session.run(gather(spec, session.conns, nodes, update))
 
 
 def stdout_console() -> Console:

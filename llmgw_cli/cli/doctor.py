@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json as json_module
 import sys
 import time
@@ -20,6 +19,7 @@ from llmgw_cli.cli.common import (
 )
 from llmgw_cli.cli.views import doctor_view
 from llmgw_cli.core.doctor import Severity, diagnose
+from llmgw_cli.remote.connect import Session
 from llmgw_cli.remote.doctor import collect
 
 
@@ -38,7 +38,8 @@ def doctor(
     spec = read_cluster(file)
     chosen = chosen_nodes(spec, nodes, file)
     started = time.monotonic()
-    collected = asyncio.run(collect(spec, file.resolve().parent, chosen))
+    with Session(spec, file.resolve().parent) as session:
+        collected = session.run(collect(spec, session.conns, chosen))
     seconds = time.monotonic() - started
     findings = diagnose(spec, collected)
     checked = [c.facts.node for c in collected]

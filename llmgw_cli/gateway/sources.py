@@ -19,7 +19,7 @@ from llmgw_cli.core.plan import running_replicas
 from llmgw_cli.core.routing import endpoints
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError
-from llmgw_cli.remote.connect import GatewayAccess
+from llmgw_cli.remote.connect import Connections, GatewayAccess, Opener, transport_for
 from llmgw_cli.remote.probe import gather
 
 log = logging.getLogger("llmgw.gateway")
@@ -28,6 +28,10 @@ log = logging.getLogger("llmgw.gateway")
 class ReplicaSource(Protocol):
     async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
         """Serving addresses (``host:port``) by model name."""
+        ...
+
+    async def close(self) -> None:
+        """Let go of what discovery holds (connections); the gateway is stopping."""
         ...
 
 
@@ -52,23 +56,44 @@ class StaticSource:
     async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
         return self.replicas
 
+    async def close(self) -> None:
+        return None
+
 
 class ProbeSource:
     """Probe every node over SSH and take the replicas whose rank-0 unit is active.
 
+    The connections to the nodes are held from one round to the next (and lent to the
+    supervisor's starts and stops), opened again when one broke, and closed by ``close``.
     The latest snapshot stays in ``facts`` (the gateway's Summary reads it), with the
     monotonic time of each node's last successful probe in ``probed``."""
 
-    def __init__(self, base: Path, access: GatewayAccess | None = None) -> None:
+    def __init__(
+        self, base: Path, access: GatewayAccess | None = None, *, opener: Opener = transport_for
+    ) -> None:
         self.base = base
         self.access = access  # the gateway's own key (None: the cluster file's ssh settings)
+        self._opener = opener
+        self._conns: Connections | None = None
         self.last: dict[str, list[str]] = {}
         self.facts: dict[str, NodeFacts] = {}  # of the last probe (the supervisor plans on them)
         self.probed: dict[str, float] = {}  # node -> monotonic time of its last good probe
         self.since = time.monotonic()  # the age of a node never reached counts from here
 
+    async def connections(self, spec: ClusterSpec) -> Connections:
+        """The connections to ``spec``'s nodes, held between rounds."""
+        if self._conns is None:
+            self._conns = Connections(spec, self.base, self.access, opener=self._opener)
+        elif self._conns.spec is not spec:
+            await self._conns.use(spec)  # the cluster file was read again
+        return self._conns
+
+    async def close(self) -> None:
+        if self._conns is not None:
+            await self._conns.close()
+
     async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
-        snapshot = await gather(spec, self.base, access=self.access)
+        snapshot = await gather(spec, await self.connections(spec))
         facts = {f.node: f for f in snapshot.nodes}
         for name, f in facts.items():  # say so when a node stops (or starts) answering
             before = self.facts.get(name)

@@ -268,6 +268,7 @@ class Gateway:
         self.upstreams.close()
         if self.health_session is not None:
             await self.health_session.close()
+        await self.source.close()  # the connections discovery held to the nodes
 
     async def _every(self, name: str, job: Callable[[], object]) -> None:
         while True:

@@ -245,7 +245,7 @@ class Supervisor:
             self.progress[model] = f"{subject}: {message}"  # e.g. weights being fetched
 
         self.progress[model] = f"starting on {','.join(action.nodes)}"
-        outcomes = await execute(spec, self.base, plan, report, wait=False, access=self.source.access)
+        outcomes = await execute(spec, await self.source.connections(spec), plan, report, wait=False)
         self.progress[model] = "engine loading"
         broken = [f"{o.subject}: {o.message}" for o in outcomes if not o.ok]
         if broken:
@@ -293,11 +293,10 @@ class Supervisor:
                     self.gw.pool.remove(model, address)
                     await execute(
                         spec,
-                        self.base,
+                        await self.source.connections(spec),
                         stop_plan(facts, model, index, "never became ready"),
                         _log_report,
                         wait=False,
-                        access=self.source.access,
                     )
 
     async def _idle_stop(self, use: ReplicaUse) -> None:
@@ -335,7 +334,7 @@ class Supervisor:
             return False
         log.info("%s: stopping replica %d at %s: %s", use.model, use.replica, address, reason)
         plan: Plan = stop_plan(facts, use.model, use.replica, reason)
-        outcomes = await execute(spec, self.base, plan, _log_report, wait=False, access=self.source.access)
+        outcomes = await execute(spec, await self.source.connections(spec), plan, _log_report, wait=False)
         for o in outcomes:
             if not o.ok:
                 log.error("%s: stopping replica %d: %s: %s", use.model, use.replica, o.subject, o.message)

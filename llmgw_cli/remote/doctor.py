@@ -3,9 +3,7 @@ sections), one round trip, nodes in parallel. Deciding is the core's (core/docto
 
 from __future__ import annotations
 
-import asyncio
 import time
-from pathlib import Path
 
 from llmgw_cli.core.doctor import Collected, DoctorFacts
 from llmgw_cli.core.doctor.collect import doctor_script, parse_doctor
@@ -14,11 +12,11 @@ from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe, printa
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Report
-from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.connect import Connections
+from llmgw_cli.remote.transport import Transport
 
 
-async def _collect_one(spec: ClusterSpec, node: Node, base: Path, progress: Report) -> Collected:
-    transport = transport_for(spec, node, base)
+async def _collect_one(spec: ClusterSpec, node: Node, transport: Transport, progress: Report) -> Collected:
     progress(node.name, "connecting")
     # Wall-clock times (not monotonic): they are compared with the node's clock.
     sent = time.time()
@@ -39,20 +37,16 @@ async def _collect_one(spec: ClusterSpec, node: Node, base: Path, progress: Repo
         reason = f"doctor failed: {type(exc).__name__}: {printable(str(exc)[:200])}"
         facts = NodeFacts(node=node.name, error=reason, error_kind=BAD_OUTPUT)
         return Collected(facts, DoctorFacts(node=node.name), sent, time.time())
-    finally:
-        await transport.close()
 
 
 async def collect(
-    spec: ClusterSpec, base: Path, nodes: list[str] | None = None, progress: Report | None = None
+    spec: ClusterSpec, conns: Connections, nodes: list[str] | None = None, progress: Report | None = None
 ) -> list[Collected]:
-    """Collect ``nodes`` (default: all), at most ``ssh.max_parallel`` at once."""
+    """Collect ``nodes`` (default: all) through ``conns``, at most ``ssh.max_parallel`` at once."""
     chosen = [n for n in spec.nodes if nodes is None or n.name in nodes]
-    limit = asyncio.Semaphore(spec.ssh.max_parallel)
     report = progress or (lambda _node, _event: None)
 
-    async def bounded(node: Node) -> Collected:
-        async with limit:
-            return await _collect_one(spec, node, base, report)
+    async def one(node: Node, transport: Transport) -> Collected:
+        return await _collect_one(spec, node, transport, report)
 
-    return list(await asyncio.gather(*(bounded(n) for n in chosen)))
+    return await conns.each(chosen, one)

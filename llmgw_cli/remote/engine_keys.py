@@ -28,17 +28,16 @@ from __future__ import annotations
 import asyncio
 import re
 import shlex
-import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from llmgw_cli.core.engine_access import sglang_users
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.plan import running_replicas
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
+from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Report
-from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import (
     Outcome,
     ensure_engine_key,
@@ -76,13 +75,10 @@ async def distribute_engine_keys(
     return keys, failed
 
 
-async def nodes_without_key(spec: ClusterSpec, base: Path, names: list[str]) -> list[str]:
+async def nodes_without_key(conns: Connections, names: list[str]) -> list[str]:
     """The nodes among ``names`` that hold no engine key yet (shown in the plan)."""
-    transports = [transport_for(spec, spec.node(n), base) for n in names]
-    try:
-        found = await asyncio.gather(*(read_engine_key(t) for t in transports))
-    finally:
-        await asyncio.gather(*(t.close() for t in transports))
+    transports = [conns.to(n) for n in names]
+    found = await asyncio.gather(*(read_engine_key(t) for t in transports))
     return [t.node for t, key in zip(transports, found, strict=True) if not key]
 
 
@@ -185,10 +181,11 @@ async def _restart(
     path = profile.readiness.path if profile else "/health"
     timeout = profile.readiness.start_timeout if profile else 600.0
     host = spec.node(head).engine_host
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await ready_status(transports[head], host, port, path) == 200:
-            report(subject, "ready")
-            return Outcome(subject, True, "ready with the new engine key")
-        await asyncio.sleep(0.5)
+
+    async def ready() -> bool | None:
+        return True if await ready_status(transports[head], host, port, path) == 200 else None
+
+    if await poll_until(ready, timeout=timeout, interval=0.5):
+        report(subject, "ready")
+        return Outcome(subject, True, "ready with the new engine key")
     return Outcome(subject, False, f"not ready {timeout:g}s after its restart with the new engine key")

@@ -17,11 +17,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import shlex
-import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from llmgw_cli.core.engine_access import (
     engine_env_text,
@@ -33,10 +31,11 @@ from llmgw_cli.core.engine_access import (
 )
 from llmgw_cli.core.engines import ENGINE_ENV_FILE
 from llmgw_cli.core.plan import Action, Plan
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
+from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Report
-from llmgw_cli.remote.connect import GatewayAccess, transport_for
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.nodeops import NodeOps, ShellOps
 from llmgw_cli.remote.transport import Transport
@@ -202,10 +201,11 @@ async def _wait_ready(
     subject = f"{action.model}#{action.replica}"
     watch = await UnitWatch.start(NodeOps(transports[head]), unit)
     report(subject, "starting")
-    deadline = time.monotonic() + profile.readiness.start_timeout
     last = "starting"
-    # Polled on the head node itself: the engine's firewall lets in only its nodes and the gateway.
-    while time.monotonic() < deadline:
+
+    async def step() -> Outcome | None:
+        nonlocal last
+        # Polled on the head node itself: the engine's firewall lets in only its nodes and the gateway.
         status = await ready_status(transports[head], host, action.port or 0, profile.readiness.path)
         state = "starting" if status is None else "ready" if status == 200 else f"loading ({status})"
         if state == "ready":
@@ -215,9 +215,11 @@ async def _wait_ready(
             report(subject, state)
             last = state
         failed = await watch.failure()
-        if failed:
-            return Outcome(subject, False, failed)
-        await asyncio.sleep(0.5)
+        return Outcome(subject, False, failed) if failed else None
+
+    done = await poll_until(step, timeout=profile.readiness.start_timeout, interval=0.5)
+    if done is not None:
+        return done
     return Outcome(subject, False, f"not ready after {profile.readiness.start_timeout:g}s ({last}); {url}")
 
 
@@ -274,44 +276,40 @@ class UnitWatch:
 
 async def execute(
     spec: ClusterSpec,
-    base: Path,
+    conns: Connections,
     plan: Plan,
     report: Report,
     *,
     wait: bool = True,
     engine_keys: dict[str, str] | None = None,
-    access: GatewayAccess | None = None,
 ) -> list[Outcome]:
-    """Carry out ``plan``; one Outcome per node worked on and per replica waited for.
-    ``engine_keys``: each node's key (``node_engine_keys``), written where a node lacks
-    it; None (the gateway's on-demand starts): the keys apply left on the nodes.
-    ``access``: the gateway's own key, which reaches only the node helper (None: the
-    operator's transport, as root)."""
+    """Carry out ``plan`` through the nodes' connections in ``conns``; one Outcome per node
+    worked on and per replica waited for. ``engine_keys``: each node's key
+    (``node_engine_keys``), written where a node lacks it; None (the gateway's on-demand
+    starts): the keys apply left on the nodes. Connections with the gateway's access reach
+    only the node helper; the operator's work as root."""
     work = _work_by_node(spec, plan)
-    transports = {name: transport_for(spec, spec.node(name), base, access) for name in work}
-    outcomes: list[Outcome] = []
-    try:
-        keys = engine_keys or {}
-        # Weights first: a replica whose URL-sourced file is missing on a node waits for it.
-        no_weights = await ensure_for_plan(spec, base, plan, transports, report, helper=access is not None)
+    operator = conns.access is None
+    transports = {name: conns.to(name) for name in work}
+    keys = engine_keys or {}
+    # Weights first: a replica whose URL-sourced file is missing on a node waits for it.
+    no_weights = await ensure_for_plan(spec, plan, conns, report)
 
-        async def one(node: str) -> Outcome:
-            if node in no_weights:
-                report(node, f"failed: {no_weights[node]}")
-                return Outcome(node, False, no_weights[node])
-            try:
-                await _apply_node(transports[node], work[node], keys.get(node), operator=access is None)
-            except NodeError as exc:
-                report(node, f"failed: {exc.reason}")
-                return Outcome(node, False, exc.reason)
-            report(node, "units in place")
-            return Outcome(node, True, "units in place")
+    async def one(node: Node, t: Transport) -> Outcome:
+        if node.name in no_weights:
+            report(node.name, f"failed: {no_weights[node.name]}")
+            return Outcome(node.name, False, no_weights[node.name])
+        try:
+            await _apply_node(t, work[node.name], keys.get(node.name), operator=operator)
+        except NodeError as exc:
+            report(node.name, f"failed: {exc.reason}")
+            return Outcome(node.name, False, exc.reason)
+        report(node.name, "units in place")
+        return Outcome(node.name, True, "units in place")
 
-        outcomes = list(await asyncio.gather(*(one(n) for n in sorted(work))))
-        broken = {o.subject for o in outcomes if not o.ok}
-        if wait:
-            started = [a for a in plan.changes if a.write and not set(a.nodes) & broken]
-            outcomes += await asyncio.gather(*(_wait_ready(spec, a, transports, report) for a in started))
-    finally:
-        await asyncio.gather(*(t.close() for t in transports.values()))
+    outcomes = await conns.each([spec.node(n) for n in sorted(work)], one)
+    broken = {o.subject for o in outcomes if not o.ok}
+    if wait:
+        started = [a for a in plan.changes if a.write and not set(a.nodes) & broken]
+        outcomes += await asyncio.gather(*(_wait_ready(spec, a, transports, report) for a in started))
     return outcomes

@@ -34,7 +34,7 @@ from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.spec import ClusterSpec, SourceKind
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import FetchReport, Report
-from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.transport import CommandResult, Transport
 
@@ -86,6 +86,9 @@ def _host(address: str) -> str:
 
 
 class Fetcher:
+    """Runs FetchPlans through ``conns`` (the caller's, left open), or through connections
+    of its own that ``close`` closes (like an HTTP client given a transport, or not)."""
+
     def __init__(
         self,
         spec: ClusterSpec,
@@ -94,26 +97,22 @@ class Fetcher:
         *,
         token: str | None = None,
         hf_endpoint: str | None = None,
-        transports: dict[str, Transport] | None = None,
-        helper: bool = False,
+        conns: Connections | None = None,
     ) -> None:
         self.spec, self.base, self.report = spec, base, report
+        self._conns = conns if conns is not None else Connections(spec, base)
+        self._owned = conns is None
         # The gateway's transports reach the node helper only: jobs go to its `fetch` verb,
         # which runs the fetcher apply installed, for files in the weights folders only.
-        self.helper = helper
+        self.helper = self._conns.access is not None
         self._token, self._endpoint = token, hf_endpoint
-        self._given = transports or {}
-        self._own: dict[str, Transport] = {}
 
     def transport(self, node: str) -> Transport:
-        if node in self._given:
-            return self._given[node]
-        if node not in self._own:
-            self._own[node] = transport_for(self.spec, self.spec.node(node), self.base)
-        return self._own[node]
+        return self._conns.to(node)
 
     async def close(self) -> None:
-        await asyncio.gather(*(t.close() for t in self._own.values()))
+        if self._owned:
+            await self._conns.close()
 
     async def run(self, plan: FetchPlan) -> list[FetchResult]:
         """Every spread and every path check of ``plan``; one result per (model, node)."""
@@ -368,13 +367,7 @@ def _progress_lines(report: Report) -> FetchReport:
 
 
 async def ensure_for_plan(
-    spec: ClusterSpec,
-    base: Path,
-    plan: Plan,
-    transports: dict[str, Transport],
-    report: Report,
-    *,
-    helper: bool = False,
+    spec: ClusterSpec, plan: Plan, conns: Connections, report: Report
 ) -> dict[str, str]:
     """Fetch the URL-sourced weights of every replica the plan starts, onto its nodes,
     before its units start. Returns node -> why its weights could not be brought."""
@@ -388,12 +381,11 @@ async def ensure_for_plan(
         return {}
     fetcher = Fetcher(
         spec,
-        base,
+        conns.base,
         _progress_lines(report),
         token=os.environ.get("HF_TOKEN"),
         hf_endpoint=os.environ.get("HF_ENDPOINT"),
-        transports=transports,
-        helper=helper,
+        conns=conns,
     )
     try:
         held = await held_on_nodes(fetcher, spec, wanted)

@@ -13,11 +13,9 @@ the lab's own host) gets nothing, with a note saying how to run the gateway by h
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import shlex
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +38,9 @@ from llmgw_cli.core.node_access import valid_public_key
 from llmgw_cli.core.spec import Become, ClusterSpec, Node
 from llmgw_cli.core.units import GATEWAY_UNIT
 from llmgw_cli.errors import LlmgwError, NodeError
+from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Report
-from llmgw_cli.remote.connect import resolve_path, transport_for
+from llmgw_cli.remote.connect import Connections, resolve_path
 from llmgw_cli.remote.execute import Outcome, UnitWatch, ensure_account, must
 from llmgw_cli.remote.local import LocalTransport
 from llmgw_cli.remote.node_access import ensure_gateway_account
@@ -73,16 +72,19 @@ class GatewayPreview:
         return f"gateway on {self.host}: {verb} ({written})"
 
 
-def gateway_transport(spec: ClusterSpec, base: Path) -> Transport:
+def gateway_transport(conns: Connections) -> Transport:
+    """The gateway host's transport: a node's own (the same connection), this machine's,
+    or one to an address reached with the top-level ``ssh`` settings, held by ``conns``."""
+    spec = conns.spec
     host = spec.gateway.host
     for node in spec.nodes:
         if node.name == host:
-            return transport_for(spec, node, base)
+            return conns.to(node)
     if host in LOCAL_NAMES:
         return LocalTransport(
             SUBJECT, command_timeout=spec.ssh.command_timeout, sudo=spec.ssh.become is Become.sudo
         )
-    return transport_for(spec, Node(name=SUBJECT, address=host), base)
+    return conns.to(Node(name=SUBJECT, address=host))
 
 
 def _read_local(path: Path, what: str) -> str:
@@ -119,51 +121,48 @@ def _listeners(text: str) -> tuple[str, str, str | None] | None:
     return (g.listen, g.admin_listen, g.metrics_listen)
 
 
-async def preview(spec: ClusterSpec, base: Path, cluster_text: str) -> GatewayPreview:
+async def preview(spec: ClusterSpec, conns: Connections, cluster_text: str) -> GatewayPreview:
     """What installing the gateway would change; contacts the gateway host only."""
     host = spec.gateway.host
     if not spec.gateway.install:
         return GatewayPreview(host, None, "gateway.install is off")
-    t = gateway_transport(spec, base)
-    try:
-        if not (await t.run("test -d /run/systemd/system")).ok:
-            return GatewayPreview(
-                host,
-                None,
-                f"{host} does not run systemd; start the gateway yourself: llmgw gateway run -f CLUSTER_FILE "
-                f"--identity-file {gateway_key_path(spec, systemd=False)}",
-            )
-        llmgw_bin = spec.gateway.llmgw_bin
-        if llmgw_bin is None:
-            found = await t.run("command -v llmgw")
-            llmgw_bin = found.stdout.strip() if found.ok else ""
-        if not llmgw_bin or not (await t.run(f"test -x {shlex.quote(llmgw_bin)}")).ok:
-            where = llmgw_bin or "on PATH"
-            raise NodeError(
-                host,
-                "failed",
-                f"llmgw is not installed on the gateway host ({where}): install it there "
-                "(pip install llmgw) or set gateway.llmgw_bin",
-            )
-        files = gateway_files(
-            spec,
-            cluster_text=cluster_text,
-            llmgw_bin=llmgw_bin,
-            known_hosts=_read_local(resolve_path(spec.ssh.known_hosts, base), "ssh.known_hosts"),
+    t = gateway_transport(conns)
+    if not (await t.run("test -d /run/systemd/system")).ok:
+        return GatewayPreview(
+            host,
+            None,
+            f"{host} does not run systemd; start the gateway yourself: llmgw gateway run -f CLUSTER_FILE "
+            f"--identity-file {gateway_key_path(spec, systemd=False)}",
         )
-        digests, active, running_cluster = await _host_state(t, [f.path for f in files])
-        wanted = (spec.gateway.listen, spec.gateway.admin_listen, spec.gateway.metrics_listen)
-        change = gateway_change(
-            files, digests, active=active, listeners_changed=_listeners(running_cluster) != wanted
+    llmgw_bin = spec.gateway.llmgw_bin
+    if llmgw_bin is None:
+        found = await t.run("command -v llmgw")
+        llmgw_bin = found.stdout.strip() if found.ok else ""
+    if not llmgw_bin or not (await t.run(f"test -x {shlex.quote(llmgw_bin)}")).ok:
+        where = llmgw_bin or "on PATH"
+        raise NodeError(
+            host,
+            "failed",
+            f"llmgw is not installed on the gateway host ({where}): install it there "
+            "(pip install llmgw) or set gateway.llmgw_bin",
         )
-        return GatewayPreview(host, change, llmgw_bin=llmgw_bin)
-    finally:
-        await t.close()
+    files = gateway_files(
+        spec,
+        cluster_text=cluster_text,
+        llmgw_bin=llmgw_bin,
+        known_hosts=_read_local(resolve_path(spec.ssh.known_hosts, conns.base), "ssh.known_hosts"),
+    )
+    digests, active, running_cluster = await _host_state(t, [f.path for f in files])
+    wanted = (spec.gateway.listen, spec.gateway.admin_listen, spec.gateway.metrics_listen)
+    change = gateway_change(
+        files, digests, active=active, listeners_changed=_listeners(running_cluster) != wanted
+    )
+    return GatewayPreview(host, change, llmgw_bin=llmgw_bin)
 
 
 async def install(
     spec: ClusterSpec,
-    base: Path,
+    conns: Connections,
     planned: GatewayPreview,
     engine_keys: dict[str, tuple[str, ...]],
     report: Report,
@@ -172,8 +171,8 @@ async def install(
     never raises for a node failure."""
     change = planned.change
     if change is None:
-        return await _keys_for_own_gateway(spec, base, planned, engine_keys)
-    t = gateway_transport(spec, base)
+        return await _keys_for_own_gateway(spec, conns, planned, engine_keys)
+    t = gateway_transport(conns)
     try:
         keys_changed = await sync_engine_keys(t, engine_keys)
         if change.how == "none":
@@ -186,19 +185,17 @@ async def install(
     except NodeError as exc:
         report(SUBJECT, f"failed: {exc.reason}")
         return Outcome(SUBJECT, False, exc.reason)
-    finally:
-        await t.close()
 
 
 async def _keys_for_own_gateway(
-    spec: ClusterSpec, base: Path, planned: GatewayPreview, engine_keys: dict[str, tuple[str, ...]]
+    spec: ClusterSpec, conns: Connections, planned: GatewayPreview, engine_keys: dict[str, tuple[str, ...]]
 ) -> Outcome:
     """A gateway apply does not install (no systemd there) still needs the keys: the map
     goes to its state folder on its host (owned by that folder's owner, 0600), where
     `llmgw gateway run` finds it; the gateway re-reads it when it changes."""
     if not spec.gateway.install:
         return Outcome(SUBJECT, True, planned.describe())
-    t = gateway_transport(spec, base)
+    t = gateway_transport(conns)
     try:
         path = engine_keys_path(spec, installed=False)
         owner = await t.run(f"stat -c %U {shlex.quote(spec.gateway.state_dir)} 2>/dev/null")
@@ -206,8 +203,6 @@ async def _keys_for_own_gateway(
         return Outcome(SUBJECT, True, f"{planned.describe()}; engine keys in {path}")
     except NodeError as exc:
         return Outcome(SUBJECT, False, f"engine keys for the gateway: {exc.reason}")
-    finally:
-        await t.close()
 
 
 def engine_keys_path(spec: ClusterSpec, *, installed: bool) -> str:
@@ -285,9 +280,9 @@ async def _wait(t: Transport, spec: ClusterSpec, host: str, report: Report, time
     unit has stayed active for a few seconds. A unit that fails is reported with its journal."""
     watch = await UnitWatch.start(ShellOps(t), GATEWAY_UNIT)
     url = _health_url(spec, host)
-    started = time.monotonic()
     async with httpx.AsyncClient(timeout=2.0) as client:
-        while time.monotonic() - started < timeout:
+
+        async def step() -> Outcome | None:
             failed = await watch.failure(lines=40)  # a Python traceback is long
             if failed:
                 return Outcome(SUBJECT, False, failed)
@@ -297,7 +292,11 @@ async def _wait(t: Transport, spec: ClusterSpec, host: str, report: Report, time
                     return Outcome(SUBJECT, True, f"ready at {url.removesuffix('/health')}")
             except httpx.TransportError:
                 pass
-            await asyncio.sleep(0.5)
+            return None
+
+        done = await poll_until(step, timeout=timeout, interval=0.5)
+    if done is not None:
+        return done
     active = await t.run(f"systemctl is-active {GATEWAY_UNIT}")
     if active.stdout.strip() == "active":
         return Outcome(SUBJECT, True, f"unit active; {url} did not answer from here")
@@ -310,7 +309,9 @@ def gateway_key_path(spec: ClusterSpec, *, systemd: bool) -> str:
     return GATEWAY_KEY if systemd else f"{spec.gateway.state_dir.rstrip('/')}/ssh-key"
 
 
-async def gateway_public_key(spec: ClusterSpec, base: Path, *, create: bool) -> tuple[str | None, str]:
+async def gateway_public_key(
+    spec: ClusterSpec, conns: Connections, *, create: bool
+) -> tuple[str | None, str]:
     """The public half of the gateway's own key and the path of its private half on the
     gateway host; with ``create``, the pair is made there first when missing (``ssh-keygen``
     on that host: the private half never travels). ``(None, "")`` with gateway.install off.
@@ -320,30 +321,27 @@ async def gateway_public_key(spec: ClusterSpec, base: Path, *, create: bool) -> 
     there. A copy of the operator's key left by an older llmgw is deleted."""
     if not spec.gateway.install:
         return None, ""
-    t = gateway_transport(spec, base)
-    try:
-        systemd = (await t.run("test -d /run/systemd/system")).ok
-        path = gateway_key_path(spec, systemd=systemd)
-        q, pub = shlex.quote(path), shlex.quote(path + ".pub")
-        if create:
-            if systemd:
-                await ensure_gateway_account(t)
-                folder = f"mkdir -p {GATEWAY_DIR} && chmod 755 {GATEWAY_DIR} {Path(GATEWAY_DIR).parent}"
-                owner = f"chown {GATEWAY_ACCOUNT}: {q} {pub} && "
-                old = f"rm -f {shlex.quote(OLD_OPERATOR_KEY)} && "
-            else:
-                folder, owner, old = f"mkdir -p {shlex.quote(str(Path(path).parent))}", "", ""
-            await must_as(
-                t,
-                f"{folder} && {old}{{ [ -s {q} ] && [ -s {pub} ] || {{ rm -f {q} {pub} && "
-                f"ssh-keygen -q -t ed25519 -N '' -C {GATEWAY_ACCOUNT}@{shlex.quote(spec.gateway.host)} "
-                f"-f {q} </dev/null >/dev/null; }}; }} && {owner}chmod 600 {q} && chmod 644 {pub}",
-                "make the gateway's SSH key",
-                root=systemd,
-            )
-        found = await t.run(f"cat {pub} 2>/dev/null", root=systemd)
-    finally:
-        await t.close()
+    t = gateway_transport(conns)
+    systemd = (await t.run("test -d /run/systemd/system")).ok
+    path = gateway_key_path(spec, systemd=systemd)
+    q, pub = shlex.quote(path), shlex.quote(path + ".pub")
+    if create:
+        if systemd:
+            await ensure_gateway_account(t)
+            folder = f"mkdir -p {GATEWAY_DIR} && chmod 755 {GATEWAY_DIR} {Path(GATEWAY_DIR).parent}"
+            owner = f"chown {GATEWAY_ACCOUNT}: {q} {pub} && "
+            old = f"rm -f {shlex.quote(OLD_OPERATOR_KEY)} && "
+        else:
+            folder, owner, old = f"mkdir -p {shlex.quote(str(Path(path).parent))}", "", ""
+        await must_as(
+            t,
+            f"{folder} && {old}{{ [ -s {q} ] && [ -s {pub} ] || {{ rm -f {q} {pub} && "
+            f"ssh-keygen -q -t ed25519 -N '' -C {GATEWAY_ACCOUNT}@{shlex.quote(spec.gateway.host)} "
+            f"-f {q} </dev/null >/dev/null; }}; }} && {owner}chmod 600 {q} && chmod 644 {pub}",
+            "make the gateway's SSH key",
+            root=systemd,
+        )
+    found = await t.run(f"cat {pub} 2>/dev/null", root=systemd)
     text = found.stdout.strip()
     if not text:
         return None, path

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import shlex
 from importlib import resources
-from pathlib import Path
 
 from llmgw_cli.core.node_access import (
     AUTHORIZED_KEYS,
@@ -27,7 +26,7 @@ from llmgw_cli.core.node_access import (
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Report
-from llmgw_cli.remote.connect import transport_for
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, ensure_account, must
 from llmgw_cli.remote.transport import Transport
 
@@ -77,19 +76,16 @@ async def _needs(t: Transport, files: tuple[NodeFile, ...], users: list[str]) ->
     return found != want
 
 
-async def check(spec: ClusterSpec, base: Path, nodes: list[str], public_key: str | None) -> list[str]:
+async def check(spec: ClusterSpec, conns: Connections, nodes: list[str], public_key: str | None) -> list[str]:
     """The nodes (of ``nodes``) whose helper, account, rule or key line is not as wanted;
     a node that cannot be asked counts as needing it."""
     users = engine_users(spec)
 
     async def one(name: str) -> bool:
-        t = transport_for(spec, spec.node(name), base)
         try:
-            return await _needs(t, wanted(spec, spec.node(name), public_key), users)
+            return await _needs(conns.to(name), wanted(spec, spec.node(name), public_key), users)
         except NodeError:
             return True
-        finally:
-            await t.close()
 
     needs = await asyncio.gather(*(one(n) for n in nodes))
     return [n for n, need in zip(nodes, needs, strict=True) if need]
@@ -118,20 +114,17 @@ async def _install_one(t: Transport, files: tuple[NodeFile, ...], users: list[st
 
 
 async def install(
-    spec: ClusterSpec, base: Path, nodes: list[str], public_key: str | None, report: Report
+    spec: ClusterSpec, conns: Connections, nodes: list[str], public_key: str | None, report: Report
 ) -> list[Outcome]:
     """Put the helper and the gateway's restricted key line on ``nodes``; one Outcome each."""
     users = engine_users(spec)
 
     async def one(name: str) -> Outcome:
-        t = transport_for(spec, spec.node(name), base)
         try:
-            await _install_one(t, wanted(spec, spec.node(name), public_key), users)
+            await _install_one(conns.to(name), wanted(spec, spec.node(name), public_key), users)
         except NodeError as exc:
             report(name, f"failed: {exc.reason}")
             return Outcome(name, False, exc.reason)
-        finally:
-            await t.close()
         report(name, "node helper in place")
         return Outcome(name, True, "node helper in place")
 

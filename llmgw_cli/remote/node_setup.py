@@ -6,35 +6,34 @@ lacks them (``node_access.py``). The operator's key stays on the operator's mach
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Report
 from llmgw_cli.remote import node_access
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome
 from llmgw_cli.remote.gateway_install import SUBJECT, gateway_public_key
 
 
-async def stale_nodes(spec: ClusterSpec, base: Path, nodes: list[str]) -> list[str]:
+async def stale_nodes(spec: ClusterSpec, conns: Connections, nodes: list[str]) -> list[str]:
     """The nodes (of ``nodes``) that ``prepare`` would change; changes nothing."""
     try:
-        public_key, _ = await gateway_public_key(spec, base, create=False)
+        public_key, _ = await gateway_public_key(spec, conns, create=False)
     except NodeError:
         public_key = None
     if spec.gateway.install and public_key is None:
         return list(nodes)  # the key is made first: every node gets its line
-    return await node_access.check(spec, base, nodes, public_key)
+    return await node_access.check(spec, conns, nodes, public_key)
 
 
-async def prepare(spec: ClusterSpec, base: Path, nodes: list[str], report: Report) -> list[Outcome]:
+async def prepare(spec: ClusterSpec, conns: Connections, nodes: list[str], report: Report) -> list[Outcome]:
     """Make the gateway's key (when missing), then bring the helper to the stale nodes."""
     try:
-        public_key, path = await gateway_public_key(spec, base, create=True)
+        public_key, path = await gateway_public_key(spec, conns, create=True)
     except NodeError as exc:
         report(SUBJECT, f"failed: {exc.reason}")
         return [Outcome(SUBJECT, False, exc.reason)]
     if public_key is not None:
         report(SUBJECT, f"its SSH key: {path} on {spec.gateway.host}")
-    stale = await node_access.check(spec, base, nodes, public_key)
-    return await node_access.install(spec, base, stale, public_key, report) if stale else []
+    stale = await node_access.check(spec, conns, nodes, public_key)
+    return await node_access.install(spec, conns, stale, public_key, report) if stale else []

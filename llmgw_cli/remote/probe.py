@@ -1,4 +1,5 @@
-"""Gather facts from every node at once: one connection and one script per node.
+"""Gather facts from every node at once: one script per node, over the node's connection
+held by ``Connections`` (a second gather through the same owner connects no more).
 
 Gather first, then decide: the result is one frozen snapshot that placement, planning
 and the views read; nothing probes again in the middle of a decision.
@@ -6,18 +7,17 @@ and the views read; nothing probes again in the middle of a decision.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe, printable, probe_script
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Report
-from llmgw_cli.remote.connect import GatewayAccess, transport_for
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.nodeops import NodeOps
+from llmgw_cli.remote.transport import Transport
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,12 @@ class Snapshot:
 
 
 async def _probe_one(
-    spec: ClusterSpec, node: Node, base: Path, progress: Report, access: GatewayAccess | None = None
+    spec: ClusterSpec, node: Node, transport: Transport, progress: Report, *, helper: bool
 ) -> NodeFacts:
     started = time.monotonic()
-    transport = transport_for(spec, node, base, access)
     progress(node.name, "connecting")
     try:
-        if access is None:
+        if not helper:
             result = await transport.run("sh -s", stdin=probe_script(spec, node))
         else:  # the gateway: the script apply installed on the node, through the helper
             result = await NodeOps(transport, root=False).probe()
@@ -59,8 +58,6 @@ async def _probe_one(
             error_kind=BAD_OUTPUT,
             probe_seconds=time.monotonic() - started,
         )
-    finally:
-        await transport.close()
 
 
 def _stderr_line(stderr: str) -> str:
@@ -70,21 +67,20 @@ def _stderr_line(stderr: str) -> str:
 
 async def gather(
     spec: ClusterSpec,
-    base: Path,
+    conns: Connections,
     nodes: list[str] | None = None,
     progress: Report | None = None,
-    access: GatewayAccess | None = None,
 ) -> Snapshot:
-    """Probe ``nodes`` (default: all), at most ``ssh.max_parallel`` at once; ``progress``
-    hears (node, event) with the events "connecting", then "done" or "failed"."""
+    """Probe ``nodes`` (default: all) through ``conns``, at most ``ssh.max_parallel`` at
+    once; ``progress`` hears (node, event) with the events "connecting", then "done" or
+    "failed". With the gateway's access, through the script apply installed on each node."""
     started = time.monotonic()
     chosen = [n for n in spec.nodes if nodes is None or n.name in nodes]
-    limit = asyncio.Semaphore(spec.ssh.max_parallel)
     report = progress or (lambda _node, _event: None)
+    helper = conns.access is not None
 
-    async def bounded(node: Node) -> NodeFacts:
-        async with limit:
-            return await _probe_one(spec, node, base, report, access)
+    async def one(node: Node, transport: Transport) -> NodeFacts:
+        return await _probe_one(spec, node, transport, report, helper=helper)
 
-    facts = await asyncio.gather(*(bounded(n) for n in chosen))
+    facts = await conns.each(chosen, one)
     return Snapshot(nodes=tuple(facts), seconds=time.monotonic() - started)

@@ -1,7 +1,9 @@
 """How llmgw talks to a node: run a command, write a file atomically.
 
-Two implementations: ``ssh.SshTransport`` (asyncssh, one connection per node per run,
-reused for every command) and ``local.LocalTransport`` (``connection: local``).
+Two implementations: ``ssh.SshTransport`` (asyncssh, one connection per node, reused for
+every command and opened again when it dropped) and ``local.LocalTransport``
+(``connection: local``). Stages do not make transports: they get them from the one owner,
+``connect.Connections``, which holds them for a whole run and closes them.
 
 Contract: several tasks may use one transport at once (asyncssh multiplexes sessions over
 the node's one connection, opened under a lock on first use); ``run`` never raises for a

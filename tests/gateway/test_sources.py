@@ -13,6 +13,7 @@ from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway import sources
 from llmgw_cli.gateway.sources import ProbeSource, StaticSource
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.probe import Snapshot
 from tests.unit.facts_factory import unit_state
 
@@ -42,7 +43,7 @@ def probed(*facts: NodeFacts) -> Snapshot:
 def run(
     source: ProbeSource, spec: ClusterSpec, snapshot: Snapshot, monkeypatch: pytest.MonkeyPatch
 ) -> dict[str, list[str]]:
-    async def fake_gather(_spec: ClusterSpec, _base: Path, access: object = None) -> Snapshot:
+    async def fake_gather(_spec: ClusterSpec, _conns: Connections) -> Snapshot:
         return snapshot
 
     monkeypatch.setattr(sources, "gather", fake_gather)

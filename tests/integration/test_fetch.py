@@ -25,6 +25,7 @@ from llmgw_cli.core.fetch import Peers, plan_fetch
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Action, Plan, UnitFile
 from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import (
     Fetcher,
     FetchEvent,
@@ -506,7 +507,12 @@ def test_apply_fetches_missing_weights_of_started_replicas(origin: Origin, tmp_p
         facts_digest="",
     )
     lines: list[tuple[str, str]] = []
-    failed = asyncio.run(ensure_for_plan(spec, tmp_path, plan, {}, lambda s, m: lines.append((s, m))))
+
+    async def ensure() -> dict[str, str]:
+        async with Connections(spec, tmp_path) as conns:
+            return await ensure_for_plan(spec, plan, conns, lambda s, m: lines.append((s, m)))
+
+    failed = asyncio.run(ensure())
     assert set(failed) == {"n3"} and "404" in failed["n3"]
     assert sha(tmp_path / "n1" / "apply.gguf") == digest and sha(tmp_path / "n2" / "apply.gguf") == digest
     assert not (tmp_path / "n3" / "apply.gguf").exists()  # n3 runs nothing new of m

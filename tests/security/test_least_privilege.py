@@ -240,12 +240,9 @@ def test_gateway_fetches_weights_only_into_the_weights_folders(
     nodes = ["node01", "node02"]  # one from the origin, the other from its peer
 
     async def gateway_fetch() -> list[fetch.FetchResult]:
-        transports = {n: connect.transport_for(spec, spec.node(n), base, access) for n in nodes}
-        fetcher = fetch.Fetcher(spec, base, lambda _event: None, transports=transports, helper=True)
-        try:
+        async with connect.Connections(spec, base, access) as conns:
+            fetcher = fetch.Fetcher(spec, base, lambda _event: None, conns=conns)
             return await fetcher.run(plan_fetch(spec, {"gw": nodes}, set(), set(), Peers.fabric))
-        finally:
-            await asyncio.gather(*(t.close() for t in transports.values()))
 
     try:
         results = asyncio.run(gateway_fetch())

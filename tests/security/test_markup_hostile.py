@@ -27,6 +27,7 @@ from llmgw_cli.core.fetch import FetchPlan, Skip
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.summary import ClassRow, FabricRow, ModelRow, NodeRow, Summary
 from llmgw_cli.errors import Problem
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import FetchResult
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import llmgw_units, reset, run
@@ -137,7 +138,7 @@ def test_apply_line_output_survives_a_journal_line_with_markup(
     class Stop(Exception):
         pass
 
-    async def prepare(spec: Any, base: Any, nodes: Any, report: Any) -> list[Any]:
+    async def prepare(spec: Any, conns: Any, nodes: Any, report: Any) -> list[Any]:
         report("llmgw-m-0.service on node01", f"failed: exited 1; journal: {text}")
         raise Stop
 
@@ -145,7 +146,7 @@ def test_apply_line_output_survives_a_journal_line_with_markup(
     spec = parse_cluster((ROOT / "inventories/single-box.yaml").read_text())
     run = apply_cli._execute_with_progress(
         spec,
-        tmp_path / "c.yaml",
+        Connections(spec, tmp_path),
         None,  # type: ignore[arg-type]
         wait=False,
         gateway=None,  # type: ignore[arg-type]

@@ -26,7 +26,8 @@ from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.parse.probe import parse_probe
 from llmgw_cli.core.templates import render
 from llmgw_cli.gateway.sources import ProbeSource
-from llmgw_cli.remote.probe import gather
+from llmgw_cli.remote.connect import Connections
+from llmgw_cli.remote.probe import Snapshot, gather
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import node_row, reset, status
 
@@ -89,7 +90,12 @@ def test_crafted_weights_folder_runs_nothing_and_forges_no_replica(lab: Lab, pla
 
     # the gateway's discovery: the same probe, then the replicas it would route to
     spec = read_cluster(lab.cluster_file)
-    snapshot = asyncio.run(gather(spec, lab.cluster_file.parent, [NODE]))
+
+    async def probe() -> Snapshot:
+        async with Connections(spec, lab.cluster_file.parent) as conns:
+            return await gather(spec, conns, [NODE])
+
+    snapshot = asyncio.run(probe())
     facts = snapshot.node(NODE)
     assert facts.error is None
     # systemd may still list units earlier tests removed (not-found): none is forged or running
@@ -98,7 +104,15 @@ def test_crafted_weights_folder_runs_nothing_and_forges_no_replica(lab: Lab, pla
     assert len(facts.gpus) == 8
     names = {m.name for w in facts.weights for m in w.models}
     assert {EVIL, UNITS_NAME} <= names
-    assert asyncio.run(ProbeSource(lab.cluster_file.parent).discover(spec)) == {}
+
+    async def discover() -> dict[str, list[str]]:
+        source = ProbeSource(lab.cluster_file.parent)
+        try:
+            return await source.discover(spec)
+        finally:
+            await source.close()
+
+    assert asyncio.run(discover()) == {}
     assert not canary_found(lab)
 
 

@@ -16,6 +16,7 @@ from llmgw_cli.core.parse.probe import parse_probe, probe_script, split_sections
 from llmgw_cli.core.parse.weights import judge
 from llmgw_cli.core.spec import Node
 from llmgw_cli.core.summary import summarize
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.probe import Snapshot, gather
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -285,7 +286,12 @@ def gather_with_outputs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, outputs
     monkeypatch.setattr(
         "llmgw_cli.remote.probe.probe_script", lambda _spec, node: f"cat {tmp_path / node.name}\n"
     )
-    return asyncio.run(gather(LOCAL, tmp_path))
+
+    async def probe() -> Snapshot:
+        async with Connections(LOCAL, tmp_path) as conns:
+            return await gather(LOCAL, conns)
+
+    return asyncio.run(probe())
 
 
 GOOD = "@@ host\nclock 5.0\n@@ units\nId=llmgw-x-0.service\nActiveState=active\n@@ end\n"
