@@ -124,8 +124,8 @@ class Connections:
     async def each(self, nodes: Sequence[Node], work: Callable[[Node, Transport], Awaitable[T]]) -> list[T]:
         """``work(node, transport)`` on every node of ``nodes`` at once, at most
         ``ssh.max_parallel`` at a time; the results in the order of ``nodes``. ``work``
-        answers for its own failures: one that raises cancels none of the others but is
-        raised once they are done."""
+        turns a node's failure into that node's result: one node's error is not every
+        node's."""
         limit = asyncio.Semaphore(self.spec.ssh.max_parallel)
 
         async def bounded(node: Node) -> T:

@@ -55,6 +55,10 @@ def _is_known(known_hosts: Path, host: str, port: int) -> bool:
 class _Dropped(Exception):
     """The connection could not open a session for a command: it is gone."""
 
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
 
 class SshTransport:
     """One asyncssh connection to one node, opened on first use, reused, and opened again
@@ -169,37 +173,27 @@ class SshTransport:
         self, conn: asyncssh.SSHClientConnection, command: str, stdin: str | None
     ) -> asyncssh.SSHClientProcess[str]:
         """A session running ``command``; ``_Dropped`` when the connection cannot open one."""
+        limit = self._target.settings.connect_timeout
         try:
-            return await asyncio.wait_for(
-                conn.create_process(command, input=stdin), self._target.settings.connect_timeout
-            )
-        except (
-            TimeoutError,
-            asyncssh.TimeoutError,
-            asyncssh.ConnectionLost,
-            asyncssh.DisconnectError,
-            OSError,
-        ):
-            raise _Dropped() from None
-        except asyncssh.ChannelOpenError as exc:
-            if conn.is_closed():
-                raise _Dropped() from None
-            raise NodeError(self.node, "unreachable", f"cannot open a session: {exc.reason}") from None
+            return await asyncio.wait_for(conn.create_process(command, input=stdin), limit)
+        except (TimeoutError, asyncssh.TimeoutError):
+            raise _Dropped("timeout", f"{self._target.host} opened no session within {limit:g}s") from None
+        except (OSError, asyncssh.Error) as exc:
+            if conn.is_closed() or isinstance(exc, (OSError, asyncssh.DisconnectError)):
+                raise _Dropped("unreachable", f"connection lost: {exc}") from None
+            raise NodeError(self.node, "unreachable", f"cannot start a command: {exc}") from None
 
     async def _session(self, command: str, stdin: str | None) -> asyncssh.SSHClientProcess[str]:
         """``command`` started on the connection held; when that connection turns out to be
         gone, started once more on a new one (the command never ran on the old one)."""
-        for _ in range(2):
+        while True:
             conn, new = await self._connection()
             try:
                 return await self._start(conn, command, stdin)
-            except _Dropped:
+            except _Dropped as exc:
                 await self._drop(conn)
-                if new:
-                    break
-        raise NodeError(
-            self.node, "unreachable", f"{self._target.host} dropped the connection before the command started"
-        )
+                if new:  # a connection opened for this command: the node is not reachable
+                    raise NodeError(self.node, exc.kind, exc.reason) from None
 
     async def run(self, command: str, *, root: bool = False, stdin: str | None = None) -> CommandResult:
         sudo = root and self._target.settings.become is Become.sudo

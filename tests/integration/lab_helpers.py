@@ -89,6 +89,17 @@ def llmgw_units(lab: Lab) -> dict[str, list[str]]:
     return out
 
 
+def logins(lab: Lab, node: str, user: str, since: float) -> int:
+    """SSH logins of ``user`` that ``node``'s sshd accepted since ``since`` (epoch seconds;
+    the lab's nodes share this machine's clock), this question's own login left out."""
+    script = (
+        f"set -- $SSH_CLIENT; journalctl -u ssh --since @{int(since)} --no-pager -o cat "
+        f"| grep 'Accepted publickey for {user} from ' | grep -vc \" port $2 ssh2\"; true"
+    )
+    done = lab.ssh(node, script)
+    return int(done.stdout.strip())
+
+
 @dataclass
 class LabGateway:
     """`llmgw gateway run` on this machine for the lab's cluster, after `apply`."""
@@ -101,7 +112,7 @@ class LabGateway:
 
 
 @contextmanager
-def applied_with_gateway(lab: Lab, tmp_path: Path) -> Iterator[LabGateway]:
+def applied_with_gateway(lab: Lab, tmp_path: Path, *gateway_args: str) -> Iterator[LabGateway]:
     """Apply the lab's cluster file (its always-on replicas), then run a gateway on free
     loopback ports that finds them by probing the nodes. Cleans the lab before and after."""
     reset(lab)
@@ -127,7 +138,11 @@ def applied_with_gateway(lab: Lab, tmp_path: Path) -> Iterator[LabGateway]:
         proc = subprocess.Popen(
             # the gateway's own key, made by apply in its state folder (the lab's host runs
             # no systemd): it reaches the nodes' helper only, never a root shell
-            [*argv, "--engine-keys-file", str(keys_file), "--identity-file", str(tmp_path / "state/ssh-key")],
+            [
+                *argv,
+                *("--engine-keys-file", str(keys_file), "--identity-file", str(tmp_path / "state/ssh-key")),
+                *gateway_args,
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
         )

@@ -4,14 +4,19 @@ official openai client: the real llama-server and the simulated vLLM."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from llmgw_cli.polling import poll_until
+
 from .conftest import Lab
-from .lab_helpers import applied_with_gateway
+from .lab_helpers import applied_with_gateway, logins
 
 pytestmark = pytest.mark.integration
 
@@ -49,3 +54,26 @@ def test_gateway_serves_the_replicas_apply_started(served: openai.OpenAI) -> Non
         client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "x"}], max_tokens=2
         )
+
+
+def test_discovery_rounds_reuse_one_connection_per_node(lab: Lab, tmp_path: Path) -> None:
+    """The gateway probes the nodes every second, over the connection it opened at the
+    first round: each node's sshd lets the gateway's account in once."""
+    since = time.time()
+    with applied_with_gateway(lab, tmp_path, "--discover-every", "1") as gw:
+        ready = time.time()  # the first round ran before /health answered
+
+        async def later_rounds() -> bool | None:
+            async with httpx.AsyncClient() as client:
+                summary = await client.get(
+                    f"http://127.0.0.1:{gw.admin_port}/admin/api/summary",
+                    headers={"Authorization": f"Bearer {gw.admin}"},
+                )
+            ages: dict[str, float] = summary.json()["probe_age_seconds"]
+            probed = [time.time() - age for age in ages.values()]
+            # every node probed successfully at least two rounds after the first
+            return True if len(probed) == len(lab.nodes) and min(probed) > ready + 1.5 else None
+
+        assert asyncio.run(poll_until(later_rounds, timeout=30, interval=0.5)), "no later discovery round"
+        counts = {n.name: logins(lab, n.name, "llmgw-gateway", since) for n in lab.nodes}
+    assert counts == {n.name: 1 for n in lab.nodes}
