@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.remote.probe import gather
+from llmgw_cli.remote.connect import Connections
+from llmgw_cli.remote.probe import Snapshot, gather
 
 STATE = Path("/var/lib/llmgw-bench-lab")
 
@@ -35,10 +36,15 @@ def llmgw(*args: str) -> None:
 
 def time_llmgw(spec_path: Path, nodes: list[str], runs: int) -> list[float]:
     spec = parse_cluster(spec_path.read_text())
+
+    async def probe() -> Snapshot:  # new connections each run, as `llmgw status` opens them
+        async with Connections(spec, spec_path.parent) as conns:
+            return await gather(spec, conns, nodes)
+
     times = []
     for _ in range(runs):
         started = time.perf_counter()
-        snapshot = asyncio.run(gather(spec, spec_path.parent, nodes))
+        snapshot = asyncio.run(probe())
         times.append(time.perf_counter() - started)
         failed = [n.node for n in snapshot.nodes if not n.reachable]
         if failed:

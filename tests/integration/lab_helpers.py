@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -89,12 +90,22 @@ def llmgw_units(lab: Lab) -> dict[str, list[str]]:
     return out
 
 
-def logins(lab: Lab, node: str, user: str, since: float) -> int:
-    """SSH logins of ``user`` that ``node``'s sshd accepted since ``since`` (epoch seconds;
-    the lab's nodes share this machine's clock), this question's own login left out."""
+def sshd_marks(lab: Lab) -> dict[str, str]:
+    """Where each node's sshd log stands now (a journal cursor), for ``logins``."""
+    marks = {}
+    for node in lab.nodes:
+        # --sync: this very login's line is in the journal before the cursor is read
+        done = lab.ssh(node.name, "journalctl --sync; journalctl -u ssh -n 1 --show-cursor --no-pager")
+        marks[node.name] = done.stdout.rsplit("-- cursor: ", 1)[1].strip()
+    return marks
+
+
+def logins(lab: Lab, node: str, user: str, mark: str) -> int:
+    """SSH logins of ``user`` that ``node``'s sshd accepted since ``mark`` (``sshd_marks``),
+    this question's own login left out."""
     script = (
-        f"set -- $SSH_CLIENT; journalctl -u ssh --since @{int(since)} --no-pager -o cat "
-        f"| grep 'Accepted publickey for {user} from ' | grep -vc \" port $2 ssh2\"; true"
+        f"set -- $SSH_CLIENT; journalctl --sync; journalctl -u ssh --after-cursor {shlex.quote(mark)} "
+        f"--no-pager -o cat | grep 'Accepted publickey for {user} from ' | grep -vc \" port $2 ssh2\"; true"
     )
     done = lab.ssh(node, script)
     return int(done.stdout.strip())

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from .conftest import Lab
-from .lab_helpers import cluster_variant, llmgw_units, logins, reset, run, unit_props
+from .lab_helpers import cluster_variant, llmgw_units, logins, reset, run, sshd_marks, unit_props
 
 pytestmark = pytest.mark.integration
 SMOL = "llmgw-smollm2-135m-0.service"
@@ -41,12 +41,12 @@ def where(lab: Lab, unit: str) -> str:
 
 
 def test_apply_starts_min_replicas_and_a_second_apply_changes_nothing(clean: Lab) -> None:
-    since = time.time()
+    marks = sshd_marks(clean)
     first = apply(clean.cluster_file)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "Plan: 2 to create" in first.stdout
     # probe, node helper, engine keys, units and readiness waits: one connection per node
-    assert {n.name: logins(clean, n.name, "root", since) for n in clean.nodes} == {
+    assert {n.name: logins(clean, n.name, "root", marks[n.name]) for n in clean.nodes} == {
         n.name: 1 for n in clean.nodes
     }
     node = where(clean, SMOL)

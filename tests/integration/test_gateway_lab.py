@@ -16,7 +16,7 @@ import pytest
 from llmgw_cli.polling import poll_until
 
 from .conftest import Lab
-from .lab_helpers import applied_with_gateway, logins
+from .lab_helpers import applied_with_gateway, logins, sshd_marks
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def test_gateway_serves_the_replicas_apply_started(served: openai.OpenAI) -> Non
 def test_discovery_rounds_reuse_one_connection_per_node(lab: Lab, tmp_path: Path) -> None:
     """The gateway probes the nodes every second, over the connection it opened at the
     first round: each node's sshd lets the gateway's account in once."""
-    since = time.time()
+    marks = sshd_marks(lab)
     with applied_with_gateway(lab, tmp_path, "--discover-every", "1") as gw:
         ready = time.time()  # the first round ran before /health answered
 
@@ -75,5 +75,5 @@ def test_discovery_rounds_reuse_one_connection_per_node(lab: Lab, tmp_path: Path
             return True if len(probed) == len(lab.nodes) and min(probed) > ready + 1.5 else None
 
         assert asyncio.run(poll_until(later_rounds, timeout=30, interval=0.5)), "no later discovery round"
-        counts = {n.name: logins(lab, n.name, "llmgw-gateway", since) for n in lab.nodes}
+        counts = {n.name: logins(lab, n.name, "llmgw-gateway", marks[n.name]) for n in lab.nodes}
     assert counts == {n.name: 1 for n in lab.nodes}
