@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -32,6 +30,7 @@ from llmgw_cli.cli.views import fetch_results_view, plain
 from llmgw_cli.core.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, select
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import FetchFailed, UsageError
+from llmgw_cli.remote.connect import Connections, Session
 from llmgw_cli.remote.fetch import Fetcher, FetchEvent, FetchResult, verified
 
 out = Console()
@@ -40,7 +39,7 @@ err = Console(stderr=True)
 
 async def _run(
     spec: ClusterSpec,
-    base: Path,
+    conns: Connections,
     plan_for: Callable[[set[tuple[str, str]]], FetchPlan],
     held: set[tuple[str, str]],
     token: str | None,
@@ -73,13 +72,12 @@ async def _run(
             err.print(plain(f"  {e.model} -> {e.node}: {state}"), highlight=False)
         last[key] = state
 
-    fetcher = Fetcher(spec, base, on_event, token=token, hf_endpoint=os.environ.get("HF_ENDPOINT"))
-    try:
-        plan = plan_for(await verified(fetcher, spec, held))
-        with bars:
-            return plan, await fetcher.run(plan)
-    finally:
-        await fetcher.close()
+    fetcher = Fetcher(
+        spec, conns.base, on_event, token=token, hf_endpoint=os.environ.get("HF_ENDPOINT"), conns=conns
+    )
+    plan = plan_for(await verified(fetcher, spec, held))
+    with bars:
+        return plan, await fetcher.run(plan)
 
 
 def fetch(
@@ -117,22 +115,24 @@ def fetch(
     """
     spec = read_cluster(file)
     chosen = chosen_nodes(spec, nodes, file)
-    snapshot = probe_with_progress(spec, file, None, err)
-    facts = {f.node: f for f in snapshot.nodes}
-    try:
-        wanted = select(spec, facts, models or None, chosen)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    unreachable = {f.node for f in snapshot.nodes if not f.reachable}
-    plan, results = asyncio.run(
-        _run(
-            spec,
-            file.resolve().parent,
-            lambda held: plan_fetch(spec, wanted, held, unreachable, peers),
-            held_in_facts(spec, facts),
-            os.environ.get(token_env) or None,
+    # One session: the probe's connections carry the fetch jobs too.
+    with Session(spec, file.resolve().parent) as session:
+        snapshot = probe_with_progress(spec, file, None, err, session)
+        facts = {f.node: f for f in snapshot.nodes}
+        try:
+            wanted = select(spec, facts, models or None, chosen)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        unreachable = {f.node for f in snapshot.nodes if not f.reachable}
+        plan, results = session.run(
+            _run(
+                spec,
+                session.conns,
+                lambda held: plan_fetch(spec, wanted, held, unreachable, peers),
+                held_in_facts(spec, facts),
+                os.environ.get(token_env) or None,
+            )
         )
-    )
     out.print(fetch_results_view(plan, results), soft_wrap=True)
     failed = [r for r in results if not r.ok] + [s for s in plan.skipped if s.reason == "unreachable"]
     if failed:
