@@ -61,15 +61,6 @@ def sglang_key_text(key: str) -> str:
     return f'api-key: "{key}"\n'
 
 
-def keys_from_env_text(text: str) -> str | None:
-    """The key in a node's key file; None when there is none."""
-    for line in text.splitlines():
-        name, sep, value = line.strip().partition("=")
-        if sep and name == ENGINE_KEY_VAR and value.strip():
-            return value.strip().strip("'\"")
-    return None
-
-
 # --- secrets in the environment -------------------------------------------------------
 
 

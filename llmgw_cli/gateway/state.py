@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from llmgw_cli.core.keys import ApiKey
+from llmgw_cli.core.parse.engine_env import engine_key
 from llmgw_cli.core.routing import Pool
 from llmgw_cli.core.spec import ClusterSpec, Model
 from llmgw_cli.errors import InputError
@@ -43,11 +44,10 @@ def read_engine_key(path: Path) -> str:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise InputError(f"engine key file {path}: {exc.strerror} (give it with --engine-key-file)") from None
-    for line in text.splitlines():
-        name, sep, value = line.strip().partition("=")
-        if sep and name.strip() == "LLMGW_ENGINE_KEY":
-            return value.strip().strip("'\"")
-    raise InputError(f"engine key file {path}: no LLMGW_ENGINE_KEY=... line")
+    key = engine_key(text)
+    if key is None:
+        raise InputError(f"engine key file {path}: no LLMGW_ENGINE_KEY=... line with a key")
+    return key
 
 
 class _Queue:

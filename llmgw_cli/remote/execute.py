@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 from llmgw_cli.core.engine_access import (
     engine_env_text,
-    keys_from_env_text,
     secret_env_file,
     secret_env_text,
     sglang_key_file,
     sglang_key_text,
 )
 from llmgw_cli.core.engines import ENGINE_ENV_FILE
+from llmgw_cli.core.parse.engine_env import engine_key
 from llmgw_cli.core.plan import Action, Plan
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
@@ -84,7 +84,7 @@ async def read_engine_key(t: Transport) -> str | None:
         result = await t.run(f"cat {ENGINE_ENV_FILE} 2>/dev/null", root=True)
     except NodeError:
         return None
-    return keys_from_env_text(result.stdout)
+    return engine_key(result.stdout)
 
 
 async def node_engine_keys(transports: list[Transport], *, rotate: bool = False) -> dict[str, str]:
