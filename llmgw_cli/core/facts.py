@@ -76,6 +76,10 @@ class IbPort(Fact):
         return f"{self.state.value} ({self.phys_state})"
 
 
+UP_STATES = ("active", "activating", "reloading")
+"""The ``ActiveState`` values of a unit that runs (or is on its way to it)."""
+
+
 class UnitState(Fact):
     """What ``systemctl show`` says about one unit."""
 
@@ -88,6 +92,34 @@ class UnitState(Fact):
     n_restarts: int
     exec_main_code: int | None
     exec_main_status: int | None
+
+    @property
+    def up(self) -> bool:
+        return self.active_state in UP_STATES
+
+
+class ReplicaUnit(Fact):
+    """One unit of an llmgw replica on one node: the labels llmgw wrote into it
+    (``X-Llmgw-*``), read once (``core/parse/units.py``), and its systemd state."""
+
+    node: str
+    name: str
+    model: str
+    replica: int
+    rank: int | None
+    members: tuple[str, ...]  # node names, rank order
+    gpus: tuple[str, ...]  # GPU UUIDs
+    port: int  # 0: no port label
+    spec_hash: str
+    state: UnitState | None  # None: systemd does not know the unit (not loaded)
+
+    @property
+    def active_state(self) -> str:
+        return self.state.active_state if self.state else "not-loaded"
+
+    @property
+    def up(self) -> bool:
+        return self.state is not None and self.state.up
 
 
 class ModelFiles(Fact):

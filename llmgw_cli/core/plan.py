@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from llmgw_cli.core.engines import Member, replica_unit, spec_hash
-from llmgw_cli.core.facts import Fact, NodeFacts
+from llmgw_cli.core.facts import Fact, NodeFacts, ReplicaUnit
 from llmgw_cli.core.hardware import fabric_status
+from llmgw_cli.core.parse.units import replica_units
 from llmgw_cli.core.placement import PlacedReplica, Placement, Slot, place
 from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode
 
@@ -31,22 +32,36 @@ class UnitFile(Fact):
 
 
 class Running(Fact):
-    """A replica found on the nodes, rebuilt from its units' labels."""
+    """A replica found on the nodes: its units grouped by their model and replica labels."""
 
     model: str
     replica: int
     spec_hash: str
     port: int
     members: tuple[str, ...]  # node names, rank order
-    gpus: dict[str, tuple[str, ...]]  # node -> GPU UUIDs
-    states: dict[str, str]  # node -> ActiveState
     unit: str
+    units: dict[str, ReplicaUnit]  # node -> the replica's unit found there
+
+    @property
+    def gpus(self) -> dict[str, tuple[str, ...]]:
+        """node -> GPU UUIDs its unit holds."""
+        return {node: u.gpus for node, u in self.units.items()}
+
+    @property
+    def states(self) -> dict[str, str]:
+        """node -> ActiveState of its unit."""
+        return {node: u.active_state for node, u in self.units.items()}
+
+    @property
+    def up(self) -> bool:
+        """Every member runs its unit (a multi-node replica serves only with all of them):
+        the one rule for plan, apply and status."""
+        return all(node in self.units and self.units[node].up for node in self.members)
 
     @property
     def down(self) -> bool:
         """Some member is not running (failed, stopped, or its unit missing on a node)."""
-        up = ("active", "activating", "reloading")
-        return any(s not in up for s in self.states.values()) or len(self.states) < len(self.members)
+        return not self.up
 
 
 class Action(Fact):
@@ -74,30 +89,19 @@ class Plan(Fact):
 def running_replicas(facts: dict[str, NodeFacts]) -> list[Running]:
     """Replicas as the nodes report them: units grouped by their model and replica labels."""
     found: dict[tuple[str, int], Running] = {}
-    for name, f in sorted(facts.items()):
-        states = {u.name: u.active_state for u in f.units}
-        for unit, labels in f.unit_labels.items():
-            if "Model" not in labels or not labels.get("Replica", "").isdigit():
-                continue
-            key = (labels["Model"], int(labels["Replica"]))
-            port = labels.get("Port", "")
+    for _, f in sorted(facts.items()):
+        for u in replica_units(f):
+            key = (u.model, u.replica)
             current = found.get(key) or Running(
-                model=key[0],
-                replica=key[1],
-                spec_hash=labels.get("Spec-Hash", ""),
-                port=int(port) if port.isdigit() else 0,
-                members=tuple(labels.get("Members", name).split(",")),
-                gpus={},
-                states={},
-                unit=unit,
+                model=u.model,
+                replica=u.replica,
+                spec_hash=u.spec_hash,
+                port=u.port,
+                members=u.members,
+                unit=u.name,
+                units={},
             )
-            gpus = tuple(g for g in labels.get("Gpus", "").split(",") if g)
-            found[key] = current.model_copy(
-                update={
-                    "gpus": {**current.gpus, name: gpus},
-                    "states": {**current.states, name: states.get(unit, "not-loaded")},
-                }
-            )
+            found[key] = current.model_copy(update={"units": {**current.units, u.node: u}})
     return [found[k] for k in sorted(found)]
 
 

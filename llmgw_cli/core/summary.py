@@ -4,9 +4,10 @@ dashboard and the metrics all come from ``summarize``, so they cannot drift apar
 The gateway adds what a probe cannot see (``Live``: replica health and last use, usage
 by key); ``llmgw status`` passes none, and those parts stay empty.
 
-Counting rules: a faulty card is neither used nor free; a GPU is used when an active
+Counting rules: a faulty card is neither used nor free; a GPU is used when a running
 llmgw unit names it (label ``X-Llmgw-Gpus``); a whole node is free when it is reachable,
-advertises its fabric and none of its cards is used or faulty.
+advertises its fabric and none of its cards is used or faulty; a model's replica runs
+when every one of its units runs (``plan.Running.up``, the rule ``plan`` replaces by).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Literal
 
 from llmgw_cli.core.facts import Fact, GpuHealth, NodeFacts
 from llmgw_cli.core.hardware import fabric_status, gpu_class
+from llmgw_cli.core.parse.units import replica_units
+from llmgw_cli.core.plan import Running, running_replicas
 from llmgw_cli.core.routing import Health, RoutedReplica, model_state
 from llmgw_cli.core.spec import ClusterSpec, Node
 
-LABEL_MODEL = "Model"
-LABEL_GPUS = "Gpus"
 # A replica of a model without `scaling.idle_timeout` counts as held idle after this long
 # without a request (it is never stopped for it; the dashboard and an alert show it).
 IDLE_AFTER = 1800.0
@@ -131,14 +132,9 @@ class Summary(Fact):
     keys: tuple[KeyRow, ...] = ()
 
 
-def _active_units(facts: NodeFacts) -> list[dict[str, str]]:
-    active = {u.name for u in facts.units if u.active_state in ("active", "activating", "reloading")}
-    return [labels for unit, labels in facts.unit_labels.items() if unit in active]
-
-
 def _used_uuids(facts: NodeFacts) -> set[str]:
-    """UUIDs of the cards that active llmgw units hold."""
-    return {u for labels in _active_units(facts) for u in labels.get(LABEL_GPUS, "").split(",") if u}
+    """UUIDs of the cards that running llmgw units hold."""
+    return {g for u in replica_units(facts) if u.up for g in u.gpus}
 
 
 def _nvlink_peers(facts: NodeFacts) -> int | None:
@@ -281,12 +277,11 @@ def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None 
                 models_held=tuple(sorted({m for r in members for m in r.models})),
             )
         )
-    running: dict[str, list[str]] = defaultdict(list)
-    for node in spec.nodes:
-        f = facts.get(node.name)
-        for labels in _active_units(f) if f else []:
-            if LABEL_MODEL in labels:
-                running[labels[LABEL_MODEL]].append(node.name)
+    declared = {n.name for n in spec.nodes}
+    running: dict[str, list[Running]] = defaultdict(list)
+    for replica in running_replicas({name: f for name, f in facts.items() if name in declared}):
+        if replica.up:
+            running[replica.model].append(replica)
     pool: dict[str, list[RoutedReplica]] = defaultdict(list)
     for r in live.replicas if live else ():
         pool[r.model].append(RoutedReplica(r.model, r.address, health=Health(r.health)))
@@ -296,8 +291,8 @@ def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None 
             mode=m.mode.value,
             desired=m.scaling.min if m.scaling else 0,
             maximum=m.scaling.max if m.scaling else 0,
-            running=len(running[m.name]) // max(m.nodes, 1),
-            where=tuple(sorted(set(running[m.name]))),
+            running=len(running[m.name]),
+            where=tuple(sorted({node for replica in running[m.name] for node in replica.members})),
             state=model_state(m, pool[m.name]).value if live else None,
             ready=sum(1 for r in pool[m.name] if r.health is Health.ready) if live else None,
         )

@@ -89,7 +89,7 @@ def _replicas(facts: dict[str, NodeFacts]) -> dict[tuple[str, str], list[tuple[s
         # Names and labels come from the nodes: used only when they look like ours.
         if not UNIT_NAME.fullmatch(r.unit) or not r.port or not r.members:
             continue
-        if all(r.states.get(node) in ("active", "activating") for node in r.members):
+        if r.up:
             found[(r.model, str(r.replica))] = [(node, r.unit, r.port) for node in r.members]
     return found
 

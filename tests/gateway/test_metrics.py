@@ -58,7 +58,9 @@ def fleet_exposition(tmp_path: Path) -> str:
     a = a.model_copy(
         update={
             "units": (unit_state("llmgw-big-0.service"),),
-            "unit_labels": {"llmgw-big-0.service": {"Model": "big", "Gpus": "GPU-a-0,GPU-a-1"}},
+            "unit_labels": {
+                "llmgw-big-0.service": {"Model": "big", "Replica": "0", "Gpus": "GPU-a-0,GPU-a-1"}
+            },
         }
     )
     source.facts = {

@@ -6,6 +6,7 @@ from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Plan, grow_plan, make_plan, running_replicas, stop_plan
 from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.summary import summarize
 
 from .facts_factory import node_facts, with_units
 
@@ -189,3 +190,27 @@ def test_stop_plan_removes_the_replica_on_every_member() -> None:
     assert set(action.remove) == {(n, big.unit) for n in big.members} and len(big.members) == 2
     assert "big" not in {r.model for r in running_replicas(applied(stop, facts))}
     assert stop_plan(facts, "big", 7, "x").actions == ()
+
+
+def test_plan_and_status_agree_on_a_half_failed_multi_node_replica() -> None:
+    s = spec()
+    plan = make_plan(s, fresh())
+    facts = applied(plan, fresh())
+    big = next(a for a in plan.actions if a.model == "big")
+    assert len(big.nodes) == 2
+    assert summarize(s, facts).models[2].running == 1
+    # one member's unit fails, the other member's keeps running
+    head, failed_node = big.nodes
+    half = with_units(facts, [(w.node, w.name, w.text) for w in big.write if w.node == failed_node], "failed")
+    (replica,) = [r for r in running_replicas(half) if r.model == "big"]
+    assert replica.states == {head: "active", failed_node: "failed"}
+    assert not replica.up
+    assert [(a.op, a.model, a.reason) for a in make_plan(s, half).changes] == [
+        ("~", "big", "not running; started again")
+    ]
+    summary = summarize(s, half)
+    row = summary.models[2]
+    assert (row.name, row.running, row.where) == ("big", 0, ())
+    # the member that runs still holds its cards
+    used = {n.name: n.used for n in summary.nodes}
+    assert used[head] == 8 and used[failed_node] == 0

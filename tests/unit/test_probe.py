@@ -122,6 +122,7 @@ MainPID=77
 NRestarts=0
 @@ labels
 /etc/systemd/system/{unit}:X-Llmgw-Model=llama
+/etc/systemd/system/{unit}:X-Llmgw-Replica=0
 /etc/systemd/system/{unit}:X-Llmgw-Gpus={uuids[0]},{uuids[1]}
 @@ end
 """

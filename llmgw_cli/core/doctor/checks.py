@@ -10,6 +10,7 @@ from llmgw_cli.core.doctor.facts import Collected, Finding, Limit, Severity
 from llmgw_cli.core.facts import GpuHealth, IbPort, PortState
 from llmgw_cli.core.hardware import gpu_class, same_class
 from llmgw_cli.core.parse.probe import engine_binaries
+from llmgw_cli.core.parse.units import replica_units
 from llmgw_cli.core.spec import ClusterSpec, Node, ScalingMode
 
 Check = Callable[[ClusterSpec, Node, Collected], list[Finding]]
@@ -288,13 +289,7 @@ def check_weights(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
 
 def _our_ports(c: Collected) -> set[int]:
     """Ports llmgw's own running replicas hold on this node (port and port + 1)."""
-    running = {u.name for u in c.facts.units if u.active_state in ("active", "activating", "reloading")}
-    ports = set()
-    for unit, labels in c.facts.unit_labels.items():
-        port = labels.get("Port", "")
-        if unit in running and port.isdigit():
-            ports |= {int(port), int(port) + 1}
-    return ports
+    return {p for u in replica_units(c.facts) if u.up and u.port for p in (u.port, u.port + 1)}
 
 
 def check_ports(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:

@@ -23,6 +23,7 @@ from llmgw_cli.core.parse.infiniband import parse_ib_ports
 from llmgw_cli.core.parse.nvidia_smi import HEALTH_FIELDS, QUERY_FIELDS, parse_health, parse_query_gpu
 from llmgw_cli.core.parse.systemctl import parse_show, unit_state
 from llmgw_cli.core.parse.topo import parse_topology
+from llmgw_cli.core.parse.units import parse_labels
 from llmgw_cli.core.parse.weights import judge
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.core.templates import render
@@ -169,22 +170,6 @@ def _engines(text: str) -> tuple[Engine, ...]:
     return tuple(engines)
 
 
-_UNIT_DIR = "/etc/systemd/system/"
-
-
-def _labels(text: str) -> dict[str, dict[str, str]]:
-    """``grep -H`` lines ``/etc/systemd/system/UNIT:X-Llmgw-KEY=VALUE``; anything else is
-    not a label and is skipped."""
-    labels: dict[str, dict[str, str]] = defaultdict(dict)
-    for line in text.split("\n"):
-        path, sep, rest = line.partition(":")
-        unit = path.removeprefix(_UNIT_DIR)
-        key, eq, value = rest.partition("=")
-        if sep and eq and path.startswith(_UNIT_DIR) and "/" not in unit and key.startswith("X-Llmgw-"):
-            labels[unit][key.removeprefix("X-Llmgw-")] = value
-    return dict(labels)
-
-
 def printable(text: str) -> str:
     """``text`` with every character a terminal could act on (escapes, control characters)
     shown as ``?``: error messages may quote what a node printed."""
@@ -242,7 +227,7 @@ def _parse(node: Node, text: str) -> NodeFacts:
         memory_available_kib=available,
         weights=_weights(sections.get("weights", ""), node),
         units=tuple(unit_state(b) for b in parse_show(sections.get("units", ""))),
-        unit_labels=_labels(sections.get("labels", "")),
+        unit_labels=parse_labels(sections.get("labels", "")),
         engines=_engines(sections.get("engines", "")),
         clock=clock,
     )

@@ -210,7 +210,10 @@ def test_port_in_a_profile_range_taken_by_another_program_is_an_error() -> None:
         s,
         doctor_listen=SS,
         units="Id=llmgw-llama-1.service\nLoadState=loaded\nActiveState=active\nSubState=running",
-        labels="/etc/systemd/system/llmgw-llama-1.service:X-Llmgw-Port=8220",
+        labels="\n".join(
+            f"/etc/systemd/system/llmgw-llama-1.service:X-Llmgw-{label}"
+            for label in ("Model=llama", "Replica=1", "Port=8220")
+        ),
     )
     found = check_ports(s, s.node("gpu1"), c)
     assert checks(found) == [("ports.taken", Severity.error)] * 2
