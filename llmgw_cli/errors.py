@@ -29,13 +29,13 @@ Errors handled where they arise, which never reach the command line (so they are
     │                          keep-alive connection (one retry on a fresh one is safe)
     ├── ReadTimeout            no byte for ``read_timeout`` seconds
     └── BrokenAnswer           closed in the middle of the answer, or the answer is not HTTP
+    BadRequest                 a client's request body the gateway refuses (a 400)
     EngineStartError           the lab's simulated engine cannot start (its dying log line)
     RequestError               the lab's simulated engine answers a request with a 4xx
 
-Two kinds of error live beside the code that raises them: those of the programs that run
+One kind of error lives beside the code that raises it: those of the programs that run
 on a node (``remote/nodefetch.py``, ``remote/node_helper.py``: standard library only, they
-cannot import this module), and ``gateway/proxy.py``'s ``BadRequest``, which builds its own
-aiohttp answer.
+cannot import this module).
 """
 
 from __future__ import annotations
@@ -147,6 +147,15 @@ class ReadTimeout(UpstreamError):
 
 class BrokenAnswer(UpstreamError):
     """The connection closed in the middle of the answer, or the answer is not HTTP."""
+
+
+class BadRequest(Exception):
+    """A client mistake in a request body (``gateway/request_body.py``): answered 400 in
+    the OpenAI format with this message, code and param."""
+
+    def __init__(self, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
 
 
 class EngineStartError(Exception):

@@ -31,13 +31,14 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from llmgw_cli.core.keys import bearer, hash_token
+from llmgw_cli.core.keys import bearer
 from llmgw_cli.core.routing import ModelState, model_state
 from llmgw_cli.core.spec import GatewayTls
 from llmgw_cli.errors import LlmgwError
 from llmgw_cli.gateway import admin
 from llmgw_cli.gateway.fleet import FleetCollector
-from llmgw_cli.gateway.proxy import GATEWAY, error, forward
+from llmgw_cli.gateway.openai_error import error
+from llmgw_cli.gateway.proxy import GATEWAY, forward
 from llmgw_cli.gateway.state import Gateway, log
 from llmgw_cli.gateway.usage import merged
 
@@ -48,7 +49,7 @@ async def health(_request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    if gw.authenticate(bearer(request.headers.get("Authorization")), hash_token) is None:
+    if gw.authenticate(bearer(request.headers.get("Authorization"))) is None:
         return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
     data = [
         {
@@ -86,7 +87,7 @@ def public_app(gw: Gateway) -> web.Application:
 @web.middleware
 async def _admin_only(request: web.Request, handler: Any) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    key = gw.authenticate(admin.admin_token(request.headers.get("Authorization")), hash_token)
+    key = gw.authenticate(admin.admin_token(request.headers.get("Authorization")))
     if key is None:
         return error(
             401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key", admin.CHALLENGE

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from llmgw_cli.core.keys import ApiKey
+from llmgw_cli.core.keys import ApiKey, hash_token
 from llmgw_cli.core.parse.engine_env import engine_key
 from llmgw_cli.core.routing import Pool
 from llmgw_cli.core.spec import ClusterSpec, Model
@@ -384,8 +384,9 @@ class Gateway:
 
     # --- per request --------------------------------------------------------------
 
-    def authenticate(self, token: str | None, digest: Callable[[str], str]) -> ApiKey | None:
+    def authenticate(self, token: str | None) -> ApiKey | None:
+        """The valid key whose digest is the token's (``hash_token``), or None."""
         if token is None:
             return None
-        key = self.keys.get(digest(token))
+        key = self.keys.get(hash_token(token))
         return key if key is not None and key.valid(datetime.now(UTC)) else None

@@ -2,7 +2,7 @@
 and delivered.
 
 - An engine that closes its connection right after the last event (without ending the
-  chunked body), as llama-server can.
+  chunked body), as llama-server can. The log line says the stream was cut.
 - An engine that keeps the body open a while after `data: [DONE]` while the client (the
   official openai client does this) hangs up as soon as it has read `[DONE]`: the gateway's
   handler is cancelled mid-relay, and that must count as a whole answer, not a 499.
@@ -108,6 +108,8 @@ def test_usage_of_a_stream_cut_after_its_last_event_is_metered(abrupt_engine: in
         assert received == b"" or b'"completion_tokens":3' in received
     finally:
         gw.stop()
+    lines = [json.loads(x) for x in gw.log.read_text().splitlines() if x.startswith("{")]
+    assert [(x["status"], x["cut"]) for x in lines if x["key"] == "user"] == [(200, True)]  # the log says so
     gw.start()
     try:
         (row,) = [u for u in gw.admin("/admin/api/usage", admin).json()["usage"] if u["key"] == "user"]
@@ -148,10 +150,10 @@ def test_client_that_hangs_up_after_done_is_metered_as_a_whole_answer(
 
         def logged() -> list[tuple[int, int]]:  # the log is written in batches (0.2 s)
             lines = [json.loads(x) for x in gw.log.read_text().splitlines() if x.startswith("{")]
-            return [(x["status"], x["completion_tokens"]) for x in lines if x["key"] == "user"]
+            return [(x["status"], x["completion_tokens"], x["cut"]) for x in lines if x["key"] == "user"]
 
         while time.monotonic() < deadline + 1 and not logged():
             time.sleep(0.1)
-        assert logged() == [(200, 3)]
+        assert logged() == [(200, 3, False)]  # the client hung up: not a cut
     finally:
         gw.stop()

@@ -262,6 +262,7 @@ def test_one_log_line_per_request(setup: Setup) -> None:
         mine[0]["model"] == "chat"
         and mine[0]["completion_tokens"] == 3
         and mine[0]["replica"].startswith("127.0.0.1:")
+        and mine[0]["cut"] is False
     )
 
 

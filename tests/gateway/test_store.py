@@ -1,4 +1,4 @@
-"""Keys and usage in SQLite, the per-model admission queue, and reading usage off a stream."""
+"""Keys and usage in SQLite, the per-model admission queue, and asking a stream for its usage."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from llmgw_cli.core.keys import ApiKey, bearer, hash_token, parse_expiry
 from llmgw_cli.errors import InputError
-from llmgw_cli.gateway.proxy import body_usage, stream_usage, with_include_usage, without_usage_event
+from llmgw_cli.gateway.request_body import with_include_usage
 from llmgw_cli.gateway.state import Admission, read_engine_key
 from llmgw_cli.gateway.store import SqliteStore, Usage
 from llmgw_cli.gateway.usage import Meter, merged
@@ -73,17 +73,6 @@ def test_engine_key_file(tmp_path: Path) -> None:
         read_engine_key(tmp_path / "missing")
 
 
-def test_stream_usage_reads_the_last_usage_chunk() -> None:
-    tail = (
-        b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
-        b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n'
-        b"data: [DONE]\n\n"
-    )
-    assert stream_usage(tail) == (7, 3)
-    assert stream_usage(b'data: {"choices":[]}\n\ndata: [DONE]\n\n') == (0, 0)
-    assert stream_usage(b'ge":{"prompt_tokens":7}}\n\ndata: [DONE]\n\n') == (0, 0)  # cut-off start
-
-
 def test_admission_limits_and_queues_in_order() -> None:
     async def scenario() -> list[str]:
         gate = Admission()
@@ -122,40 +111,6 @@ def test_admission_cancelled_waiter_gives_up_its_place() -> None:
         return gate.active["m"]
 
     assert asyncio.run(scenario()) == 1
-
-
-def test_body_usage_reads_the_usage_object_without_parsing() -> None:
-    answer = {
-        "object": "list",
-        "data": [{"embedding": [0.1] * 50, "index": 0}],
-        "usage": {"prompt_tokens": 12, "total_tokens": 12},
-    }
-    assert body_usage(json.dumps(answer).encode()) == (12, 0)
-    chat = {
-        "choices": [{"message": {"content": '"usage": {"prompt_tokens": 99}'}}],
-        "usage": {"prompt_tokens": 4, "completion_tokens": 9},
-    }
-    assert body_usage(json.dumps(chat).encode()) == (4, 9)
-    assert body_usage(b'{"error": {"message": "bad"}}') == (0, 0)
-
-
-def test_the_usage_event_asked_for_by_the_gateway_is_taken_out() -> None:
-    content = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
-    usage = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'
-    done = b"data: [DONE]\n\n"
-    assert without_usage_event(content + usage + done) == content + done
-    assert without_usage_event(usage) == b""
-    assert without_usage_event(content) == content
-    # usage inside the text of a normal chunk is content, not the usage event
-    text = b'data: {"choices":[{"delta":{"content":"\\"usage\\": []"}}],"usage":null}\n\n'
-    assert without_usage_event(text) == text
-
-
-def test_a_usage_event_split_across_reads_passes_through() -> None:
-    done = b"data: [DONE]\n\n"
-    partial = b'data: {"choices":[],"usage":{"prompt_tok'
-    assert without_usage_event(done + partial) == done + partial
-    assert stream_usage(b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}') == (5, 3)
 
 
 def test_include_usage_is_asked_for_without_losing_stream_options() -> None:

@@ -23,7 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw_cli.gateway.proxy import MAX_DEPTH, BadRequest, parse_body, too_deep
+from llmgw_cli.errors import BadRequest
+from llmgw_cli.gateway.openai_error import bad_request
+from llmgw_cli.gateway.request_body import MAX_DEPTH, parse_body, too_deep
 from tests.gateway.harness import Engine, Gateway, free_port, self_signed_cert
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
@@ -454,7 +456,7 @@ def test_parse_body_answers_every_body_with_a_payload_or_a_400(body: bytes) -> N
     try:
         payload, sent = parse_body(body)
     except BadRequest as exc:
-        assert exc.response().status == 400
+        assert bad_request(exc).status == 400
         return
     assert isinstance(payload, dict) and isinstance(payload["model"], str)
     assert payload.get("stream") in (None, True, False)
