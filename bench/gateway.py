@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/gateway.py                     # defaults below
     .venv/bin/python bench/gateway.py --seconds 10 --latency-requests 3000
+    .venv/bin/python bench/gateway.py --loops asyncio,uvloop   # both event loops side by side
 
 The gateway runs with everything on (key check, usage metering and batch writes, metrics,
 one JSON log line per request to a file) pinned to CPU 0 with ``taskset -c 0``; the fake
@@ -14,6 +15,9 @@ Measured per mode (non-streaming; a 50-chunk SSE stream, each chunk written sepa
   for streams, time to the first byte (TTFB);
 - concurrency 64: requests/s for ``--seconds``;
 - the gateway's RSS after the run.
+
+``--loops asyncio,uvloop`` runs one gateway per event loop (both pinned to the same CPU,
+measured one after the other in the same run) and prints the ratio of their c=64 rates.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_KEY = "bench-engine-key"
+LLMGW = [sys.executable, "-m", "llmgw_cli"]
 CHUNKS = 50
 
 # --- the fake upstream ----------------------------------------------------------------
@@ -377,6 +382,12 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
     parser.add_argument(
         "--no-access-log", action="store_true", help="Gateway without its per-request log line."
     )
+    parser.add_argument(
+        "--loops",
+        default="auto",
+        help="Event loops of llmgw, comma-separated (auto, asyncio, uvloop): one gateway each, "
+        "measured side by side in the same run; e.g. asyncio,uvloop.",
+    )
     args = parser.parse_args()
     if args.upstream:
         run_upstream(args.upstream)
@@ -387,49 +398,26 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
 
     os.sched_setaffinity(0, {int(args.client_cpu)})
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
-    up_port, gw_port, admin_port, metrics_port = free_port(), free_port(), free_port(), free_port()
-    (work / "cluster.yaml").write_text(
-        json.dumps(
-            {
-                "cluster": {"name": "bench"},
-                "gateway": {
-                    "listen": f"127.0.0.1:{gw_port}",
-                    "admin_listen": f"127.0.0.1:{admin_port}",
-                    "metrics_listen": f"127.0.0.1:{metrics_port}",
-                    "state_dir": str(work / "state"),
-                },
-                "nodes": [{"name": "n1", "address": "127.0.0.1", "connection": "local"}],
-                "profiles": {"p": {"engine": "vllm"}},
-                "models": [
-                    {"name": "bench", "source": "org/bench", "profile": "p", "scaling": {"min": 1, "max": 1}}
-                ],
-            }
-        )
-    )
-    (work / "replicas.yaml").write_text(json.dumps({"bench": [f"127.0.0.1:{up_port}"]}))
-    (work / "engine.env").write_text(f"LLMGW_ENGINE_KEY={ENGINE_KEY}\n")
-    llmgw = [sys.executable, "-m", "llmgw_cli"]
-    key = subprocess.run(
-        [*llmgw, "keys", "create", "-f", str(work / "cluster.yaml"), "--name", "bench"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    up_port = free_port()
+    loops = args.loops.split(",")
+    gateways = [
+        Gateway(work, "llmgw" if loops == ["auto"] else f"llmgw-{loop}", loop, up_port) for loop in loops
+    ]
+    keys = {g.name: g.key for g in gateways}
     procs = [
         subprocess.Popen(
             ["taskset", "-c", args.client_cpu, sys.executable, __file__, "--upstream", str(up_port)]
         )
     ]
-    gw_log = (work / "gateway.log").open("wb")
-    gw_cmd = ["taskset", "-c", args.gateway_cpu, *llmgw, "gateway", "run", "-f", str(work / "cluster.yaml")]
-    gw_cmd += ["--replicas", str(work / "replicas.yaml"), "--engine-key-file", str(work / "engine.env")]
-    if args.no_access_log:
-        gw_cmd.append("--no-access-log")
     try:
         wait_port(up_port)
-        procs.append(subprocess.Popen(gw_cmd, stdout=gw_log, stderr=subprocess.STDOUT))
-        wait_port(gw_port)
-        targets = [("direct", up_port), ("llmgw", gw_port)]
+        for g in gateways:
+            cmd = ["taskset", "-c", args.gateway_cpu, *g.command()]
+            if args.no_access_log:
+                cmd.append("--no-access-log")
+            procs.append(subprocess.Popen(cmd, stdout=g.log, stderr=subprocess.STDOUT))
+            wait_port(g.port)
+        targets = [("direct", up_port), *((g.name, g.port) for g in gateways)]
         if args.with_minimal:
             min_port = free_port()
             procs.append(
@@ -455,7 +443,7 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
         for stream in (False, True):
             mode = "stream50" if stream else "plain"
             for target, port in targets:
-                token = LITELLM_KEY if target == "litellm" else key
+                token = LITELLM_KEY if target == "litellm" else keys.get(target, gateways[0].key)
                 count = min(args.latency_requests, 300) if target == "litellm" else args.latency_requests
                 totals, firsts = asyncio.run(latency(port, stream, token, count))
                 rps = asyncio.run(throughput(port, stream, token, args.concurrency, args.seconds))
@@ -466,17 +454,18 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
                     "ttfb_p99_ms": ms(firsts, 99),
                     "rps": rps,
                 }
-        rss = rss_mib(procs[1].pid)
+        rss = {g.name: rss_mib(p.pid) for g, p in zip(gateways, procs[1:], strict=False)}
     finally:
         for p in reversed(procs):
             p.terminate()
             p.wait(30)
-        gw_log.close()
+        for g in gateways:
+            g.log.close()
 
-    with (work / "gateway.log").open("rb") as lines:
-        count = sum(1 for _ in lines)
+    lines = {g.name: (g.dir / "gateway.log").read_bytes().count(b"\n") for g in gateways}
     shutil.rmtree(work)
-    print(f"gateway RSS after the runs: {rss:.1f} MiB; log lines: {count}")
+    for g in gateways:
+        print(f"{g.name}: RSS after the runs {rss[g.name]:.1f} MiB; log lines: {lines[g.name]}")
     print("| mode | target | c=1 p50 ms | c=1 p99 ms | c=1 TTFB p50 ms | c=1 TTFB p99 ms | c=64 req/s |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
@@ -486,11 +475,77 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
             f"{r['ttfb_p99_ms']:.3f} | {r['rps']:,.0f} |"
         )
     for mode in ("plain", "stream50"):
-        d, g = results[f"{mode}/direct"], results[f"{mode}/llmgw"]
-        print(
-            f"{mode}: added p50 {g['p50_ms'] - d['p50_ms']:.3f} ms, added p99 {g['p99_ms'] - d['p99_ms']:.3f} ms, "
-            f"added TTFB p50 {g['ttfb_p50_ms'] - d['ttfb_p50_ms']:.3f} ms"
+        d = results[f"{mode}/direct"]
+        for g in gateways:
+            r = results[f"{mode}/{g.name}"]
+            print(
+                f"{mode} {g.name}: added p50 {r['p50_ms'] - d['p50_ms']:.3f} ms, "
+                f"added p99 {r['p99_ms'] - d['p99_ms']:.3f} ms, "
+                f"added TTFB p50 {r['ttfb_p50_ms'] - d['ttfb_p50_ms']:.3f} ms"
+            )
+    if len(gateways) == 2:
+        a, b = gateways
+        for mode in ("plain", "stream50"):
+            ratio = results[f"{mode}/{b.name}"]["rps"] / results[f"{mode}/{a.name}"]["rps"]
+            print(f"{mode}: c=64 {b.name} / {a.name} = {ratio:.3f}")
+
+
+class Gateway:
+    """One `llmgw gateway run` in its own folder: cluster file, replica file, key, log."""
+
+    def __init__(self, work: Path, name: str, loop: str, upstream: int) -> None:
+        self.name, self.loop = name, loop
+        self.dir = work / name
+        self.dir.mkdir()
+        self.port, admin_port, metrics_port = free_port(), free_port(), free_port()
+        self.cluster = self.dir / "cluster.yaml"
+        self.cluster.write_text(
+            json.dumps(
+                {
+                    "cluster": {"name": "bench"},
+                    "gateway": {
+                        "listen": f"127.0.0.1:{self.port}",
+                        "admin_listen": f"127.0.0.1:{admin_port}",
+                        "metrics_listen": f"127.0.0.1:{metrics_port}",
+                        "state_dir": str(self.dir / "state"),
+                    },
+                    "nodes": [{"name": "n1", "address": "127.0.0.1", "connection": "local"}],
+                    "profiles": {"p": {"engine": "vllm"}},
+                    "models": [
+                        {
+                            "name": "bench",
+                            "source": "org/bench",
+                            "profile": "p",
+                            "scaling": {"min": 1, "max": 1},
+                        }
+                    ],
+                }
+            )
         )
+        (self.dir / "replicas.yaml").write_text(json.dumps({"bench": [f"127.0.0.1:{upstream}"]}))
+        (self.dir / "engine.env").write_text(f"LLMGW_ENGINE_KEY={ENGINE_KEY}\n")
+        self.key = subprocess.run(
+            [*LLMGW, "keys", "create", "-f", str(self.cluster), "--name", "bench"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        self.log = (self.dir / "gateway.log").open("wb")
+
+    def command(self) -> list[str]:
+        return [
+            *LLMGW,
+            "gateway",
+            "run",
+            "-f",
+            str(self.cluster),
+            "--replicas",
+            str(self.dir / "replicas.yaml"),
+            "--engine-key-file",
+            str(self.dir / "engine.env"),
+            "--event-loop",
+            self.loop,
+        ]
 
 
 if __name__ == "__main__":
