@@ -13,7 +13,7 @@ protocols (no HTTP library) so that they cost little next to the gateway.
 Measured per mode (non-streaming; a 50-chunk SSE stream, each chunk written separately):
 - concurrency 1: p50/p99 latency direct and through the gateway, and the difference;
   for streams, time to the first byte (TTFB);
-- concurrency 64: requests/s for ``--seconds``;
+- concurrency 64: requests/s for ``--seconds``, and the gateway's CPU time per request;
 - the gateway's RSS after the run.
 
 ``--loops asyncio,uvloop`` runs one gateway per event loop (both pinned to the same CPU,
@@ -272,7 +272,12 @@ async def latency(port: int, stream: bool, key: str, count: int) -> tuple[list[f
     return totals, firsts
 
 
-async def throughput(port: int, stream: bool, key: str, concurrency: int, seconds: float) -> float:
+async def throughput(
+    port: int, stream: bool, key: str, concurrency: int, seconds: float, *, pid: int | None = None
+) -> tuple[float, float]:
+    """Requests per second over ``seconds`` (after a warm-up second), and the CPU time the
+    process ``pid`` used per request meanwhile, in microseconds (0 without a pid): less
+    sensitive than the rate to other work on a shared machine."""
     clients = [await _connect(port, _request(port, stream, key)) for _ in range(concurrency)]
     counts = [0] * concurrency
     stop_at = 0.0
@@ -285,13 +290,21 @@ async def throughput(port: int, stream: bool, key: str, concurrency: int, second
     stop_at = time.perf_counter() + 1.0  # warm-up second, not counted
     await asyncio.gather(*(loop(i) for i in range(concurrency)))
     counts = [0] * concurrency
+    cpu = cpu_seconds(pid) if pid else 0.0
     started = time.perf_counter()
     stop_at = started + seconds
     await asyncio.gather(*(loop(i) for i in range(concurrency)))
     elapsed = time.perf_counter() - started
+    cpu = cpu_seconds(pid) - cpu if pid else 0.0
     for c in clients:
         c.transport.close()
-    return sum(counts) / elapsed
+    return sum(counts) / elapsed, cpu / max(1, sum(counts)) * 1e6
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --- orchestration --------------------------------------------------------------------
@@ -409,6 +422,7 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
             ["taskset", "-c", args.client_cpu, sys.executable, __file__, "--upstream", str(up_port)]
         )
     ]
+    pids: dict[str, int] = {}  # the gateways' processes, for their CPU time
     try:
         wait_port(up_port)
         for g in gateways:
@@ -416,6 +430,7 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
             if args.no_access_log:
                 cmd.append("--no-access-log")
             procs.append(subprocess.Popen(cmd, stdout=g.log, stderr=subprocess.STDOUT))
+            pids[g.name] = procs[-1].pid
             wait_port(g.port)
         targets = [("direct", up_port), *((g.name, g.port) for g in gateways)]
         if args.with_minimal:
@@ -446,13 +461,16 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
                 token = LITELLM_KEY if target == "litellm" else keys.get(target, gateways[0].key)
                 count = min(args.latency_requests, 300) if target == "litellm" else args.latency_requests
                 totals, firsts = asyncio.run(latency(port, stream, token, count))
-                rps = asyncio.run(throughput(port, stream, token, args.concurrency, args.seconds))
+                rps, cpu_us = asyncio.run(
+                    throughput(port, stream, token, args.concurrency, args.seconds, pid=pids.get(target))
+                )
                 results[f"{mode}/{target}"] = {
                     "p50_ms": ms(totals, 50),
                     "p99_ms": ms(totals, 99),
                     "ttfb_p50_ms": ms(firsts, 50),
                     "ttfb_p99_ms": ms(firsts, 99),
                     "rps": rps,
+                    "cpu_us": cpu_us,
                 }
         rss = {g.name: rss_mib(p.pid) for g, p in zip(gateways, procs[1:], strict=False)}
     finally:
@@ -466,13 +484,17 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
     shutil.rmtree(work)
     for g in gateways:
         print(f"{g.name}: RSS after the runs {rss[g.name]:.1f} MiB; log lines: {lines[g.name]}")
-    print("| mode | target | c=1 p50 ms | c=1 p99 ms | c=1 TTFB p50 ms | c=1 TTFB p99 ms | c=64 req/s |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| mode | target | c=1 p50 ms | c=1 p99 ms | c=1 TTFB p50 ms | c=1 TTFB p99 ms | c=64 req/s "
+        "| c=64 gateway CPU us/req |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         mode, target = name.split("/")
+        cpu = f"{r['cpu_us']:.0f}" if r["cpu_us"] else ""
         print(
             f"| {mode} | {target} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['ttfb_p50_ms']:.3f} | "
-            f"{r['ttfb_p99_ms']:.3f} | {r['rps']:,.0f} |"
+            f"{r['ttfb_p99_ms']:.3f} | {r['rps']:,.0f} | {cpu} |"
         )
     for mode in ("plain", "stream50"):
         d = results[f"{mode}/direct"]
@@ -487,7 +509,8 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
         a, b = gateways
         for mode in ("plain", "stream50"):
             ratio = results[f"{mode}/{b.name}"]["rps"] / results[f"{mode}/{a.name}"]["rps"]
-            print(f"{mode}: c=64 {b.name} / {a.name} = {ratio:.3f}")
+            cpu = results[f"{mode}/{b.name}"]["cpu_us"] / results[f"{mode}/{a.name}"]["cpu_us"]
+            print(f"{mode}: c=64 {b.name} / {a.name}: req/s {ratio:.3f}, CPU per request {cpu:.3f}")
 
 
 class Gateway:
