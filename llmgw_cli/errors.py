@@ -33,9 +33,10 @@ Errors handled where they arise, which never reach the command line (so they are
     EngineStartError           the lab's simulated engine cannot start (its dying log line)
     RequestError               the lab's simulated engine answers a request with a 4xx
 
-One kind of error lives beside the code that raises it: those of the programs that run
+Two kinds of error live beside the code that raises them: those of the programs that run
 on a node (``remote/nodefetch.py``, ``remote/node_helper.py``: standard library only, they
-cannot import this module).
+cannot import this module), and private ones that one module raises and catches itself
+(``_Refused`` in ``core/load.py``, ``_Dropped`` in ``remote/ssh.py``): they never leave it.
 """
 
 from __future__ import annotations
