@@ -23,3 +23,7 @@ if TYPE_CHECKING:
 LineReport = Callable[[str], None]
 Report = Callable[[str, str], None]
 FetchReport = Callable[["FetchEvent"], None]
+
+
+def quiet(_: str) -> None:
+    """A ``LineReport`` that shows nothing: the default where nobody watches."""

@@ -4,7 +4,7 @@ start one more. Functions of (spec, state, now); the clock is a parameter.
 The gateway's supervisor (``gateway/supervisor.py``) owns the effects: it asks these
 functions, then starts or stops replicas through the same executor as ``apply``.
 
-Rules (issue 7):
+Rules:
 - ``min: 0, max >= 1`` is on demand; ``min >= 1`` is a promise: never evicted, never
   idled below ``min``; a model that is off is never started by a request.
 - A replica is idle when nobody used it for ``idle_timeout`` and nothing is in flight.

@@ -1,7 +1,7 @@
 """Monitoring files for a cluster (pure): a Prometheus configuration that scrapes the
 gateway, and alert rules on the gateway's metrics (``gateway/metrics.py``, ``fleet.py``).
 
-The alerts (issue 9):
+The alerts:
 - ``LlmgwGatewayDown``: Prometheus cannot scrape the gateway;
 - ``LlmgwNodeNotReporting``: a node's last probe failed, or its last good probe is old;
 - ``LlmgwModelNotServing``: a model with ``scaling.min >= 1`` has no replica in rotation;

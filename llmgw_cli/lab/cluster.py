@@ -24,7 +24,7 @@ from llmgw_cli.errors import LabError, UsageError
 from llmgw_cli.lab import host, nodefs, shapes
 from llmgw_cli.lab.host import LabRecord, NodeRecord, sh
 from llmgw_cli.lab.teardown import down, read_pid
-from llmgw_cli.progress import LineReport
+from llmgw_cli.progress import LineReport, quiet
 
 NODE_INIT = Path(__file__).with_name("node-init.sh")
 MAX_NODES = 200
@@ -42,11 +42,7 @@ class UpOptions:
     boot_timeout: float = 90.0
 
 
-def _quiet(_: str) -> None:
-    pass
-
-
-def up(opts: UpOptions, progress: LineReport = _quiet) -> LabRecord:
+def up(opts: UpOptions, progress: LineReport = quiet) -> LabRecord:
     """Boot the lab; returns its record once every node's systemd has finished booting."""
     host.require_host()
     if not 1 <= opts.nodes <= MAX_NODES:

@@ -15,11 +15,7 @@ from pathlib import Path
 
 from llmgw_cli.lab import host
 from llmgw_cli.lab.host import sh
-from llmgw_cli.progress import LineReport
-
-
-def _quiet(_: str) -> None:
-    pass
+from llmgw_cli.progress import LineReport, quiet
 
 
 def read_pid(path: Path) -> int:
@@ -29,7 +25,7 @@ def read_pid(path: Path) -> int:
         return 0
 
 
-def down(state_dir: Path, progress: LineReport = _quiet) -> list[str]:
+def down(state_dir: Path, progress: LineReport = quiet) -> list[str]:
     """Remove everything ``up`` created; returns warnings about what could not be removed."""
     host.require_host()
     state = state_dir.resolve()

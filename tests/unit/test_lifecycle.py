@@ -1,4 +1,4 @@
-"""On-demand policy with a fake clock: every rule of issue 7 that is a decision."""
+"""On-demand policy with a fake clock: every on-demand rule that is a decision (``core/lifecycle.py``)."""
 
 from __future__ import annotations
 
