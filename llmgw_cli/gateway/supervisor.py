@@ -41,6 +41,7 @@ from llmgw_cli.core.plan import Plan, Running, grow_plan, running_replicas, stop
 from llmgw_cli.core.routing import Health, serving_address
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
 from llmgw_cli.errors import StartFailed
+from llmgw_cli.polling import poll_until
 from llmgw_cli.remote.execute import execute
 
 if TYPE_CHECKING:
@@ -268,21 +269,22 @@ class Supervisor:
 
     async def _watch_until_ready(self, model: str, address: str, started: float, timeout: float) -> None:
         spec = self.gw.spec
-        while True:
+
+        async def ready() -> bool | None:
             replica = self.gw.pool.add(model, address, time.monotonic())
             if replica.health is not Health.ready:
                 status = await self.gw.health_status(address, model)
                 self.gw.pool.checked(replica, status, time.monotonic())
-            if replica.health is Health.ready:
-                seconds = time.monotonic() - started
-                self.gw.metrics.loaded(model, seconds)
-                self.ready_at[replica_key(model, address)] = self.clock()
-                log.info("%s: %s ready after %.1fs", model, address, seconds)
-                return
-            if time.monotonic() - started > timeout:
-                await self._give_up(spec, model, address)
-                raise StartFailed(f"not ready after {timeout:g}s (the profile's start_timeout)")
-            await asyncio.sleep(WATCH_EVERY)
+            return True if replica.health is Health.ready else None
+
+        left = max(0.0, started + timeout - time.monotonic())
+        if not await poll_until(ready, timeout=left, interval=WATCH_EVERY):
+            await self._give_up(spec, model, address)
+            raise StartFailed(f"not ready after {timeout:g}s (the profile's start_timeout)")
+        seconds = time.monotonic() - started
+        self.gw.metrics.loaded(model, seconds)
+        self.ready_at[replica_key(model, address)] = self.clock()
+        log.info("%s: %s ready after %.1fs", model, address, seconds)
 
     async def _give_up(self, spec: ClusterSpec, model: str, address: str) -> None:
         async with self.cards:
