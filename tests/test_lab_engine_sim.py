@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,12 @@ import httpx
 import openai
 import pytest
 
+from tests.gateway.harness import free_port
+from tests.waiting import connects, wait_until
+
 pytestmark = pytest.mark.integration
 
 KEY = "sk-lab-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def model_dir(root: Path) -> Path:
@@ -60,23 +55,28 @@ class Engine:
     def text(self) -> str:
         return self.log_path.read_text()
 
+    def still_running(self) -> bool:
+        """False, or fails the test if the engine has exited: a wait's "not yet"."""
+        assert self.proc.poll() is None, f"engine exited {self.proc.returncode}:\n{self.text()}"
+        return False
+
     def wait_for_log(self, needle: str, timeout: float = 10) -> None:
-        deadline = time.monotonic() + timeout
-        while needle not in self.text():
-            assert self.proc.poll() is None, f"engine exited {self.proc.returncode}:\n{self.text()}"
-            assert time.monotonic() < deadline, f"no {needle!r} in:\n{self.text()}"
-            time.sleep(0.01)
+        wait_until(
+            lambda: needle in self.text() or self.still_running(),
+            timeout=timeout,
+            interval=0.01,
+            what=lambda: f"{needle!r} in the engine's log:\n{self.text()}",
+        )
 
     def wait_listening(self, port: int, timeout: float = 10) -> float:
         start = time.monotonic()
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return time.monotonic() - start
-            except ConnectionRefusedError:
-                assert self.proc.poll() is None, f"engine exited {self.proc.returncode}:\n{self.text()}"
-                assert time.monotonic() - start < timeout, self.text()
-                time.sleep(0.01)
+        wait_until(
+            lambda: connects("127.0.0.1", port, timeout=1) or self.still_running(),
+            timeout=timeout,
+            interval=0.01,
+            what=lambda: f"the engine to listen on port {port}:\n{self.text()}",
+        )
+        return time.monotonic() - start
 
     def exit_code(self, timeout: float = 10) -> int:
         return self.proc.wait(timeout)

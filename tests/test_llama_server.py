@@ -12,13 +12,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
+
+from tests.gateway.harness import wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -70,16 +70,7 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
             stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"llama-server exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        wait_http(f"http://127.0.0.1:{port}/health", proc, log, seconds=60)
         yield port
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -7,9 +7,9 @@ import ipaddress
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +19,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from tests.waiting import wait_until
 
 ENGINE_KEY = "engine-secret"
 
@@ -30,17 +32,25 @@ def free_port() -> int:
     return port
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
+def wait_http(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    seconds: float = 30,
+    verify: ssl.SSLContext | bool = True,
+) -> None:
+    """Wait until ``url`` answers 200, failing at once if ``proc`` (which serves it) exits."""
+
+    def up() -> bool:
         assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"{url} not up:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
+        return httpx.get(url, timeout=2, verify=verify).status_code == 200
+
+    wait_until(
+        up,
+        timeout=seconds,
+        retry_on=(httpx.TransportError,),
+        what=lambda: f"{url} to answer 200:\n{log.read_text()[-3000:]}",
+    )
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, wait: float = 15) -> int:

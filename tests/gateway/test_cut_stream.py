@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.gateway.harness import Gateway, free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -138,22 +139,20 @@ def test_client_that_hangs_up_after_done_is_metered_as_a_whole_answer(
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
         # The engine still holds the body open (5 s): what is metered now was metered when
         # the client hung up.
-        deadline = time.monotonic() + 2
-        rows: list[dict[str, object]] = []
-        while time.monotonic() < deadline and not rows:
-            usage = gw.admin("/admin/api/usage", admin).json()["usage"]
-            rows = [u for u in usage if u["key"] == "user"]
-            time.sleep(0.1)
+
+        def metered() -> list[dict[str, object]]:
+            return [u for u in gw.admin("/admin/api/usage", admin).json()["usage"] if u["key"] == "user"]
+
+        rows = wait_until(metered, timeout=2, interval=0.1, what="the request in /admin/api/usage")
         assert [(r["requests"], r["prompt_tokens"], r["completion_tokens"], r["errors"]) for r in rows] == [
             (1, 5, 3, 0)
         ]
 
-        def logged() -> list[tuple[int, int]]:  # the log is written in batches (0.2 s)
+        def logged() -> list[tuple[int, int, bool]]:  # the log is written in batches (0.2 s)
             lines = [json.loads(x) for x in gw.log.read_text().splitlines() if x.startswith("{")]
             return [(x["status"], x["completion_tokens"], x["cut"]) for x in lines if x["key"] == "user"]
 
-        while time.monotonic() < deadline + 1 and not logged():
-            time.sleep(0.1)
-        assert logged() == [(200, 3, False)]  # the client hung up: not a cut
+        logged_lines = wait_until(logged, timeout=3, interval=0.1, what="the request in the access log")
+        assert logged_lines == [(200, 3, False)]  # the client hung up: not a cut
     finally:
         gw.stop()

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.gateway.harness import Engine, Gateway, free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -193,6 +194,11 @@ def test_engines_get_the_engine_key_not_the_clients(setup: Setup) -> None:
 def test_client_disconnect_ends_the_upstream_request(setup: Setup) -> None:
     gw = setup.gw
     body = {"model": "slow", "messages": MESSAGES, "max_tokens": 100, "stream": True}  # 5 s at 20 tokens/s
+
+    def outstanding() -> list[int]:
+        replicas = gw.admin("/admin/api/replicas", setup.keys["admin"]).json()["replicas"]
+        return [r["outstanding"] for r in replicas if r["model"] == "slow"]
+
     with (
         httpx.Client(timeout=10) as client,
         client.stream(
@@ -204,22 +210,14 @@ def test_client_disconnect_ends_the_upstream_request(setup: Setup) -> None:
     ):
         chunks = response.iter_bytes()  # kept: a dropped iterator closes the response
         next(chunks)
-        outstanding = [
-            r["outstanding"]
-            for r in gw.admin("/admin/api/replicas", setup.keys["admin"]).json()["replicas"]
-            if r["model"] == "slow"
-        ]
-        assert outstanding == [1]
-    deadline = time.monotonic() + 2
-    while time.monotonic() < deadline:
-        replicas = gw.admin("/admin/api/replicas", setup.keys["admin"]).json()["replicas"]
-        if [r["outstanding"] for r in replicas if r["model"] == "slow"] == [0]:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the upstream stream was still open 2 s after the client left")
-    time.sleep(0.5)
-    assert '"status":499' in gw.log.read_text()
+        assert outstanding() == [1]
+    wait_until(
+        outstanding,
+        until=lambda o: o == [0],
+        timeout=2,
+        what="the upstream stream to close after the client left",
+    )
+    wait_until(lambda: '"status":499' in gw.log.read_text(), timeout=2, what="the 499 in the access log")
 
 
 def test_admin_and_metrics_listeners(setup: Setup) -> None:
@@ -270,14 +268,15 @@ def test_revoked_key_is_refused_without_restart(setup: Setup) -> None:
     client = setup.gw.client(setup.keys["revoked"])
     assert client.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1).choices
     setup.gw.cli("keys", "revoke", "gone")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def refused() -> bool:
         try:
             client.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
         except openai.AuthenticationError:
-            return
-        time.sleep(0.2)
-    pytest.fail("the revoked key still worked after 10 s")
+            return True
+        return False
+
+    wait_until(refused, timeout=10, interval=0.2, what="the revoked key to be refused")
 
 
 # --- each of these runs its own gateway ------------------------------------------------
@@ -347,21 +346,26 @@ def test_failover_when_a_replica_dies_and_its_return(tmp_path: Path) -> None:
             assert client.chat.completions.create(model="ha", messages=MESSAGES, max_tokens=2).choices
         metrics = httpx.get(f"http://127.0.0.1:{gw.metrics_port}/metrics").text
         assert 'llmgw_upstream_retries_total{model="ha"}' in metrics
-        time.sleep(0.8)
-        health = {
-            r["address"]: r["health"] for r in gw.admin("/admin/api/replicas", admin).json()["replicas"]
-        }
-        assert health == {engines[0].address: "failing", engines[1].address: "ready"}
-        engines[0] = Engine(tmp_path, "ha", port=engines[0].port)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            health = {
+
+        def health() -> dict[str, str]:
+            return {
                 r["address"]: r["health"] for r in gw.admin("/admin/api/replicas", admin).json()["replicas"]
             }
-            if health[engines[0].address] == "ready":
-                break
-            time.sleep(0.1)
-        assert health[engines[0].address] == "ready"
+
+        wait_until(
+            health,
+            until=lambda h: h == {engines[0].address: "failing", engines[1].address: "ready"},
+            timeout=5,
+            what="the killed replica to be marked failing",
+        )
+        engines[0] = Engine(tmp_path, "ha", port=engines[0].port)
+        wait_until(
+            health,
+            until=lambda h: h[engines[0].address] == "ready",
+            timeout=5,
+            interval=0.1,
+            what="the restarted replica to be ready again",
+        )
     finally:
         gw.stop()
         for e in engines:
@@ -404,17 +408,18 @@ def test_sighup_reloads_and_sigterm_drains_streams(tmp_path: Path) -> None:
         next(stream)
         gw.cluster.write_text(gw.cluster.read_text() + "\nbogus: 1\n")  # a broken file is refused
         gw.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and "reload refused" not in gw.log.read_text():
-            time.sleep(0.1)
-        assert "reload refused" in gw.log.read_text()
+        wait_until(
+            lambda: "reload refused" in gw.log.read_text(), timeout=5, interval=0.1, what="'reload refused'"
+        )
         assert client.chat.completions.create(model="slow", messages=MESSAGES, max_tokens=1).choices
         gw.write([model("slow", "always"), model("new", "off")], {"slow": [engine.address]})
         gw.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and "new" not in {m.id for m in client.models.list().data}:
-            time.sleep(0.1)
-        assert {m.id for m in client.models.list().data} == {"slow", "new"}
+
+        def model_ids() -> set[str]:
+            return {m.id for m in client.models.list().data}
+
+        wait_until(lambda: "new" in model_ids(), timeout=5, interval=0.1, what="the reloaded model list")
+        assert model_ids() == {"slow", "new"}
         rest = list(stream)  # the stream opened before the reload went on
         assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == 16
 

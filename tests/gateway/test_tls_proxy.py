@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -18,6 +17,7 @@ import openai
 import pytest
 
 from tests.gateway.harness import Engine, Gateway, free_port, self_signed_cert
+from tests.waiting import connects, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -81,15 +81,14 @@ def proxied(tmp_path: Path) -> Iterator[tuple[Gateway, str, int, Path]]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 10
-        while True:
+
+        def listening() -> bool:
+            if connects("127.0.0.1", port, 0.2):
+                return True
             assert proc.poll() is None, (proxy_dir / "error.log").read_text()
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "nginx did not start"
-                time.sleep(0.05)
+            return False
+
+        wait_until(listening, timeout=10, what="nginx to listen")
         yield gw, key, port, cert
     finally:
         proc.terminate()

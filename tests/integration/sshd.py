@@ -6,11 +6,12 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.waiting import wait_until
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
@@ -46,16 +47,16 @@ class Sshd:
         # sshd insists on its privilege-separation directory (Debian's unit creates it)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
         self.process = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    if s.recv(4).startswith(b"SSH-"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("sshd did not start")
+
+        def greets() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                return s.recv(4).startswith(b"SSH-")
+
+        try:
+            wait_until(greets, timeout=10, retry_on=(OSError,), what=f"sshd's greeting on port {self.port}")
+        except AssertionError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.process:

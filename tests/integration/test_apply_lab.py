@@ -6,12 +6,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
+
+from tests.waiting import wait_until
 
 from .conftest import Lab
 from .lab_helpers import cluster_variant, llmgw_units, logins, reset, run, sshd_marks, unit_props
@@ -186,12 +187,16 @@ def test_killed_apply_converges_on_the_next_run(clean: Lab) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 60
-    assert proc.stderr is not None
-    while time.monotonic() < deadline:  # kill it once the nodes are being worked on
-        line = proc.stderr.readline()
-        if "units in place" in line or not line:
-            break
+    stderr = proc.stderr
+    assert stderr is not None
+    # Kill it once the nodes are being worked on (or once it has ended on its own).
+    wait_until(
+        stderr.readline,
+        until=lambda line: "units in place" in line or not line,
+        timeout=60,
+        interval=0,
+        what="apply to put the units in place",
+    )
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
     again = apply(clean.cluster_file)

@@ -36,6 +36,7 @@ from llmgw_cli.remote.fetch import (
 )
 from llmgw_cli.remote.nodefetch import side_files
 from tests.integration.weights_origin import TOKEN, Origin, start_origin
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -129,25 +130,24 @@ def start_detached(url: str, target: Path) -> None:
 
 
 def wait_bytes(target: Path, at_least: int, timeout: float = 20) -> dict[str, object]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = status(target)
-        if int(str(st.get("bytes") or 0)) >= at_least and st.get("pid"):
-            return st
-        time.sleep(0.05)
-    raise AssertionError(f"the download did not reach {at_least} bytes: {status(target)}")
+    return wait_until(
+        lambda: status(target),
+        until=lambda st: int(str(st.get("bytes") or 0)) >= at_least and st.get("pid"),
+        timeout=timeout,
+        what=f"the download to reach {at_least} bytes",
+    )
 
 
 def kill_download(target: Path, at_least: int) -> int:
     """SIGKILL the node's download once it has ``at_least`` bytes; returns the partial size."""
     st = wait_bytes(target, at_least)
     os.kill(int(str(st["pid"])), signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        probe = subprocess.run(["flock", "-n", side_files(str(target))["lock"], "true"], check=False)
-        if probe.returncode == 0:
-            break
-        time.sleep(0.05)
+    lock = side_files(str(target))["lock"]
+    wait_until(
+        lambda: subprocess.run(["flock", "-n", lock, "true"], check=False).returncode == 0,
+        timeout=5,
+        what="the killed download's lock to be free",
+    )
     return Path(str(target) + ".part").stat().st_size
 
 

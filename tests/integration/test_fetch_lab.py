@@ -20,6 +20,7 @@ import yaml
 from llmgw_cli.lab import host as lab_host
 from llmgw_cli.remote.nodefetch import side_files
 from tests.integration.weights_origin import Origin, start_origin
+from tests.waiting import wait_until
 
 from .conftest import Lab
 from .lab_helpers import reset
@@ -113,13 +114,13 @@ def test_fetch_on_the_lab(lab: Lab, origin: Origin, tmp_path: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 60
-    while True:
-        st = node_status(lab, "node01", target)
-        if int(str(st.get("bytes") or 0)) >= 40 * MiB and st.get("pid"):
-            break
-        assert time.monotonic() < deadline, st
-        time.sleep(0.2)
+    st = wait_until(
+        lambda: node_status(lab, "node01", target),
+        until=lambda st: int(str(st.get("bytes") or 0)) >= 40 * MiB and st.get("pid"),
+        timeout=60,
+        interval=0.2,
+        what="node01's download to reach 40 MiB",
+    )
     proc.kill()
     proc.wait()
     lab.ssh("node01", f"kill -9 {st['pid']}")

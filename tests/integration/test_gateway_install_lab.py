@@ -7,13 +7,14 @@ nothing; a changed cluster file is a reload, not a restart."""
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 import yaml
+
+from tests.waiting import wait_until
 
 from .conftest import Lab
 from .lab_helpers import reset, run, unit_props
@@ -79,19 +80,21 @@ def test_apply_installs_and_updates_the_gateway(lab: Lab, clean: None, tmp_path:
     )
     try:
         # The gateway found the replicas by probing the nodes over SSH, with its credential.
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                reply = client.chat.completions.create(
-                    model="smollm2-135m", messages=[{"role": "user", "content": "Say hi."}], max_tokens=6
-                )
-                break
-            except (openai.AuthenticationError, openai.InternalServerError):
-                # keys are read again every few seconds, replicas found at the first probe
-                assert time.monotonic() < deadline, lab.ssh(
+        # Keys are read again every few seconds, replicas found at the first probe.
+        reply = wait_until(
+            lambda: client.chat.completions.create(
+                model="smollm2-135m", messages=[{"role": "user", "content": "Say hi."}], max_tokens=6
+            ),
+            timeout=30,
+            interval=1,
+            retry_on=(openai.AuthenticationError, openai.InternalServerError),
+            what=lambda: (
+                "an answer through the gateway; its journal:\n"
+                + lab.ssh(
                     "node02", "journalctl -u llmgw-gateway --no-pager -o cat | grep -v '^{' | tail -30"
                 ).stdout
-                time.sleep(1)
+            ),
+        )
         assert reply.choices[0].message.content
     finally:
         client.close()

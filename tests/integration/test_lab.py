@@ -6,9 +6,7 @@ import importlib.util
 import json
 import re
 import subprocess
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import pytest
 from llmgw_cli.cli.lab import cached_llama_server, smollm2_gguf
 from llmgw_cli.lab import shapes
 from llmgw_cli.lab.host import cgroup_root
+from tests.waiting import wait_until
 
 from .conftest import Lab, llmgw
 
@@ -220,15 +219,6 @@ def _start_engine_unit(lab: Lab, node: str, unit: str, gpus: str) -> None:
     assert lab.ssh(node, f"systemctl daemon-reload && systemctl start {unit}").returncode == 0
 
 
-def _wait_for(predicate: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return predicate()
-
-
 def test_engine_wrapper_runs_as_llmgw_and_sees_gpu_faults(lab: Lab) -> None:
     """The vLLM wrapper reaches the simulator as the `llmgw` account; a GPU needing a
     reset makes it refuse to start. Without the simulator module (it lives in
@@ -238,20 +228,33 @@ def test_engine_wrapper_runs_as_llmgw_and_sees_gpu_faults(lab: Lab) -> None:
     try:
         _start_engine_unit(lab, node, unit, "0")
         if not have_sim:
-            assert _wait_for(
+            wait_until(
                 lambda: (
                     "No module named llmgw_cli.lab.engine_sim"
                     in lab.ssh(node, f"journalctl -u {unit}").stdout
                 ),
-                10,
+                timeout=10,
+                interval=0.2,
+                what="the wrapper's Python to miss the simulator module",
             )
             return
-        assert _wait_for(lambda: _http_ok(f"http://{lab.nodes[3].ip}:8100/health"), 20)
+        wait_until(
+            lambda: _http_ok(f"http://{lab.nodes[3].ip}:8100/health"),
+            timeout=20,
+            interval=0.2,
+            what="the engine's /health",
+        )
         user = lab.ssh(node, f"ps -o user= -p $(systemctl show -p MainPID --value {unit})").stdout.strip()
         assert user == "llmgw"
         lab.fault(node, "gpu", "0", "reset-required")
         lab.ssh(node, f"systemctl restart {unit}")
-        assert _wait_for(lambda: lab.ssh(node, f"systemctl is-active {unit}").stdout.strip() == "failed", 20)
+        wait_until(
+            lambda: lab.ssh(node, f"systemctl is-active {unit}").stdout.strip(),  # noqa: PLW0108 (asked anew each time)
+            until=lambda state: state == "failed",
+            timeout=20,
+            interval=0.2,
+            what=f"{unit} to fail on a GPU needing a reset",
+        )
         assert "GPU 0" in lab.ssh(node, f"journalctl -u {unit}").stdout
     finally:
         lab.fault(node, "gpu", "0", "healthy")
@@ -289,7 +292,12 @@ def test_llama_server_serves_smollm2_when_built(lab: Lab) -> None:
     assert upload.returncode == 0, upload.stderr
     try:
         assert lab.ssh("node01", f"systemctl daemon-reload && systemctl start {unit}").returncode == 0
-        assert _wait_for(lambda: _http_ok(f"http://{lab.nodes[0].ip}:8300/health"), 60)
+        wait_until(
+            lambda: _http_ok(f"http://{lab.nodes[0].ip}:8300/health"),
+            timeout=60,
+            interval=0.2,
+            what="llama-server's /health",
+        )
         with urllib.request.urlopen(f"http://{lab.nodes[0].ip}:8300/v1/models", timeout=10) as response:
             assert b'"smollm2"' in response.read()
     finally:

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from tests.gateway.harness import free_port, stop, wait_http
+from tests.waiting import wait_until
 
 from .conftest import Lab
 from .lab_helpers import reset, run
@@ -175,23 +176,17 @@ def states(client: openai.OpenAI) -> dict[str, str]:
 
 def serve_within(client: openai.OpenAI, model: str, seconds: float) -> str:
     """Ask until answered; every refusal meanwhile must be the 503 'loading'."""
-    deadline = time.monotonic() + seconds
-    while True:
+
+    def ask() -> openai.types.chat.ChatCompletion | str:
         try:
-            reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
-            return reply.choices[0].message.content or ""
+            return client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
         except openai.InternalServerError as exc:
             assert exc.status_code == 503 and "loading" in exc.message, exc.message
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+            return ""  # not yet: the last refusal is what the wait shows
 
-
-def wait_for(check: Callable[[], bool], seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.5)
+    reply = wait_until(ask, timeout=seconds, interval=0.5, what=f"{model} to answer")
+    assert not isinstance(reply, str)
+    return reply.choices[0].message.content or ""
 
 
 def test_on_demand_start_idle_stop_eviction_and_restart(lab: Lab, served: Served) -> None:
@@ -217,7 +212,9 @@ def test_on_demand_start_idle_stop_eviction_and_restart(lab: Lab, served: Served
         assert units(lab) == {"llmgw-gamma-0.service"}
 
         # idle_timeout 4 s: the replica is stopped and its unit removed.
-        wait_for(lambda: units(lab) == set(), 20, "gamma was not stopped after its idle_timeout")
+        wait_until(
+            lambda: units(lab) == set(), timeout=20, interval=0.5, what="gamma to stop after its idle_timeout"
+        )
         assert states(client)["gamma"] == "on-demand-stopped"
 
         # alpha takes the whole node.
@@ -232,13 +229,14 @@ def test_on_demand_start_idle_stop_eviction_and_restart(lab: Lab, served: Served
         assert before and before[0]["last_used"]
         served.stop()
         served.start()
-        wait_for(
+        wait_until(
             lambda: any(
                 r["model"] == "alpha" and r["health"] == "ready" and r["last_used"] == before[0]["last_used"]
                 for r in served.admin_get("/admin/api/replicas").json()["replicas"]
             ),
-            15,
-            "alpha's last use was not known after the restart",
+            timeout=15,
+            interval=0.5,
+            what="alpha ready again with its last use known after the restart",
         )
         time.sleep(2.5)  # past the eviction grace (2 s) after alpha was seen ready again
 
@@ -281,15 +279,21 @@ def test_a_saturated_model_scales_out_and_back(lab: Lab, saturable: Served) -> N
         assert len(served_by) == 2 and all(n >= 1 for n in served_by.values()), served_by
 
         # Idle for 5 s: back towards min (0), one replica after the other.
-        wait_for(lambda: units(lab) == set(), 30, "busy was not scaled back after idle_timeout")
+        wait_until(
+            lambda: units(lab) == set(),
+            timeout=30,
+            interval=0.5,
+            what="busy to scale back after idle_timeout",
+        )
         # counted once each stop has finished (its units are gone a moment before)
-        wait_for(
+        wait_until(
             lambda: (
                 'llmgw_idle_stops_total{model="busy"} 2.0'
                 in httpx.get(f"http://127.0.0.1:{saturable.metrics_port}/metrics", timeout=10).text
             ),
-            10,
-            "two idle stops were not counted",
+            timeout=10,
+            interval=0.5,
+            what="two idle stops to be counted",
         )
     finally:
         client.close()

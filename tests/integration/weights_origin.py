@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.waiting import connects, wait_until
+
 TOKEN = "test-token-d0d0"
 
 _CONF = """
@@ -178,14 +180,17 @@ def start_origin(root: Path, host: str = "127.0.0.1") -> Origin:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, port), 0.2).close()
-            return Origin(root, port, proc, host, http_port, other_port)
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError((root / "error.log").read_text()) from None
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("nginx did not start")
+
+    def listening() -> bool:
+        if connects(host, port, 0.2):
+            return True
+        if proc.poll() is not None:
+            raise RuntimeError((root / "error.log").read_text())
+        return False
+
+    try:
+        wait_until(listening, timeout=10, what=f"nginx to listen on {host}:{port}")
+    except AssertionError:
+        proc.kill()
+        raise
+    return Origin(root, port, proc, host, http_port, other_port)

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from llmgw_cli.errors import BadRequest
 from llmgw_cli.gateway.openai_error import bad_request
 from llmgw_cli.gateway.request_body import MAX_DEPTH, parse_body, too_deep
-from tests.gateway.harness import Engine, Gateway, free_port, self_signed_cert
+from tests.gateway.harness import Engine, Gateway, free_port, self_signed_cert, wait_http
+from tests.waiting import wait_until
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 FAST = {"header": "2s", "body": "2s", "write": "1s"}
@@ -231,10 +232,11 @@ def test_client_that_never_reads_is_dropped_and_its_slot_freed(
                 client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1)
             # Within the write timeout (1s, looked at every 0.25s) the stalled client is
             # dropped, the engine's connection closed, and the slot is free again.
-            deadline = started + 6
-            while not closed and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert closed, "the engine's connection was still open 6s after the client stopped reading"
+            wait_until(
+                lambda: closed,
+                timeout=started + 6 - time.monotonic(),
+                what="the engine's connection to close after the client stopped reading",
+            )
             assert closed[0] - started < 4
             answer = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1, stream=True)
             chunks = [c for c in answer if c.choices]
@@ -329,13 +331,12 @@ def test_client_that_hangs_up_early_is_metered(sim: Engine, tmp_path: Path) -> N
                 events += line.startswith("data:")
                 if events == 4:
                     break  # and hang up, long before the usage chunk (200 tokens at 20/s)
-        deadline = time.monotonic() + 5
-        rows: list[dict[str, int]] = []
-        while time.monotonic() < deadline:
-            rows = [u for u in gw.admin("/admin/api/usage", admin).json()["usage"] if u["key"] == "user"]
-            if rows:
-                break
-            time.sleep(0.1)
+        rows: list[dict[str, int]] = wait_until(
+            lambda: [u for u in gw.admin("/admin/api/usage", admin).json()["usage"] if u["key"] == "user"],
+            timeout=5,
+            interval=0.1,
+            what="the request in /admin/api/usage",
+        )
         assert len(rows) == 1
         assert rows[0]["completion_tokens"] >= 3, rows  # what the engine had sent
         assert rows[0]["prompt_tokens"] >= 100, rows  # estimated from a 400-character prompt
@@ -525,18 +526,7 @@ def test_tls_listener_serves_the_openai_client_that_trusts_its_certificate(
         gw.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     trusted = ssl.create_default_context(cafile=str(cert))
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert gw.proc.poll() is None, gw.log.read_text()[-3000:]
-            try:
-                if (
-                    httpx.get(f"https://127.0.0.1:{gw.port}/health", verify=trusted, timeout=2).status_code
-                    == 200
-                ):
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, gw.log.read_text()[-3000:]
-                time.sleep(0.1)
+        wait_http(f"https://127.0.0.1:{gw.port}/health", gw.proc, gw.log, verify=trusted)
         with httpx.Client(verify=trusted) as http:
             client = openai.OpenAI(
                 base_url=f"https://127.0.0.1:{gw.port}/v1", api_key=key, max_retries=0, http_client=http

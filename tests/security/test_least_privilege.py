@@ -10,7 +10,6 @@ import asyncio
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from llmgw_cli.remote import connect, fetch
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import reset, run
 from tests.integration.weights_origin import Origin, start_origin
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -174,19 +174,21 @@ def test_on_demand_start_through_the_restricted_key(lab: Lab, installed: Install
         max_retries=0,
         timeout=60,
     )
-    deadline = time.monotonic() + 150
     try:
-        while True:
-            try:
-                reply = client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=6
-                )
-                break
-            except (openai.AuthenticationError, openai.APIStatusError, openai.APIConnectionError):
-                assert time.monotonic() < deadline, lab.ssh(
+        reply = wait_until(
+            lambda: client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=6
+            ),
+            timeout=150,
+            interval=2,
+            retry_on=(openai.AuthenticationError, openai.APIStatusError, openai.APIConnectionError),
+            what=lambda: (
+                "an answer through the gateway; its journal:\n"
+                + lab.ssh(
                     HOST, "journalctl -u llmgw-gateway --no-pager -o cat | grep -v '^{' | tail -30"
                 ).stdout
-                time.sleep(2)
+            ),
+        )
         assert reply.choices[0].message.content
     finally:
         client.close()
