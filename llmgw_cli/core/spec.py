@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -107,14 +108,35 @@ _LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 _HOST_NAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?$")
 
 
-def _user_name(text: str) -> str:
-    if not re.match(USER_PATTERN, text):
-        raise ValueError(
-            f"{text!r} is not a user name: use lowercase letters, digits, '_' and '-', "
-            "starting with a letter or '_', at most 32 characters (systemd's User= and "
-            "sudo take nothing else)"
-        )
-    return text
+def _matching(pattern: str, complaint: str) -> Callable[[str], str]:
+    """A validator: the text as it is when it matches ``pattern``, else a ValueError that
+    quotes the text and says ``complaint`` (what it is not, and what to give)."""
+
+    def check(text: str) -> str:
+        if not re.match(pattern, text):
+            raise ValueError(f"{text!r} {complaint}")
+        return text
+
+    return check
+
+
+_user_name = _matching(
+    USER_PATTERN,
+    "is not a user name: use lowercase letters, digits, '_' and '-', starting with a letter "
+    "or '_', at most 32 characters (systemd's User= and sudo take nothing else)",
+)
+_env_name = _matching(
+    ENV_NAME_PATTERN,
+    "is not an environment variable name: use letters, digits and '_', not starting with a digit",
+)
+_interface = _matching(
+    INTERFACE_PATTERN,
+    "is not a network interface name: give one such as eth0, or NCCL's forms ^docker, =eth0, eth0,eth1",
+)
+_plain_word = _matching(
+    PLAIN_WORD_PATTERN,
+    "goes into a systemd unit as one word: it cannot hold blanks, quotes, backslashes or the signs $ % ; `",
+)
 
 
 def _engine_user(text: str) -> str:
@@ -169,33 +191,6 @@ def _jump_host(text: str) -> str:
         if not port.isdigit():
             raise ValueError(f"{text!r}: the port after ':' must be a number")
         _port_in_range(int(port))
-    return text
-
-
-def _env_name(text: str) -> str:
-    if not re.match(ENV_NAME_PATTERN, text):
-        raise ValueError(
-            f"{text!r} is not an environment variable name: use letters, digits and '_', "
-            "not starting with a digit"
-        )
-    return text
-
-
-def _interface(text: str) -> str:
-    if not re.match(INTERFACE_PATTERN, text):
-        raise ValueError(
-            f"{text!r} is not a network interface name: give one such as eth0, or "
-            "NCCL's forms ^docker, =eth0, eth0,eth1"
-        )
-    return text
-
-
-def _plain_word(text: str) -> str:
-    if not re.match(PLAIN_WORD_PATTERN, text):
-        raise ValueError(
-            f"{text!r} goes into a systemd unit as one word: it cannot hold blanks, quotes, "
-            "backslashes or the signs $ % ; `"
-        )
     return text
 
 

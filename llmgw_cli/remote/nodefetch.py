@@ -755,15 +755,25 @@ def _error(kind: str, message: str) -> None:
     _emit({"state": "error", "kind": kind, "message": message})
 
 
-def fetch(config: dict[str, Any]) -> None:
-    target = config["target"]
+def _target_folder(target: str, *, create: bool, missing: dict[str, Any] | None = None) -> int | None:
+    """A descriptor of the target's folder (``open_folder``), or None once the reason it
+    cannot be opened is printed; a folder that does not exist prints ``missing`` when given."""
     try:
-        folder = open_folder(os.path.dirname(target), create=True)
+        return open_folder(os.path.dirname(target), create=create)
     except JobFailed as exc:
         _error(exc.kind, str(exc))
-        return
     except OSError as exc:
-        _error("node", f"cannot open {os.path.dirname(target)}: {exc}")
+        if missing is not None and isinstance(exc, FileNotFoundError):
+            _emit(missing)
+        else:
+            _error("node", f"cannot open {os.path.dirname(target)}: {exc}")
+    return None
+
+
+def fetch(config: dict[str, Any]) -> None:
+    target = config["target"]
+    folder = _target_folder(target, create=True)
+    if folder is None:
         return
     try:
         _fetch_in(folder, config)
@@ -856,16 +866,8 @@ def verify(config: dict[str, Any]) -> None:
     ``present`` without a sha256 to check. With ``quick``, a file that would have to be
     hashed (never checked, or changed since) is ``unchecked`` instead."""
     target = config["target"]
-    try:
-        folder = open_folder(os.path.dirname(target), create=False)
-    except FileNotFoundError:
-        _emit({"state": "absent"})
-        return
-    except JobFailed as exc:
-        _error(exc.kind, str(exc))
-        return
-    except OSError as exc:
-        _error("node", f"cannot open {os.path.dirname(target)}: {exc}")
+    folder = _target_folder(target, create=False, missing={"state": "absent"})
+    if folder is None:
         return
     try:
         inspect(folder, target)

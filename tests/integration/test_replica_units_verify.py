@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.engines import Member, ray_program, replica_unit
+from llmgw_cli.core.engines import Member, ReplicaUnit, ray_program, replica_unit
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
+from tests.rendered_units import every_replica_unit
 from tests.security.hostile_values import HOSTILE_ARGS, exec_argv, unit_keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,31 +44,25 @@ def verify(root: Path, name: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def assert_verifies(root: Path, unit: ReplicaUnit) -> None:
+    """Put ``unit`` in the scratch root: systemd-analyze verify accepts it, not a word on stderr."""
+    (root / "etc/systemd/system" / unit.name).write_text(unit.text)
+    result = verify(root, unit.name)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", result.stderr
+
+
 @pytest.mark.parametrize("inventory", ["hgx-two-fabrics.yaml", "single-box.yaml", "lab.yaml"])
 def test_every_model_unit_verifies(inventory: str, tmp_path: Path) -> None:
     spec = parse_cluster(
         (ROOT / "inventories" / inventory).read_text().replace("profile: vllm-ray", "profile: vllm")
     )
     root = scratch_root(tmp_path, spec)
-    fabric_nodes = [n for n in spec.nodes if n.fabric] or spec.nodes
-    names = []
-    for i, model in enumerate(spec.models):
-        nodes = fabric_nodes[: model.nodes] if model.nodes > 1 else spec.nodes[:1]
-        members = tuple(
-            Member(n, r, tuple(f"GPU-{n.name}-{g}" for g in range(model.tensor_parallel)), "=mlx5_0:1")
-            for r, n in enumerate(nodes)
-        )
-        for member in members:
-            unit = replica_unit(
-                spec, model, replica=i, member=member, port=8100 + i, members=members, dist_port=29500
-            )
-            # each member lives on its own node; verify them one at a time under the same name
-            (root / "etc/systemd/system" / unit.name).write_text(unit.text)
-            result = verify(root, unit.name)
-            assert result.returncode == 0, result.stderr
-            assert result.stderr == "", result.stderr
-            names.append(unit.name)
-    assert len(names) >= len(spec.models)
+    units = every_replica_unit(spec)
+    for unit in units:
+        # each member lives on its own node; verify them one at a time under the same name
+        assert_verifies(root, unit)
+    assert len(units) >= len(spec.models)
 
 
 def test_verify_catches_a_broken_replica_unit(tmp_path: Path) -> None:
@@ -114,7 +109,4 @@ def test_hostile_args_add_no_directive_to_any_engine_unit(inventory: str, tmp_pa
             if "--address=" not in line:  # a Ray worker runs `ray start`, not the engine
                 start = argv.index(HOSTILE_ARGS[0])
                 assert argv[start : start + len(HOSTILE_ARGS)] == HOSTILE_ARGS
-            (root / "etc/systemd/system" / unit.name).write_text(unit.text)
-            result = verify(root, unit.name)
-            assert result.returncode == 0, result.stderr
-            assert result.stderr == "", result.stderr
+            assert_verifies(root, unit)

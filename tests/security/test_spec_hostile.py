@@ -17,7 +17,7 @@ from llmgw_cli.core.engines import Member, engine_args, replica_unit
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import SpecError
-from tests.integration.test_replica_units_verify import scratch_root, verify
+from tests.integration.test_replica_units_verify import assert_verifies, scratch_root
 from tests.security.hostile_values import HOSTILE_ARGS, exec_argv, unit_keys, yaml_quoted
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -473,7 +473,4 @@ def test_hostile_but_legal_args_render_a_unit_systemd_accepts_with_no_extra_dire
     assert argv == intended
     start = argv.index(HOSTILE_ARGS[0])
     assert argv[start : start + len(HOSTILE_ARGS)] == HOSTILE_ARGS
-    (root / "etc/systemd/system" / unit.name).write_text(unit.text)
-    result = verify(root, unit.name)
-    assert result.returncode == 0, result.stderr
-    assert result.stderr == "", result.stderr
+    assert_verifies(root, unit)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from llmgw_cli.core import node_access
-from llmgw_cli.core.engines import Member, replica_unit
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.remote import node_helper
 from llmgw_cli.remote.node_helper import Refused, check_unit, check_words, parse_words
+from tests.rendered_units import every_replica_unit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,20 +30,7 @@ def config(spec: ClusterSpec) -> dict[str, list[str]]:
 
 
 def units(spec: ClusterSpec) -> list[str]:
-    out = []
-    fabric_nodes = [n for n in spec.nodes if n.fabric] or spec.nodes
-    for i, model in enumerate(spec.models):
-        nodes = fabric_nodes[: model.nodes] if model.nodes > 1 else spec.nodes[:1]
-        members = tuple(
-            Member(n, r, tuple(f"GPU-{n.name}-{g}" for g in range(model.tensor_parallel)), "=mlx5_0:1")
-            for r, n in enumerate(nodes)
-        )
-        for member in members:
-            unit = replica_unit(
-                spec, model, replica=i, member=member, port=8100 + i, members=members, dist_port=29500
-            )
-            out.append(unit.text)
-    return out
+    return [unit.text for unit in every_replica_unit(spec)]
 
 
 def test_the_helper_and_apply_agree_on_paths() -> None:
