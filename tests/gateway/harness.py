@@ -64,6 +64,24 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, wait: float =
         raise
 
 
+def start_gateway(
+    cluster: Path, log: Path, *options: str, port: int, tls: ssl.SSLContext | None = None
+) -> subprocess.Popen[bytes]:
+    """`llmgw gateway run -f cluster *options`, its output added to ``log``, returned once
+    its /health on ``port`` answers 200 (over HTTPS trusting ``tls`` when given). A gateway
+    that never answers is stopped, and the wait fails with the log's tail."""
+    argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(cluster), *options]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    scheme = "http" if tls is None else "https"
+    try:
+        wait_http(f"{scheme}://127.0.0.1:{port}/health", proc, log, verify=tls or True)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc
+
+
 class Engine:
     """A simulated vLLM serving ``name`` on 127.0.0.1, requiring the engine key."""
 
@@ -141,12 +159,13 @@ class Gateway:
         return done.stdout.strip()
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(self.cluster)]
-        argv += ["--replicas", str(self.replicas), "--engine-key-file", str(self.dir / "engine.env")]
-        argv += ["--health-every", "0.3", "--flush-every", "0.5"]
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        wait_http(f"http://127.0.0.1:{self.port}/health", self.proc, self.log)
+        self.proc = start_gateway(
+            self.cluster,
+            self.log,
+            *("--replicas", str(self.replicas), "--engine-key-file", str(self.dir / "engine.env")),
+            *("--health-every", "0.3", "--flush-every", "0.5"),
+            port=self.port,
+        )
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         assert self.proc is not None

@@ -5,7 +5,6 @@ headless by Playwright); the live /metrics checked by `promtool check metrics`."
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -16,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway.harness import Engine, Gateway, free_port, stop, wait_http
+from tests.gateway.harness import Engine, Gateway, free_port, start_gateway, stop
 
 pytestmark = pytest.mark.integration
 
@@ -181,11 +180,8 @@ def test_summary_equals_status_json_for_the_same_facts(tmp_path: Path) -> None:
     )
     key = made.stdout.strip()
     log = tmp_path / "gateway.log"
-    argv = [*cli, "gateway", "run", "-f", str(cluster), "--engine-key-file", str(tmp_path / "engine.env")]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    proc = start_gateway(cluster, log, "--engine-key-file", str(tmp_path / "engine.env"), port=port)
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc, log)
         headers = {"Authorization": f"Bearer {key}"}
         report = httpx.get(f"http://127.0.0.1:{admin_port}/admin/api/summary", headers=headers).json()
         status = json.loads(

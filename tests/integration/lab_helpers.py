@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.gateway.harness import free_port, stop, wait_http
+from tests.gateway.harness import free_port, start_gateway, stop
 
 from .conftest import Lab
 
@@ -143,23 +143,21 @@ def applied_with_gateway(lab: Lab, tmp_path: Path, *gateway_args: str) -> Iterat
     keys_file = engine_keys_file(lab, tmp_path / "engine-keys.json")
     key = run("keys", "create", "--name", "lab-user", "-f", str(cluster)).stdout.strip()
     admin = run("keys", "create", "--name", "ops", "--admin", "-f", str(cluster)).stdout.strip()
-    log = tmp_path / "gateway.log"
-    argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(cluster)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
+    try:
+        proc = start_gateway(
+            cluster,
+            tmp_path / "gateway.log",
+            "--engine-keys-file",
+            str(keys_file),
             # the gateway's own key, made by apply in its state folder (the lab's host runs
             # no systemd): it reaches the nodes' helper only, never a root shell
-            [
-                *argv,
-                *("--engine-keys-file", str(keys_file), "--identity-file", str(tmp_path / "state/ssh-key")),
-                *gateway_args,
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
+            *("--identity-file", str(tmp_path / "state/ssh-key")),
+            *gateway_args,
+            port=port,
         )
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc, log)
-        yield LabGateway(cluster, port, admin_port, key, admin)
+        try:
+            yield LabGateway(cluster, port, admin_port, key, admin)
+        finally:
+            stop(proc)
     finally:
-        stop(proc)
         reset(lab)

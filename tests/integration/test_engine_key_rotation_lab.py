@@ -4,8 +4,6 @@ keeps sending requests through the gateway, and none of them fails."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.gateway.harness import free_port, stop, wait_http
+from tests.gateway.harness import free_port, start_gateway, stop
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import cluster_variant, reset, run
 
@@ -52,22 +50,10 @@ def test_rotation_loses_no_request(lab: Lab, tmp_path: Path) -> None:
         # apply left the gateway (run by hand here: the lab's host has no systemd) its map
         assert json.loads((state / "engine-keys.json").read_text()) == {n: [k] for n, k in before.items()}
         key = run("keys", "create", "--name", "rot", "-f", str(cluster)).stdout.strip()
-        log = tmp_path / "gateway.log"
-        argv = [
-            sys.executable,
-            "-m",
-            "llmgw_cli",
-            "gateway",
-            "run",
-            "-f",
-            str(cluster),
-            "--identity-file",
-            str(state / "ssh-key"),
-        ]
-        with log.open("wb") as out:
-            gateway = subprocess.Popen(argv, stdout=out, stderr=out)
+        gateway = start_gateway(
+            cluster, tmp_path / "gateway.log", "--identity-file", str(state / "ssh-key"), port=port
+        )
         try:
-            wait_http(f"http://127.0.0.1:{port}/health", gateway, log)
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
             failures: list[str] = []
             answered = [0]

@@ -10,7 +10,6 @@ restart, so the eviction after the restart is not blocked by "unknown is not idl
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ import openai
 import pytest
 import yaml
 
-from tests.gateway.harness import free_port, stop, wait_http
+from tests.gateway.harness import free_port, start_gateway, stop
 from tests.waiting import wait_until
 
 from .conftest import Lab
@@ -132,16 +131,13 @@ def _serve(
     admin = run("keys", "create", "--name", "ops", "--admin", "-f", str(cluster)).stdout.strip()
     log = tmp_path / "gateway.log"
     procs: list[subprocess.Popen[bytes]] = []
-    argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(cluster)]
     # keys are per node: apply wrote every node's key and left the gateway their map
-    argv += ["--engine-keys-file", str(tmp_path / "state/engine-keys.json")]
-    argv += ["--health-every", "0.5", "--flush-every", "0.5"]
-    argv += ["--identity-file", str(tmp_path / "state/ssh-key")]
+    options = ["--engine-keys-file", str(tmp_path / "state/engine-keys.json")]
+    options += ["--health-every", "0.5", "--flush-every", "0.5"]
+    options += ["--identity-file", str(tmp_path / "state/ssh-key")]
 
     def start() -> None:
-        with log.open("ab") as out:
-            procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT))
-        wait_http(f"http://127.0.0.1:{port}/health", procs[-1], log)
+        procs.append(start_gateway(cluster, log, *options, port=port))
 
     def halt() -> None:
         stop(procs[-1])

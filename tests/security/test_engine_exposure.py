@@ -29,7 +29,7 @@ from llmgw_cli.core.engine_access import engine_env_text
 from llmgw_cli.core.engines import Member as UnitMember
 from llmgw_cli.core.engines import engine_args
 from llmgw_cli.core.load import parse_cluster
-from tests.gateway.harness import free_port, stop, wait_http
+from tests.gateway.harness import free_port, start_gateway, stop, wait_http
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import cluster_variant, engine_keys_file, reset, run
 from tests.test_llama_server import _script
@@ -178,12 +178,8 @@ def test_gateway_path_still_works(lab: Lab, applied: Applied, tmp_path: Path) ->
     )
     keys_file = engine_keys_file(lab, tmp_path / "engine-keys.json")
     key = run("keys", "create", "--name", "exposure", "-f", str(cluster)).stdout.strip()
-    log = tmp_path / "gateway.log"
-    argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(cluster)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen([*argv, "--engine-keys-file", str(keys_file)], stdout=out, stderr=out)
+    proc = start_gateway(cluster, tmp_path / "gateway.log", "--engine-keys-file", str(keys_file), port=port)
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc, log)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         for model in ("llama-3.1-8b-instruct", "qwen2.5-7b-instruct", "llama-3.1-405b-instruct"):
             answer = client.completions.create(model=model, prompt="hello", max_tokens=2, timeout=30)
@@ -273,22 +269,10 @@ def test_gateway_sends_each_node_its_key_and_rides_out_a_rotation(tmp_path: Path
     keys = tmp_path / "engine-keys.json"
     keys.write_text(json.dumps({"n1": [old, new], "n2": [other]}))
     key = run("keys", "create", "--name", "rot", "-f", str(cluster)).stdout.strip()
-    log = tmp_path / "gateway.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "llmgw_cli",
-        "gateway",
-        "run",
-        "-f",
-        str(cluster),
-        "--replicas",
-        str(replicas),
-    ]
-    with log.open("wb") as out:
-        gateway = subprocess.Popen([*argv, "--engine-keys-file", str(keys)], stdout=out, stderr=out)
+    options = ("--replicas", str(replicas), "--engine-keys-file", str(keys))
+    gateway = None
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", gateway, log)
+        gateway = start_gateway(cluster, tmp_path / "gateway.log", *options, port=port)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         for _ in range(30):  # spread over the three engines
             answer = client.completions.create(model="m", prompt="hi", max_tokens=2, timeout=10)
@@ -301,7 +285,8 @@ def test_gateway_sends_each_node_its_key_and_rides_out_a_rotation(tmp_path: Path
         ]
         assert all(n > 0 for n in served), served
     finally:
-        stop(gateway)
+        if gateway is not None:
+            stop(gateway)
         for proc, _ in engines:
             stop(proc)
 

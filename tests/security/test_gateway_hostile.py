@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import socket
 import ssl
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +24,7 @@ from hypothesis import strategies as st
 from llmgw_cli.errors import BadRequest
 from llmgw_cli.gateway.openai_error import bad_request
 from llmgw_cli.gateway.request_body import MAX_DEPTH, parse_body, too_deep
-from tests.gateway.harness import Engine, Gateway, free_port, self_signed_cert, wait_http
+from tests.gateway.harness import Engine, Gateway, free_port, self_signed_cert, start_gateway
 from tests.waiting import wait_until
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
@@ -519,14 +517,11 @@ def test_tls_listener_serves_the_openai_client_that_trusts_its_certificate(
 ) -> None:
     cert, private = self_signed_cert(tmp_path)
     gw, key, _ = _gateway(tmp_path, sim.address, tls={"cert": str(cert), "key": str(private)})
-    # Started here, not with the harness's start: its readiness check speaks plain HTTP.
-    argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(gw.cluster)]
-    argv += ["--replicas", str(gw.replicas), "--engine-key-file", str(gw.dir / "engine.env")]
-    with gw.log.open("ab") as out:
-        gw.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     trusted = ssl.create_default_context(cafile=str(cert))
+    # Started here, not with the harness's start: its readiness check speaks plain HTTP.
+    options = ("--replicas", str(gw.replicas), "--engine-key-file", str(gw.dir / "engine.env"))
+    gw.proc = start_gateway(gw.cluster, gw.log, *options, port=gw.port, tls=trusted)
     try:
-        wait_http(f"https://127.0.0.1:{gw.port}/health", gw.proc, gw.log, verify=trusted)
         with httpx.Client(verify=trusted) as http:
             client = openai.OpenAI(
                 base_url=f"https://127.0.0.1:{gw.port}/v1", api_key=key, max_retries=0, http_client=http
