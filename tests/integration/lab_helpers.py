@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmgw_cli.lab import host as lab_host
 from tests.gateway.harness import free_port, start_gateway, stop
+from tests.integration.weights_origin import Origin, start_origin
 
 from .conftest import Lab
 
@@ -161,3 +163,23 @@ def applied_with_gateway(lab: Lab, tmp_path: Path, *gateway_args: str) -> Iterat
             stop(proc)
     finally:
         reset(lab)
+
+
+BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+@contextmanager
+def origin_on_the_bridge(lab: Lab, folder: Path) -> Iterator[Origin]:
+    """An HTTPS weights origin on the lab's bridge whose certificate every node trusts: it
+    is added to each node's own copy of the CA bundle (its overlay), restored after."""
+    origin = start_origin(folder, host=f"{lab_host.SUBNET}.1")
+    pem = shlex.quote(origin.cert.read_text())
+    for node in lab.nodes:
+        done = lab.ssh(node.name, f"cp {BUNDLE} {BUNDLE}.llmgw-test && printf '%s\\n' {pem} >> {BUNDLE}")
+        assert done.returncode == 0, done.stderr
+    try:
+        yield origin
+    finally:
+        origin.stop()
+        for node in lab.nodes:
+            lab.ssh(node.name, f"mv -f {BUNDLE}.llmgw-test {BUNDLE}")

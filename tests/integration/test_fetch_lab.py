@@ -7,7 +7,6 @@ lab network); a wrong checksum, a 404 and a gated file fail with a clear error."
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 import sys
 import time
@@ -17,36 +16,29 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw_cli.lab import host as lab_host
 from llmgw_cli.remote.nodefetch import side_files
-from tests.integration.weights_origin import Origin, start_origin
+from tests.integration.weights_origin import Origin
 from tests.waiting import wait_until
 
 from .conftest import Lab
-from .lab_helpers import reset
+from .lab_helpers import origin_on_the_bridge, reset
 
 pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
-BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 FILES = ("slow.bin", "fast.bin", "bad.bin", "gated.bin")
 
 
 @pytest.fixture
 def origin(lab: Lab, tmp_path: Path) -> Iterator[Origin]:
     reset(lab)
-    o = start_origin(tmp_path / "origin", host=f"{lab_host.SUBNET}.1")
-    pem = shlex.quote(o.cert.read_text())
-    for node in lab.nodes:  # the node's own copy of the bundle (its overlay), restored after
-        done = lab.ssh(node.name, f"cp {BUNDLE} {BUNDLE}.llmgw-test && printf '%s\\n' {pem} >> {BUNDLE}")
-        assert done.returncode == 0, done.stderr
     try:
-        yield o
+        with origin_on_the_bridge(lab, tmp_path / "origin") as o:
+            yield o
     finally:
-        o.stop()
+        names = " ".join(f"/data/models/{f} /data/models/{f}.part /data/models/.{f}.*" for f in FILES)
         for node in lab.nodes:
-            names = " ".join(f"/data/models/{f} /data/models/{f}.part /data/models/.{f}.*" for f in FILES)
-            lab.ssh(node.name, f"mv -f {BUNDLE}.llmgw-test {BUNDLE}; rm -f {names}")
+            lab.ssh(node.name, f"rm -f {names}")
 
 
 def _cluster(lab: Lab, folder: Path, models: list[dict[str, object]]) -> Path:

@@ -29,8 +29,11 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from tests.waiting import connects, wait_until
 
@@ -194,3 +197,19 @@ def start_origin(root: Path, host: str = "127.0.0.1") -> Origin:
         proc.kill()
         raise
     return Origin(root, port, proc, host, http_port, other_port)
+
+
+def trusted_origin(folder: Path, why_root: str) -> Iterator[Origin]:
+    """For a module's fixture (``yield from``): the origin in ``folder``, trusted by the
+    node program (``SSL_CERT_FILE``), stopped after. Skips without root (saying
+    ``why_root``) or without nginx."""
+    if os.geteuid() != 0:
+        pytest.skip(why_root)
+    try:
+        origin = start_origin(folder)
+    except (RuntimeError, FileNotFoundError) as exc:
+        pytest.skip(f"no nginx origin: {exc} (install scripts/weights-packages.txt)")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SSL_CERT_FILE", str(origin.cert))  # the node program trusts the test CA
+        yield origin
+    origin.stop()

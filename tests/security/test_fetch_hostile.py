@@ -22,7 +22,7 @@ import pytest
 
 from llmgw_cli.remote.nodefetch import may_carry_token, side_files
 from tests.integration.test_fetch import cluster, cluster_text, fetch, model, sha
-from tests.integration.weights_origin import TOKEN, Origin, start_origin
+from tests.integration.weights_origin import TOKEN, Origin, trusted_origin
 
 MiB = 1 << 20
 ENGINE_UID = 4242  # the account that planted the links (the engines' account on a node)
@@ -31,16 +31,10 @@ CANARY = b"root:$6$canary$do-not-overwrite:19000:0:99999:7:::\n"
 
 @pytest.fixture(scope="module")
 def origin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Origin]:
-    if os.geteuid() != 0:
-        pytest.skip("the fetcher runs as root on a node; these attacks need root to be real")
-    try:
-        o = start_origin(tmp_path_factory.mktemp("origin"))
-    except (RuntimeError, FileNotFoundError) as exc:
-        pytest.skip(f"no nginx origin: {exc} (install scripts/weights-packages.txt)")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SSL_CERT_FILE", str(o.cert))  # the node program trusts the test CA
-        yield o
-    o.stop()
+    yield from trusted_origin(
+        tmp_path_factory.mktemp("origin"),
+        "the fetcher runs as root on a node; these attacks need root to be real",
+    )
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -88,14 +89,23 @@ def _gateway(tmp_path: Path, address: str, **settings: object) -> tuple[Gateway,
     return gw, key, admin
 
 
+@contextmanager
+def _serving(tmp_path: Path, address: str, **settings: object) -> Iterator[tuple[Gateway, str, str]]:
+    """A started gateway with model m on ``address``, a user key and an admin key; stopped after."""
+    gw, key, admin = _gateway(tmp_path, address, **settings)
+    gw.start()
+    try:
+        yield gw, key, admin
+    finally:
+        gw.stop()
+
+
 # --- slow and stalled clients -------------------------------------------------------------
 
 
 @pytest.mark.integration
 def test_slow_header_client_is_dropped(sim: Engine, tmp_path: Path) -> None:
-    gw, _, _ = _gateway(tmp_path, sim.address)
-    gw.start()
-    try:
+    with _serving(tmp_path, sim.address) as (gw, _, _):
         request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
             started = time.monotonic()
@@ -116,15 +126,11 @@ def test_slow_header_client_is_dropped(sim: Engine, tmp_path: Path) -> None:
                     break
         assert closed is not None, "a client sending one byte a second was still connected after 8s"
         assert closed < 4, f"dropped after {closed:.1f}s, header timeout 2s"
-    finally:
-        gw.stop()
 
 
 @pytest.mark.integration
 def test_slow_body_client_is_answered_408_and_dropped(sim: Engine, tmp_path: Path) -> None:
-    gw, key, _ = _gateway(tmp_path, sim.address)
-    gw.start()
-    try:
+    with _serving(tmp_path, sim.address) as (gw, key, _):
         head = (
             f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
             "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
@@ -141,8 +147,6 @@ def test_slow_body_client_is_answered_408_and_dropped(sim: Engine, tmp_path: Pat
         assert answer, "no answer 8s after the body stalled (body timeout 2s)"
         assert _status(answer) == 408 and waited < 4, (waited, answer[:200])
         _no_traceback(gw)
-    finally:
-        gw.stop()
 
 
 def _serve_forever_stream(server: socket.socket, closed: list[float]) -> None:
@@ -208,9 +212,7 @@ def test_client_that_never_reads_is_dropped_and_its_slot_freed(
     endless_engine: tuple[int, list[float]], tmp_path: Path
 ) -> None:
     port, closed = endless_engine
-    gw, key, _ = _gateway(tmp_path, f"127.0.0.1:{port}", model_concurrency=1, model_queue=0)
-    gw.start()
-    try:
+    with _serving(tmp_path, f"127.0.0.1:{port}", model_concurrency=1, model_queue=0) as (gw, key, _):
         body = json.dumps(
             {"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 9, "x": "forever"}
         )
@@ -240,8 +242,6 @@ def test_client_that_never_reads_is_dropped_and_its_slot_freed(
             chunks = [c for c in answer if c.choices]
             assert chunks[0].choices[0].delta.content
         _no_traceback(gw)
-    finally:
-        gw.stop()
 
 
 # --- one key against the others -------------------------------------------------------------
@@ -287,9 +287,7 @@ def test_one_key_flooding_a_model_cannot_starve_another_key(sim: Engine, tmp_pat
 
 @pytest.mark.integration
 def test_stream_that_is_not_a_boolean_is_refused(sim: Engine, tmp_path: Path) -> None:
-    gw, key, admin = _gateway(tmp_path, sim.address)
-    gw.start()
-    try:
+    with _serving(tmp_path, sim.address) as (gw, key, admin):
         for field, value in [("stream", 1), ("stream", "true"), ("stream_options", [1]), ("model", 7)]:
             body = {"model": "m", "messages": MESSAGES, "max_tokens": 3, field: value}
             answer = httpx.post(
@@ -302,15 +300,11 @@ def test_stream_that_is_not_a_boolean_is_refused(sim: Engine, tmp_path: Path) ->
             assert answer.json()["error"]["param"] == field
         time.sleep(1)  # a flush (0.5s)
         assert [u for u in gw.admin("/admin/api/usage", admin).json()["usage"] if u["key"] == "user"] == []
-    finally:
-        gw.stop()
 
 
 @pytest.mark.integration
 def test_client_that_hangs_up_early_is_metered(sim: Engine, tmp_path: Path) -> None:
-    gw, key, admin = _gateway(tmp_path, sim.address)
-    gw.start()
-    try:
+    with _serving(tmp_path, sim.address) as (gw, key, admin):
         body = {
             "model": "m",
             "messages": [{"role": "user", "content": "x" * 400}],
@@ -339,8 +333,6 @@ def test_client_that_hangs_up_early_is_metered(sim: Engine, tmp_path: Path) -> N
         assert rows[0]["completion_tokens"] >= 3, rows  # what the engine had sent
         assert rows[0]["prompt_tokens"] >= 100, rows  # estimated from a 400-character prompt
         _no_traceback(gw)
-    finally:
-        gw.stop()
 
 
 # --- undecodable credentials, hostile bodies ---------------------------------------------------
@@ -348,9 +340,7 @@ def test_client_that_hangs_up_early_is_metered(sim: Engine, tmp_path: Path) -> N
 
 @pytest.mark.integration
 def test_undecodable_credentials_are_401_on_every_listener(sim: Engine, tmp_path: Path) -> None:
-    gw, _, _ = _gateway(tmp_path, sim.address)
-    gw.start()
-    try:
+    with _serving(tmp_path, sim.address) as (gw, _, _):
         body = b'{"model":"m","messages":[]}'
         for authorization in [
             b"Bearer \xff",
@@ -373,15 +363,11 @@ def test_undecodable_credentials_are_401_on_every_listener(sim: Engine, tmp_path
         control = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\x01b\r\n\r\n"
         assert _status(_raw(gw.port, control)) == 400
         _no_traceback(gw)
-    finally:
-        gw.stop()
 
 
 @pytest.mark.integration
 def test_deeply_nested_json_is_400(sim: Engine, tmp_path: Path) -> None:
-    gw, key, _ = _gateway(tmp_path, sim.address)
-    gw.start()
-    try:
+    with _serving(tmp_path, sim.address) as (gw, key, _):
         bodies = [
             b"[" * 100_000 + b"]" * 100_000,
             b'{"model":"m","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
@@ -401,8 +387,6 @@ def test_deeply_nested_json_is_400(sim: Engine, tmp_path: Path) -> None:
             assert _status(answer) == 400, (body[:40], answer[:300])
             assert _error(answer)["type"] == "invalid_request_error"
         _no_traceback(gw)
-    finally:
-        gw.stop()
 
 
 def test_depth_check_counts_brackets_outside_strings_only() -> None:

@@ -7,7 +7,6 @@ as root; and the gateway still starts an on-demand model with that key alone."""
 from __future__ import annotations
 
 import asyncio
-import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,11 +19,10 @@ import yaml
 
 from llmgw_cli.core.fetch import Peers, plan_fetch
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.lab import host as lab_host
 from llmgw_cli.remote import connect, fetch
 from tests.integration.conftest import Lab
-from tests.integration.lab_helpers import reset, run
-from tests.integration.weights_origin import Origin, start_origin
+from tests.integration.lab_helpers import origin_on_the_bridge, reset, run
+from tests.integration.weights_origin import Origin
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -202,23 +200,11 @@ def test_on_demand_start_through_the_restricted_key(lab: Lab, installed: Install
     assert "refused" not in journal, journal[-2000:]
 
 
-BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
-
-
 @pytest.fixture
 def origin(lab: Lab, installed: Installed, tmp_path: Path) -> Iterator[Origin]:
     """An HTTPS origin on the lab bridge whose certificate the nodes trust."""
-    o = start_origin(tmp_path / "origin", host=f"{lab_host.SUBNET}.1")
-    pem = shlex.quote(o.cert.read_text())
-    for node in lab.nodes:
-        done = lab.ssh(node.name, f"cp {BUNDLE} {BUNDLE}.llmgw-test && printf '%s\\n' {pem} >> {BUNDLE}")
-        assert done.returncode == 0, done.stderr
-    try:
+    with origin_on_the_bridge(lab, tmp_path / "origin") as o:
         yield o
-    finally:
-        o.stop()
-        for node in lab.nodes:
-            lab.ssh(node.name, f"mv -f {BUNDLE}.llmgw-test {BUNDLE}")
 
 
 def test_gateway_fetches_weights_only_into_the_weights_folders(
