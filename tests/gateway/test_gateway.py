@@ -396,16 +396,22 @@ def test_sighup_reloads_and_sigterm_drains_streams(tmp_path: Path) -> None:
     assert gw.proc is not None
     try:
         client = gw.client(key)
-        stream = iter(
-            client.chat.completions.create(
-                model="slow",
-                messages=MESSAGES,
-                max_tokens=16,
-                stream=True,
-                stream_options={"include_usage": True},
+
+        def started_stream() -> Iterator[openai.types.chat.ChatCompletionChunk]:
+            """A stream of 16 tokens at 20 a second, its first chunk read."""
+            stream = iter(
+                client.chat.completions.create(
+                    model="slow",
+                    messages=MESSAGES,
+                    max_tokens=16,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
             )
-        )
-        next(stream)
+            next(stream)
+            return stream
+
+        stream = started_stream()
         gw.cluster.write_text(gw.cluster.read_text() + "\nbogus: 1\n")  # a broken file is refused
         gw.proc.send_signal(signal.SIGHUP)
         wait_until(
@@ -423,16 +429,7 @@ def test_sighup_reloads_and_sigterm_drains_streams(tmp_path: Path) -> None:
         rest = list(stream)  # the stream opened before the reload went on
         assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == 16
 
-        stream = iter(
-            client.chat.completions.create(
-                model="slow",
-                messages=MESSAGES,
-                max_tokens=16,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-        )
-        next(stream)
+        stream = started_stream()
         gw.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         with pytest.raises(openai.APIConnectionError):  # no new connections while draining
