@@ -242,10 +242,11 @@ def test_admin_and_metrics_listeners(setup: Setup) -> None:
 
 
 def test_the_gateway_runs_on_the_event_loop_of_the_tests(setup: Setup, event_loop_choice: str) -> None:
-    deadline = time.monotonic() + 10  # logged once every listener is up
-    while f"event loop: {event_loop_choice}\n" not in setup.gw.log.read_text():
-        assert time.monotonic() < deadline, setup.gw.log.read_text()[-2000:]
-        time.sleep(0.05)
+    wait_until(  # logged once every listener is up
+        lambda: f"event loop: {event_loop_choice}\n" in setup.gw.log.read_text(),
+        timeout=10,
+        what=lambda: f"'event loop: {event_loop_choice}' in the log:\n{setup.gw.log.read_text()[-2000:]}",
+    )
 
 
 def test_one_log_line_per_request(setup: Setup) -> None:
