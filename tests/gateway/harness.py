@@ -10,6 +10,8 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -51,6 +53,40 @@ def wait_http(
         retry_on=(httpx.TransportError,),
         what=lambda: f"{url} to answer 200:\n{log.read_text()[-3000:]}",
     )
+
+
+# --- fake engines written on raw sockets, for what a real one would not do -------------
+
+HEALTHY = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+EVENT_STREAM = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    """``data`` as one chunk of a chunked body."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def read_head(conn: socket.socket) -> bytes:
+    """What the client sent up to the end of its request head (and maybe some body after
+    it), or less if it closed first: then the result has no blank line."""
+    request = b""
+    while b"\r\n\r\n" not in request:
+        data = conn.recv(65536)
+        if not data:
+            break
+        request += data
+    return request
+
+
+def fake_engine(serve: Callable[[socket.socket], None]) -> Iterator[int]:
+    """For a fixture (``yield from``): a listening socket on a free loopback port that
+    ``serve`` accepts from in a thread; yields the port, closes the socket after (which
+    ends ``serve``'s accept)."""
+    port = free_port()
+    server = socket.create_server(("127.0.0.1", port))
+    threading.Thread(target=serve, args=(server,), daemon=True).start()
+    yield port
+    server.close()
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, wait: float = 15) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.harness import Gateway, free_port
+from tests.gateway.harness import EVENT_STREAM, HEALTHY, Gateway, chunk, fake_engine, read_head
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -39,42 +38,24 @@ def _serve(server: socket.socket, hold: float = 0) -> None:
         except OSError:
             return
         with conn:
-            request = b""
-            while b"\r\n\r\n" not in request:
-                data = conn.recv(65536)
-                if not data:
-                    break
-                request += data
-            if request.startswith(b"GET"):
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            if read_head(conn).startswith(b"GET"):
+                conn.sendall(HEALTHY)
                 continue
-            head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-            body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in EVENTS)
-            conn.sendall(head + body)
+            conn.sendall(EVENT_STREAM + b"".join(chunk(e) for e in EVENTS))
             if hold:  # end the body properly, but only after a while
                 time.sleep(hold)
                 conn.sendall(b"0\r\n\r\n")
             # else: close without the final 0-length chunk
 
 
-def _engine(hold: float) -> Iterator[int]:
-    port = free_port()
-    server = socket.create_server(("127.0.0.1", port))
-    server.listen(8)
-    thread = threading.Thread(target=_serve, args=(server, hold), daemon=True)
-    thread.start()
-    yield port
-    server.close()
-
-
 @pytest.fixture
 def abrupt_engine() -> Iterator[int]:
-    yield from _engine(hold=0)
+    yield from fake_engine(lambda server: _serve(server, hold=0))
 
 
 @pytest.fixture
 def lingering_engine() -> Iterator[int]:
-    yield from _engine(hold=5)
+    yield from fake_engine(lambda server: _serve(server, hold=5))
 
 
 MODELS: list[dict[str, object]] = [

@@ -25,7 +25,17 @@ from hypothesis import strategies as st
 from llmgw_cli.errors import BadRequest
 from llmgw_cli.gateway.openai_error import bad_request
 from llmgw_cli.gateway.request_body import MAX_DEPTH, parse_body, too_deep
-from tests.gateway.harness import Engine, Gateway, free_port, self_signed_cert, start_gateway
+from tests.gateway.harness import (
+    EVENT_STREAM,
+    HEALTHY,
+    Engine,
+    Gateway,
+    chunk,
+    fake_engine,
+    read_head,
+    self_signed_cert,
+    start_gateway,
+)
 from tests.waiting import wait_until
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
@@ -163,14 +173,11 @@ def _serve_forever_stream(server: socket.socket, closed: list[float]) -> None:
 
 def _answer(conn: socket.socket, closed: list[float]) -> None:
     with conn:
-        request = b""
-        while b"\r\n\r\n" not in request:
-            data = conn.recv(65536)
-            if not data:
-                return
-            request += data
+        request = read_head(conn)
+        if b"\r\n\r\n" not in request:
+            return
         if request.startswith(b"GET"):
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            conn.sendall(HEALTHY)
             return
         head, _, body = request.partition(b"\r\n\r\n")
         length = int(
@@ -178,33 +185,26 @@ def _answer(conn: socket.socket, closed: list[float]) -> None:
         )
         while len(body) < length:
             body += conn.recv(65536)
-        conn.sendall(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-        )
-        event = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 60000 + b'"}}]}\n\n'
-        chunk = b"%x\r\n%s\r\n" % (len(event), event)
+        conn.sendall(EVENT_STREAM)
+        event = chunk(b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 60000 + b'"}}]}\n\n')
         if b"forever" not in body:
             usage = (
                 b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\ndata: [DONE]\n\n'
             )
-            conn.sendall(chunk + b"%x\r\n%s\r\n0\r\n\r\n" % (len(usage), usage))
+            conn.sendall(event + chunk(usage) + b"0\r\n\r\n")
             return
         try:
             while True:
-                conn.sendall(chunk)
+                conn.sendall(event)
         except OSError:
             closed.append(time.monotonic())
 
 
 @pytest.fixture
 def endless_engine() -> Iterator[tuple[int, list[float]]]:
-    port = free_port()
-    server = socket.create_server(("127.0.0.1", port))
     closed: list[float] = []
-    thread = threading.Thread(target=_serve_forever_stream, args=(server, closed), daemon=True)
-    thread.start()
-    yield port, closed
-    server.close()
+    for port in fake_engine(lambda server: _serve_forever_stream(server, closed)):
+        yield port, closed
 
 
 @pytest.mark.integration
