@@ -58,7 +58,7 @@ async def _execute_with_progress(
     async def run() -> list[Outcome]:
         # The gateway's key and the node helper first: the units below go through it.
         reachable = [n.name for n in spec.nodes if n.name not in unreachable]
-        setup = await prepare(spec, conns, reachable, report)
+        setup = await prepare(spec, conns, reachable, report, facts)
         # Every node, not only those the plan touches: the gateway starts on-demand replicas
         # anywhere and never writes keys or secrets itself.
         transports = [conns.to(name) for name in reachable]
@@ -133,7 +133,8 @@ def _show_host_changes(
         soft_wrap=True,
     )
     reachable = [f.node for f in snapshot.nodes if f.reachable]
-    helper_nodes = session.run(stale_nodes(spec, session.conns, reachable))
+    facts = {f.node: f for f in snapshot.nodes}
+    helper_nodes = session.run(stale_nodes(spec, session.conns, reachable, facts))
     if helper_nodes:
         out.print(
             Text(f"node helper: install or update on {', '.join(helper_nodes)}", style="yellow"),
@@ -193,7 +194,7 @@ def apply(
                 "--rotate-engine-key rotates a settled cluster: run `llmgw apply` first, then rotate"
             )
         reachable = [f.node for f in snapshot.nodes if f.reachable]
-        keyless = session.run(nodes_without_key(session.conns, reachable))
+        keyless = session.run(nodes_without_key(spec, session.conns, reachable, facts))
         if keyless or rotate_engine_key:
             where = "every node" if rotate_engine_key else ", ".join(keyless)
             verb = "rotate" if rotate_engine_key else "write"

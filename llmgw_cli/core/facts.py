@@ -157,6 +157,15 @@ class Cpu(Fact):
     virtual: bool
 
 
+class NodeAccess(Fact):
+    """What ``apply`` keeps on a node for the gateway's helper (``core/node_access.py``),
+    as the probe read it: the SHA-256 of each of those files that exists, and the accounts
+    that are missing."""
+
+    digests: dict[str, str]  # path -> SHA-256, hex
+    missing_accounts: tuple[str, ...]
+
+
 class NodeFacts(Fact):
     """Everything one probe of one node found. ``error`` set means the node could not be
     probed; the other fields are then empty, and the node is shown, never hidden."""
@@ -176,6 +185,10 @@ class NodeFacts(Fact):
     units: tuple[UnitState, ...] = ()
     unit_labels: dict[str, dict[str, str]] = {}
     engines: tuple[Engine, ...] = ()
+    # Read only by a probe that runs as root (the operator's, logged in as root); None
+    # otherwise. The engine key itself never leaves the node: only whether there is one.
+    node_access: NodeAccess | None = None
+    engine_key_present: bool | None = None
     clock: float | None = None
     probe_seconds: float | None = None
 

@@ -24,8 +24,8 @@ import json
 from dataclasses import dataclass
 
 from llmgw_cli.core.engines import ray_program
+from llmgw_cli.core.facts import NodeAccess
 from llmgw_cli.core.gateway_install import GATEWAY_ACCOUNT
-from llmgw_cli.core.parse.probe import probe_script
 from llmgw_cli.core.spec import ClusterSpec, Node
 
 GATEWAY_USER = GATEWAY_ACCOUNT
@@ -84,18 +84,41 @@ def sudoers_rule() -> str:
 
 
 def node_files(
-    spec: ClusterSpec, node: Node, *, helper_source: str, nodefetch_source: str, public_key: str | None
+    spec: ClusterSpec,
+    node: Node,
+    *,
+    helper_source: str,
+    nodefetch_source: str,
+    probe_source: str,
+    public_key: str | None,
 ) -> tuple[NodeFile, ...]:
     """Every file ``apply`` keeps on ``node`` for the helper (the sudoers rule apart: it is
-    checked with ``visudo`` before it takes effect)."""
+    checked with ``visudo`` before it takes effect). ``probe_source``: the node's probe
+    script (``core/parse/probe.py``, which reads these files' digests back)."""
     files = [
         NodeFile(HELPER, SHEBANG + helper_source, 0o755),
-        NodeFile(PROBE, probe_script(spec, node), 0o644),
+        NodeFile(PROBE, probe_source, 0o644),
         NodeFile(NODEFETCH, nodefetch_source, 0o644),
         NodeFile(HELPER_CONFIG, helper_config(spec, node), 0o644),
         NodeFile(AUTHORIZED_KEYS, authorized_key_line(public_key) if public_key else "", 0o644),
     ]
     return tuple(files)
+
+
+MANAGED_PATHS = (HELPER, PROBE, NODEFETCH, HELPER_CONFIG, AUTHORIZED_KEYS, SUDOERS)
+"""Every file of ``node_files`` and the sudoers rule: what the probe reads digests of."""
+
+
+def managed_accounts(spec: ClusterSpec) -> list[str]:
+    """The accounts ``apply`` makes on every node: the gateway's, then the engines'."""
+    return [GATEWAY_USER, *engine_users(spec)]
+
+
+def helper_stale(files: tuple[NodeFile, ...], found: NodeAccess) -> bool:
+    """Whether the node lacks an account or holds other files than ``files`` (from
+    ``node_files``) and the sudoers rule: ``apply`` would install the helper again."""
+    want = {f.path: f.digest for f in (*files, NodeFile(SUDOERS, sudoers_rule(), 0o440))}
+    return bool(found.missing_accounts) or found.digests != want
 
 
 def valid_public_key(text: str) -> bool:

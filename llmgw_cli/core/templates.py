@@ -51,3 +51,12 @@ def render(name: str, **context: Any) -> str:
         ) from None
     except jinja2.UndefinedError as exc:
         raise TemplateError(f"template {name!r}: {exc.message}") from None
+
+
+def render_text(source: str, **context: Any) -> str:
+    """Render the template text ``source`` (a snippet kept beside the code that reads its
+    output) with ``context``, under the same rules as ``render``."""
+    try:
+        return _environment().from_string(source).render(**context)
+    except jinja2.UndefinedError as exc:
+        raise TemplateError(f"template snippet: {exc.message}") from None

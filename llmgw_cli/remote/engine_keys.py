@@ -28,10 +28,11 @@ from __future__ import annotations
 import asyncio
 import re
 import shlex
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from llmgw_cli.core.engine_access import sglang_users
 from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.parse.probe import parse_section, section_script
 from llmgw_cli.core.plan import running_replicas
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
@@ -44,13 +45,13 @@ from llmgw_cli.remote.execute import (
     ensure_secret_env,
     must,
     node_engine_keys,
-    read_engine_key,
     ready_status,
 )
 from llmgw_cli.remote.transport import Transport
 
 KeyMap = dict[str, tuple[str, ...]]
 GATEWAY_PICKUP = 7.0  # seconds: the gateway's key timer (5 s), health checks (2 s) and a margin
+ENGINE_KEY = "engine-key"  # the probe's section
 UNIT_NAME = re.compile(r"llmgw-[a-z0-9.-]+-[0-9]+\.service")
 
 
@@ -75,11 +76,28 @@ async def distribute_engine_keys(
     return keys, failed
 
 
-async def nodes_without_key(conns: Connections, names: list[str]) -> list[str]:
-    """The nodes among ``names`` that hold no engine key yet (shown in the plan)."""
-    transports = [conns.to(n) for n in names]
-    found = await asyncio.gather(*(read_engine_key(t) for t in transports))
-    return [t.node for t, key in zip(transports, found, strict=True) if not key]
+async def nodes_without_key(
+    spec: ClusterSpec, conns: Connections, names: list[str], facts: Mapping[str, NodeFacts] | None = None
+) -> list[str]:
+    """The nodes among ``names`` that hold no engine key yet (shown in the plan), as the
+    probe's ``facts`` say; a node whose probe could not tell (it did not run as root) is
+    asked with the probe's own engine-key section, through sudo. Only whether a key is
+    there is ever read, never the key."""
+    known = {n: facts[n].engine_key_present for n in names if facts and n in facts}
+
+    async def present(name: str) -> bool:
+        node = spec.node(name)
+        try:
+            result = await conns.to(node).run(
+                "sh -s", root=True, stdin=section_script(ENGINE_KEY, spec, node)
+            )
+        except NodeError:
+            return False
+        return parse_section(ENGINE_KEY, node, result.stdout).engine_key_present is True
+
+    ask = [n for n in names if known.get(n) is None]
+    asked = dict(zip(ask, await asyncio.gather(*(present(n) for n in ask)), strict=True))
+    return [n for n in names if not (asked[n] if n in asked else known[n])]
 
 
 def _replicas(facts: dict[str, NodeFacts]) -> dict[tuple[str, str], list[tuple[str, str, int]]]:

@@ -1,8 +1,8 @@
 """Install the node helper, its account and its one sudo rule on every node (as root,
 over the operator's transport), when what is there differs from what is wanted.
 
-``check`` reads digests back (one command per node, nothing changed); ``install`` writes
-what differs: accounts first, then the files atomically, the sudoers rule only after
+``check`` compares digests the probe read (asking again, one command per node, only where
+the probe could not read them; nothing changed); ``install`` writes what differs: accounts first, then the files atomically, the sudoers rule only after
 ``visudo -cf`` accepted it, the ``authorized_keys`` line last.
 """
 
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+from collections.abc import Mapping
 from importlib import resources
 
+from llmgw_cli.core.facts import NodeAccess, NodeFacts
 from llmgw_cli.core.node_access import (
     AUTHORIZED_KEYS,
     GATEWAY_HOME,
@@ -20,9 +22,11 @@ from llmgw_cli.core.node_access import (
     SUDOERS,
     NodeFile,
     engine_users,
+    helper_stale,
     node_files,
     sudoers_rule,
 )
+from llmgw_cli.core.parse.probe import parse_section, probe_script, section_script
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Report
@@ -34,11 +38,17 @@ _SOURCES = resources.files("llmgw_cli.remote")
 HELPER_SOURCE = _SOURCES.joinpath("node_helper.py").read_text(encoding="utf-8")
 NODEFETCH_SOURCE = _SOURCES.joinpath("nodefetch.py").read_text(encoding="utf-8")
 SUBJECT = "node access"
+NODE_ACCESS = "node-access"  # the probe's section
 
 
 def wanted(spec: ClusterSpec, node: Node, public_key: str | None) -> tuple[NodeFile, ...]:
     return node_files(
-        spec, node, helper_source=HELPER_SOURCE, nodefetch_source=NODEFETCH_SOURCE, public_key=public_key
+        spec,
+        node,
+        helper_source=HELPER_SOURCE,
+        nodefetch_source=NODEFETCH_SOURCE,
+        probe_source=probe_script(spec, node),
+        public_key=public_key,
     )
 
 
@@ -57,35 +67,32 @@ async def ensure_gateway_account(t: Transport) -> None:
     )
 
 
-async def _needs(t: Transport, files: tuple[NodeFile, ...], users: list[str]) -> bool:
-    paths = " ".join(shlex.quote(f.path) for f in (*files, NodeFile(SUDOERS, sudoers_rule(), 0o440)))
-    accounts = " ".join(shlex.quote(u) for u in [GATEWAY_USER, *users])
-    result = await t.run(
-        f'sha256sum {paths} 2>/dev/null; for u in {accounts}; do id -u "$u" >/dev/null 2>&1 '
-        '|| echo "missing $u"; done; true',
-        root=True,
-    )
-    if "missing " in result.stdout:
-        return True
-    found = {}
-    for line in result.stdout.splitlines():
-        digest, _, path = line.partition("  ")
-        found[path.strip()] = digest
-    want = {f.path: f.digest for f in files}
-    want[SUDOERS] = NodeFile(SUDOERS, sudoers_rule(), 0o440).digest
-    return found != want
+async def _read_access(spec: ClusterSpec, conns: Connections, node: Node) -> NodeAccess | None:
+    """The probe's node-access section, run on its own as root: for a node whose probe
+    did not run as root (a ``become: sudo`` login)."""
+    result = await conns.to(node.name).run("sh -s", root=True, stdin=section_script(NODE_ACCESS, spec, node))
+    return parse_section(NODE_ACCESS, node, result.stdout).node_access
 
 
-async def check(spec: ClusterSpec, conns: Connections, nodes: list[str], public_key: str | None) -> list[str]:
-    """The nodes (of ``nodes``) whose helper, account, rule or key line is not as wanted;
-    a node that cannot be asked counts as needing it."""
-    users = engine_users(spec)
+async def check(
+    spec: ClusterSpec,
+    conns: Connections,
+    nodes: list[str],
+    public_key: str | None,
+    facts: Mapping[str, NodeFacts] | None = None,
+) -> list[str]:
+    """The nodes (of ``nodes``) whose helper, account, rule or key line is not as wanted,
+    judged from the probe's ``facts`` where it read them (no round trip), else asked; a
+    node that cannot be asked counts as needing it."""
 
     async def one(name: str) -> bool:
+        node = spec.node(name)
+        known = facts[name].node_access if facts and name in facts else None
         try:
-            return await _needs(conns.to(name), wanted(spec, spec.node(name), public_key), users)
+            found = known or await _read_access(spec, conns, node)
         except NodeError:
             return True
+        return found is None or helper_stale(wanted(spec, node, public_key), found)
 
     needs = await asyncio.gather(*(one(n) for n in nodes))
     return [n for n, need in zip(nodes, needs, strict=True) if need]

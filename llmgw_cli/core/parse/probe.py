@@ -1,6 +1,9 @@
 """The node probe: the script sent to each node and the parse of what it prints.
 
-One script per node, one round trip: the sections below each feed a parser of their own.
+One script per node, one round trip. A fact is its command and its parser together:
+``SECTIONS`` lists each section's name, the shell that prints it and the function that
+reads it into ``NodeFacts`` fields, and both the script (``templates/probe.sh.j2`` frames
+them) and the parse are assembled from that list, so a new fact is one entry there.
 
 The script is the same text for the same cluster file and node (no per-run value), so it can
 be installed on the node and run there on its own; its output is the only interface. Every
@@ -16,17 +19,22 @@ import base64
 import binascii
 import math
 from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from llmgw_cli.core.facts import Cpu, Engine, GpuHealth, NodeFacts, WeightsDir
+from llmgw_cli.core.facts import Cpu, Engine, Gpu, GpuHealth, NodeAccess, NodeFacts, WeightsDir
+from llmgw_cli.core.node_access import MANAGED_PATHS, managed_accounts
 from llmgw_cli.core.parse.cpuinfo import parse_cpuinfo
+from llmgw_cli.core.parse.engine_env import KEY_PRESENT_SH
 from llmgw_cli.core.parse.infiniband import parse_ib_ports
 from llmgw_cli.core.parse.nvidia_smi import HEALTH_FIELDS, QUERY_FIELDS, parse_health, parse_query_gpu
 from llmgw_cli.core.parse.systemctl import parse_show, unit_state
 from llmgw_cli.core.parse.topo import parse_topology
-from llmgw_cli.core.parse.units import parse_labels
+from llmgw_cli.core.parse.units import LABEL_PREFIX, UNIT_DIR, parse_labels
 from llmgw_cli.core.parse.weights import judge
 from llmgw_cli.core.spec import ClusterSpec, Node
-from llmgw_cli.core.templates import render
+from llmgw_cli.core.templates import render, render_text
 
 
 def engine_binaries(spec: ClusterSpec) -> list[str]:
@@ -35,13 +43,10 @@ def engine_binaries(spec: ClusterSpec) -> list[str]:
 
 
 def probe_script(spec: ClusterSpec, node: Node) -> str:
-    """The shell script that gathers one node's facts."""
+    """The shell script that gathers one node's facts: every section of ``SECTIONS``."""
     return render(
         "probe.sh.j2",
-        gpu_fields=",".join(QUERY_FIELDS),
-        health_fields=",".join(HEALTH_FIELDS),
-        weight_dirs=[w.path for w in node.weights],
-        engine_binaries=engine_binaries(spec),
+        sections=[(section.name, section.script(spec, node).strip("\n")) for section in SECTIONS],
     )
 
 
@@ -197,37 +202,286 @@ def parse_probe(node: Node, text: str) -> NodeFacts:
 
 def _parse(node: Node, text: str) -> NodeFacts:
     sections = split_sections(text)
-    clock, total, available = _host(sections.get("host", ""))
-    gpu_text = sections.get("gpus", "")
-    gpus, lost = parse_query_gpu(gpu_text)
-    faults = parse_health(sections.get("gpuhealth", ""))
-    gpus = [
-        g.model_copy(update={"health": GpuHealth.faulty, "reasons": (*g.reasons, *faults[g.index])})
-        if g.index in faults
-        else g
-        for g in gpus
-    ]
-    gpu_lines = gpu_text.split("\n")
-    if "@missing" in gpu_lines:
+    fields: dict[str, Any] = {}
+    for section in SECTIONS:
+        fields.update(section.parse(sections.get(section.name, ""), node, fields))
+    return NodeFacts(node=node.name, **fields)
+
+
+# --- the sections: each one's shell, beside the parser of what it prints ------------------
+
+Fields = dict[str, Any]
+"""``NodeFacts`` fields, by name."""
+
+
+@dataclass(frozen=True)
+class Section:
+    """One fact of the probe: ``script`` prints it on the node, under ``@@ name``;
+    ``parse`` reads that text (``""`` when the section is missing) into NodeFacts fields,
+    given the fields of the sections before it."""
+
+    name: str
+    script: Callable[[ClusterSpec, Node], str]
+    parse: Callable[[str, Node, Mapping[str, Any]], Fields]
+
+
+def _shell(text: str) -> Callable[[ClusterSpec, Node], str]:
+    """A section whose shell is the same on every node."""
+    return lambda _spec, _node: text
+
+
+HOST_SH = """\
+echo "clock $(date +%s.%N 2>/dev/null || date +%s)"
+grep -E '^(MemTotal|MemAvailable):' /proc/meminfo"""
+
+
+def _parse_host(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
+    clock, total, available = _host(text)
+    return {"clock": clock, "memory_total_kib": total, "memory_available_kib": available}
+
+
+CPU_SH = "awk '/^$/ {exit} {print}' /proc/cpuinfo"
+
+
+def _parse_cpu(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
+    cpu = parse_cpuinfo(text)
+    return {
+        "cpu": Cpu(model=cpu.model, flags_missing=tuple(cpu.missing), virtual=cpu.virtual) if cpu else None
+    }
+
+
+GPUS_SH = f"""\
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu={",".join(QUERY_FIELDS)} --format=csv,noheader,nounits 2>&1
+  echo "@rc $?"
+else
+  echo "@missing"
+fi"""
+
+
+def _parse_gpus(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
+    gpus, lost = parse_query_gpu(text)
+    lines = text.split("\n")
+    if "@missing" in lines:
         tool = "missing"
-    elif "@rc 0" in gpu_lines or gpus:
+    elif "@rc 0" in lines or gpus:
         tool = "ok"
     else:
-        tool = "failed: " + (gpu_lines[0] if gpu_text else "no output")
-    cpu = parse_cpuinfo(sections.get("cpu", ""))
-    return NodeFacts(
-        node=node.name,
-        gpus=tuple(gpus),
-        lost_gpus=tuple(lost),
-        gpu_tool=tool,
-        topology=parse_topology(sections.get("topo", "")),
-        ib_ports=tuple(parse_ib_ports(sections.get("ib", ""))),
-        cpu=Cpu(model=cpu.model, flags_missing=tuple(cpu.missing), virtual=cpu.virtual) if cpu else None,
-        memory_total_kib=total,
-        memory_available_kib=available,
-        weights=_weights(sections.get("weights", ""), node),
-        units=tuple(unit_state(b) for b in parse_show(sections.get("units", ""))),
-        unit_labels=parse_labels(sections.get("labels", "")),
-        engines=_engines(sections.get("engines", "")),
-        clock=clock,
-    )
+        tool = "failed: " + (lines[0] if text else "no output")
+    return {"gpus": tuple(gpus), "lost_gpus": tuple(lost), "gpu_tool": tool}
+
+
+GPUHEALTH_SH = f"""\
+# Optional health fields, asked separately: a driver that lacks one refuses the whole query.
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu={",".join(HEALTH_FIELDS)} \
+--format=csv,noheader,nounits 2>/dev/null"""
+
+
+def _parse_gpuhealth(text: str, _node: Node, found: Mapping[str, Any]) -> Fields:
+    """Marks the cards of the ``gpus`` section that report a fault."""
+    faults = parse_health(text)
+    gpus: tuple[Gpu, ...] = found.get("gpus", ())
+    return {
+        "gpus": tuple(
+            g.model_copy(update={"health": GpuHealth.faulty, "reasons": (*g.reasons, *faults[g.index])})
+            if g.index in faults
+            else g
+            for g in gpus
+        )
+    }
+
+
+TOPO_SH = "command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi topo -m 2>&1"
+
+
+def _parse_topo(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
+    return {"topology": parse_topology(text)}
+
+
+IB_SH = """\
+# one process for every port file: PATH:VALUE lines
+grep -H . /sys/class/infiniband/*/ports/*/state /sys/class/infiniband/*/ports/*/phys_state \\
+          /sys/class/infiniband/*/ports/*/rate /sys/class/infiniband/*/ports/*/link_layer 2>/dev/null"""
+
+
+def _parse_ib(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
+    return {"ib_ports": tuple(parse_ib_ports(text))}
+
+
+WEIGHTS_SH = """\
+# Every name below comes from the node and is data, never program text: file and folder
+# names and the shard names of each index go out NUL-separated and base64-encoded on one
+# line ("@entries B64", "@shards B64" = folder NUL shard NUL ...), so no name can start a
+# line, a section or a command of its own. Index files are read only from real folders
+# directly inside the weights directory, never through a symlink (this runs as root).
+{% for dir in weight_dirs %}
+d={{ dir | shellquote }}
+printf '@dir %s\\n' "$d"
+if [ -d "$d" ]; then
+  printf '@free_kib %s\\n' "$(df -Pk "$d" | awk 'NR==2 {print $4}')"
+  printf '@entries '
+  find "$d" -mindepth 1 -maxdepth 2 -printf '%y\\t%s\\t%P\\0' 2>/dev/null | base64 -w0
+  echo
+  (
+    cd -P "$d" 2>/dev/null || exit 0
+    real=$(pwd -P)
+    for sub in ./*/; do
+      m=${sub#./}
+      m=${m%/}
+      [ -L "./$m" ] && continue
+      (
+        cd -P "./$m" 2>/dev/null || exit 0
+        # swapped for a symlink since the test above: it must still sit in the weights folder
+        [ "$(cd .. && pwd -P)" = "$real" ] || exit 0
+        [ -f model.safetensors.index.json ] || exit 0
+        printf '@shards '
+        {
+          printf '%s\\0' "$m"
+          dd if=model.safetensors.index.json iflag=nofollow,nonblock bs=1M count=16 status=none 2>/dev/null |
+            grep -ao '"[^"]*\\.safetensors"' | tr -d '"' | sort -u | tr '\\n' '\\0'
+        } | base64 -w0
+        echo
+      )
+    done
+  )
+else
+  echo "@absent"
+fi
+{% endfor %}"""
+
+
+def _weights_script(_spec: ClusterSpec, node: Node) -> str:
+    return render_text(WEIGHTS_SH, weight_dirs=[w.path for w in node.weights])
+
+
+def _parse_weights(text: str, node: Node, _found: Mapping[str, Any]) -> Fields:
+    return {"weights": _weights(text, node)}
+
+
+ENGINES_SH = """\
+{% for binary in engine_binaries %}
+b={{ binary | shellquote }}
+p=$(command -v "$b" 2>/dev/null)
+if [ -n "$p" ]; then
+  printf '@engine %s found\\n' "$b"
+  # a script (#!) has no libraries of its own to miss; ldd is only for binaries
+  # (nonblocking: a FIFO in the binary's place must not hang the probe)
+  first=$(dd if="$p" bs=2 count=1 iflag=nonblock status=none 2>/dev/null | tr -d '\\0')
+  case "$first" in
+    "#!"*) ;;
+    # library names come from the binary: one printable line each
+    *) ldd "$p" 2>/dev/null | awk '/not found/ {print "@lib " $1}' | tr -c '\\n[:print:]' '?' ;;
+  esac
+else
+  printf '@engine %s missing\\n' "$b"
+fi
+{% endfor %}"""
+
+
+def _engines_script(spec: ClusterSpec, _node: Node) -> str:
+    return render_text(ENGINES_SH, engine_binaries=engine_binaries(spec))
+
+
+def _parse_engines(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
+    return {"engines": _engines(text)}
+
+
+UNITS_SH = """\
+set -f  # unit names are words to pass on, never patterns to expand
+units=$(systemctl list-units 'llmgw-*' --all --plain --no-legend 2>/dev/null | awk '{print $1}')
+[ -n "$units" ] && systemctl show -p Id,LoadState,ActiveState,SubState,Result,MainPID,NRestarts,ExecMainCode,ExecMainStatus $units
+set +f"""
+
+
+def _parse_units(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
+    return {"units": tuple(unit_state(b) for b in parse_show(text))}
+
+
+LABELS_SH = f"grep -H '^{LABEL_PREFIX}' {UNIT_DIR}llmgw-*.service 2>/dev/null"
+
+
+def _parse_labels(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
+    return {"unit_labels": parse_labels(text)}
+
+
+NODE_ACCESS_SH = """\
+# digests and accounts, never file contents; only as root (the sudo rule is root's to read)
+if [ "$(id -u)" = 0 ]; then
+  echo "@root"
+  sha256sum {{ paths | map("shellquote") | join(" ") }} 2>/dev/null
+  for u in {{ users | map("shellquote") | join(" ") }}; do
+    id -u "$u" >/dev/null 2>&1 || echo "@missing $u"
+  done
+else
+  echo "@unprivileged"
+fi"""
+
+
+def _node_access_script(spec: ClusterSpec, _node: Node) -> str:
+    return render_text(NODE_ACCESS_SH, paths=MANAGED_PATHS, users=managed_accounts(spec))
+
+
+def _parse_node_access(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
+    """``sha256sum`` lines and ``@missing USER`` lines after ``@root``; None without it."""
+    lines = text.split("\n")
+    if "@root" not in lines:
+        return {"node_access": None}
+    digests: dict[str, str] = {}
+    missing: list[str] = []
+    for line in lines:
+        digest, sep, path = line.partition("  ")
+        if line.startswith("@missing "):
+            missing.append(line.removeprefix("@missing "))
+        elif sep and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest):
+            digests[path] = digest
+    return {"node_access": NodeAccess(digests=digests, missing_accounts=tuple(missing))}
+
+
+ENGINE_KEY_SH = f"""\
+# whether the node holds an engine key: one word, never the key
+if [ "$(id -u)" != 0 ]; then
+  echo "@unprivileged"
+elif {KEY_PRESENT_SH}; then
+  echo "@present"
+else
+  echo "@absent"
+fi"""
+
+
+def _parse_engine_key(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
+    lines = text.split("\n")
+    present = True if "@present" in lines else False if "@absent" in lines else None
+    return {"engine_key_present": present}
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section("host", _shell(HOST_SH), _parse_host),
+    Section("cpu", _shell(CPU_SH), _parse_cpu),
+    Section("gpus", _shell(GPUS_SH), _parse_gpus),
+    Section("gpuhealth", _shell(GPUHEALTH_SH), _parse_gpuhealth),
+    Section("topo", _shell(TOPO_SH), _parse_topo),
+    Section("ib", _shell(IB_SH), _parse_ib),
+    Section("weights", _weights_script, _parse_weights),
+    Section("engines", _engines_script, _parse_engines),
+    Section("units", _shell(UNITS_SH), _parse_units),
+    Section("labels", _shell(LABELS_SH), _parse_labels),
+    Section("node-access", _node_access_script, _parse_node_access),
+    Section("engine-key", _shell(ENGINE_KEY_SH), _parse_engine_key),
+)
+"""Every fact of the probe, in the order the script prints them (``gpuhealth`` reads the
+cards ``gpus`` found)."""
+
+
+def section(name: str) -> Section:
+    return next(s for s in SECTIONS if s.name == name)
+
+
+def section_script(name: str, spec: ClusterSpec, node: Node) -> str:
+    """One section's shell on its own, in the probe's environment: for a caller that must
+    ask again what the probe could not read (a probe that did not run as root)."""
+    return render("probe.sh.j2", sections=[(name, section(name).script(spec, node).strip("\n"))])
+
+
+def parse_section(name: str, node: Node, text: str) -> NodeFacts:
+    """NodeFacts with only what ``section_script``'s output (``text``) says filled in."""
+    return NodeFacts(node=node.name, **section(name).parse(split_sections(text).get(name, ""), node, {}))
