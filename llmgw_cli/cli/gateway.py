@@ -141,7 +141,7 @@ def run(
     if probe is not None and spec.gateway.manage_replicas:
         # On-demand starts, idle stops, eviction and scale-out need the nodes: only with a
         # probed cluster, not with a fixed replica list.
-        gateway.supervisor = Supervisor(gateway, probe, file.parent, saved_last_use=store.last_use())
+        gateway.supervisor = Supervisor(gateway, probe, saved_last_use=store.last_use())
     runner(serve(gateway))
 
 

@@ -26,7 +26,6 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmgw_cli.core.facts import NodeFacts
@@ -63,14 +62,12 @@ class Supervisor:
         self,
         gw: Gateway,
         source: ProbeSource,
-        base: Path,
         *,
         saved_last_use: dict[str, float] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.gw = gw
         self.source = source
-        self.base = base
         self.clock = clock
         self.model_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.cards = asyncio.Lock()
