@@ -58,6 +58,22 @@ class Running(Fact):
         the one rule for plan, apply and status."""
         return all(node in self.units and self.units[node].up for node in self.members)
 
+    def serving(self, unreachable: frozenset[str] = frozenset()) -> bool:
+        """The replica may take requests: its rank-0 unit (which serves the API) is up, and
+        every other member's unit is up or unseen because its node, in ``unreachable``,
+        could not be read this time (an SSH hiccup is not a failed engine; the health
+        checks still judge it). The same ``ReplicaUnit.up`` as ``up``, which plan and
+        status use."""
+        head = self.units.get(self.members[0]) if self.members else None
+        return (
+            head is not None
+            and head.up
+            and all(
+                (n in self.units and self.units[n].up) or (n not in self.units and n in unreachable)
+                for n in self.members
+            )
+        )
+
     @property
     def down(self) -> bool:
         """Some member is not running (failed, stopped, or its unit missing on a node)."""

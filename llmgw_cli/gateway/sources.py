@@ -61,7 +61,7 @@ class StaticSource:
 
 
 class ProbeSource:
-    """Probe every node over SSH and take the replicas whose rank-0 unit is active.
+    """Probe every node over SSH and take the replicas that may serve (``Running.serving``).
 
     The connections to the nodes are held from one round to the next (and lent to the
     supervisor's starts and stops), opened again when one broke, and closed by ``close``.
@@ -108,10 +108,9 @@ class ProbeSource:
 
     async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
         facts = await self.probe(spec)
+        cut_off = frozenset(f.node for f in facts.values() if f.error)
         running = [
-            (r.model, r.port, r.members, r.states.get(r.members[0]) == "active")
-            for r in running_replicas(facts)
-            if r.members
+            (r.model, r.port, r.members, r.serving(cut_off)) for r in running_replicas(facts) if r.members
         ]
         found = endpoints(spec, running)
         # A node that could not be probed keeps the replicas it had: an SSH hiccup must not

@@ -205,6 +205,15 @@ def test_plan_and_status_agree_on_a_half_failed_multi_node_replica() -> None:
     (replica,) = [r for r in running_replicas(half) if r.model == "big"]
     assert replica.states == {head: "active", failed_node: "failed"}
     assert not replica.up
+    # the gateway routes by the same units: a failed member takes the replica out of rotation,
+    # a member on a node that could not be read this time does not
+    (whole,) = [r for r in running_replicas(facts) if r.model == "big"]
+    assert whole.serving() and not replica.serving()
+    assert replica.serving(frozenset({failed_node})) is False  # seen failed, not unknown
+    (unseen,) = [
+        r for r in running_replicas({n: f for n, f in facts.items() if n != failed_node}) if r.model == "big"
+    ]
+    assert unseen.serving(frozenset({failed_node})) and not unseen.serving()
     assert [(a.op, a.model, a.reason) for a in make_plan(s, half).changes] == [
         ("~", "big", "not running; started again")
     ]
