@@ -317,6 +317,10 @@ def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
     if verb == "show":
         return _systemctl("show", "-p", SHOW_PROPERTIES, *args)
     if verb == "journal":
+        # journald takes messages asynchronously: the line systemd logs for a start that
+        # failed can still be on its way when the job's failure is reported. --sync
+        # returns once everything sent before it is stored, so the tail below holds it.
+        subprocess.call(["journalctl", "--sync"], stderr=subprocess.DEVNULL)
         since = ["--since", f"@{args[1]}"] if args[1] != "-" else []
         cmd = ["journalctl", "-u", args[0], *since, "-n", args[2], "--no-pager", "-o", "cat"]
         return subprocess.call(cmd)

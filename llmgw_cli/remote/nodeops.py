@@ -104,6 +104,8 @@ class ShellOps:
     async def journal(self, unit: str, since: str, lines: int) -> str:
         after = f"--since @{since}" if since.isdigit() else ""
         result = await self.transport.run(
-            f"journalctl -u {shlex.quote(unit)} {after} -n {int(lines)} --no-pager -o cat", root=True
+            # --sync first: a failed start's own line may still be on its way to journald
+            f"journalctl --sync 2>/dev/null; journalctl -u {shlex.quote(unit)} {after} -n {int(lines)} --no-pager -o cat",
+            root=True,
         )
         return result.stdout
