@@ -34,7 +34,7 @@ from llmgw_cli.core.engine_access import sglang_users
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.parse.probe import parse_section, section_script
 from llmgw_cli.core.plan import running_replicas
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
 from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Report
@@ -85,18 +85,15 @@ async def nodes_without_key(
     there is ever read, never the key."""
     known = {n: facts[n].engine_key_present for n in names if facts and n in facts}
 
-    async def present(name: str) -> bool:
-        node = spec.node(name)
+    async def present(node: Node, t: Transport) -> bool:
         try:
-            result = await conns.to(node).run(
-                "sh -s", root=True, stdin=section_script(ENGINE_KEY, spec, node)
-            )
+            result = await t.run("sh -s", root=True, stdin=section_script(ENGINE_KEY, spec, node))
         except NodeError:
             return False
         return parse_section(ENGINE_KEY, node, result.stdout).engine_key_present is True
 
     ask = [n for n in names if known.get(n) is None]
-    asked = dict(zip(ask, await asyncio.gather(*(present(n) for n in ask)), strict=True))
+    asked = dict(zip(ask, await conns.each([spec.node(n) for n in ask], present), strict=True))
     return [n for n in names if not (asked[n] if n in asked else known[n])]
 
 

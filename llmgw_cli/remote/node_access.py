@@ -126,13 +126,13 @@ async def install(
     """Put the helper and the gateway's restricted key line on ``nodes``; one Outcome each."""
     users = engine_users(spec)
 
-    async def one(name: str) -> Outcome:
+    async def one(node: Node, t: Transport) -> Outcome:
         try:
-            await _install_one(conns.to(name), wanted(spec, spec.node(name), public_key), users)
+            await _install_one(t, wanted(spec, node, public_key), users)
         except NodeError as exc:
-            report(name, f"failed: {exc.reason}")
-            return Outcome(name, False, exc.reason)
-        report(name, "node helper in place")
-        return Outcome(name, True, "node helper in place")
+            report(node.name, f"failed: {exc.reason}")
+            return Outcome(node.name, False, exc.reason)
+        report(node.name, "node helper in place")
+        return Outcome(node.name, True, "node helper in place")
 
-    return list(await asyncio.gather(*(one(n) for n in nodes)))
+    return await conns.each([spec.node(n) for n in nodes], one)
