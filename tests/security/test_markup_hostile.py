@@ -138,7 +138,7 @@ def test_apply_line_output_survives_a_journal_line_with_markup(
     class Stop(Exception):
         pass
 
-    async def prepare(spec: Any, conns: Any, nodes: Any, report: Any) -> list[Any]:
+    async def prepare(spec: Any, conns: Any, nodes: Any, report: Any, facts: Any = None) -> list[Any]:
         report("llmgw-m-0.service on node01", f"failed: exited 1; journal: {text}")
         raise Stop
 
