@@ -10,7 +10,7 @@ import pytest
 import uvloop
 
 from llmgw_cli.errors import BrokenAnswer, ConnectFailed, Disconnected, ReadTimeout
-from llmgw_cli.gateway.upstream import Upstreams
+from llmgw_cli.gateway.upstream import Answer, Upstreams
 
 HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer engine"}
 
@@ -107,6 +107,14 @@ async def streams(writer: asyncio.StreamWriter, n: int, request: bytes) -> None:
     writer.write(b"0\r\n\r\n")
 
 
+async def all_chunks(answer: Answer) -> list[bytes]:
+    """Every read of a streamed answer, in order, until its end."""
+    received = []
+    while piece := await answer.next_chunk():
+        received.append(piece)
+    return received
+
+
 def test_keep_alive_reuses_one_connection_and_sends_the_headers() -> None:
     async def scenario(engine: Engine, pool: Upstreams) -> None:
         for n in range(3):
@@ -132,10 +140,7 @@ def test_chunked_stream_arrives_read_by_read_and_the_connection_is_reused() -> N
             answer = await pool.request(engine.address, "/v1/completions", b"{}", 5)
             try:
                 assert answer.content_type == "text/event-stream"
-                received = []
-                while piece := await answer.next_chunk():
-                    received.append(piece)
-                assert received == [b"data: 1\n\n", b"data: 2\n\ndata: [DONE]\n\n"]
+                assert await all_chunks(answer) == [b"data: 1\n\n", b"data: 2\n\ndata: [DONE]\n\n"]
             finally:
                 answer.release()
         assert engine.connections == 1
@@ -187,10 +192,7 @@ def test_the_client_runs_on_uvloop() -> None:
             answer.release()
         answer = await pool.request(engine.address, "/v1/completions", b"{}", 5)
         try:
-            received = []
-            while piece := await answer.next_chunk():
-                received.append(piece)
-            assert received == [b"data: 1\n\n", b"data: 2\n\ndata: [DONE]\n\n"]
+            assert await all_chunks(answer) == [b"data: 1\n\n", b"data: 2\n\ndata: [DONE]\n\n"]
         finally:
             answer.release()
         answer = await pool.request(engine.address, "/v1/embeddings", b"{}", 0.1)
