@@ -404,6 +404,21 @@ class GatewaySettings(Spec):
         description="A replica is never evicted this soon after it became ready, so two "
         "on-demand models cannot take turns evicting each other.",
     )
+    node_grace: Duration = Field(
+        20.0,
+        description="A replica on a node that stopped answering the gateway's probe is "
+        "replaced on another node after this long (an SSH hiccup is not a lost node).",
+    )
+    unhealthy_restart: Duration = Field(
+        60.0,
+        description="A replica that was ready and then failed its health check for this long is restarted.",
+    )
+    start_backoff: Duration = Field(
+        5.0,
+        description="After a failed start, the gateway waits this long before it starts the "
+        "model again; the wait doubles with each failure in a row, up to 5 minutes. Requests "
+        "meanwhile get 503 `model_start_failed` with the reason and Retry-After.",
+    )
     manage_replicas: bool = Field(
         True,
         description="Start on-demand models at their first request, stop idle replicas, "
