@@ -12,11 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pydantic import Field
+
 from llmgw_cli.core.engines import Member, replica_unit, spec_hash
-from llmgw_cli.core.facts import Fact, NodeFacts, ReplicaUnit
+from llmgw_cli.core.facts import Fact, GpuHealth, NodeFacts, ReplicaUnit
 from llmgw_cli.core.hardware import fabric_status
 from llmgw_cli.core.parse.units import replica_units
 from llmgw_cli.core.placement import PlacedReplica, Placement, Slot, place
@@ -89,6 +92,9 @@ class Action(Fact):
     write: tuple[UnitFile, ...] = ()
     remove: tuple[tuple[str, str], ...] = ()  # (node, unit name)
     port: int | None = None
+    gpus: dict[str, tuple[str, ...]] = Field(
+        default_factory=dict
+    )  # node -> GPU UUIDs the replica takes (`+`, `~`)
 
 
 class Plan(Fact):
@@ -301,24 +307,107 @@ def _placed_actions(
                 remove=stale,
                 port=port,
                 reason=reason,
+                gpus={s.node: s.uuids for s in replica.slots},
             )
         )
     return actions, unplaced
 
 
-def grow_plan(spec: ClusterSpec, facts: dict[str, NodeFacts], model: str, count: int = 1) -> Plan:
+def grow_plan(
+    spec: ClusterSpec,
+    facts: dict[str, NodeFacts],
+    model: str,
+    count: int = 1,
+    *,
+    reserved: Sequence[Action] = (),
+    avoid: frozenset[str] = frozenset(),
+) -> Plan:
     """Start ``count`` more replicas of ``model`` around everything on the nodes (an
-    on-demand start, a scale-out), with the placement rules of ``apply``. Nothing else
-    changes: every unit found holds its cards, running or not."""
+    on-demand start, a scale-out, a replacement), with the placement rules of ``apply``.
+    Nothing else changes: every unit found holds its cards, running or not.
+
+    ``reserved``: starts planned earlier whose units are not on the nodes yet (their
+    weights are still being fetched): their cards, ports and replica numbers count as
+    taken. ``avoid``: GPU UUIDs not to use (the cards of a unit systemd gave up on)."""
     running = running_replicas(facts)
-    placement = place(spec, facts, [_as_replica(facts, r) for r in running], {model: count})
-    actions, unplaced = _placed_actions(
-        spec, facts, placement, running, used=_used_ports(running), replace={}
-    )
+    held = [_as_replica(facts, r) for r in running] + [_reserved_replica(facts, a) for a in reserved]
+    placement = place(spec, _without(facts, avoid), held, {model: count})
+    used = _used_ports(running)
+    for a in reserved:
+        if a.port is not None:
+            used[a.nodes[0]] |= {a.port, a.port + 1}
+    indices = running + [_placeholder(a) for a in reserved]
+    actions, unplaced = _placed_actions(spec, facts, placement, indices, used=used, replace={})
     warnings = tuple(dict.fromkeys(w for rep in placement.replicas for w in rep.warnings))
     return Plan(
         actions=tuple(actions), unplaced=tuple(unplaced), warnings=warnings, facts_digest=facts_digest(facts)
     )
+
+
+def _reserved_replica(facts: dict[str, NodeFacts], action: Action) -> PlacedReplica:
+    slots = []
+    for node in action.nodes:
+        uuids = action.gpus.get(node, ())
+        indices = tuple(g.index for g in facts[node].gpus if g.uuid in uuids) if node in facts else ()
+        slots.append(Slot(node, indices, uuids))
+    return PlacedReplica(action.model, tuple(slots))
+
+
+def _placeholder(action: Action) -> Running:
+    """A reserved start as a Running value: only its model and replica number are read."""
+    return Running(
+        model=action.model,
+        replica=action.replica,
+        spec_hash="",
+        port=action.port or 0,
+        members=action.nodes,
+        unit="",
+        units={},
+    )
+
+
+def _without(facts: dict[str, NodeFacts], avoid: frozenset[str]) -> dict[str, NodeFacts]:
+    """``facts`` with the cards in ``avoid`` marked faulty, so placement passes them by."""
+    if not avoid:
+        return facts
+    out = {}
+    for name, f in facts.items():
+        if any(g.uuid in avoid for g in f.gpus):
+            gpus = [
+                g.model_copy(update={"health": GpuHealth.faulty}) if g.uuid in avoid else g for g in f.gpus
+            ]
+            out[name] = f.model_copy(update={"gpus": gpus})
+        else:
+            out[name] = f
+    return out
+
+
+def conflicts(facts: dict[str, NodeFacts], action: Action) -> str | None:
+    """Why ``action``, planned on older facts, can no longer go where it was placed: a
+    unit found now holds one of its cards or its port, or one of its cards is faulty.
+    None when it still fits. (A plan made before a lock was taken is checked under it.)"""
+    running = running_replicas(facts)
+    for node in action.nodes:
+        mine = set(action.gpus.get(node, ()))
+        for r in running:
+            if (r.model, r.replica) == (action.model, action.replica) and not action.remove:
+                return f"replica {action.replica} of {action.model} exists already"
+            taken = mine & set(r.gpus.get(node, ()))
+            if taken:
+                return f"{node}: card(s) {', '.join(sorted(taken))} now held by {r.model} replica {r.replica}"
+        f = facts.get(node)
+        if f is None or f.error:
+            return f"{node}: not reachable"
+        bad = [g.uuid for g in f.gpus if g.uuid in mine and g.health is not GpuHealth.healthy]
+        if bad:
+            return f"{node}: card(s) {', '.join(bad)} now faulty"
+    if action.port is not None:
+        head = action.nodes[0]
+        ports = {action.port, action.port + 1}
+        for r in running:
+            if head in r.members and ports & {r.port, r.port + 1}:
+                return f"{head}: port {action.port} now used by {r.model} replica {r.replica}"
+    return None
 
 
 def stop_plan(facts: dict[str, NodeFacts], model: str, replica: int, reason: str) -> Plan:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Plan, grow_plan, make_plan, running_replicas, stop_plan
+from llmgw_cli.core.plan import Action, Plan, conflicts, grow_plan, make_plan, running_replicas, stop_plan
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.core.summary import summarize
 
@@ -223,3 +223,44 @@ def test_plan_and_status_agree_on_a_half_failed_multi_node_replica() -> None:
     # the member that runs still holds its cards
     used = {n.name: n.used for n in summary.nodes}
     assert used[head] == 8 and used[failed_node] == 0
+
+
+def _cards(action: Action) -> set[tuple[str, str]]:
+    return {(node, uuid) for node, uuids in action.gpus.items() for uuid in uuids}
+
+
+def test_grow_plan_keeps_off_the_cards_ports_and_numbers_of_reserved_starts() -> None:
+    s = spec()
+    facts = applied(make_plan(s, fresh()), fresh())
+    (first,) = grow_plan(s, facts, "small").actions
+    assert _cards(first) and first.gpus == {first.nodes[0]: first.gpus[first.nodes[0]]}
+    # The first start's units are not on the nodes yet (its weights are being fetched):
+    # a second start planned meanwhile must not take its cards, port or replica number.
+    (second,) = grow_plan(s, facts, "small", reserved=[first]).actions
+    assert not _cards(first) & _cards(second)
+    assert second.replica != first.replica
+    assert second.nodes[0] != first.nodes[0] or second.port != first.port
+
+
+def test_grow_plan_avoids_the_cards_it_is_told_to() -> None:
+    s = spec()
+    facts = fresh()
+    (plain,) = grow_plan(s, facts, "lazy").actions
+    (moved,) = grow_plan(s, facts, "lazy", avoid=frozenset(plain.gpus[plain.nodes[0]])).actions
+    assert not _cards(plain) & _cards(moved)
+
+
+def test_a_start_planned_before_a_lock_is_rechecked_under_it() -> None:
+    s = spec()
+    facts = fresh()
+    (action,) = grow_plan(s, facts, "lazy").actions
+    assert conflicts(facts, action) is None
+    # meanwhile another writer started a replica on the same cards
+    (other,) = grow_plan(s, facts, "small").actions
+    taken = applied(Plan(actions=(other,), unplaced=(), warnings=(), facts_digest=""), facts)
+    assert _cards(other) == _cards(action)  # both planned on the same facts: the same card
+    assert "now held by small replica 0" in (conflicts(taken, action) or "")
+    assert conflicts(taken, other) is not None  # its own number exists now
+    lost = dict(facts)
+    lost[action.nodes[0]] = facts[action.nodes[0]].model_copy(update={"error": "unreachable"})
+    assert "not reachable" in (conflicts(lost, action) or "")
