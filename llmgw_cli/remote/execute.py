@@ -29,6 +29,7 @@ from llmgw_cli.core.engine_access import (
     sglang_key_text,
 )
 from llmgw_cli.core.engines import ENGINE_ENV_FILE
+from llmgw_cli.core.facts import UnitState
 from llmgw_cli.core.parse.engine_env import engine_key
 from llmgw_cli.core.plan import Action, Plan
 from llmgw_cli.core.spec import ClusterSpec, Node
@@ -166,20 +167,8 @@ async def _apply_node(t: Transport, w: _NodeWork, key: str | None, *, operator: 
     except NodeError as exc:
         # An engine that exits at once can fail its start job before the readiness wait
         # would have seen it: say why with the journals of the units that did not come up.
-        tails = [await _start_failure(t, ops, unit, since) for unit in units]
+        tails = [await unit_failure(ops, unit, since) for unit in units]
         raise NodeError(t.node, exc.kind, "\n".join([exc.reason, *filter(None, tails)])) from None
-
-
-async def _start_failure(t: Transport, ops: NodeOps, unit: str, since: str, lines: int = 15) -> str:
-    """The state and last journal lines of ``unit`` when it is not active, else ""."""
-    state = await ops.show(unit)
-    if state is None or state.active_state == "active":
-        return ""
-    key = await read_engine_key(t)
-    tail = redact_keys(await ops.journal(unit, since, lines), [key] if key else [])
-    return (
-        f"{unit} {state.active_state} ({state.result}, exit status {state.exec_main_status})\n{tail.strip()}"
-    )
 
 
 async def must(t: Transport, command: str, what: str) -> None:
@@ -238,11 +227,45 @@ async def ready_status(t: Transport, host: str, port: int, path: str) -> int | N
     return int(words[1]) if result.ok and len(words) > 1 and words[1].isdigit() else None
 
 
+def went_wrong(state: UnitState, restarts: int | None = None) -> bool:
+    """Whether a unit that was started has failed since: systemd gave up on it
+    (``failed``), it waits to be restarted (``auto-restart``: an engine that exits at once
+    sits there for the unit's ``RestartSec`` before NRestarts grows), it ended with a
+    Result other than success and is not active, it stopped (``inactive``: a start ends
+    in ``active`` for ``Type=exec``, so only an exit or a stop leaves it), or it was
+    restarted more than ``restarts`` times (None: restarts are not counted)."""
+    return (
+        state.active_state in ("failed", "inactive")
+        or state.sub_state.startswith("auto-restart")  # auto-restart-queued on newer systemd
+        or (state.result not in ("", "success") and state.active_state != "active")
+        or (restarts is not None and state.n_restarts > restarts)
+    )
+
+
+async def unit_failure(
+    ops: NodeOps | ShellOps, unit: str, since: str, *, restarts: int | None = None, lines: int = 15
+) -> str | None:
+    """If ``unit`` went wrong (``went_wrong``): its state and the last ``lines`` of its
+    journal since ``since`` (``ops.date()``, taken before the start), else None."""
+    state = await ops.show(unit)
+    if state is None or not went_wrong(state, restarts):
+        return None
+    # A second guard: no engine takes its key in argv, but one that prints its
+    # environment would put it in the journal, and this text ends up in apply's output.
+    key = await read_engine_key(ops.transport)
+    tail = redact_keys(await ops.journal(unit, since, lines), [key] if key else [])
+    how = [state.result or "no result", f"exit status {state.exec_main_status}"]
+    if restarts is not None:
+        how.append(f"{state.n_restarts - restarts} restart(s)")
+    return f"{unit} {state.active_state}/{state.sub_state} ({', '.join(how)})\n{tail.strip()}"
+
+
 @dataclass
 class UnitWatch:
-    """Notices a unit that failed or restarted since the watch began (systemd keeps NRestarts
-    and the journal across a unit's earlier lives, so both are taken relative to the start).
-    It reads through ``ops``: the node helper's verbs, or plain commands on a gateway host."""
+    """Notices a unit that failed, exited or restarted since the watch began (systemd keeps
+    NRestarts and the journal across a unit's earlier lives, so both are taken relative to
+    the start; see ``went_wrong``). Begin it once the unit was started. It reads through
+    ``ops``: the node helper's verbs, or plain commands on a gateway host."""
 
     ops: NodeOps | ShellOps
     unit: str
@@ -259,19 +282,8 @@ class UnitWatch:
         return cls(ops, unit, state.n_restarts if state else 0, await ops.date())
 
     async def failure(self, lines: int = 15) -> str | None:
-        """The reason and the last ``lines`` of its journal if the unit failed or
-        restarted, else None."""
-        state = await self.ops.show(self.unit)
-        if state is None or (state.active_state != "failed" and state.n_restarts <= self.restarts):
-            return None
-        journal_text = await self.ops.journal(self.unit, self.since, lines)
-        # A second guard: no engine takes its key in argv, but one that prints its
-        # environment would put it in the journal, and this text ends up in apply's output.
-        key = await read_engine_key(self.transport)
-        tail = redact_keys(journal_text, [key] if key else [])
-        restarts = state.n_restarts - self.restarts
-        why = f"{self.unit} {state.active_state} ({state.result}, exit status {state.exec_main_status}, {restarts} restart(s))"
-        return why + "\n" + tail.strip()
+        """The reason and the last ``lines`` of its journal if the unit went wrong, else None."""
+        return await unit_failure(self.ops, self.unit, self.since, restarts=self.restarts, lines=lines)
 
 
 async def execute(
@@ -282,6 +294,7 @@ async def execute(
     *,
     wait: bool = True,
     engine_keys: dict[str, str] | None = None,
+    fetch: bool = True,
 ) -> list[Outcome]:
     """Carry out ``plan`` through the nodes' connections in ``conns``; one Outcome per node
     worked on and per replica waited for. ``engine_keys``: each node's key
@@ -293,7 +306,7 @@ async def execute(
     transports = {name: conns.to(name) for name in work}
     keys = engine_keys or {}
     # Weights first: a replica whose URL-sourced file is missing on a node waits for it.
-    no_weights = await ensure_for_plan(spec, plan, conns, report)
+    no_weights = await ensure_for_plan(spec, plan, conns, report) if fetch else {}
 
     async def one(node: Node, t: Transport) -> Outcome:
         if node.name in no_weights:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -261,3 +262,29 @@ def test_engine_that_cannot_start_is_reported_with_its_journal(clean: Lab, tmp_p
     finally:
         for node in clean.nodes:
             clean.ssh(node.name, f"rm -f {BAD_ENGINE}")
+
+
+def test_engine_that_exits_at_once_is_reported_before_systemd_restarts_it(clean: Lab, tmp_path: Path) -> None:
+    """The engine starts (its start job succeeds) and exits at once on a flag it does not
+    know; systemd waits RestartSec before restarting it. apply reports it from that wait
+    (no restart yet), with the engine's own journal line, not after start_timeout."""
+    cluster = cluster_variant(
+        clean,
+        tmp_path,
+        replace=(
+            (
+                "    tensor_parallel: 2\n    scaling: {min: 1, max: 2, idle_timeout: 10m}",
+                "    tensor_parallel: 2\n    args: [--no-such-flag]\n    scaling: {min: 1, max: 2, idle_timeout: 10m}",
+            ),
+        ),
+    )
+    began = time.monotonic()
+    done = apply(cluster)
+    took = time.monotonic() - began
+    output = done.stdout + done.stderr
+    print(f"apply reported the engine that exits at once after {took:.1f}s (start_timeout 120s)")
+    assert done.returncode == 1, output
+    words = " ".join(output.split())  # rich wraps long lines at the terminal's width
+    assert "0 restart(s)" in words, output  # seen before systemd's first restart
+    assert "error: unrecognized arguments: --no-such-flag" in words, output
+    assert took < 60, output  # well under the profile's start_timeout (2m)
