@@ -17,11 +17,12 @@ from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.gateway_install import GatewayChange
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.errors import ApplyFailed, InputError
+from llmgw_cli.errors import ApplyFailed, InputError, NodeError
 from llmgw_cli.progress import Report
+from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
 from llmgw_cli.remote.connect import Connections, Session
 from llmgw_cli.remote.engine_keys import distribute_engine_keys, nodes_without_key, rotate_engine_keys
-from llmgw_cli.remote.execute import Outcome, execute
+from llmgw_cli.remote.execute import Outcome, execute, wait_started
 from llmgw_cli.remote.gateway_install import GatewayPreview, install, preview
 from llmgw_cli.remote.node_setup import prepare, stale_nodes
 from llmgw_cli.remote.probe import Snapshot
@@ -41,9 +42,11 @@ async def _execute_with_progress(
     unreachable: set[str],
     facts: dict[str, NodeFacts],
     rotate: bool = False,
+    lock: ApplyHold | None = None,
 ) -> list[Outcome]:
     """Run the plan, then install the gateway, with a live table of nodes and replicas on
-    a terminal, lines otherwise."""
+    a terminal, lines otherwise. ``lock`` (the cluster lock, held) is released once the
+    units are written and started, before the readiness wait."""
     states: dict[str, str] = {}
     live = Live(console=err, transient=False, auto_refresh=False) if err.is_terminal else None
 
@@ -65,7 +68,12 @@ async def _execute_with_progress(
         keys, outcomes = await distribute_engine_keys(spec, transports, report)
         outcomes = setup + outcomes
         if chosen.changes:
-            outcomes += await execute(spec, conns, chosen, report, wait=wait, engine_keys=keys)
+            done = await execute(spec, conns, chosen, report, wait=False, engine_keys=keys)
+            if lock is not None:
+                await lock.release()
+            outcomes += done
+            if wait:
+                outcomes += await wait_started(spec, conns, chosen, done, report)
         outcomes.append(await install(spec, conns, gateway, {n: (k,) for n, k in keys.items()}, report))
         if rotate:
             outcomes += await _rotate(
@@ -101,6 +109,68 @@ async def _rotate(
 def _unplaced_is_failure(chosen: Plan) -> None:
     if chosen.unplaced:
         raise ApplyFailed(f"{len(chosen.unplaced)} replica(s) could not be placed; the plan above says why")
+
+
+def _saved_still_holds(saved: Path, chosen: Plan, facts: dict[str, NodeFacts]) -> None:
+    if chosen.facts_digest != facts_digest(facts):
+        raise InputError(f"{saved}: the nodes changed since this plan was made; run `llmgw plan` again")
+
+
+def _locked(
+    spec: ClusterSpec,
+    file: Path,
+    session: Session,
+    chosen: Plan,
+    *,
+    saved: Path | None,
+    yes: bool,
+    timeout: float,
+) -> tuple[Plan, Snapshot, ApplyHold]:
+    """Take the cluster lock, probe again under it, and go on with ``chosen`` if the nodes
+    did not change since it was made; else make the plan again and show it (with
+    ``yes``, go on with it; otherwise release the lock and ask again)."""
+    host = spec.gateway.host
+    while True:
+
+        def waiting(message: str) -> None:
+            err.print(Text(message, style="yellow"), highlight=False, soft_wrap=True)
+
+        try:
+            held = session.run(
+                take_for_apply(
+                    spec, session.conns, wait=timeout, why=f"applying {file.name}", on_wait=waiting
+                )
+            )
+        except LockTimeout as exc:
+            raise ApplyFailed(f"{exc}; nothing was changed, run apply again later") from None
+        except NodeError as exc:
+            raise ApplyFailed(
+                f"cannot take the cluster lock on the gateway host {host}: {exc.reason}. Fix that, or "
+                "pass --no-lock when no gateway starts replicas meanwhile"
+            ) from None
+        try:
+            snapshot = probe_with_progress(spec, file, None, err, session)
+            facts = {f.node: f for f in snapshot.nodes}
+            if facts_digest(facts) == chosen.facts_digest:
+                return chosen, snapshot, held
+            if saved is not None:
+                _saved_still_holds(saved, chosen, facts)
+            chosen = make_plan(spec, facts)
+            err.print(
+                Text(
+                    "The nodes changed while apply waited for the cluster lock; the plan now:", style="yellow"
+                ),
+                highlight=False,
+            )
+            out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
+            if yes or not chosen.changes:
+                return chosen, snapshot, held
+        except BaseException:
+            session.run(held.release())
+            raise
+        # never hold the lock while a person reads the plan
+        session.run(held.release())
+        typer.confirm("Apply these changes?", abort=True)
 
 
 def plan(
@@ -159,11 +229,34 @@ def apply(
             "the replicas restart one at a time.",
         ),
     ] = False,
+    lock_timeout: Annotated[
+        float,
+        typer.Option(
+            "--lock-timeout",
+            min=0,
+            help="Seconds to wait for the cluster lock while the gateway (or another apply) "
+            "starts or stops replicas.",
+        ),
+    ] = 600.0,
+    no_lock: Annotated[
+        bool,
+        typer.Option(
+            "--no-lock",
+            help="Do not take the cluster lock on the gateway host (when it cannot be reached "
+            "and no gateway starts replicas meanwhile).",
+        ),
+    ] = False,
 ) -> None:
     """Bring the nodes to the cluster file: start, replace and stop replicas, then wait for health.
 
     A second run changes nothing. With a saved PLAN, refuses when the nodes changed since.
     Exit code 0 when everything applied and became ready, 1 when something failed.
+
+    One writer at a time: after the confirmation, apply takes the cluster lock on
+    `gateway.host` (in `gateway.state_dir`, also with `gateway.install: false`), probes
+    again under it and shows the plan again if the nodes changed meanwhile. It holds the
+    lock until its units are started, not during the readiness wait. A gateway host that
+    cannot be reached is an error unless --no-lock is given.
     """
     spec = read_cluster(file)
     # One session for every step: each node is connected to once, from the probe to the
@@ -173,10 +266,7 @@ def apply(
         facts = {f.node: f for f in snapshot.nodes}
         if saved is not None:
             chosen = Plan.model_validate_json(saved.read_text(encoding="utf-8"))
-            if chosen.facts_digest != facts_digest(facts):
-                raise InputError(
-                    f"{saved}: the nodes changed since this plan was made; run `llmgw plan` again"
-                )
+            _saved_still_holds(saved, chosen, facts)
         else:
             chosen = make_plan(spec, facts)
         gateway = session.run(preview(spec, session.conns, file.read_text(encoding="utf-8")))
@@ -206,19 +296,28 @@ def apply(
             if not sys.stdin.isatty():
                 raise InputError("not a terminal: pass --yes to apply without confirmation")
             typer.confirm("Apply these changes?", abort=True)
-
-        outcomes = session.run(
-            _execute_with_progress(
-                spec,
-                session.conns,
-                chosen,
-                wait=wait,
-                gateway=gateway,
-                unreachable=set(unreachable),
-                facts=facts,
-                rotate=rotate_engine_key,
+        held = None
+        if chosen.changes and not no_lock:
+            chosen, snapshot, held = _locked(
+                spec, file, session, chosen, saved=saved, yes=yes, timeout=lock_timeout
             )
-        )
+        try:
+            outcomes = session.run(
+                _execute_with_progress(
+                    spec,
+                    session.conns,
+                    chosen,
+                    wait=wait,
+                    gateway=gateway,
+                    unreachable={f.node for f in snapshot.nodes if not f.reachable},
+                    facts={f.node: f for f in snapshot.nodes},
+                    rotate=rotate_engine_key,
+                    lock=held,
+                )
+            )
+        finally:
+            if held is not None:
+                session.run(held.release())
     failed = [o for o in outcomes if not o.ok]
     for o in failed:
         err.print(Text(f"FAILED {o.subject}: {o.message}", style="red"))

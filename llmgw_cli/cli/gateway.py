@@ -24,6 +24,7 @@ from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource, StaticSource
 from llmgw_cli.gateway.state import Gateway, read_engine_key, read_engine_keys
 from llmgw_cli.gateway.store import SqliteStore
 from llmgw_cli.gateway.supervisor import Supervisor
+from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.connect import GatewayAccess
 
 app = typer.Typer(help="The OpenAI-compatible gateway.", no_args_is_help=True)
@@ -141,7 +142,10 @@ def run(
     if probe is not None and spec.gateway.manage_replicas:
         # On-demand starts, idle stops, eviction and scale-out need the nodes: only with a
         # probed cluster, not with a fixed replica list.
-        gateway.supervisor = Supervisor(gateway, probe, saved_last_use=store.last_use())
+        # the cluster lock in its state folder: apply takes the same one before it writes units
+        gateway.supervisor = Supervisor(
+            gateway, probe, saved_last_use=store.last_use(), lock=gateway_lock(spec)
+        )
     runner(serve(gateway))
 
 

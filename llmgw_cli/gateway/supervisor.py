@@ -14,6 +14,8 @@ stop, because each is planned on a probe made under it: two starts planned on on
 would pick the same free cards. The order is always model lock, then cards lock; an
 eviction stops another model's replica under the cards lock only, after taking it out
 of rotation and checking that nothing is in flight on it.
+Inside the cards lock, the cluster lock (``remote/cluster_lock.py``, a file lock on the
+gateway host) keeps `apply` from writing units while a start or stop is planned and made.
 
 Last use is wall-clock time (it is persisted, so a restart keeps it); a replica found
 running without a saved time is "unknown" until watched unused for its idle_timeout.
@@ -41,6 +43,7 @@ from llmgw_cli.core.routing import Health, serving_address
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
 from llmgw_cli.errors import StartFailed
 from llmgw_cli.polling import poll_until
+from llmgw_cli.remote.cluster_lock import Hold, LocalLock
 from llmgw_cli.remote.execute import execute
 
 if TYPE_CHECKING:
@@ -65,12 +68,15 @@ class Supervisor:
         *,
         saved_last_use: dict[str, float] | None = None,
         clock: Callable[[], float] = time.time,
+        lock: Hold | None = None,
     ) -> None:
         self.gw = gw
         self.source = source
         self.clock = clock
         self.model_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.cards = asyncio.Lock()
+        # the cluster lock: apply's unit writes and these starts and stops, one at a time
+        self.lock: Hold = lock if lock is not None else LocalLock()
         self.starting: dict[str, float] = {}  # model -> monotonic time its start began
         self.failed: dict[str, tuple[float, str]] = {}  # model -> (monotonic time, why)
         self.saved = dict(saved_last_use or {})  # replica key -> last use read from the store
@@ -204,7 +210,7 @@ class Supervisor:
         started = time.monotonic()
         spec = self.gw.spec
         try:
-            async with self.model_locks[model], self.cards:
+            async with self.model_locks[model], self.cards, self.lock.hold(f"starting model {model}"):
                 address = await self._place_and_start(spec, model, reason)
             await self._watch(spec, model, address, started)
         except StartFailed as exc:
@@ -284,7 +290,7 @@ class Supervisor:
         log.info("%s: %s ready after %.1fs", model, address, seconds)
 
     async def _give_up(self, spec: ClusterSpec, model: str, address: str) -> None:
-        async with self.cards:
+        async with self.cards, self.lock.hold(f"stopping model {model}"):
             facts = await self.source.probe(spec)
             _, where = self._uses(spec, facts, self.clock())
             for (name, index), (_, at) in where.items():
@@ -300,7 +306,7 @@ class Supervisor:
 
     async def _idle_stop(self, use: ReplicaUse) -> None:
         spec = self.gw.spec
-        async with self.model_locks[use.model], self.cards:
+        async with self.model_locks[use.model], self.cards, self.lock.hold(f"stopping model {use.model}"):
             facts = await self.source.probe(spec)
             now = self.clock()
             uses, where = self._uses(spec, facts, now)

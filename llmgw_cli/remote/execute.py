@@ -326,3 +326,15 @@ async def execute(
         started = [a for a in plan.changes if a.write and not set(a.nodes) & broken]
         outcomes += await asyncio.gather(*(_wait_ready(spec, a, transports, report) for a in started))
     return outcomes
+
+
+async def wait_started(
+    spec: ClusterSpec, conns: Connections, plan: Plan, outcomes: list[Outcome], report: Report
+) -> list[Outcome]:
+    """The readiness wait of ``execute`` on its own: one Outcome per replica ``plan``
+    started on nodes that did not fail in ``outcomes``. For a caller that ran ``execute``
+    with ``wait=False`` under the cluster lock and waits after releasing it."""
+    broken = {o.subject for o in outcomes if not o.ok}
+    started = [a for a in plan.changes if a.write and not set(a.nodes) & broken]
+    transports = {name: conns.to(name) for a in started for name in a.nodes}
+    return list(await asyncio.gather(*(_wait_ready(spec, a, transports, report) for a in started)))

@@ -38,6 +38,19 @@ class LocalTransport:
             raise NodeError(self.node, "sudo", f"sudo refused: {result.stderr.strip()}")
         return result
 
+    async def spawn(self, command: str, *, root: bool = False) -> LocalSpawned:
+        """``command`` left running with its stdin a pipe (``transport.Spawned``); stderr
+        goes with stdout. When this process dies, the pipe closes and the command sees
+        the end of its stdin."""
+        argv = ["sudo", "-n", "sh", "-c", command] if root and self._sudo else ["sh", "-c", command]
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        return LocalSpawned(proc)
+
     async def write_file(self, path: str, content: str, *, mode: int = 0o644, root: bool = False) -> None:
         result = await self.run(atomic_write_command(path, mode), root=root, stdin=content)
         if not result.ok:
@@ -45,3 +58,24 @@ class LocalTransport:
 
     async def close(self) -> None:
         return None
+
+
+class LocalSpawned:
+    """A command started by ``LocalTransport.spawn``."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+
+    async def readline(self) -> str:
+        assert self._proc.stdout is not None
+        return (await self._proc.stdout.readline()).decode(errors="replace")
+
+    async def close(self) -> None:
+        """Close its stdin and wait a little for it to exit; kill it if it does not."""
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            await asyncio.wait_for(self._proc.wait(), 5)
+        except TimeoutError:
+            self._proc.kill()
+            await self._proc.wait()

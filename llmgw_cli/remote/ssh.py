@@ -216,6 +216,14 @@ class SshTransport:
             )
         return CommandResult(status, out, err)
 
+    async def spawn(self, command: str, *, root: bool = False) -> SshSpawned:
+        """``command`` left running with its stdin open (``transport.Spawned``); its stderr
+        is merged into its stdout. No command timeout: the caller bounds its waits."""
+        sudo = root and self._target.settings.become is Become.sudo
+        merged = f"exec 2>&1; {command}"
+        full = f"sudo -n sh -c {shlex.quote(merged)}" if sudo else f"sh -c {shlex.quote(merged)}"
+        return SshSpawned(self.node, await self._session(full, None))
+
     async def write_file(self, path: str, content: str, *, mode: int = 0o644, root: bool = False) -> None:
         result = await self.run(atomic_write_command(path, mode), root=root, stdin=content)
         if not result.ok:
@@ -224,3 +232,27 @@ class SshTransport:
     async def close(self) -> None:
         async with self._lock:
             await self._drop(self._conn)
+
+
+class SshSpawned:
+    """A command started by ``SshTransport.spawn``."""
+
+    def __init__(self, node: str, proc: asyncssh.SSHClientProcess[str]) -> None:
+        self.node = node
+        self._proc = proc
+
+    async def readline(self) -> str:
+        try:
+            return await self._proc.stdout.readline()
+        except (OSError, asyncssh.Error) as exc:
+            raise NodeError(self.node, "unreachable", f"connection lost: {exc}") from None
+
+    async def close(self) -> None:
+        """End its stdin and wait a little for it to exit; then close the channel."""
+        try:
+            self._proc.stdin.write_eof()
+            await asyncio.wait_for(self._proc.wait_closed(), 5)
+        except (OSError, TimeoutError, asyncssh.Error):
+            pass
+        finally:
+            self._proc.close()

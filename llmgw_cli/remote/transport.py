@@ -44,6 +44,19 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
+class Spawned(Protocol):
+    """A command left running with its stdin open (``spawn`` of the SSH and local
+    transports): it reads its lines as it prints them, and ``close`` ends its stdin, so
+    a command that reads stdin to its end stops then. When the caller dies, the channel
+    or pipe closes all the same."""
+
+    async def readline(self) -> str:
+        """The next line of its output (stdout and stderr together), "" once it ended."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 def atomic_write_command(path: str, mode: int) -> str:
     """Shell that copies stdin into ``path`` through a temporary file and a rename, so a
     reader (or an interrupted run) never sees a half-written file. Missing parent folders
