@@ -157,9 +157,7 @@ def _locked(
                 _saved_still_holds(saved, chosen, facts)
             chosen = make_plan(spec, facts)
             err.print(
-                Text(
-                    "The nodes changed while apply waited for the cluster lock; the plan now:", style="yellow"
-                ),
+                Text("The nodes changed since the plan above was made; the plan now:", style="yellow"),
                 highlight=False,
             )
             out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
