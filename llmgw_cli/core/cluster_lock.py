@@ -55,8 +55,9 @@ BUSY, HELD, TIMEOUT, ERROR = "busy", "held", "timeout", "error"
 # fd 9 holds the lock (flock(1) on an inherited descriptor locks the shell's open file);
 # `cat` reads stdin to its end without fd 9, so the lock goes when the shell does: when
 # the caller closes stdin, or its channel or pipe closes because it died.
+# `command exec`: a redirection that fails on a bare `exec` ends sh before the message.
 _HOLD = r"""umask 077
-exec 9<>"$1" || { echo "error cannot open $1"; exit 3; }
+command exec 9<>"$1" || { echo "error cannot open $1"; exit 3; }
 if ! flock -n 9; then
   echo "busy $(head -n 1 "$1" | head -c 300 | tr -cd '[:print:]')"
   flock -w "$2" 9 || { echo timeout; exit 4; }

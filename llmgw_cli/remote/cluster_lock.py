@@ -185,6 +185,18 @@ class ApplyHold:
             await self.proc.close()
 
 
+async def _rest(proc: Spawned, first: str, most: int = 10) -> str:
+    """What the lock's shell said when it failed: ``first`` and the lines after it."""
+    lines = [first]
+    while lines[-1] and len(lines) < most:
+        try:
+            lines.append(await asyncio.wait_for(proc.readline(), 5))
+        except TimeoutError:
+            break
+    said = [shown_holder(line).removeprefix("error ") for line in lines if line.strip()]
+    return "; ".join(said) or "the command ended"
+
+
 async def take_for_apply(
     spec: ClusterSpec,
     conns: Connections,
@@ -226,10 +238,8 @@ async def take_for_apply(
                     f"was still held after {wait:g}s"
                 )
             else:
-                said = shown_holder(line) if line.strip() else "the command ended"
-                raise NodeError(
-                    host, "failed", f"cannot take the cluster lock: {said.removeprefix('error ')}"
-                )
+                said = await _rest(proc, line)
+                raise NodeError(host, "failed", f"cannot take the cluster lock: {said}")
     except BaseException:
         await proc.close()
         raise

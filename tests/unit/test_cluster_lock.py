@@ -251,3 +251,31 @@ def test_a_holder_line_is_shown_as_plain_short_text() -> None:
     record = holder_record("apply by root@ops1 (pid 4242)", "applying cluster.yaml", when)
     assert record == "apply by root@ops1 (pid 4242) since 2026-12-01T02:50:00Z: applying cluster.yaml"
     assert lock_path("/var/lib/llmgw/") == "/var/lib/llmgw/cluster.lock"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: apply opens the lock as the folder's owner")
+def test_apply_opens_the_lock_only_as_the_state_folders_owner(tmp_path: Path) -> None:
+    """The state folder's account plants a link to a root file: apply (root) follows it
+    only with that account's rights, so the file is neither opened nor written."""
+    tmp_path.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    os.chown(state, 65534, 65534)  # nobody
+    target = tmp_path / "root-only"
+    target.write_text("precious\n")
+    target.chmod(0o600)
+    Path(lock_path(str(state))).symlink_to(target)
+
+    async def scenario() -> list[str]:
+        t = LocalTransport("gw", command_timeout=10)
+        proc = await t.spawn(hold_script(str(state), 5, "apply by ops@box", created_owner=None))
+        lines = [await asyncio.wait_for(proc.readline(), HANG)]
+        while lines[-1]:
+            lines.append(await asyncio.wait_for(proc.readline(), HANG))
+        await proc.close()
+        return [line.strip() for line in lines if line]
+
+    said = asyncio.run(scenario())
+    assert "Permission denied" in said[0], said  # the shell, as nobody
+    assert said[-1] == f"error cannot open {lock_path(str(state))}", said
+    assert target.read_text() == "precious\n"
