@@ -1,0 +1,181 @@
+"""apply under the cluster lock (``cli/apply.py`` ``_locked``), with the lock and the probe
+replaced: it probes again under the lock, goes on with its plan when the nodes did not
+change, plans again (and asks again, or goes on with --yes) when they did, never holds
+the lock while it asks, and says what to do when the lock cannot be taken."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from rich.console import Console
+
+from llmgw_cli.cli import apply as apply_cli
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.plan import Plan, grow_plan, make_plan
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.errors import ApplyFailed, InputError, NodeError
+from llmgw_cli.remote.cluster_lock import LockTimeout
+from llmgw_cli.remote.connect import Session
+from llmgw_cli.remote.probe import Snapshot
+
+from .facts_factory import node_facts, with_units
+
+CLUSTER = """\
+cluster: {name: t}
+fabrics: {ib: {kind: infiniband}}
+nodes:
+  - {name: a, address: 10.0.0.1, fabric: ib, hcas: [mlx5_0]}
+profiles:
+  vllm: {engine: vllm, ports: 8100-8199}
+gateway: {host: gw.example}
+models:
+  - {name: steady, source: org/steady, profile: vllm, scaling: {min: 1, max: 1}}
+  - {name: lazy, source: org/lazy, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+"""
+
+
+@dataclass
+class FakeHold:
+    released: int = 0
+
+    async def release(self) -> None:
+        self.released += 1
+
+
+@dataclass
+class World:
+    """What the replaced lock and probe saw and did."""
+
+    probes: list[dict[str, NodeFacts]]  # what each probe under the lock finds, in turn
+    holds: list[FakeHold] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    fails: Exception | None = None
+    asked: int = 0
+    out: io.StringIO = field(default_factory=io.StringIO)
+
+
+@pytest.fixture
+def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
+    w = World(probes=[])
+
+    async def take(spec: ClusterSpec, conns: Any, *, wait: float, why: str, on_wait: Any) -> FakeHold:
+        if w.fails is not None:
+            raise w.fails
+        w.waits.append(wait)
+        w.holds.append(FakeHold())
+        return w.holds[-1]
+
+    def probe(spec: ClusterSpec, file: Path, nodes: Any, console: Any, session: Any) -> Snapshot:
+        facts = w.probes.pop(0)
+        return Snapshot(tuple(facts.values()), 0.0)
+
+    def confirm(text: str, abort: bool) -> bool:
+        assert all(h.released for h in w.holds), "asked while holding the lock"
+        w.asked += 1
+        return True
+
+    console = Console(file=w.out, width=200, color_system=None)
+    monkeypatch.setattr(apply_cli, "take_for_apply", take)
+    monkeypatch.setattr(apply_cli, "probe_with_progress", probe)
+    monkeypatch.setattr(typer, "confirm", confirm)
+    monkeypatch.setattr(apply_cli, "out", console)
+    monkeypatch.setattr(apply_cli, "err", console)
+    yield w
+
+
+def fresh() -> dict[str, NodeFacts]:
+    return {"a": node_facts("a")}
+
+
+def with_lazy_started(spec: ClusterSpec) -> dict[str, NodeFacts]:
+    """The nodes once the gateway started `lazy` on the card a fresh plan gives `steady`."""
+    start = grow_plan(spec, fresh(), "lazy")
+    return with_units(fresh(), [(w.node, w.name, w.text) for a in start.changes for w in a.write])
+
+
+def locked(spec: ClusterSpec, chosen: Plan, tmp_path: Path, **options: Any) -> tuple[Plan, FakeHold]:
+    with Session(spec, tmp_path) as session:
+        plan, _, hold = apply_cli._locked(
+            spec,
+            tmp_path / "cluster.yaml",
+            session,
+            chosen,
+            **{"saved": None, "yes": True, "timeout": 600.0, **options},
+        )
+    assert isinstance(hold, FakeHold)
+    return plan, hold
+
+
+def cards(plan: Plan, model: str) -> set[str]:
+    return {g for a in plan.changes if a.model == model for gs in a.gpus.values() for g in gs}
+
+
+def test_unchanged_nodes_keep_the_plan_and_the_lock(world: World, tmp_path: Path) -> None:
+    spec = parse_cluster(CLUSTER)
+    chosen = make_plan(spec, fresh())
+    world.probes = [fresh()]
+    plan, hold = locked(spec, chosen, tmp_path)
+    assert plan is chosen
+    assert hold.released == 0 and world.waits == [600.0]
+    assert world.asked == 0
+    assert "changed" not in world.out.getvalue()
+
+
+def test_with_yes_a_plan_gone_stale_is_made_again_and_applied(world: World, tmp_path: Path) -> None:
+    spec = parse_cluster(CLUSTER)
+    chosen = make_plan(spec, fresh())
+    lazy = with_lazy_started(spec)
+    taken = {g for a in grow_plan(spec, fresh(), "lazy").changes for gs in a.gpus.values() for g in gs}
+    assert cards(chosen, "steady") == taken  # the stale plan would put steady on lazy's card
+    world.probes = [lazy]
+    plan, hold = locked(spec, chosen, tmp_path)
+    assert plan.facts_digest != chosen.facts_digest
+    assert cards(plan, "steady") and not cards(plan, "steady") & taken
+    assert hold.released == 0  # goes on under the lock it holds
+    assert world.asked == 0
+    assert "The nodes changed since the plan above was made; the plan now:" in world.out.getvalue()
+
+
+def test_without_yes_it_lets_go_asks_again_and_checks_again(world: World, tmp_path: Path) -> None:
+    spec = parse_cluster(CLUSTER)
+    chosen = make_plan(spec, fresh())
+    lazy = with_lazy_started(spec)
+    world.probes = [lazy, lazy]  # asked again, the nodes as the new plan saw them
+    plan, hold = locked(spec, chosen, tmp_path, yes=False)
+    assert world.asked == 1  # `confirm` checks that no lock was held while it asked
+    assert [h.released for h in world.holds] == [1, 0]  # the second hold goes on
+    assert hold is world.holds[1]
+    assert plan.facts_digest == make_plan(spec, lazy).facts_digest
+
+
+def test_a_saved_plan_gone_stale_is_refused_and_the_lock_let_go(world: World, tmp_path: Path) -> None:
+    spec = parse_cluster(CLUSTER)
+    chosen = make_plan(spec, fresh())
+    world.probes = [with_lazy_started(spec)]
+    with pytest.raises(InputError, match="the nodes changed since this plan was made"):
+        locked(spec, chosen, tmp_path, saved=tmp_path / "plan.json")
+    assert [h.released for h in world.holds] == [1]
+
+
+def test_a_gateway_host_out_of_reach_is_refused_with_the_way_out(world: World, tmp_path: Path) -> None:
+    spec = parse_cluster(CLUSTER)
+    world.fails = NodeError("gateway", "unreachable", "cannot connect to gw.example: refused")
+    with pytest.raises(ApplyFailed) as refused:
+        locked(spec, make_plan(spec, fresh()), tmp_path)
+    said = str(refused.value)
+    assert "cannot take the cluster lock on the gateway host gw.example" in said
+    assert "cannot connect to gw.example: refused" in said and "--no-lock" in said
+
+
+def test_a_lock_held_too_long_changes_nothing(world: World, tmp_path: Path) -> None:
+    spec = parse_cluster(CLUSTER)
+    world.fails = LockTimeout("the cluster lock on gw.example was still held after 600s")
+    with pytest.raises(ApplyFailed, match="still held after 600s; nothing was changed"):
+        locked(spec, make_plan(spec, fresh()), tmp_path)
