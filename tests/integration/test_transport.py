@@ -7,11 +7,14 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from llmgw_cli.core.cluster_lock import hold_script, lock_path
 from llmgw_cli.core.spec import SshSettings
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.local import LocalTransport
@@ -189,3 +192,66 @@ def test_commands_share_one_connection_until_closed(sshd: Sshd) -> None:
     pids, after, connects = asyncio.run(scenario())
     assert len(pids) == 1 and after not in pids
     assert connects == 2
+
+
+# An apply holding the cluster lock over SSH in its own process, killed with SIGKILL later.
+SSH_HOLDER = """
+import asyncio, sys
+from pathlib import Path
+from llmgw_cli.core.cluster_lock import hold_script
+from llmgw_cli.core.spec import SshSettings
+from llmgw_cli.remote.ssh import SshTarget, SshTransport
+
+async def main() -> None:
+    port, known, key, state = sys.argv[1:]
+    settings = SshSettings.model_validate({"port": int(port), "connect_timeout": "5s"})
+    t = SshTransport(SshTarget("gw", "127.0.0.1", settings, Path(known), Path(key)))
+    proc = await t.spawn(hold_script(state, 60, "apply by ops@box (pid test)", created_owner=None))
+    print((await proc.readline()).strip(), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_the_cluster_lock_over_ssh_waits_names_its_holder_and_is_freed_by_a_killed_apply(
+    sshd: Sshd, tmp_path: Path
+) -> None:
+    """apply's hold is a shell on the gateway host that lives as long as apply's channel:
+    a second apply waits and names the first; SIGKILL of the first frees the lock (its
+    connection closes, the shell sees the end of its stdin)."""
+    state = tmp_path / "state"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    argv = [str(sshd.port), str(sshd.known_hosts), str(sshd.client_key), str(state)]
+    first = subprocess.Popen(
+        [sys.executable, "-c", SSH_HOLDER, *argv], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert first.stdout is not None
+        assert first.stdout.readline().strip() == "held"
+
+        async def second() -> list[str]:
+            t = transport(sshd)
+            try:
+                proc = await t.spawn(hold_script(str(state), 60, "apply by second", created_owner=None))
+                busy = await asyncio.wait_for(proc.readline(), 60)
+                first.send_signal(signal.SIGKILL)
+                held = await asyncio.wait_for(proc.readline(), 60)
+                holder = lock_path(str(state))
+                written = Path(holder).read_text()
+                await proc.close()
+                return [busy.strip(), held.strip(), written.strip(), Path(holder).read_text()]
+            finally:
+                await t.close()
+
+        busy, held, written, after = asyncio.run(second())
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.wait()
+        if first.stdout is not None:
+            first.stdout.close()
+    assert busy == "busy apply by ops@box (pid test)"
+    assert held == "held"
+    assert written == "apply by second"
+    assert after == ""  # closed: released, and no holder named any more
