@@ -22,7 +22,7 @@ traceback.
 Errors handled where they arise, which never reach the command line (so they are not
 ``LlmgwError``: one escaping is a bug and keeps its traceback)::
 
-    StartFailed                the gateway's supervisor could not start a replica
+    StartFailed                the gateway's controller could not start a replica
     UpstreamError              the gateway could not ask an engine, or got no proper answer
     ├── ConnectFailed          no connection: nothing was sent; another replica may be tried
     ├── Disconnected           closed before any byte of the answer; ``reused``: a pooled
@@ -121,7 +121,7 @@ class LabUnavailable(LabError):
 
 
 class StartFailed(Exception):
-    """The supervisor's start of a replica could not happen (no room, a node refused) or
+    """The controller's start of a replica could not happen (no room, a node refused) or
     never became ready."""
 
 

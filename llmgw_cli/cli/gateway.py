@@ -23,7 +23,6 @@ from llmgw_cli.gateway.server import serve
 from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource, StaticSource
 from llmgw_cli.gateway.state import Gateway, read_engine_key, read_engine_keys
 from llmgw_cli.gateway.store import SqliteStore
-from llmgw_cli.gateway.supervisor import Supervisor
 from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.connect import GatewayAccess
 
@@ -126,6 +125,7 @@ def run(
     probe = ProbeSource(file.parent, access) if replicas is None else None
     source: ReplicaSource = probe if probe is not None else StaticSource.from_file(replicas or Path())
     store = SqliteStore(spec.gateway.state_dir)
+    manages = probe is not None and spec.gateway.manage_replicas
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
     gateway = Gateway(
         spec,
@@ -138,14 +138,12 @@ def run(
         health_every=health_every,
         flush_every=flush_every,
         access_log=AccessLog(sys.stderr.buffer) if access_log else None,
-    )
-    if probe is not None and spec.gateway.manage_replicas:
-        # On-demand starts, idle stops, eviction and scale-out need the nodes: only with a
-        # probed cluster, not with a fixed replica list.
+        # Starts, stops and replacements need the nodes: only with a probed cluster, not
+        # with a fixed replica list (the controller then only observes).
+        manage_replicas=manages,
         # the cluster lock in its state folder: apply takes the same one before it writes units
-        gateway.supervisor = Supervisor(
-            gateway, probe, saved_last_use=store.last_use(), lock=gateway_lock(spec)
-        )
+        lock=gateway_lock(spec) if manages else None,
+    )
     runner(serve(gateway))
 
 

@@ -1,7 +1,7 @@
 """On-demand lifecycle policy (pure): which replicas are idle, which one to evict, when to
 start one more. Functions of (spec, state, now); the clock is a parameter.
 
-The gateway's supervisor (``gateway/supervisor.py``) owns the effects: it asks these
+The gateway's model controller (``gateway/controller.py``) owns the effects: it asks these
 functions, then starts or stops replicas through the same executor as ``apply``.
 
 Rules:

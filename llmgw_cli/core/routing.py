@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode
+from llmgw_cli.core.spec import ClusterSpec
 
 
 class Health(StrEnum):
@@ -128,25 +128,6 @@ class Pool:
         if new is not replica.health:
             replica.health = new
             replica.changed = now
-
-
-class ModelState(StrEnum):
-    ready = "ready"
-    loading = "loading"
-    stopped = "stopped"  # should run (always) but no replica is up
-    on_demand = "on-demand-stopped"
-    off = "off"
-
-
-def model_state(model: Model, replicas: list[RoutedReplica]) -> ModelState:
-    """What ``/v1/models`` says about one catalog model."""
-    if any(r.health is Health.ready for r in replicas):
-        return ModelState.ready
-    if model.mode is ScalingMode.off:
-        return ModelState.off
-    if any(r.health in (Health.loading, Health.unknown) for r in replicas):
-        return ModelState.loading
-    return ModelState.on_demand if model.mode is ScalingMode.on_demand else ModelState.stopped
 
 
 def endpoints(

@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Literal
 
+from pydantic import Field
+
 from llmgw_cli.core.facts import Fact, GpuHealth, NodeFacts
 from llmgw_cli.core.hardware import fabric_status, gpu_class
 from llmgw_cli.core.parse.units import replica_units
 from llmgw_cli.core.plan import Running, running_replicas
-from llmgw_cli.core.routing import Health, RoutedReplica, model_state
+from llmgw_cli.core.routing import Health, RoutedReplica
 from llmgw_cli.core.spec import ClusterSpec, Node
 
 # A replica of a model without `scaling.idle_timeout` counts as held idle after this long
@@ -74,7 +76,8 @@ class ModelRow(Fact):
     maximum: int
     running: int
     where: tuple[str, ...]
-    state: str | None = None  # routing.ModelState value; None without the gateway's view
+    state: str | None = None  # controller.Phase value; None without the gateway's view
+    progress: str = ""  # what a start under way is doing (the gateway's view)
     ready: int | None = None  # replicas in rotation; None without the gateway's view
 
 
@@ -103,6 +106,8 @@ class Live(Fact):
 
     replicas: tuple[LiveReplica, ...] = ()
     usage: tuple[UseRow, ...] = ()
+    phases: dict[str, str] = Field(default_factory=dict)  # model -> controller.Phase value
+    progress: dict[str, str] = Field(default_factory=dict)  # model -> what its start is doing
 
 
 class ReplicaRow(Fact):
@@ -293,7 +298,8 @@ def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None 
             maximum=m.scaling.max if m.scaling else 0,
             running=len(running[m.name]),
             where=tuple(sorted({node for replica in running[m.name] for node in replica.members})),
-            state=model_state(m, pool[m.name]).value if live else None,
+            state=live.phases.get(m.name) if live else None,
+            progress=live.progress.get(m.name, "") if live else "",
             ready=sum(1 for r in pool[m.name] if r.health is Health.ready) if live else None,
         )
         for m in spec.models

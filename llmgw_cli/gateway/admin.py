@@ -54,11 +54,14 @@ async def _summary(gw: Gateway) -> Summary:
 
 def _report(gw: Gateway, summary: Summary) -> dict[str, Any]:
     source = probing(gw)
+    now = time.time()
     return {
         "cluster": gw.spec.cluster.name,
         "probing": source is not None,
         "probe_age_seconds": probe_ages(source, (n.name for n in summary.nodes)) if source else {},
         "queued": gw.admission.queued(),
+        # the model controller's recent actions, oldest first, each with its reason
+        "actions": [{**a.as_dict(), "ago": max(0.0, now - a.time)} for a in gw.controller.actions],
         **summary.model_dump(mode="json"),
     }
 
@@ -100,7 +103,7 @@ async def dashboard(request: web.Request) -> web.Response:
         r=report,
         refresh=REFRESH,
         now=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        loading=[m for m in report["models"] if m["state"] == "loading"],
+        loading=[m for m in report["models"] if m["state"] == "starting"],
         idle=[r for r in report["replicas"] if r["idle"]],
     )
     return web.Response(text=html, content_type="text/html", headers={"Cache-Control": "no-store"})

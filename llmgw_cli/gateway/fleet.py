@@ -29,7 +29,7 @@ GPU_STATES = ("used", "free", "faulty")
 
 
 def _idle_seconds(r: RoutedReplica, now: float) -> float | None:
-    """Since its last request ended (the time the supervisor goes by, kept across
+    """Since its last request ended (the time the controller goes by, kept across
     restarts), else since the last request was routed to it or it became ready; None
     when not ready, 0 with a request in flight."""
     if r.health is not Health.ready:
@@ -71,7 +71,10 @@ def live(gw: Gateway, day_usage: Iterable[Usage] = ()) -> Live:
         for u in day_usage
         if u.day == today
     ]
-    return Live(replicas=replicas, usage=tuple(usage))
+    controller = gw.controller
+    phases = {name: phase.value for name, phase in controller.phases().items()}
+    progress = {name: controller.progress(name) for name in phases if controller.progress(name)}
+    return Live(replicas=replicas, usage=tuple(usage), phases=phases, progress=progress)
 
 
 def probing(gw: Gateway) -> ProbeSource | None:
@@ -159,7 +162,8 @@ class FleetCollector(Collector):
         )
         yield _gauge(
             "llmgw_model_state",
-            "1 for the model's current state (ready, loading, stopped, on-demand-stopped, off).",
+            "1 for the model's current state (its controller's phase: off, stopped, starting, ready, "
+            "degraded, failed).",
             ["model", "state"],
             (([m.name, m.state or "unknown"], 1) for m in s.models),
         )

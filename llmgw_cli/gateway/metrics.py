@@ -2,7 +2,7 @@
 
 Two kinds:
 - counted on the request path (requests, latency, time to first token, tokens, retries)
-  and by the on-demand supervisor (loads, evictions, idle stops): metric objects bumped
+  and by the model controller (loads, evictions, idle stops, its actions): metric objects bumped
   where things happen, through the methods below;
 - read when scraped (in flight, queue, replica health, the fleet from the one Summary):
   a collector registered by ``build``, so the request path pays nothing for them.
@@ -11,9 +11,10 @@ Until ``build`` has run (the gateway has not finished starting: first discovery 
 probing, the first probe of the nodes), ``render`` returns None and the endpoints answer
 503: a half-empty page would look like a working target with nothing in it.
 
-For the on-demand supervisor: call ``loaded(model, seconds, ok)`` when a start ends
+For the model controller: call ``loaded(model, seconds, ok)`` when a start ends
 (ready, or given up), ``evicted(model)`` when a replica is stopped to make room, and
-``idle_stopped(model)`` when one is stopped for ``idle_timeout``.
+``idle_stopped(model)`` when one is stopped for ``idle_timeout``, and ``acted(model,
+action, reason)`` for every action it carries out.
 
 Contract (concurrency): everything is called on the event loop; prometheus_client's own
 locks make a scrape from another thread safe too. Per request: one dict lookup for the
@@ -130,6 +131,12 @@ class Metrics:
             ["model"],
             registry=None,
         )
+        self.actions = Counter(
+            "llmgw_controller_actions",
+            "Starts, stops, restarts and replacements by the model controller, by reason.",
+            ["model", "action", "reason"],
+            registry=None,
+        )
         self.recent = RecentUse()
         self.registry: CollectorRegistry | None = None
         self._children: dict[tuple[str, int, str], tuple[Any, ...]] = {}
@@ -174,7 +181,7 @@ class Metrics:
     def retry(self, model: str) -> None:
         self.retries.labels(model).inc()
 
-    # --- the on-demand supervisor --------------------------------------------------
+    # --- the model controller --------------------------------------------------
 
     def loaded(self, model: str, seconds: float, ok: bool = True) -> None:
         """A start of ``model`` ended: ready (``ok``) or given up, after ``seconds``."""
@@ -193,6 +200,11 @@ class Metrics:
         """One more replica of a saturated ``model`` is being started."""
         self.scale_outs.labels(model).inc()
 
+    def acted(self, model: str, action: str, reason: str) -> None:
+        """The controller carried out ``action`` (start, stop, restart, replace, evict,
+        start-failed) on ``model``; ``reason`` is a bounded label (never free text)."""
+        self.actions.labels(model, action, reason).inc()
+
     # --- exposition ----------------------------------------------------------------
 
     def _own(self) -> Iterable[Collector]:
@@ -207,6 +219,7 @@ class Metrics:
             self.evictions,
             self.idle_stops,
             self.scale_outs,
+            self.actions,
         )
 
     def build(self, *collectors: Collector) -> None:

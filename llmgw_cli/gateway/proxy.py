@@ -16,22 +16,21 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from llmgw_cli.core.controller import Unavailable
 from llmgw_cli.core.keys import ApiKey, bearer
-from llmgw_cli.core.routing import Health, ModelState, RoutedReplica, model_state
 from llmgw_cli.errors import BadRequest, ConnectFailed, Disconnected, UpstreamError
+from llmgw_cli.gateway.controller import retry_after
 from llmgw_cli.gateway.openai_error import bad_request, error
 from llmgw_cli.gateway.request_body import parse_body, with_include_usage
 from llmgw_cli.gateway.sse import StreamRelay, body_usage
 from llmgw_cli.gateway.state import Gateway
 from llmgw_cli.gateway.upstream import Answer
-from llmgw_cli.polling import poll_until
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 
 STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_ATTEMPTS = 3
 BYTES_PER_TOKEN = 4  # estimate of a prompt's tokens when the engine never said
-READY_POLL = 0.1  # seconds between looks for a ready replica while a model loads
 
 
 @dataclass
@@ -171,9 +170,10 @@ async def _forward(
             record.hide_usage = True
             body = with_include_usage(body, payload)
 
-    limit = settings.model_concurrency * max(1, gw.pool.ready_count(name))
+    # The limit (model_concurrency per ready replica) follows capacity: the controller
+    # resizes it whenever the model's ready count changes.
     key_queue = max(1, math.ceil(settings.model_queue * settings.key_queue_share))
-    if not await gw.admission.enter(name, limit, settings.model_queue, key.name, key_queue):
+    if not await gw.admission.enter(name, settings.model_queue, key.name, key_queue):
         queued = gw.admission.queued().get(name, 0)
         if queued < settings.model_queue and gw.admission.key_waiting(name, key.name) >= key_queue:
             return error(
@@ -197,61 +197,11 @@ async def _forward(
         gw.admission.leave(name)
 
 
-async def _wait_ready(gw: Gateway, name: str, deadline: float) -> RoutedReplica | None:
-    """A ready replica, waiting up to ``deadline`` while one is loading or being started."""
-
-    async def look() -> tuple[RoutedReplica | None] | None:
-        replica = gw.pool.pick(name, time.monotonic())
-        if replica is not None:
-            return (replica,)
-        starting = gw.supervisor is not None and name in gw.supervisor.starting
-        if not starting and not any(r.health in (Health.loading, Health.unknown) for r in gw.pool.of(name)):
-            return (None,)  # none is on its way: waiting is no use
-        return None  # not yet
-
-    found = await poll_until(look, timeout=max(0.0, deadline - time.monotonic()), interval=READY_POLL)
-    return found[0] if found is not None else None
-
-
-def _unavailable(gw: Gateway, name: str) -> web.Response:
-    state = model_state(gw.catalog[name], gw.pool.of(name))
-    supervisor = gw.supervisor
-    if supervisor is not None and state is ModelState.on_demand:
-        failure = supervisor.failure(name)
-        if failure is not None:
-            return error(
-                503,
-                f"The model `{name}` could not be started: {failure}",
-                "server_error",
-                "model_start_failed",
-                {"Retry-After": "30"},
-            )
-        if name in supervisor.starting:
-            state = ModelState.loading
-    if state is ModelState.off:
-        return error(
-            404,
-            f"The model `{name}` is switched off (no scaling in the cluster file).",
-            "invalid_request_error",
-            "model_off",
-        )
-    if state is ModelState.loading:
-        doing = supervisor.progress.get(name) if supervisor is not None else None
-        return error(
-            503,
-            f"The model `{name}` is loading{f' ({doing})' if doing else ''}; retry shortly.",
-            "server_error",
-            "model_loading",
-            {"Retry-After": "5"},
-        )
-    if state is ModelState.on_demand:
-        message = (
-            f"The model `{name}` runs on demand and is not running; this gateway does not start "
-            "models (it routes to a fixed replica list, or `gateway.manage_replicas` is off)."
-        )
-    else:
-        message = f"No replica of `{name}` is in rotation."
-    return error(503, message, "server_error", "model_unavailable", {"Retry-After": "30"})
+def _refused(why: Unavailable) -> web.Response:
+    """The answer to a request for a model that has no ready replica in time."""
+    if why.status == 404:
+        return error(why.status, why.message, "invalid_request_error", why.code)
+    return error(why.status, why.message, "server_error", why.code, {"Retry-After": retry_after(why)})
 
 
 async def _route(
@@ -262,11 +212,11 @@ async def _route(
     tried: set[str] = set()
     replica = gw.pool.pick(name, time.monotonic())
     if replica is None:
-        if gw.supervisor is not None:
-            gw.supervisor.want(name)  # starts an on-demand model; never waits
-        replica = await _wait_ready(gw, name, started + gw.spec.gateway.load_wait)
-        if replica is None:
-            return _unavailable(gw, name)
+        # None ready: the controller starts one if it may, and waits up to load_wait.
+        found = await gw.controller.ensure_ready(name, started + gw.spec.gateway.load_wait)
+        if isinstance(found, Unavailable):
+            return _refused(found)
+        replica = found
     last_error = ""
     stale_retried = False
     while replica is not None and record.attempts < MAX_ATTEMPTS:

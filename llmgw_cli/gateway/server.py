@@ -32,7 +32,6 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from llmgw_cli.core.keys import bearer
-from llmgw_cli.core.routing import ModelState, model_state
 from llmgw_cli.core.spec import GatewayTls
 from llmgw_cli.errors import LlmgwError
 from llmgw_cli.gateway import admin
@@ -51,25 +50,19 @@ async def models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     if gw.authenticate(bearer(request.headers.get("Authorization"))) is None:
         return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
+    phases = gw.controller.phases()
     data = [
         {
             "id": m.name,
             "object": "model",
             "created": 0,
             "owned_by": "llmgw",
-            "state": _state(gw, m.name),
+            "state": phases[m.name].value,
             "mode": m.mode.value,
         }
         for m in gw.catalog.values()
     ]
     return web.json_response({"object": "list", "data": data})
-
-
-def _state(gw: Gateway, name: str) -> str:
-    state = model_state(gw.catalog[name], gw.pool.of(name))
-    if state is ModelState.on_demand and gw.supervisor is not None and name in gw.supervisor.starting:
-        state = ModelState.loading
-    return state.value
 
 
 def public_app(gw: Gateway) -> web.Application:
@@ -106,15 +99,22 @@ async def admin_usage(request: web.Request) -> web.Response:
 
 async def admin_replicas(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    supervisor = gw.supervisor
+    controller = gw.controller
+    phases = controller.phases()
     return web.json_response(
         {
             "replicas": [r.as_dict() for r in gw.pool.all()],
             "queued": gw.admission.queued(),
-            "starting": {m: supervisor.progress.get(m, "") for m in sorted(supervisor.starting)}
-            if supervisor
-            else {},
-            "failed": {m: why for m, (_, why) in supervisor.failed.items()} if supervisor else {},
+            "models": {
+                name: {
+                    "phase": phase.value,
+                    "progress": controller.progress(name),
+                    "failures": controller.model(name).attempts.failures,
+                    "last_failure": controller.model(name).attempts.reason,
+                }
+                for name, phase in phases.items()
+            },
+            "actions": [a.as_dict() for a in controller.actions],
         }
     )
 

@@ -64,7 +64,7 @@ class ProbeSource:
     """Probe every node over SSH and take the replicas that may serve (``Running.serving``).
 
     The connections to the nodes are held from one round to the next (and lent to the
-    supervisor's starts and stops), opened again when one broke, and closed by ``close``.
+    model controller's starts and stops), opened again when one broke, and closed by ``close``.
     The latest snapshot stays in ``facts`` (the gateway's Summary reads it), with the
     monotonic time of each node's last successful probe in ``probed``."""
 
@@ -76,7 +76,7 @@ class ProbeSource:
         self._opener = opener
         self._conns: Connections | None = None
         self.last: dict[str, list[str]] = {}
-        self.facts: dict[str, NodeFacts] = {}  # of the last probe (the supervisor plans on them)
+        self.facts: dict[str, NodeFacts] = {}  # of the last probe (the controller plans on them)
         self.probed: dict[str, float] = {}  # node -> monotonic time of its last good probe
         self.since = time.monotonic()  # the age of a node never reached counts from here
 

@@ -12,11 +12,9 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -26,14 +24,13 @@ from llmgw_cli.core.routing import Pool
 from llmgw_cli.core.spec import ClusterSpec, Model
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.accesslog import AccessLog
+from llmgw_cli.gateway.admission import Admission
+from llmgw_cli.gateway.controller import CardLock, Controller, RemoteNodes
 from llmgw_cli.gateway.metrics import Metrics
-from llmgw_cli.gateway.sources import ReplicaSource
+from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource
 from llmgw_cli.gateway.store import Store
 from llmgw_cli.gateway.upstream import Upstreams
 from llmgw_cli.gateway.usage import Meter
-
-if TYPE_CHECKING:
-    from llmgw_cli.gateway.supervisor import Supervisor
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -48,49 +45,6 @@ def read_engine_key(path: Path) -> str:
     if key is None:
         raise InputError(f"engine key file {path}: no LLMGW_ENGINE_KEY=... line with a key")
     return key
-
-
-class _Queue:
-    """One model's waiters, per key. The dict's order is the keys' turn order: the key
-    served goes to the back while it still waits, so keys take turns for freed slots."""
-
-    def __init__(self) -> None:
-        self.by_key: dict[str, deque[tuple[asyncio.Future[None], float]]] = {}
-        self.count = 0
-
-    def push(self, key: str, entry: tuple[asyncio.Future[None], float]) -> None:
-        self.by_key.setdefault(key, deque()).append(entry)
-        self.count += 1
-
-    def pop(self) -> asyncio.Future[None] | None:
-        """The oldest waiter of the key whose turn it is (None when nobody waits)."""
-        while self.by_key:
-            key = next(iter(self.by_key))
-            waiters = self.by_key.pop(key)
-            future, _ = waiters.popleft()
-            self.count -= 1
-            if waiters:
-                self.by_key[key] = waiters  # to the back of the turn order
-            if not future.done():
-                return future
-        return None
-
-    def remove(self, key: str, entry: tuple[asyncio.Future[None], float]) -> bool:
-        waiters = self.by_key.get(key)
-        if waiters is None or entry not in waiters:
-            return False
-        waiters.remove(entry)
-        self.count -= 1
-        if not waiters:
-            del self.by_key[key]
-        return True
-
-    def of(self, key: str) -> int:
-        waiters = self.by_key.get(key)
-        return len(waiters) if waiters else 0
-
-    def oldest(self) -> float | None:
-        return min((w[0][1] for w in self.by_key.values()), default=None)
 
 
 def read_engine_keys(path: Path) -> dict[str, tuple[str, ...]]:
@@ -111,65 +65,6 @@ def read_engine_keys(path: Path) -> dict[str, tuple[str, ...]]:
     return {str(node): tuple(keys) for node, keys in data.items()}
 
 
-class Admission:
-    """Per-model concurrency limit with a bounded queue shared fairly between API keys.
-
-    ``enter`` returns False at once when the model's queue is full, or when the caller's
-    key already holds its share of that queue (``key_queue`` places); otherwise it returns
-    when the caller holds a slot. ``leave`` hands the slot straight to a waiter, so a
-    newcomer never overtakes the queue; waiting keys take turns (each key's own requests in
-    order), so one key's backlog cannot starve another key. ``oldest_wait`` says how long
-    the longest waiter has waited: the saturation signal for scale-out.
-    """
-
-    def __init__(self) -> None:
-        self.active: dict[str, int] = {}
-        self.waiting: dict[str, _Queue] = {}
-
-    async def enter(
-        self, model: str, limit: int, queue: int, key: str = "", key_queue: int | None = None
-    ) -> bool:
-        waiters = self.waiting.get(model)
-        if waiters is None:
-            waiters = self.waiting[model] = _Queue()
-        if self.active.get(model, 0) < limit and not waiters.count:
-            self.active[model] = self.active.get(model, 0) + 1
-            return True
-        if waiters.count >= queue or (key_queue is not None and waiters.of(key) >= key_queue):
-            return False
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (future, time.monotonic())
-        waiters.push(key, entry)
-        try:
-            await future
-        except asyncio.CancelledError:
-            if not waiters.remove(key, entry) and future.done() and not future.cancelled():
-                self.leave(model)  # the slot was handed to us as we left: pass it on
-            raise
-        return True
-
-    def key_waiting(self, model: str, key: str) -> int:
-        waiters = self.waiting.get(model)
-        return waiters.of(key) if waiters is not None else 0
-
-    def leave(self, model: str) -> None:
-        waiters = self.waiting.get(model)
-        future = waiters.pop() if waiters is not None else None
-        if future is not None:
-            future.set_result(None)
-            return
-        self.active[model] -= 1
-
-    def queued(self) -> dict[str, int]:
-        return {m: w.count for m, w in self.waiting.items()}
-
-    def oldest_wait(self, model: str, now: float) -> float:
-        """Seconds the longest waiter in ``model``'s queue has waited (0 when none waits)."""
-        waiters = self.waiting.get(model)
-        oldest = waiters.oldest() if waiters is not None else None
-        return 0.0 if oldest is None else now - oldest
-
-
 class Gateway:
     def __init__(
         self,
@@ -185,6 +80,8 @@ class Gateway:
         flush_every: float = 5.0,
         keys_every: float = 5.0,
         access_log: AccessLog | None = None,
+        manage_replicas: bool = False,
+        lock: CardLock | None = None,
     ) -> None:
         self.spec = spec
         self.catalog: dict[str, Model] = {m.name: m for m in spec.models}
@@ -200,17 +97,31 @@ class Gateway:
             "flush": flush_every,
             "keys": keys_every,
             "log": 0.2,
-            "supervise": 1.0,
+            "reconcile": 1.0,
         }
         self.pool = Pool()
         self.meter = Meter()
         self.metrics = Metrics()
-        self.admission = Admission()
+        self.admission = Admission(spec.gateway.model_concurrency)
         self.keys: dict[str, ApiKey] = {}
         self.upstreams = Upstreams(spec.gateway.timeouts.connect, {})
         self.health_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.supervisor: Supervisor | None = None  # set when the gateway manages replicas
+        # The one owner of the models' replicas. It starts and stops them only when the
+        # gateway manages replicas (a probed cluster with manage_replicas); else it observes.
+        manages = manage_replicas and isinstance(source, ProbeSource)
+        self.controller = Controller(
+            lambda: self.spec,
+            self.pool,
+            self.admission,
+            self.metrics,
+            self.health_status,
+            nodes=RemoteNodes(source) if isinstance(source, ProbeSource) else None,
+            store=store,
+            manages=manages,
+            lock=lock,
+            saved_last_use=store.last_use() if manages else None,
+        )
         self.access_log = access_log
         self._upstream_settings()
 
@@ -241,6 +152,7 @@ class Gateway:
         await self.load_keys()
         await self.discover()
         await self.check_health()
+        self.controller.observe()
         jobs: list[tuple[str, Callable[[], object]]] = [
             ("discover", self.discover),
             ("health", self.check_health),
@@ -248,8 +160,7 @@ class Gateway:
             ("keys", self.load_keys),
             ("log", self.flush_log),
         ]
-        if self.supervisor is not None:
-            jobs.append(("supervise", self.supervisor.tick))
+        jobs.append(("reconcile", self.controller.tick))
         for name, job in jobs:
             self._tasks.append(asyncio.create_task(self._every(name, job), name=f"gateway-{name}"))
 
@@ -258,8 +169,7 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        if self.supervisor is not None:
-            await self.supervisor.stop()
+        await self.controller.stop()
         try:
             await self.flush()
         except Exception:
@@ -326,12 +236,10 @@ class Gateway:
             log.info("engine keys reloaded: %d node(s)", len(keys))
 
     async def discover(self) -> None:
-        found = await self.source.discover(self.spec)
-        if self.supervisor is not None:  # a replica being started may not be active yet
-            for model, address in self.supervisor.watching:
-                if address not in found.setdefault(model, []):
-                    found[model].append(address)
+        # A replica being started may not be active yet: the controller adds it.
+        found = self.controller.with_starts(await self.source.discover(self.spec))
         self.pool.replace({m: a for m, a in found.items() if m in self.catalog}, time.monotonic())
+        self.controller.observe()
 
     async def check_health(self) -> None:
         replicas = self.pool.all()
@@ -348,6 +256,7 @@ class Gateway:
                     before.value,
                     replica.health.value,
                 )
+        self.controller.observe()  # admission follows the ready count; waiters are woken
 
     async def health_status(self, address: str, model: str) -> int | None:
         """The HTTP status of the replica's readiness path, or None when unreachable."""
@@ -369,10 +278,9 @@ class Gateway:
             self.access_log.flush()
 
     async def flush(self) -> None:
-        if self.supervisor is not None:
-            last_use = self.supervisor.last_use_rows()
-            if last_use:
-                await asyncio.to_thread(self.store.save_last_use, last_use)
+        last_use = self.controller.last_use_rows() if self.controller.manages else {}
+        if last_use:
+            await asyncio.to_thread(self.store.save_last_use, last_use)
         rows = self.meter.take()
         if not rows:
             return

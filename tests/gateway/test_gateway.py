@@ -140,9 +140,9 @@ def test_models_lists_every_model_with_its_state(setup: Setup) -> None:
         "chat": "ready",
         "slow": "ready",
         "wrongkey": "ready",
-        "lazy": "on-demand-stopped",
+        "lazy": "stopped",
         "off": "off",
-        "starting": "loading",
+        "starting": "starting",
     }
 
 

@@ -1,4 +1,4 @@
-"""The gateway's metrics without traffic: the fleet from the Summary, the supervisor's
+"""The gateway's metrics without traffic: the fleet from the Summary, the controller's
 counters, and the 503 before the registry exists. Exposition checked by `promtool`."""
 
 from __future__ import annotations
@@ -115,8 +115,9 @@ def test_without_probing_there_are_no_fleet_numbers(tmp_path: Path) -> None:
     assert not names & {"llmgw_gpus", "llmgw_node_up", "llmgw_fabric_free_nodes"}
 
 
-def supervisor_exposition() -> str:
-    """The supervisor's counters after two loads (one failed), an eviction and two idle stops."""
+def controller_exposition() -> str:
+    """The controller's counters after two loads (one failed), an eviction, two idle stops
+    and its actions."""
     metrics = Metrics()
     assert metrics.render() is None  # not built: the endpoints answer 503
     metrics.build()
@@ -125,13 +126,17 @@ def supervisor_exposition() -> str:
     metrics.evicted("small")
     metrics.idle_stopped("small")
     metrics.idle_stopped("small")
+    metrics.acted("big", "start", "below-min")
+    metrics.acted("big", "start-failed", "start-failed")
+    metrics.acted("small", "stop", "idle")
+    metrics.acted("small", "stop", "idle")
     body = metrics.render()
     assert body is not None
     return body.decode()
 
 
-def test_supervisor_counters_and_histograms() -> None:
-    got = samples(supervisor_exposition())
+def test_controller_counters_and_histograms() -> None:
+    got = samples(controller_exposition())
     assert got[("llmgw_model_loads_total", (("model", "big"), ("result", "ok")))] == 1
     assert got[("llmgw_model_loads_total", (("model", "big"), ("result", "failed")))] == 1
     assert got[("llmgw_model_load_seconds_count", (("model", "big"),))] == 2
@@ -139,14 +144,17 @@ def test_supervisor_counters_and_histograms() -> None:
     assert got[("llmgw_model_load_seconds_bucket", (("le", "60.0"), ("model", "big")))] == 1
     assert got[("llmgw_evictions_total", (("model", "small"),))] == 1
     assert got[("llmgw_idle_stops_total", (("model", "small"),))] == 2
+    actions = "llmgw_controller_actions_total"
+    assert got[(actions, (("action", "start"), ("model", "big"), ("reason", "below-min")))] == 1
+    assert got[(actions, (("action", "stop"), ("model", "small"), ("reason", "idle")))] == 2
 
 
 @pytest.mark.integration
-def test_promtool_accepts_the_fleet_and_supervisor_metrics(
+def test_promtool_accepts_the_fleet_and_controller_metrics(
     tmp_path: Path, promtool_check_metrics: Callable[[str], None]
 ) -> None:
     promtool_check_metrics(fleet_exposition(tmp_path))
-    promtool_check_metrics(supervisor_exposition())
+    promtool_check_metrics(controller_exposition())
 
 
 def test_request_metrics_by_model_status_and_key() -> None:

@@ -81,7 +81,7 @@ def test_live_metrics_on_both_listeners(setup: Setup) -> None:
     assert got[("llmgw_request_seconds_count", (("model", "chat"),))] == 4
     assert got[("llmgw_time_to_first_token_seconds_count", (("model", "chat"),))] == 1
     assert got[("llmgw_model_ready_replicas", (("model", "chat"),))] == 2
-    assert got[("llmgw_model_state", (("model", "starting"), ("state", "loading")))] == 1
+    assert got[("llmgw_model_state", (("model", "starting"), ("state", "starting")))] == 1
     assert got[("llmgw_in_flight", (("model", "chat"),))] == 0
     # The admin listener serves the same registry, behind the admin key.
     assert gw.admin("/metrics", setup.keys["alice"]).status_code == 403
@@ -101,8 +101,8 @@ def test_summary_api(setup: Setup) -> None:
     states = {m["name"]: (m["state"], m["ready"]) for m in report["models"]}
     assert states == {
         "chat": ("ready", 2),
-        "starting": ("loading", 0),
-        "lazy": ("on-demand-stopped", 0),
+        "starting": ("starting", 0),
+        "lazy": ("stopped", 0),
         "dark": ("off", 0),
     }
     (alice,) = [k for k in report["keys"] if k["key"] == "alice"]
@@ -127,7 +127,7 @@ def test_dashboard_in_chromium(setup: Setup) -> None:
             chat = page.locator('#models tr[data-model="chat"]')
             assert chat.locator(".state").inner_text() == "ready"
             assert "2 / 1" in chat.inner_text()
-            assert page.locator('#models tr[data-model="starting"] .state').inner_text() == "loading"
+            assert page.locator('#models tr[data-model="starting"] .state').inner_text() == "starting"
             assert page.locator('#loading li[data-model="starting"]').count() == 1
             healths = page.locator('#replicas tr[data-model="chat"] .health').all_inner_texts()
             assert healths == ["ready", "ready"]

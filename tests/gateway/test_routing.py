@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.routing import Health, ModelState, Pool, endpoints, model_state
+from llmgw_cli.core.routing import Health, Pool, endpoints
 
 CLUSTER = """
 cluster: {name: t}
@@ -89,18 +89,6 @@ def test_replace_keeps_state_of_known_replicas() -> None:
     assert states == {"a:1": (Health.ready, 3), "b:1": (Health.unknown, 0)}
     pool.replace({}, now=6.0)
     assert pool.all() == []
-
-
-def test_model_states() -> None:
-    spec = parse_cluster(CLUSTER)
-    pool = Pool()
-    assert model_state(spec.model("on"), []) is ModelState.stopped
-    assert model_state(spec.model("lazy"), []) is ModelState.on_demand
-    assert model_state(spec.model("off"), []) is ModelState.off
-    pool.replace({"on": ["x:1"]}, now=0.0)
-    assert model_state(spec.model("on"), pool.of("on")) is ModelState.loading
-    pool.checked(pool.of("on")[0], 200, now=1.0)
-    assert model_state(spec.model("on"), pool.of("on")) is ModelState.ready
 
 
 def test_endpoints_take_rank_zero_of_active_replicas() -> None:

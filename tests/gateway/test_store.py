@@ -77,10 +77,10 @@ def test_admission_limits_and_queues_in_order() -> None:
     async def scenario() -> list[str]:
         gate = Admission()
         order: list[str] = []
-        assert await gate.enter("m", limit=1, queue=2)
+        assert await gate.enter("m", queue=2)
 
         async def waiter(name: str) -> None:
-            assert await gate.enter("m", limit=1, queue=2)
+            assert await gate.enter("m", queue=2)
             order.append(name)
             gate.leave("m")
 
@@ -88,7 +88,7 @@ def test_admission_limits_and_queues_in_order() -> None:
         await asyncio.sleep(0)
         second = asyncio.create_task(waiter("second"))
         await asyncio.sleep(0)
-        assert not await gate.enter("m", limit=1, queue=2)  # queue full: refused at once
+        assert not await gate.enter("m", queue=2)  # queue full: refused at once
         assert gate.queued() == {"m": 2}
         gate.leave("m")
         await asyncio.gather(first, second)
@@ -101,16 +101,45 @@ def test_admission_limits_and_queues_in_order() -> None:
 def test_admission_cancelled_waiter_gives_up_its_place() -> None:
     async def scenario() -> int:
         gate = Admission()
-        assert await gate.enter("m", limit=1, queue=5)
-        waiting = asyncio.create_task(gate.enter("m", limit=1, queue=5))
+        assert await gate.enter("m", queue=5)
+        waiting = asyncio.create_task(gate.enter("m", queue=5))
         await asyncio.sleep(0)
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         gate.leave("m")
-        assert await gate.enter("m", limit=1, queue=5)  # the slot is free again
+        assert await gate.enter("m", queue=5)  # the slot is free again
         return gate.active["m"]
 
     assert asyncio.run(scenario()) == 1
+
+
+def test_admission_grows_at_once_when_the_limit_is_raised() -> None:
+    """A replica turned ready: waiters up to the new limit get their slot without waiting
+    for anyone to leave; a lower limit hands no freed slot on until under it again."""
+
+    async def scenario() -> None:
+        gate = Admission()
+        assert gate.limit("m") == 1
+        assert await gate.enter("m", queue=10)
+        waiting = [asyncio.create_task(gate.enter("m", queue=10)) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert gate.queued() == {"m": 3}
+        gate.resize("m", 3)  # two more slots: two waiters in, nobody left
+        await asyncio.sleep(0)
+        assert [t.done() for t in waiting] == [True, True, False]
+        assert gate.active["m"] == 3 and gate.queued() == {"m": 1}
+        gate.resize("m", 1)  # capacity gone: freed slots are not handed on while over it
+        gate.leave("m")
+        gate.leave("m")
+        await asyncio.sleep(0)
+        assert not waiting[2].done() and gate.active["m"] == 1
+        gate.leave("m")  # now under the limit: the slot goes to the last waiter
+        await asyncio.sleep(0)
+        assert waiting[2].done() and gate.active["m"] == 1
+        gate.leave("m")
+        assert gate.active["m"] == 0
+
+    asyncio.run(scenario())
 
 
 def test_include_usage_is_asked_for_without_losing_stream_options() -> None:
@@ -131,10 +160,10 @@ def test_admission_waiting_keys_take_turns() -> None:
     async def scenario() -> list[str]:
         gate = Admission()
         order: list[str] = []
-        assert await gate.enter("m", 1, 10, "flood")
+        assert await gate.enter("m", 10, "flood")
 
         async def waiter(key: str, name: str) -> None:
-            assert await gate.enter("m", 1, 10, key)
+            assert await gate.enter("m", 10, key)
             order.append(name)
             gate.leave("m")
 
@@ -161,11 +190,11 @@ def test_admission_waiting_keys_take_turns() -> None:
 def test_admission_refuses_a_key_beyond_its_share_of_the_queue() -> None:
     async def scenario() -> None:
         gate = Admission()
-        assert await gate.enter("m", 1, 4, "flood", key_queue=2)
-        waiting = [asyncio.create_task(gate.enter("m", 1, 4, "flood", key_queue=2)) for _ in range(2)]
+        assert await gate.enter("m", 4, "flood", key_queue=2)
+        waiting = [asyncio.create_task(gate.enter("m", 4, "flood", key_queue=2)) for _ in range(2)]
         await asyncio.sleep(0)
-        assert not await gate.enter("m", 1, 4, "flood", key_queue=2)  # its share is full
-        other = asyncio.create_task(gate.enter("m", 1, 4, "other", key_queue=2))
+        assert not await gate.enter("m", 4, "flood", key_queue=2)  # its share is full
+        other = asyncio.create_task(gate.enter("m", 4, "other", key_queue=2))
         await asyncio.sleep(0)
         assert gate.queued() == {"m": 3}
         for _ in range(4):

@@ -179,9 +179,9 @@ def test_each_node_at_most_max_parallel_at_once_in_order() -> None:
     assert recorder.opened() == {n.name: 1 for n in spec.nodes}
 
 
-def test_discovery_rounds_and_the_supervisors_work_share_the_gateways_connections() -> None:
+def test_discovery_rounds_and_the_controllers_work_share_the_gateways_connections() -> None:
     """The gateway keeps its connections between discovery rounds, lends them to the
-    supervisor's starts and stops, and closes them when it stops."""
+    model controller's starts and stops, and closes them when it stops."""
     recorder = Recorder()
     access = GatewayAccess(Path("/k"))
     source = ProbeSource(Path(), access, opener=recorder)

@@ -38,20 +38,31 @@ def test_without_the_gateway_the_live_parts_stay_empty() -> None:
     assert all(m.state is None and m.ready is None for m in s.models)
 
 
-def test_model_states_and_ready_counts() -> None:
+def test_model_states_are_the_controllers_phases_with_ready_counts() -> None:
+    """The state is the model controller's phase as the gateway passes it (one owner);
+    the ready count is the pool's."""
     live = Live(
         replicas=(
             replica("always", "10.0.0.1:8000"),
             replica("always", "10.0.0.2:8000", health="failing", idle=None),
             replica("starting", "10.0.0.1:8001", health="loading", idle=None),
-        )
+        ),
+        phases={
+            "always": "degraded",
+            "lazy": "failed",
+            "starting": "starting",
+            "gone": "stopped",
+            "dark": "off",
+        },
+        progress={"starting": "engine loading"},
     )
     s = summarize(SPEC, {}, live)
     states = {m.name: (m.state, m.ready) for m in s.models}
+    assert {m.name: m.progress for m in s.models if m.progress} == {"starting": "engine loading"}
     assert states == {
-        "always": ("ready", 1),
-        "lazy": ("on-demand-stopped", 0),
-        "starting": ("loading", 0),
+        "always": ("degraded", 1),
+        "lazy": ("failed", 0),
+        "starting": ("starting", 0),
         "gone": ("stopped", 0),
         "dark": ("off", 0),
     }

@@ -1,0 +1,939 @@
+"""The model controller: the one owner of every model's replicas.
+
+``Controller`` (one per gateway, ``gw.controller``) holds the lock over the cards, runs the
+reconcile tick and remembers what it has seen of each replica (first seen, ready since,
+node lost since, failing since, replaced). One ``ModelController`` per catalog model holds
+that model's start history (``Attempts``), whether a start or stop of it is under way, what
+the start is doing now (its progress text), and an event woken whenever the model's
+readiness changes or a start ends. Only the controller starts, stops and replaces
+replicas; nobody else keeps a copy of this state.
+
+The decisions are the pure functions of ``core/controller.py`` (``reconcile``, ``phase``,
+``unavailable``), ``core/lifecycle.py`` (eviction) and ``core/plan.py`` (``grow_plan``,
+``stop_plan``, ``conflicts``). Here are their effects, through ``Nodes``: the probe, the
+weights fetch and the executor of ``apply`` (``remote/execute.py``) on the real cluster,
+a fake in the unit tests.
+
+The request path: ``ensure_ready(model, deadline)`` returns a ready replica, or begins an
+on-demand start (never while its back-off runs) and waits, woken by events rather than
+polling, until a replica is ready, the start failed, or the deadline passed; then it
+returns the ``Unavailable`` the request is answered with.
+
+A start: under the lock, probe and plan (``grow_plan`` treats the starts still fetching
+weights as holding their cards and ports; a start after a replica systemd gave up on
+avoids that replica's cards); evict an idle on-demand replica when nothing fits (once per
+run of failures: not again while the back-off runs); release the lock and bring the
+weights; take the lock again, probe, re-plan once if the planned cards or port were taken
+meanwhile; write and start the units. Then, outside the lock, watch the replica's health
+(every ``WATCH_EVERY``) and its head unit (every ``UNIT_EVERY``, ``UnitWatch``): an engine
+that exits, or one not ready within the profile's ``start_timeout``, fails the start at
+once: its units are stopped, the failure is recorded with the journal's last lines, and
+the requests waiting for it are answered ``model_start_failed``.
+
+Contract (concurrency): everything runs on the gateway's asyncio loop. A model has at most
+one start or stop under way (``ModelController.busy``); every plan is made on a probe
+taken under the lock (``CardLock``: an asyncio lock of this process by default, the
+cluster-wide lock when the caller passes one), so two starts never pick the same cards.
+The lock is not held while weights are fetched or a replica loads.
+
+Last use is wall-clock time (it is persisted, so a restart keeps it); a replica found
+running without a saved time is "unknown" until watched unused for its idle_timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from llmgw_cli.core.controller import (
+    Attempts,
+    Decision,
+    Phase,
+    Seen,
+    Start,
+    Stop,
+    StopCause,
+    Unavailable,
+    UnitCondition,
+    reconcile,
+    unavailable,
+)
+from llmgw_cli.core.controller import (
+    phase as model_phase,
+)
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.lifecycle import ReplicaUse, eviction_candidate, known_last_use
+from llmgw_cli.core.plan import Action, Plan, Running, conflicts, grow_plan, running_replicas, stop_plan
+from llmgw_cli.core.routing import Health, Pool, RoutedReplica, serving_address
+from llmgw_cli.core.spec import ClusterSpec, ScalingMode
+from llmgw_cli.errors import NodeError, StartFailed
+from llmgw_cli.gateway.admission import Admission
+from llmgw_cli.gateway.metrics import Metrics
+from llmgw_cli.gateway.sources import ProbeSource
+from llmgw_cli.gateway.store import Store
+from llmgw_cli.progress import Report
+from llmgw_cli.remote.execute import Outcome, UnitWatch, execute
+from llmgw_cli.remote.fetch import ensure_for_plan
+from llmgw_cli.remote.nodeops import NodeOps
+
+log = logging.getLogger("llmgw.controller")
+
+WATCH_EVERY = 0.25  # seconds between health checks of a replica that is loading
+UNIT_EVERY = 1.0  # seconds between looks at the unit of a replica that is loading
+ACTIONS_KEPT = 200  # recent actions kept for the dashboard
+
+
+def replica_key(model: str, address: str) -> str:
+    """How a replica's last use is stored."""
+    return f"{model}@{address}"
+
+
+# --- the seams: the lock over the cards, and the nodes ---------------------------------
+
+
+class CardLock(Protocol):
+    """Held around probe, plan, unit writes and start: whoever holds it may pick cards and
+    ports. ``why`` says who holds it (for a lock shared with ``apply``)."""
+
+    def hold(self, why: str) -> AbstractAsyncContextManager[None]: ...
+
+
+class LocalLock:
+    """The lock over the cards within this process."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self.why = ""
+
+    @asynccontextmanager
+    async def hold(self, why: str) -> AsyncIterator[None]:
+        async with self._lock:
+            self.why = why
+            try:
+                yield
+            finally:
+                self.why = ""
+
+
+class UnitFailure(Protocol):
+    async def failure(self) -> str | None:
+        """Why the watched unit failed (with its journal's last lines), or None."""
+        ...
+
+
+class Nodes(Protocol):
+    """What the controller does to the nodes."""
+
+    @property
+    def facts(self) -> dict[str, NodeFacts]:
+        """The last probe's facts (discovery probes every round)."""
+        ...
+
+    async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]: ...
+
+    async def fetch(self, spec: ClusterSpec, plan: Plan, report: Report) -> dict[str, str]:
+        """Bring the weights of ``plan``'s starts: node -> why they could not be brought."""
+        ...
+
+    async def execute(self, spec: ClusterSpec, plan: Plan, report: Report) -> list[Outcome]:
+        """Write, start or stop the plan's units; no readiness wait."""
+        ...
+
+    async def watch(self, spec: ClusterSpec, action: Action) -> UnitFailure:
+        """Begin watching the head unit of a replica just started."""
+        ...
+
+
+class RemoteNodes:
+    """The nodes over SSH, through the connections discovery holds."""
+
+    def __init__(self, source: ProbeSource) -> None:
+        self.source = source
+
+    @property
+    def facts(self) -> dict[str, NodeFacts]:
+        return self.source.facts
+
+    async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
+        return await self.source.probe(spec)
+
+    async def fetch(self, spec: ClusterSpec, plan: Plan, report: Report) -> dict[str, str]:
+        return await ensure_for_plan(spec, plan, await self.source.connections(spec), report)
+
+    async def execute(self, spec: ClusterSpec, plan: Plan, report: Report) -> list[Outcome]:
+        return await execute(spec, await self.source.connections(spec), plan, report, wait=False)
+
+    async def watch(self, spec: ClusterSpec, action: Action) -> UnitFailure:
+        head = action.nodes[0]
+        unit = next(w.name for w in action.write if w.node == head)
+        conns = await self.source.connections(spec)
+        return await UnitWatch.start(NodeOps(conns.to(head)), unit)
+
+
+# --- what the controller remembers ------------------------------------------------------
+
+
+@dataclass
+class Known:
+    """One replica as this gateway remembers it (wall-clock times)."""
+
+    model: str
+    replica: int
+    address: str
+    nodes: tuple[str, ...]
+    gpus: frozenset[str]
+    first_seen: float
+    ready_at: float | None = None
+    lost_since: float | None = None
+    failing_since: float | None = None
+    replaced: bool = False
+
+
+@dataclass(frozen=True)
+class Done:
+    """One action of the controller, for the dashboard."""
+
+    time: float  # wall clock
+    model: str
+    action: str  # start, stop, restart, replace, evict, start-failed
+    reason: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {"time": self.time, "model": self.model, "action": self.action, "reason": self.reason}
+
+
+class ModelController:
+    """One model's starts: its attempts, what is under way, and the event its waiters sleep on."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.attempts = Attempts()
+        self.starting = False  # a start is under way (placing, fetching, loading)
+        self.stopping = 0  # stops of its replicas under way
+        self.progress = ""  # what the start under way is doing
+        self.loading: set[str] = set()  # addresses of replicas started and not ready yet
+        self.evicted = False  # an eviction was done for it since its last good start
+        self.look: tuple[int, int] = (0, 0)  # (ready, on their way) at the last look
+        self._event = asyncio.Event()
+
+    @property
+    def busy(self) -> bool:
+        return self.starting or self.stopping > 0
+
+    def wake(self) -> None:
+        """Wake every waiter: a replica's readiness changed, or a start ended."""
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def changed(self, timeout: float) -> None:
+        """Until the next ``wake`` or ``timeout`` seconds, whichever comes first."""
+        event = self._event
+        try:
+            async with asyncio.timeout(max(0.0, timeout)):
+                await event.wait()
+        except TimeoutError:
+            pass
+
+
+@dataclass
+class _Start:
+    """A start's plan while it brings weights outside the lock (its cards stay reserved)."""
+
+    action: Action
+    plan: Plan
+
+
+@dataclass
+class _Sink:
+    """Where a start's reports go: the log and the model's progress text."""
+
+    model: ModelController
+
+    def __call__(self, subject: str, message: str) -> None:
+        log.info("%s: %s", subject, message)
+        self.model.progress = f"{subject}: {message}"
+
+
+# --- the controller ---------------------------------------------------------------------
+
+
+class Controller:
+    def __init__(
+        self,
+        spec: Callable[[], ClusterSpec],
+        pool: Pool,
+        admission: Admission,
+        metrics: Metrics,
+        health: Callable[[str, str], Awaitable[int | None]],
+        *,
+        nodes: Nodes | None = None,
+        store: Store | None = None,
+        manages: bool = False,
+        lock: CardLock | None = None,
+        saved_last_use: dict[str, float] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.admission = admission
+        self.metrics = metrics
+        self.health = health
+        self.nodes = nodes
+        self.store = store
+        self.manages = manages and nodes is not None  # else it only observes
+        self.lock: CardLock = lock or LocalLock()
+        self.saved = dict(saved_last_use or {})  # replica key -> last use read from the store
+        self.clock = clock
+        self.models: dict[str, ModelController] = {}
+        self.known: dict[tuple[str, int], Known] = {}
+        self.actions: deque[Done] = deque(maxlen=ACTIONS_KEPT)
+        self._fetching: dict[int, _Start] = {}  # starts bringing weights, by id
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def model(self, name: str) -> ModelController:
+        found = self.models.get(name)
+        if found is None:
+            found = self.models[name] = ModelController(name)
+        return found
+
+    # --- the read side --------------------------------------------------------------
+
+    def phase(self, name: str) -> Phase:
+        return self.phases().get(name, Phase.stopped)
+
+    def phases(self) -> dict[str, Phase]:
+        """Every catalog model's phase now."""
+        spec, now = self.spec(), self.clock()
+        by_model: dict[str, list[Seen]] = {}
+        for s in self._seen(spec, now):
+            by_model.setdefault(s.model, []).append(s)
+        return {
+            m.name: model_phase(
+                m,
+                by_model.get(m.name, []),
+                self.model(m.name).attempts,
+                self.model(m.name).starting,
+                now,
+                spec.gateway.start_backoff,
+            )
+            for m in spec.models
+        }
+
+    def progress(self, name: str) -> str:
+        found = self.models.get(name)
+        return found.progress if found is not None else ""
+
+    def last_use_rows(self) -> dict[str, float]:
+        """Last use of every replica in the pool, to persist."""
+        return {
+            replica_key(r.model, r.address): r.last_used for r in self.pool.all() if r.last_used is not None
+        }
+
+    # --- the request path -----------------------------------------------------------
+
+    async def ensure_ready(self, name: str, deadline: float) -> RoutedReplica | Unavailable:
+        """A ready replica of ``name``, or why none is (by ``deadline``, monotonic time).
+        Begins an on-demand start when none is ready and none is on its way."""
+        mc = self.model(name)
+        while True:
+            replica = self.pool.pick(name, time.monotonic())
+            if replica is not None:
+                return replica
+            self._want(name)
+            if not self._on_its_way(name):
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await mc.changed(left)
+        return self.unavailable(name)
+
+    def unavailable(self, name: str) -> Unavailable:
+        spec = self.spec()
+        mc = self.model(name)
+        return unavailable(
+            spec.model(name),
+            self.phase(name),
+            mc.attempts,
+            mc.progress,
+            self.manages,
+            self.clock(),
+            spec.gateway.start_backoff,
+        )
+
+    def _on_its_way(self, name: str) -> bool:
+        return self.model(name).starting or any(
+            r.health in (Health.loading, Health.unknown) for r in self.pool.of(name)
+        )
+
+    def _want(self, name: str) -> None:
+        """Begin an on-demand start of ``name`` when it may: it runs on demand, this gateway
+        manages replicas, none is starting or loading, and its back-off is over."""
+        spec = self.spec()
+        found = next((m for m in spec.models if m.name == name), None)
+        if not self.manages or found is None or found.mode is not ScalingMode.on_demand:
+            return
+        mc = self.model(name)
+        if mc.starting or self._on_its_way(name):
+            return
+        retry_at = mc.attempts.retry_at(spec.gateway.start_backoff)
+        if retry_at is not None and retry_at > self.clock():
+            return
+        self._begin(Start(name, "requested"))
+
+    # --- what discovery and health checks tell --------------------------------------
+
+    def with_starts(self, found: dict[str, list[str]]) -> dict[str, list[str]]:
+        """Discovery's addresses plus the replicas being started (their units may not be
+        active yet, and the start watches them)."""
+        for name, mc in self.models.items():
+            for address in mc.loading:
+                if address not in found.setdefault(name, []):
+                    found[name].append(address)
+        return found
+
+    def observe(self) -> None:
+        """After discovery, a health check or a start or stop: admission follows the ready
+        count, and the waiters of a model whose readiness changed are woken."""
+        spec = self.spec()
+        per_replica = spec.gateway.model_concurrency
+        for m in spec.models:
+            replicas = self.pool.of(m.name)
+            ready = sum(r.health is Health.ready for r in replicas)
+            limit = per_replica * max(1, ready)
+            if self.admission.limit(m.name) != limit:
+                self.admission.resize(m.name, limit)
+            mc = self.model(m.name)
+            look = (ready, sum(r.health in (Health.loading, Health.unknown) for r in replicas))
+            if look != mc.look:
+                mc.look = look
+                mc.wake()
+
+    # --- the reconcile tick -----------------------------------------------------------
+
+    async def tick(self) -> None:
+        """Every second or so: note what changed, and (when managing) carry out what
+        ``reconcile`` decides."""
+        spec, now = self.spec(), self.clock()
+        for replica in self.pool.all():
+            key = replica_key(replica.model, replica.address)
+            if replica.last_used is None and key in self.saved:
+                replica.last_used = self.saved[key]  # known from before a restart
+        seen = self._seen(spec, now)
+        self.observe()
+        if not self.manages or self.nodes is None or not self.nodes.facts:
+            return
+        busy = {name for name, mc in self.models.items() if mc.busy}
+        monotonic = time.monotonic()
+        waits = {m.name: self.admission.oldest_wait(m.name, monotonic) for m in spec.models}
+        attempts = {m.name: self.model(m.name).attempts for m in spec.models}
+        decisions = reconcile(spec, seen, attempts, busy, waits, now)
+        by_model: dict[str, list[Decision]] = {}
+        for d in decisions:
+            by_model.setdefault(d.model, []).append(d)
+        for name, todo in by_model.items():
+            self._carry_out(name, todo, seen)
+
+    def _carry_out(self, name: str, todo: list[Decision], seen: Sequence[Seen]) -> None:
+        """One model's decisions, in order (stops before the start that follows them)."""
+        mc = self.model(name)
+        stops = [d for d in todo if not isinstance(d, Start)]
+        start = next((d for d in todo if isinstance(d, Start)), None)
+        if start is not None:
+            self._mark_replaced(start, seen)
+        if not stops and start is not None:
+            self._begin(start)
+            return
+        mc.stopping += 1
+
+        async def run() -> None:
+            then = start
+            try:
+                for d in stops:
+                    if isinstance(d, Stop):
+                        await self._stop(d.model, d.replica, d.reason, d.cause.value)
+                    elif await self._stop(d.model, d.replica, d.reason, "unhealthy"):
+                        self._record(d.model, "restart", d.reason, "unhealthy")
+                        then = then or Start(d.model, f"restart of replica {d.replica}: {d.reason}")
+            finally:
+                mc.stopping -= 1
+            if then is not None and not mc.starting:
+                self._begin(then)
+
+        self._spawn(run())
+
+    def _mark_replaced(self, start: Start, seen: Sequence[Seen]) -> None:
+        """A start while a replica of the model is lost past node_grace replaces it."""
+        grace = self.spec().gateway.node_grace
+        now = self.clock()
+        for s in seen:
+            if s.model != start.model or s.units is not UnitCondition.lost or s.replaced:
+                continue
+            if s.lost_since is None or now - s.lost_since < grace:
+                continue
+            known = self.known.get((s.model, s.replica))
+            if known is not None:
+                known.replaced = True
+            log.info("%s: replacing replica %d: %s", s.model, s.replica, start.reason)
+            self._record(s.model, "replace", start.reason, "node-lost")
+
+    # --- what is seen ------------------------------------------------------------------
+
+    def _seen(self, spec: ClusterSpec, now: float) -> list[Seen]:
+        """Every replica as the controller sees it now: from the last probe, the pool and
+        memory (a replica on a node that stopped answering is not in the probe)."""
+        facts = self.nodes.facts if self.nodes is not None else {}
+        catalog = {m.name: m for m in spec.models}
+        in_pool = {(r.model, r.address): r for r in self.pool.all()}
+        seen: list[Seen] = []
+        if not facts:  # a fixed replica list, or nothing probed yet: the pool only
+            for name, model in catalog.items():
+                for index, routed in enumerate(self.pool.of(name)):
+                    seen.append(
+                        Seen(
+                            model=model.name,
+                            replica=index,
+                            address=routed.address,
+                            nodes=(),
+                            gpus=frozenset(),
+                            units=UnitCondition.up,
+                            health=routed.health,
+                            first_seen=now,
+                            last_used=routed.last_used,
+                            in_flight=routed.outstanding,
+                        )
+                    )
+            return seen
+        nodes = {n.name: n for n in spec.nodes}
+        unreachable = {name for name, f in facts.items() if not f.reachable}
+        current: set[tuple[str, int]] = set()
+        for r in running_replicas(facts):
+            if r.model not in catalog or not r.members or r.members[0] not in nodes or not r.port:
+                continue
+            key = (r.model, r.replica)
+            address = serving_address(nodes[r.members[0]].engine_host, r.port)
+            known = self.known.get(key)
+            if known is None or known.address != address:
+                known = self.known[key] = Known(r.model, r.replica, address, r.members, frozenset(), now)
+            known.nodes = r.members
+            known.gpus = frozenset(g for gpus in r.gpus.values() for g in gpus)
+            current.add(key)
+            seen.append(self._one(spec, known, _condition(r, facts, unreachable), in_pool, now))
+        for key, known in list(self.known.items()):
+            if key in current:
+                continue
+            if known.model in catalog and any(n in unreachable or n not in facts for n in known.nodes):
+                seen.append(self._one(spec, known, UnitCondition.lost, in_pool, now))
+            else:
+                del self.known[key]  # gone from the nodes
+        return seen
+
+    def _one(
+        self,
+        spec: ClusterSpec,
+        known: Known,
+        units: UnitCondition,
+        in_pool: dict[tuple[str, str], RoutedReplica],
+        now: float,
+    ) -> Seen:
+        routed = in_pool.get((known.model, known.address))
+        health = routed.health if routed is not None else Health.unknown
+        if units is UnitCondition.lost:
+            if known.lost_since is None:
+                known.lost_since = now
+        else:
+            known.lost_since = None
+        if health is Health.ready:
+            if known.ready_at is None:
+                known.ready_at = now
+            known.failing_since = None
+        elif known.ready_at is not None and units is not UnitCondition.lost and known.failing_since is None:
+            known.failing_since = now
+        model = spec.model(known.model)
+        idle_timeout = model.scaling.idle_timeout if model.scaling else None
+        times = [
+            t
+            for t in (
+                routed.last_used if routed is not None else None,
+                self.saved.get(replica_key(known.model, known.address)),
+            )
+            if t is not None
+        ]
+        return Seen(
+            model=known.model,
+            replica=known.replica,
+            address=known.address,
+            nodes=known.nodes,
+            gpus=known.gpus,
+            units=units,
+            health=health,
+            first_seen=known.first_seen,
+            ready_at=known.ready_at,
+            lost_since=known.lost_since,
+            failing_since=known.failing_since,
+            last_used=known_last_use(max(times) if times else None, known.first_seen, idle_timeout, now),
+            in_flight=routed.outstanding if routed is not None else 0,
+            replaced=known.replaced,
+        )
+
+    # --- effects: background work -----------------------------------------------------
+
+    def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(job)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        """The gateway is stopping: cancel what is under way."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def idle(self) -> None:
+        """Until no start or stop is under way (tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _record(self, model: str, action: str, reason: str, label: str) -> None:
+        self.actions.append(Done(self.clock(), model, action, reason))
+        self.metrics.acted(model, action, label)
+
+    def _begin(self, start: Start) -> None:
+        mc = self.model(start.model)
+        mc.starting = True
+        mc.progress = "probing the nodes to place a replica"
+        mc.wake()
+        self._spawn(self._start(start))
+
+    # --- starts -----------------------------------------------------------------------
+
+    async def _start(self, start: Start) -> None:
+        spec = self.spec()
+        mc = self.model(start.model)
+        began = time.monotonic()
+        address: str | None = None
+        try:
+            action, address = await self._place_and_start(spec, start, mc)
+            await self._watch(spec, start.model, action, address, began)
+            mc.attempts = mc.attempts.succeeded()
+            mc.evicted = False
+        except Exception as exc:  # an unexpected failure must still end the start
+            if isinstance(exc, _Broken):
+                address = exc.address
+            why = str(exc) if isinstance(exc, StartFailed) else f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, StartFailed):
+                log.exception("%s: start failed", start.model)
+            await self._failed(spec, start.model, address, why, began)
+        finally:
+            mc.starting = False
+            mc.progress = ""
+            if address is not None:
+                mc.loading.discard(address)
+            mc.wake()
+            self.observe()
+
+    async def _failed(
+        self, spec: ClusterSpec, model: str, address: str | None, why: str, began: float
+    ) -> None:
+        """A start failed: its units go (the cards come back), the failure is recorded, and
+        its waiters are answered at once."""
+        mc = self.model(model)
+        if address is not None:
+            try:
+                async with self.lock.hold(f"stop {model} after a failed start"):
+                    facts = await self._probe(spec)
+                    found = _at(spec, facts, model, address)
+                    if found is not None:
+                        await self._stop_found(spec, facts, found, address, "its start failed", force=True)
+                    self.pool.remove(model, address)
+            except Exception:
+                log.exception("%s: could not stop the replica whose start failed", model)
+        mc.attempts = mc.attempts.failed(why, self.clock())
+        self.metrics.loaded(model, time.monotonic() - began, ok=False)
+        log.error("%s: start failed: %s", model, why)
+        self._record(model, "start-failed", why, "start-failed")
+
+    async def _probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
+        assert self.nodes is not None
+        return await self.nodes.probe(spec)
+
+    def _reserved(self, but: int | None = None) -> list[Action]:
+        return [s.action for i, s in self._fetching.items() if i != but]
+
+    async def _place_and_start(
+        self, spec: ClusterSpec, start: Start, mc: ModelController
+    ) -> tuple[Action, str]:
+        assert self.nodes is not None
+        model = start.model
+        ticket = id(start) ^ id(mc)
+        async with self.lock.hold(f"place a replica of {model}"):
+            facts = await self._probe(spec)
+            plan = grow_plan(spec, facts, model, reserved=self._reserved(), avoid=start.avoid)
+            if not plan.changes:
+                plan = await self._evict_for(spec, facts, plan, start, mc)
+            action = plan.changes[0]
+            self._fetching[ticket] = _Start(action, plan)
+        sink = _Sink(mc)
+        try:
+            missing = await self.nodes.fetch(spec, plan, sink)
+            if missing:
+                raise StartFailed("; ".join(f"{node}: {why}" for node, why in sorted(missing.items())))
+            async with self.lock.hold(f"start a replica of {model}"):
+                facts = await self._probe(spec)
+                taken = conflicts(facts, action)
+                if taken is not None:
+                    log.info("%s: re-planning: %s", model, taken)
+                    plan = grow_plan(spec, facts, model, reserved=self._reserved(ticket), avoid=start.avoid)
+                    if not plan.changes:
+                        raise StartFailed(f"{taken}; {_unplaced(plan)}")
+                    action = plan.changes[0]
+                del self._fetching[ticket]
+                return action, await self._write_and_start(spec, start, plan, action, sink=sink)
+        finally:
+            self._fetching.pop(ticket, None)
+
+    async def _evict_for(
+        self, spec: ClusterSpec, facts: dict[str, NodeFacts], plan: Plan, start: Start, mc: ModelController
+    ) -> Plan:
+        """Stop an idle on-demand replica of another model so ``start`` fits; once per run
+        of failed starts (an eviction is not repeated while the back-off runs)."""
+        why = _unplaced(plan)
+        if mc.evicted and mc.attempts.failures:
+            raise StartFailed(f"{why}; an eviction for it was done already and its start failed since")
+        now = self.clock()
+        uses = [
+            ReplicaUse(
+                model=s.model,
+                replica=s.replica,
+                nodes=len(s.nodes),
+                ready_at=s.ready_at,
+                last_used=s.last_used,
+                in_flight=s.in_flight,
+            )
+            for s in self._seen(spec, now)
+            if s.units is UnitCondition.up
+        ]
+        victim = eviction_candidate(spec, uses, start.model, now, spec.gateway.eviction_grace)
+        if victim is None:
+            raise StartFailed(f"{why}; no idle on-demand replica may be evicted")
+        known = self.known.get((victim.model, victim.replica))
+        found = next(
+            (r for r in running_replicas(facts) if (r.model, r.replica) == (victim.model, victim.replica)),
+            None,
+        )
+        if known is None or found is None:
+            raise StartFailed(f"{why}; the replica chosen for eviction is gone")
+        reason = f"evicted to make room for {start.model}"
+        if not await self._stop_found(
+            spec, facts, found, known.address, reason, action="evict", label="evict"
+        ):
+            raise StartFailed(f"{why}; the replica chosen for eviction got a request meanwhile")
+        mc.evicted = True
+        self.metrics.evicted(victim.model)
+        facts = await self._probe(spec)
+        plan = grow_plan(spec, facts, start.model, reserved=self._reserved(), avoid=start.avoid)
+        if not plan.changes:
+            raise StartFailed(_unplaced(plan) or "no room after an eviction")
+        return plan
+
+    async def _write_and_start(
+        self, spec: ClusterSpec, start: Start, plan: Plan, action: Action, *, sink: _Sink
+    ) -> str:
+        """Under the lock: the units written and started; the replica in the pool, loading."""
+        assert self.nodes is not None
+        mc = self.model(start.model)
+        model = start.model
+        log.info(
+            "%s: starting replica %d on %s (%s)", model, action.replica, ",".join(action.nodes), start.reason
+        )
+        self._record(model, "start", start.reason, _start_label(start))
+        mc.progress = f"starting on {','.join(action.nodes)}"
+        start_plan = plan.model_copy(update={"actions": (action,)})
+        outcomes = await self.nodes.execute(spec, start_plan, sink)
+        assert action.port is not None
+        address = serving_address(spec.node(action.nodes[0]).engine_host, action.port)
+        broken = [f"{o.subject}: {o.message}" for o in outcomes if not o.ok]
+        if broken:
+            mc.loading.add(address)  # so the failure stops what was written
+            raise _Broken("; ".join(broken), address)
+        mc.progress = "engine loading"
+        mc.loading.add(address)
+        now = self.clock()
+        self.known[(model, action.replica)] = Known(
+            model, action.replica, address, action.nodes, frozenset(), first_seen=now
+        )
+        replica = self.pool.add(model, address, time.monotonic())
+        replica.last_used = now  # the request that asked for it is about to use it
+        await self._probe(spec)  # so the next look sees its units (and their cards)
+        return address
+
+    async def _watch(self, spec: ClusterSpec, model: str, action: Action, address: str, began: float) -> None:
+        """Health every WATCH_EVERY and the head unit every UNIT_EVERY, until ready; an
+        engine that exits, or one not ready after the profile's start_timeout, fails."""
+        assert self.nodes is not None
+        timeout = spec.profiles[spec.model(model).profile].readiness.start_timeout
+        mc = self.model(model)
+        try:
+            watch: UnitFailure | None = await self.nodes.watch(spec, action)
+        except NodeError as exc:
+            log.warning("%s: cannot watch the unit of replica %d: %s", model, action.replica, exc)
+            watch = None
+        next_unit = 0.0
+        while True:
+            now = time.monotonic()
+            replica = self.pool.add(model, address, now)
+            if replica.health is not Health.ready:
+                status = await self.health(address, model)
+                self.pool.checked(replica, status, time.monotonic())
+            if replica.health is Health.ready:
+                break
+            if watch is not None and now >= next_unit:
+                next_unit = now + UNIT_EVERY
+                why = await watch.failure()
+                if why:
+                    raise StartFailed(why)
+            if time.monotonic() - began >= timeout:
+                raise StartFailed(f"not ready after {timeout:g}s (the profile's start_timeout)")
+            await asyncio.sleep(WATCH_EVERY)
+        seconds = time.monotonic() - began
+        known = self.known.get((model, action.replica))
+        if known is not None:
+            known.ready_at = self.clock()
+        mc.loading.discard(address)
+        self.metrics.loaded(model, seconds)
+        log.info("%s: %s ready after %.1fs", model, address, seconds)
+        self.observe()
+
+    # --- stops ------------------------------------------------------------------------
+
+    async def _stop(self, model: str, replica: int, reason: str, cause: str) -> bool:
+        spec = self.spec()
+        async with self.lock.hold(f"stop {model}#{replica}"):
+            facts = await self._probe(spec)
+            found = next(
+                (r for r in running_replicas(facts) if (r.model, r.replica) == (model, replica)), None
+            )
+            known = self.known.get((model, replica))
+            if found is None:
+                if known is not None and not any(
+                    not (facts.get(n) and facts[n].reachable) for n in known.nodes
+                ):
+                    self.known.pop((model, replica), None)  # gone already
+                return False
+            address = serving_address(spec.node(found.members[0]).engine_host, found.port)
+            if cause == StopCause.idle.value and not self._still_idle(spec, model, address):
+                return False  # used meanwhile
+            stopped = await self._stop_found(
+                spec, facts, found, address, reason, force=cause != StopCause.idle.value, label=cause
+            )
+            if stopped and cause == StopCause.idle.value:
+                self.metrics.idle_stopped(model)
+            return stopped
+
+    def _still_idle(self, spec: ClusterSpec, model: str, address: str) -> bool:
+        routed = next((r for r in self.pool.of(model) if r.address == address), None)
+        if routed is None:
+            return True
+        found = spec.model(model)
+        idle_timeout = found.scaling.idle_timeout if found.scaling else None
+        if routed.outstanding or idle_timeout is None:
+            return not routed.outstanding and idle_timeout is not None
+        return routed.last_used is None or self.clock() - routed.last_used >= idle_timeout
+
+    async def _stop_found(
+        self,
+        spec: ClusterSpec,
+        facts: dict[str, NodeFacts],
+        found: Running,
+        address: str,
+        reason: str,
+        *,
+        force: bool = False,
+        action: str = "stop",
+        label: str = "",
+    ) -> bool:
+        """Take the replica out of rotation, then stop it, unless a request is in flight on
+        it and ``force`` is not given (it is put back then). Called under the lock."""
+        assert self.nodes is not None
+        model = found.model
+        replica = self.pool.remove(model, address)
+        if replica is not None and replica.outstanding and not force:
+            self.pool.replicas.setdefault(model, {})[address] = replica
+            return False
+        log.info("%s: stopping replica %d at %s: %s", model, found.replica, address, reason)
+        if action != "evict" or label:
+            self._record(model, action, reason, label or action)
+        outcomes = await self.nodes.execute(spec, stop_plan(facts, model, found.replica, reason), _log_report)
+        for o in outcomes:
+            if not o.ok:
+                log.error("%s: stopping replica %d: %s: %s", model, found.replica, o.subject, o.message)
+        self.known.pop((model, found.replica), None)
+        key = replica_key(model, address)
+        self.saved.pop(key, None)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.forget_last_use, [key])
+        self.observe()
+        return all(o.ok for o in outcomes)
+
+
+class _Broken(StartFailed):
+    def __init__(self, message: str, address: str) -> None:
+        super().__init__(message)
+        self.address = address
+
+
+def _condition(r: Running, facts: dict[str, NodeFacts], unreachable: set[str]) -> UnitCondition:
+    """The replica's units as the last probe saw them."""
+    if any(n in unreachable or n not in facts for n in r.members):
+        return UnitCondition.lost
+    if any(n in r.units and r.units[n].active_state == "failed" for n in r.members):
+        return UnitCondition.gave_up
+    return UnitCondition.up if r.up else UnitCondition.down
+
+
+def _at(spec: ClusterSpec, facts: dict[str, NodeFacts], model: str, address: str) -> Running | None:
+    """The replica of ``model`` serving at ``address`` on the nodes, if any."""
+    nodes = {n.name: n for n in spec.nodes}
+    for r in running_replicas(facts):
+        if r.model != model or not r.members or r.members[0] not in nodes:
+            continue
+        if serving_address(nodes[r.members[0]].engine_host, r.port) == address:
+            return r
+    return None
+
+
+def _unplaced(plan: Plan) -> str:
+    return "; ".join(r for _, r in plan.unplaced) or "no room"
+
+
+def _start_label(start: Start) -> str:
+    """A bounded label for the metric from a start's reason."""
+    reason = start.reason.lower()
+    if start.avoid:
+        return "gave-up"
+    for word, label in (
+        ("request", "requested"),
+        ("scale", "scale-out"),
+        ("lost", "node-lost"),
+        ("restart", "unhealthy"),
+        ("below min", "below-min"),
+    ):
+        if word in reason:
+            return label
+    return "other"
+
+
+def _log_report(subject: str, message: str) -> None:
+    log.info("%s: %s", subject, message)
+
+
+def retry_after(u: Unavailable) -> str:
+    """The Retry-After header value of an Unavailable: whole seconds, at least 1."""
+    return str(max(1, math.ceil(u.retry_after)))

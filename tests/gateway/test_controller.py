@@ -1,0 +1,449 @@
+"""The model controller's shell with fakes: the nodes (facts, an executor that records
+plans and can make a unit exit), health answers and the wall clock.
+
+Every transition of a model, and the request path: ``ensure_ready`` returns a replica once
+one is ready, ``model_start_failed`` as soon as a start fails (woken, not timed out), and
+admission grows when a replica turns ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from llmgw_cli.core.controller import Phase, Unavailable
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.plan import Action, Plan, grow_plan, running_replicas
+from llmgw_cli.core.routing import Pool, RoutedReplica
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.gateway import controller as controller_module
+from llmgw_cli.gateway.admission import Admission
+from llmgw_cli.gateway.controller import Controller, replica_key
+from llmgw_cli.gateway.metrics import Metrics
+from llmgw_cli.remote.execute import Outcome
+from tests.unit.facts_factory import node_facts, with_units
+
+CLUSTER = """\
+cluster: {name: t}
+nodes:
+  - {name: a, address: 10.0.0.1}
+  - {name: b, address: 10.0.0.2}
+profiles:
+  vllm: {engine: vllm, ports: 8100-8199, readiness: {start_timeout: 10m}}
+gateway: {model_concurrency: 2}
+models:
+  - {name: lazy, source: org/lazy, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+  - {name: other, source: org/other, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+"""
+DUO = CLUSTER + "  - {name: duo, source: org/duo, profile: vllm, scaling: {min: 2, max: 2}}\n"
+
+T0 = 1_000_000.0
+FOREVER = 3600.0  # a deadline no test reaches: an answer before it came from an event
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Watch:
+    def __init__(self, nodes: FakeNodes, unit: str) -> None:
+        self.nodes, self.unit = nodes, unit
+
+    async def failure(self) -> str | None:
+        return self.nodes.exits.get(self.unit)
+
+
+class Lock:
+    """The lock over the cards, recording whether it is held."""
+
+    def __init__(self) -> None:
+        self.inner = asyncio.Lock()
+        self.held = False
+        self.whys: list[str] = []
+
+    @asynccontextmanager
+    async def hold(self, why: str) -> AsyncIterator[None]:
+        async with self.inner:
+            self.held = True
+            self.whys.append(why)
+            try:
+                yield
+            finally:
+                self.held = False
+
+
+class FakeNodes:
+    """The nodes: facts that executed plans change; starts whose head unit can exit."""
+
+    def __init__(self, facts: dict[str, NodeFacts], lock: Lock) -> None:
+        self.facts = facts
+        self.lock = lock
+        self.plans: list[Action] = []  # every action executed, in order
+        self.exits: dict[str, str] = {}  # unit -> why it exited (the watch reports it)
+        self.exit_next: str | None = None  # the next started replica's unit exits so
+        self.fetched_outside_lock: list[bool] = []
+        self.fetch_gate: asyncio.Event | None = None
+        self.health: dict[str, int] = {}  # address -> what its readiness path answers
+
+    async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
+        return self.facts
+
+    async def fetch(
+        self, spec: ClusterSpec, plan: Plan, report: Callable[[str, str], None]
+    ) -> dict[str, str]:
+        self.fetched_outside_lock.append(not self.lock.held)
+        report("a", "weights fetching")
+        if self.fetch_gate is not None:
+            await self.fetch_gate.wait()
+        return {}
+
+    async def execute(
+        self, spec: ClusterSpec, plan: Plan, report: Callable[[str, str], None]
+    ) -> list[Outcome]:
+        assert self.lock.held, "units are written and started under the lock only"
+        for action in plan.changes:
+            self.plans.append(action)
+            if action.remove:  # a stopped engine answers nothing
+                self.health.pop(f"{spec.node(action.nodes[0]).address}:{action.port}", None)
+            for node, name in action.remove:
+                self.exits.pop(name, None)  # a new unit of that name starts a new life
+                f = self.facts[node]
+                self.facts[node] = f.model_copy(
+                    update={
+                        "units": tuple(u for u in f.units if u.name != name),
+                        "unit_labels": {k: v for k, v in f.unit_labels.items() if k != name},
+                    }
+                )
+            self.facts = with_units(self.facts, [(w.node, w.name, w.text) for w in action.write])
+            if action.write and self.exit_next is not None:
+                head = next(w for w in action.write if w.node == action.nodes[0])
+                self.exits[head.name] = self.exit_next
+                self.exit_next = None
+        return [Outcome(n, True, "units in place") for a in plan.changes for n in a.nodes]
+
+    async def watch(self, spec: ClusterSpec, action: Action) -> Watch:
+        head = next(w for w in action.write if w.node == action.nodes[0])
+        return Watch(self, head.name)
+
+    def starts(self, model: str | None = None) -> list[Action]:
+        return [a for a in self.plans if a.op == "+" and model in (None, a.model)]
+
+    def stops(self, model: str | None = None) -> list[Action]:
+        return [a for a in self.plans if a.op == "-" and model in (None, a.model)]
+
+
+class World:
+    """A controller over fake nodes with 1 card each, a pool, health answers and a clock."""
+
+    def __init__(self, gpus: int = 1, saved: dict[str, float] | None = None, cluster: str = CLUSTER) -> None:
+        self.spec = parse_cluster(cluster)
+        self.clock = Clock()
+        self.lock = Lock()
+        self.nodes = FakeNodes({n: node_facts(n, gpus=gpus) for n in "ab"}, self.lock)
+        self.pool = Pool()
+        self.admission = Admission(self.spec.gateway.model_concurrency)
+        self.health = self.nodes.health
+        self.metrics = Metrics()
+
+        async def health(address: str, model: str) -> int | None:
+            return self.health.get(address)
+
+        self.controller = Controller(
+            lambda: self.spec,
+            self.pool,
+            self.admission,
+            self.metrics,
+            health,
+            nodes=self.nodes,
+            manages=True,
+            lock=self.lock,
+            saved_last_use=saved,
+            clock=self.clock,
+        )
+
+    def run(self, model: str, node: str, *, state: str = "active") -> str:
+        """A replica of ``model`` already running on ``node`` (placed as a start would:
+        the other nodes are hidden from placement, not their units); its address."""
+        hidden = {
+            n: f if n == node else f.model_copy(update={"error": "hidden"})
+            for n, f in self.nodes.facts.items()
+        }
+        (action,) = grow_plan(self.spec, hidden, model).changes
+        assert action.nodes == (node,)
+        self.nodes.facts = with_units(
+            self.nodes.facts, [(w.node, w.name, w.text) for w in action.write], state=state
+        )
+        return f"{self.spec.node(node).address}:{action.port}"
+
+    def discover(self) -> None:
+        """What the gateway's discovery does: the pool from the facts, then a look."""
+        found: dict[str, list[str]] = {}
+        for r in running_replicas(self.nodes.facts):
+            if r.up:
+                found.setdefault(r.model, []).append(f"{self.spec.node(r.members[0]).address}:{r.port}")
+        self.pool.replace(self.controller.with_starts(found), time.monotonic())
+        self.controller.observe()
+
+    async def check_health(self) -> None:
+        """What the gateway's health checks do."""
+        for r in self.pool.all():
+            self.pool.checked(r, self.health.get(r.address), time.monotonic())
+        self.controller.observe()
+
+    def lose(self, node: str) -> None:
+        self.nodes.facts[node] = NodeFacts(node=node, error="ssh: connection timed out")
+
+
+async def until(condition: Callable[[], object], what: str = "the condition") -> None:
+    """Yield to the loop until ``condition`` holds (bounded, so a broken test ends)."""
+    for _ in range(20_000):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never happened: {what}")
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(scenario())
+
+
+@pytest.fixture(autouse=True)
+def fast_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start's watch looks at health and unit often in real time; no test waits on it."""
+    monkeypatch.setattr(controller_module, "WATCH_EVERY", 0.001)
+    monkeypatch.setattr(controller_module, "UNIT_EVERY", 0.0)
+
+
+# --- the request path ------------------------------------------------------------------
+
+
+def test_a_request_starts_a_stopped_model_and_gets_the_replica_once_ready(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "llmgw.controller")
+
+    async def scenario() -> None:
+        w = World()
+        ctl = w.controller
+        assert ctl.phase("lazy") is Phase.stopped
+        asked = asyncio.create_task(ctl.ensure_ready("lazy", time.monotonic() + FOREVER))
+        await until(lambda: w.nodes.starts("lazy"), "a start")
+        (action,) = w.nodes.starts("lazy")
+        address = f"10.0.0.1:{action.port}" if action.nodes == ("a",) else f"10.0.0.2:{action.port}"
+        assert ctl.phase("lazy") is Phase.starting and not asked.done()
+        assert w.nodes.fetched_outside_lock == [True]  # weights came without the lock
+        w.health[address] = 200
+        got = await asked
+        assert isinstance(got, RoutedReplica) and got.address == address
+        assert ctl.phase("lazy") is Phase.ready
+        await ctl.idle()
+        assert ctl.model("lazy").attempts.failures == 0 and not ctl.model("lazy").busy
+        assert [(a.model, a.action) for a in ctl.actions] == [("lazy", "start")]
+
+    run(scenario)
+    assert "lazy: starting replica 0 on " in caplog.text and "(requested)" in caplog.text
+    assert "ready after" in caplog.text
+
+
+def test_a_start_whose_engine_exits_answers_model_start_failed_at_once_then_backs_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        w = World()
+        ctl = w.controller
+        w.nodes.exit_next = "llmgw-lazy-0.service failed (exit-code)\nValueError: no such model"
+        got = await ctl.ensure_ready("lazy", time.monotonic() + FOREVER)
+        assert isinstance(got, Unavailable), got
+        assert got.status == 503 and got.code == "model_start_failed"
+        assert "ValueError: no such model" in got.message
+        assert got.retry_after >= 1
+        # its units were stopped: the card came back
+        assert len(w.nodes.stops("lazy")) == 1 and not running_replicas(w.nodes.facts)
+        assert w.pool.of("lazy") == []
+        assert ctl.phase("lazy") is Phase.failed
+        # while the back-off runs, a request starts nothing and is answered at once
+        again = await ctl.ensure_ready("lazy", time.monotonic() + FOREVER)
+        assert isinstance(again, Unavailable) and again.code == "model_start_failed"
+        assert len(w.nodes.starts("lazy")) == 1
+        # after it, the next request tries again
+        w.clock.now += w.spec.gateway.start_backoff + 1
+        asked = asyncio.create_task(ctl.ensure_ready("lazy", time.monotonic() + FOREVER))
+        await until(lambda: len(w.nodes.starts("lazy")) == 2, "a second start")
+        (_, second) = w.nodes.starts("lazy")
+        w.health[f"{w.spec.node(second.nodes[0]).address}:{second.port}"] = 200
+        assert isinstance(await asked, RoutedReplica)
+        await ctl.idle()
+        assert ctl.model("lazy").attempts.failures == 0 and ctl.phase("lazy") is Phase.ready
+
+    caplog.set_level(logging.INFO, "llmgw.controller")
+    run(scenario)
+    assert "lazy: start failed: llmgw-lazy-0.service failed" in caplog.text
+
+
+def test_admission_grows_as_soon_as_a_second_replica_turns_ready() -> None:
+    async def scenario() -> None:
+        w = World(cluster=DUO)
+        first, second = w.run("duo", "a"), w.run("duo", "b")
+        w.discover()
+        w.health[first] = 200
+        await w.check_health()
+        assert w.admission.limit("duo") == 2  # model_concurrency x 1 ready
+        for _ in range(2):
+            assert await w.admission.enter("duo", queue=10)
+        waiter = asyncio.create_task(w.admission.enter("duo", queue=10))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        w.health[second] = 200
+        await w.check_health()  # nobody left: the new replica's slots let it in
+        assert await waiter and w.admission.limit("duo") == 4
+
+    run(scenario)
+
+
+# --- the reconcile tick ------------------------------------------------------------------
+
+
+def test_one_of_two_replicas_lost_is_degraded_then_replaced_after_node_grace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "llmgw.controller")
+
+    async def scenario() -> None:
+        w = World(gpus=2, cluster=DUO)
+        first, second = w.run("duo", "a"), w.run("duo", "b")
+        w.discover()
+        w.health.update({first: 200, second: 200})
+        await w.check_health()
+        await w.controller.tick()
+        assert w.controller.phase("duo") is Phase.ready and not w.nodes.plans
+        w.lose("b")
+        del w.health[second]
+        await w.check_health()
+        await w.controller.tick()
+        assert w.controller.phase("duo") is Phase.degraded
+        assert not w.nodes.starts()  # within node_grace: it may come back
+        w.clock.now += w.spec.gateway.node_grace + 1
+        await w.controller.tick()
+        await until(lambda: w.nodes.starts("duo"), "a replacement start")
+        (replacement,) = w.nodes.starts("duo")
+        assert replacement.nodes == ("a",)  # b does not answer
+        await w.controller.tick()
+        assert len(w.nodes.starts("duo")) == 1  # one replacement, not one per tick
+
+    run(scenario)
+    assert "duo: replacing replica " in caplog.text
+
+
+def test_a_unit_systemd_gave_up_on_is_stopped_and_started_again_on_other_cards() -> None:
+    async def scenario() -> None:
+        w = World(gpus=2, cluster=DUO)
+        w.run("duo", "a")
+        w.run("duo", "b", state="failed")
+        broken = next(r for r in running_replicas(w.nodes.facts) if r.members == ("b",))
+        cards = set(broken.gpus["b"])
+        w.discover()
+        await w.controller.tick()
+        await until(lambda: w.nodes.starts("duo"), "a start after the stop")
+        (stopped,) = w.nodes.stops("duo")
+        assert stopped.replica == broken.replica
+        assert w.nodes.plans.index(stopped) < w.nodes.plans.index(w.nodes.starts("duo")[0])
+        (start,) = w.nodes.starts("duo")
+        placed = {g for u in start.write for g in u.text.split("X-Llmgw-Gpus=")[1].split()[0].split(",")}
+        assert not placed & cards  # never the cards of the unit systemd gave up on
+        assert {(a.model, a.action) for a in w.controller.actions} >= {("duo", "stop"), ("duo", "start")}
+
+    run(scenario)
+
+
+def test_replicas_found_at_start_up_are_adopted_and_one_never_ready_is_stopped() -> None:
+    async def scenario() -> None:
+        w = World()
+        address = w.run("lazy", "a")
+        used = T0 - 30
+        w = _with_saved(w, {replica_key("lazy", address): used})
+        w.discover()
+        await w.controller.tick()
+        (replica,) = w.pool.of("lazy")
+        assert replica.last_used == used  # the saved last use is kept
+        assert w.controller.phase("lazy") is Phase.starting and not w.nodes.plans
+        w.clock.now += 599
+        await w.controller.tick()
+        assert not w.nodes.plans  # start_timeout (10m) not over yet
+        w.clock.now += 2
+        await w.controller.tick()
+        await until(lambda: w.nodes.stops("lazy"), "the never-ready replica stopped")
+        await w.controller.idle()
+        assert not running_replicas(w.nodes.facts)
+
+    run(scenario)
+
+
+def _with_saved(w: World, saved: dict[str, float]) -> World:
+    """``w`` as a gateway restarted with ``saved`` last-use times finds it."""
+    again = World(saved=saved)
+    again.nodes.facts = w.nodes.facts
+    return again
+
+
+def test_an_eviction_for_a_failing_start_is_not_repeated() -> None:
+    async def scenario() -> None:
+        w = World()
+        w.nodes.facts = {"a": w.nodes.facts["a"]}
+        w.spec = w.spec.model_copy(update={"nodes": [w.spec.node("a")]})
+        idle = w.run("other", "a")
+        w.discover()
+        w.health[idle] = 200
+        await w.check_health()
+        await w.controller.tick()
+        (r,) = w.pool.of("other")
+        r.last_used = w.clock.now
+        w.clock.now += 3600  # idle long enough to be evicted, not yet stopped for idleness
+        w.nodes.exit_next = "llmgw-lazy-0.service failed\nCUDA error"
+        got = await w.controller.ensure_ready("lazy", time.monotonic() + FOREVER)
+        assert isinstance(got, Unavailable) and got.code == "model_start_failed"
+        assert [a.model for a in w.nodes.stops()] == ["other", "lazy"]  # evicted, then cleaned
+        # the evicted model comes back (asked for meanwhile) and idles again
+        idle = w.run("other", "a")
+        w.discover()
+        w.health[idle] = 200
+        await w.check_health()
+        await w.controller.tick()
+        (r,) = w.pool.of("other")
+        r.last_used = w.clock.now
+        w.clock.now += 3600
+        got = await w.controller.ensure_ready("lazy", time.monotonic() + FOREVER)
+        assert isinstance(got, Unavailable) and got.code == "model_start_failed"
+        assert "eviction" in got.message
+        assert [a.model for a in w.nodes.stops()] == ["other", "lazy"]  # not evicted again
+
+    run(scenario)
+
+
+def test_a_model_below_min_is_started_by_the_tick_and_backs_off_after_a_failure() -> None:
+    async def scenario() -> None:
+        w = World(cluster=DUO)
+        w.nodes.exit_next = "llmgw-duo-0.service failed\nOOM"
+        await w.controller.tick()
+        await until(lambda: w.nodes.stops("duo"), "the failed start cleaned up")
+        await w.controller.idle()
+        assert w.controller.phase("duo") is Phase.failed
+        starts = len(w.nodes.starts("duo"))
+        await w.controller.tick()  # back-off: nothing new
+        await w.controller.idle()
+        assert len(w.nodes.starts("duo")) == starts
+        w.clock.now += w.spec.gateway.start_backoff + 1
+        await w.controller.tick()
+        await until(lambda: len(w.nodes.starts("duo")) > starts, "a retry after the back-off")
+
+    run(scenario)
