@@ -43,6 +43,7 @@ running without a saved time is "unknown" until watched unused for its idle_time
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -294,7 +295,8 @@ class Controller:
         self.models: dict[str, ModelController] = {}
         self.known: dict[tuple[str, int], Known] = {}
         self.actions: deque[Done] = deque(maxlen=ACTIONS_KEPT)
-        self._fetching: dict[int, _Start] = {}  # starts bringing weights, by id
+        self._fetching: dict[int, _Start] = {}  # starts bringing weights, by ticket
+        self._tickets = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def model(self, name: str) -> ModelController:
@@ -606,6 +608,8 @@ class Controller:
         self.metrics.acted(model, action, label)
 
     def _begin(self, start: Start) -> None:
+        if _start_label(start) == "scale-out":
+            self.metrics.scaled_out(start.model)
         mc = self.model(start.model)
         mc.starting = True
         mc.progress = "probing the nodes to place a replica"
@@ -672,7 +676,7 @@ class Controller:
     ) -> tuple[Action, str]:
         assert self.nodes is not None
         model = start.model
-        ticket = id(start) ^ id(mc)
+        ticket = next(self._tickets)
         async with self.lock.hold(f"place a replica of {model}"):
             facts = await self._probe(spec)
             plan = grow_plan(spec, facts, model, reserved=self._reserved(), avoid=start.avoid)
@@ -796,7 +800,11 @@ class Controller:
                 break
             if watch is not None and now >= next_unit:
                 next_unit = now + UNIT_EVERY
-                why = await watch.failure()
+                try:
+                    why = await watch.failure()
+                except NodeError as exc:  # an SSH hiccup is not a failed engine
+                    log.warning("%s: cannot read the unit of replica %d: %s", model, action.replica, exc)
+                    why = None
                 if why:
                     raise StartFailed(why)
             if time.monotonic() - began >= timeout:
@@ -838,13 +846,16 @@ class Controller:
             return stopped
 
     def _still_idle(self, spec: ClusterSpec, model: str, address: str) -> bool:
+        """Nothing used the replica since the tick found it idle."""
         routed = next((r for r in self.pool.of(model) if r.address == address), None)
         if routed is None:
             return True
+        if routed.outstanding:
+            return False
         found = spec.model(model)
         idle_timeout = found.scaling.idle_timeout if found.scaling else None
-        if routed.outstanding or idle_timeout is None:
-            return not routed.outstanding and idle_timeout is not None
+        if idle_timeout is None:
+            return False
         return routed.last_used is None or self.clock() - routed.last_used >= idle_timeout
 
     async def _stop_found(
