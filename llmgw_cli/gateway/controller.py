@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
@@ -321,9 +320,9 @@ class Controller:
                 m,
                 by_model.get(m.name, []),
                 self.model(m.name).attempts,
-                self.model(m.name).starting,
-                now,
-                spec.gateway.start_backoff,
+                starting=self.model(m.name).starting,
+                now=now,
+                backoff_first=spec.gateway.start_backoff,
             )
             for m in spec.models
         }
@@ -364,10 +363,10 @@ class Controller:
             spec.model(name),
             self.phase(name),
             mc.attempts,
-            mc.progress,
-            self.manages,
-            self.clock(),
-            spec.gateway.start_backoff,
+            progress=mc.progress,
+            manages=self.manages,
+            now=self.clock(),
+            backoff_first=spec.gateway.start_backoff,
         )
 
     def _on_its_way(self, name: str) -> bool:
@@ -436,7 +435,7 @@ class Controller:
         monotonic = time.monotonic()
         waits = {m.name: self.admission.oldest_wait(m.name, monotonic) for m in spec.models}
         attempts = {m.name: self.model(m.name).attempts for m in spec.models}
-        decisions = reconcile(spec, seen, attempts, busy, waits, now)
+        decisions = reconcile(spec, seen, attempts, busy, waits, now=now)
         by_model: dict[str, list[Decision]] = {}
         for d in decisions:
             by_model.setdefault(d.model, []).append(d)
@@ -934,6 +933,7 @@ def _start_label(start: Start) -> str:
         ("scale", "scale-out"),
         ("lost", "node-lost"),
         ("restart", "unhealthy"),
+        ("not running", "down"),
         ("below min", "below-min"),
     ):
         if word in reason:
@@ -943,8 +943,3 @@ def _start_label(start: Start) -> str:
 
 def _log_report(subject: str, message: str) -> None:
     log.info("%s: %s", subject, message)
-
-
-def retry_after(u: Unavailable) -> str:
-    """The Retry-After header value of an Unavailable: whole seconds, at least 1."""
-    return str(max(1, math.ceil(u.retry_after)))

@@ -19,7 +19,6 @@ from aiohttp import web
 from llmgw_cli.core.controller import Unavailable
 from llmgw_cli.core.keys import ApiKey, bearer
 from llmgw_cli.errors import BadRequest, ConnectFailed, Disconnected, UpstreamError
-from llmgw_cli.gateway.controller import retry_after
 from llmgw_cli.gateway.openai_error import bad_request, error
 from llmgw_cli.gateway.request_body import parse_body, with_include_usage
 from llmgw_cli.gateway.sse import StreamRelay, body_usage
@@ -201,7 +200,7 @@ def _refused(why: Unavailable) -> web.Response:
     """The answer to a request for a model that has no ready replica in time."""
     if why.status == 404:
         return error(why.status, why.message, "invalid_request_error", why.code)
-    return error(why.status, why.message, "server_error", why.code, {"Retry-After": retry_after(why)})
+    return error(why.status, why.message, "server_error", why.code, why.headers)
 
 
 async def _route(
