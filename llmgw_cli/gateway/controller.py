@@ -698,7 +698,7 @@ class Controller:
                         raise StartFailed(f"{taken}; {_unplaced(plan)}")
                     action = plan.changes[0]
                 del self._fetching[ticket]
-                return action, await self._write_and_start(spec, start, plan, action, sink=sink)
+                return action, await self._write_and_start(spec, start, plan, action)
         finally:
             self._fetching.pop(ticket, None)
 
@@ -746,9 +746,7 @@ class Controller:
             raise StartFailed(_unplaced(plan) or "no room after an eviction")
         return plan
 
-    async def _write_and_start(
-        self, spec: ClusterSpec, start: Start, plan: Plan, action: Action, *, sink: _Sink
-    ) -> str:
+    async def _write_and_start(self, spec: ClusterSpec, start: Start, plan: Plan, action: Action) -> str:
         """Under the lock: the units written and started; the replica in the pool, loading."""
         assert self.nodes is not None
         mc = self.model(start.model)
@@ -759,7 +757,7 @@ class Controller:
         self._record(model, "start", start.reason, _start_label(start))
         mc.progress = f"starting on {','.join(action.nodes)}"
         start_plan = plan.model_copy(update={"actions": (action,)})
-        outcomes = await self.nodes.execute(spec, start_plan, sink)
+        outcomes = await self.nodes.execute(spec, start_plan, _log_report)
         assert action.port is not None
         address = serving_address(spec.node(action.nodes[0]).engine_host, action.port)
         broken = [f"{o.subject}: {o.message}" for o in outcomes if not o.ok]

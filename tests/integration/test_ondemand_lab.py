@@ -188,7 +188,7 @@ def serve_within(client: openai.OpenAI, model: str, seconds: float) -> str:
 def test_on_demand_start_idle_stop_eviction_and_restart(lab: Lab, served: Served) -> None:
     client = served.client()
     try:
-        assert set(states(client).values()) == {"on-demand-stopped"}
+        assert set(states(client).values()) == {"stopped"}
         assert units(lab) == set()
 
         # Cold start: the first request waits load_wait (1 s) and gets 503 + Retry-After.
@@ -202,7 +202,7 @@ def test_on_demand_start_idle_stop_eviction_and_restart(lab: Lab, served: Served
         assert any(f"is loading ({d})" in cold.value.message for d in doing), cold.value.message
         assert cold.value.response.headers.get("Retry-After")
         assert 0.9 <= waited < 5, waited
-        assert states(client)["gamma"] == "loading"
+        assert states(client)["gamma"] == "starting"
         assert serve_within(client, "gamma", 30)
         assert states(client)["gamma"] == "ready"
         assert units(lab) == {"llmgw-gamma-0.service"}
@@ -211,7 +211,7 @@ def test_on_demand_start_idle_stop_eviction_and_restart(lab: Lab, served: Served
         wait_until(
             lambda: units(lab) == set(), timeout=20, interval=0.5, what="gamma to stop after its idle_timeout"
         )
-        assert states(client)["gamma"] == "on-demand-stopped"
+        assert states(client)["gamma"] == "stopped"
 
         # alpha takes the whole node.
         assert serve_within(client, "alpha", 30)
@@ -239,7 +239,7 @@ def test_on_demand_start_idle_stop_eviction_and_restart(lab: Lab, served: Served
         # beta does not fit next to alpha: alpha is idle (known), so it is evicted.
         assert serve_within(client, "beta", 40)
         assert units(lab) == {"llmgw-beta-0.service"}
-        assert states(client)["alpha"] == "on-demand-stopped"
+        assert states(client)["alpha"] == "stopped"
         metrics = httpx.get(f"http://127.0.0.1:{served.metrics_port}/metrics", timeout=10).text
         assert 'llmgw_evictions_total{model="alpha"} 1.0' in metrics
         assert 'llmgw_model_loads_total{model="beta",result="ok"} 1.0' in metrics
