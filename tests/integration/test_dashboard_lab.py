@@ -68,9 +68,7 @@ def test_dashboard_shows_the_lab(served: LabGateway) -> None:
                 return page.locator(f'#models tr[data-model="{model}"] .state').inner_text()
 
             assert state("smollm2-135m") == "ready" and state("llama-3.1-8b-instruct") == "ready"
-            assert (
-                state("qwen2.5-7b-instruct") == "on-demand-stopped" and state("mistral-7b-instruct") == "off"
-            )
+            assert state("qwen2.5-7b-instruct") == "stopped" and state("mistral-7b-instruct") == "off"
             healths = page.locator('#replicas tr[data-model="smollm2-135m"] .health').all_inner_texts()
             assert healths == ["ready"]
             usage = page.locator('#usage tr[data-key="lab-user"]')
