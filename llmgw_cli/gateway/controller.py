@@ -882,6 +882,7 @@ class Controller:
         for o in outcomes:
             if not o.ok:
                 log.error("%s: stopping replica %d: %s: %s", model, found.replica, o.subject, o.message)
+        await self._probe(spec)  # so the next look does not see it running any more
         self.known.pop((model, found.replica), None)
         key = replica_key(model, address)
         self.saved.pop(key, None)

@@ -87,7 +87,8 @@ class FakeNodes:
     """The nodes: facts that executed plans change; starts whose head unit can exit."""
 
     def __init__(self, facts: dict[str, NodeFacts], lock: Lock) -> None:
-        self.facts = facts
+        self.truth = facts  # what the nodes hold now
+        self.facts: dict[str, NodeFacts] = {}  # what the last probe saw
         self.lock = lock
         self.plans: list[Action] = []  # every action executed, in order
         self.exits: dict[str, str] = {}  # unit -> why it exited (the watch reports it)
@@ -97,6 +98,7 @@ class FakeNodes:
         self.health: dict[str, int] = {}  # address -> what its readiness path answers
 
     async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
+        self.facts = dict(self.truth)
         return self.facts
 
     async def fetch(
@@ -118,14 +120,14 @@ class FakeNodes:
                 self.health.pop(f"{spec.node(action.nodes[0]).address}:{action.port}", None)
             for node, name in action.remove:
                 self.exits.pop(name, None)  # a new unit of that name starts a new life
-                f = self.facts[node]
-                self.facts[node] = f.model_copy(
+                f = self.truth[node]
+                self.truth[node] = f.model_copy(
                     update={
                         "units": tuple(u for u in f.units if u.name != name),
                         "unit_labels": {k: v for k, v in f.unit_labels.items() if k != name},
                     }
                 )
-            self.facts = with_units(self.facts, [(w.node, w.name, w.text) for w in action.write])
+            self.truth = with_units(self.truth, [(w.node, w.name, w.text) for w in action.write])
             if action.write and self.exit_next is not None:
                 head = next(w for w in action.write if w.node == action.nodes[0])
                 self.exits[head.name] = self.exit_next
@@ -177,18 +179,19 @@ class World:
         the other nodes are hidden from placement, not their units); its address."""
         hidden = {
             n: f if n == node else f.model_copy(update={"error": "hidden"})
-            for n, f in self.nodes.facts.items()
+            for n, f in self.nodes.truth.items()
         }
         (action,) = grow_plan(self.spec, hidden, model).changes
         assert action.nodes == (node,)
-        self.nodes.facts = with_units(
-            self.nodes.facts, [(w.node, w.name, w.text) for w in action.write], state=state
+        self.nodes.truth = with_units(
+            self.nodes.truth, [(w.node, w.name, w.text) for w in action.write], state=state
         )
         return f"{self.spec.node(node).address}:{action.port}"
 
     def discover(self) -> None:
         """What the gateway's discovery does: the pool from the facts, then a look."""
         found: dict[str, list[str]] = {}
+        self.nodes.facts = dict(self.nodes.truth)  # discovery probes the nodes
         for r in running_replicas(self.nodes.facts):
             if r.up:
                 found.setdefault(r.model, []).append(f"{self.spec.node(r.members[0]).address}:{r.port}")
@@ -202,7 +205,7 @@ class World:
         self.controller.observe()
 
     def lose(self, node: str) -> None:
-        self.nodes.facts[node] = NodeFacts(node=node, error="ssh: connection timed out")
+        self.nodes.truth[node] = NodeFacts(node=node, error="ssh: connection timed out")
 
 
 async def until(condition: Callable[[], object], what: str = "the condition") -> None:
@@ -269,7 +272,7 @@ def test_a_start_whose_engine_exits_answers_model_start_failed_at_once_then_back
         assert "ValueError: no such model" in got.message
         assert got.retry_after >= 1
         # its units were stopped: the card came back
-        assert len(w.nodes.stops("lazy")) == 1 and not running_replicas(w.nodes.facts)
+        assert len(w.nodes.stops("lazy")) == 1 and not running_replicas(w.nodes.truth)
         assert w.pool.of("lazy") == []
         assert ctl.phase("lazy") is Phase.failed
         # while the back-off runs, a request starts nothing and is answered at once
@@ -329,6 +332,7 @@ def test_one_of_two_replicas_lost_is_degraded_then_replaced_after_node_grace(
         assert w.controller.phase("duo") is Phase.ready and not w.nodes.plans
         w.lose("b")
         del w.health[second]
+        w.discover()
         await w.check_health()
         await w.controller.tick()
         assert w.controller.phase("duo") is Phase.degraded
@@ -350,7 +354,7 @@ def test_a_unit_systemd_gave_up_on_is_stopped_and_started_again_on_other_cards()
         w = World(gpus=2, cluster=DUO)
         w.run("duo", "a")
         w.run("duo", "b", state="failed")
-        broken = next(r for r in running_replicas(w.nodes.facts) if r.members == ("b",))
+        broken = next(r for r in running_replicas(w.nodes.truth) if r.members == ("b",))
         cards = set(broken.gpus["b"])
         w.discover()
         await w.controller.tick()
@@ -384,7 +388,7 @@ def test_replicas_found_at_start_up_are_adopted_and_one_never_ready_is_stopped()
         await w.controller.tick()
         await until(lambda: w.nodes.stops("lazy"), "the never-ready replica stopped")
         await w.controller.idle()
-        assert not running_replicas(w.nodes.facts)
+        assert not running_replicas(w.nodes.truth)
 
     run(scenario)
 
@@ -392,14 +396,14 @@ def test_replicas_found_at_start_up_are_adopted_and_one_never_ready_is_stopped()
 def _with_saved(w: World, saved: dict[str, float]) -> World:
     """``w`` as a gateway restarted with ``saved`` last-use times finds it."""
     again = World(saved=saved)
-    again.nodes.facts = w.nodes.facts
+    again.nodes.truth = w.nodes.truth
     return again
 
 
 def test_an_eviction_for_a_failing_start_is_not_repeated() -> None:
     async def scenario() -> None:
         w = World()
-        w.nodes.facts = {"a": w.nodes.facts["a"]}
+        w.nodes.truth = {"a": w.nodes.truth["a"]}
         w.spec = w.spec.model_copy(update={"nodes": [w.spec.node("a")]})
         idle = w.run("other", "a")
         w.discover()
@@ -434,6 +438,7 @@ def test_a_model_below_min_is_started_by_the_tick_and_backs_off_after_a_failure(
     async def scenario() -> None:
         w = World(cluster=DUO)
         w.nodes.exit_next = "llmgw-duo-0.service failed\nOOM"
+        w.discover()
         await w.controller.tick()
         await until(lambda: w.nodes.stops("duo"), "the failed start cleaned up")
         await w.controller.idle()
@@ -445,5 +450,52 @@ def test_a_model_below_min_is_started_by_the_tick_and_backs_off_after_a_failure(
         w.clock.now += w.spec.gateway.start_backoff + 1
         await w.controller.tick()
         await until(lambda: len(w.nodes.starts("duo")) > starts, "a retry after the back-off")
+
+    run(scenario)
+
+
+def test_an_idle_replica_is_stopped_and_the_model_reads_stopped_at_once() -> None:
+    async def scenario() -> None:
+        w = World()
+        address = w.run("lazy", "a")
+        w.discover()
+        w.health[address] = 200
+        await w.check_health()
+        await w.controller.tick()
+        (r,) = w.pool.of("lazy")
+        r.last_used = w.clock.now
+        w.clock.now += 299
+        await w.controller.tick()
+        assert not w.nodes.plans  # idle_timeout is 5m
+        w.clock.now += 2
+        await w.controller.tick()
+        await until(lambda: w.nodes.stops("lazy"), "the idle stop")
+        await w.controller.idle()
+        assert w.pool.of("lazy") == [] and not running_replicas(w.nodes.truth)
+        # no stale look: the controller probed after the stop, before discovery runs again
+        assert w.controller.phase("lazy") is Phase.stopped
+        assert [(a.model, a.action) for a in w.controller.actions] == [("lazy", "stop")]
+
+    run(scenario)
+
+
+def test_a_replica_failing_its_health_check_is_restarted_after_unhealthy_restart() -> None:
+    async def scenario() -> None:
+        w = World(gpus=2, cluster=DUO)
+        first, second = w.run("duo", "a"), w.run("duo", "b")
+        w.discover()
+        w.health.update({first: 200, second: 200})
+        await w.check_health()
+        await w.controller.tick()
+        w.health[second] = 500  # the engine is wedged: its unit is up
+        await w.check_health()
+        await w.controller.tick()
+        assert w.controller.phase("duo") is Phase.degraded and not w.nodes.plans
+        w.clock.now += w.spec.gateway.unhealthy_restart + 1
+        await w.controller.tick()
+        await until(lambda: w.nodes.starts("duo"), "the start after the restart's stop")
+        (stopped,) = w.nodes.stops("duo")
+        assert f"{w.spec.node(stopped.nodes[0]).address}:{stopped.port}" == second
+        assert "restart" in [a.action for a in w.controller.actions]
 
     run(scenario)
