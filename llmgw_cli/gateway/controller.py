@@ -740,7 +740,8 @@ class Controller:
             raise StartFailed(f"{why}; the replica chosen for eviction got a request meanwhile")
         mc.evicted = True
         self.metrics.evicted(victim.model)
-        facts = await self._probe(spec)
+        assert self.nodes is not None
+        facts = self.nodes.facts  # probed by the stop, after it
         plan = grow_plan(spec, facts, start.model, reserved=self._reserved(), avoid=start.avoid)
         if not plan.changes:
             raise StartFailed(_unplaced(plan) or "no room after an eviction")
@@ -876,8 +877,7 @@ class Controller:
             self.pool.replicas.setdefault(model, {})[address] = replica
             return False
         log.info("%s: stopping replica %d at %s: %s", model, found.replica, address, reason)
-        if action != "evict" or label:
-            self._record(model, action, reason, label or action)
+        self._record(model, action, reason, label or action)
         outcomes = await self.nodes.execute(spec, stop_plan(facts, model, found.replica, reason), _log_report)
         for o in outcomes:
             if not o.ok:
