@@ -296,6 +296,7 @@ class Controller:
         self.actions: deque[Done] = deque(maxlen=ACTIONS_KEPT)
         self._fetching: dict[int, _Start] = {}  # starts bringing weights, by ticket
         self._tickets = itertools.count()
+        self._stopping: set[tuple[str, int]] = set()  # (model, replica) being stopped
         self._tasks: set[asyncio.Task[None]] = set()
 
     def model(self, name: str) -> ModelController:
@@ -519,6 +520,8 @@ class Controller:
             if r.model not in catalog or not r.members or r.members[0] not in nodes or not r.port:
                 continue
             key = (r.model, r.replica)
+            if key in self._stopping:
+                continue
             address = serving_address(nodes[r.members[0]].engine_host, r.port)
             known = self.known.get(key)
             if known is None or known.address != address:
@@ -528,7 +531,7 @@ class Controller:
             current.add(key)
             seen.append(self._one(spec, known, _condition(r, facts, unreachable), in_pool, now))
         for key, known in list(self.known.items()):
-            if key in current:
+            if key in current or key in self._stopping:
                 continue
             if known.model in catalog and any(n in unreachable or n not in facts for n in known.nodes):
                 seen.append(self._one(spec, known, UnitCondition.lost, in_pool, now))
@@ -878,11 +881,18 @@ class Controller:
             return False
         log.info("%s: stopping replica %d at %s: %s", model, found.replica, address, reason)
         self._record(model, action, reason, label or action)
-        outcomes = await self.nodes.execute(spec, stop_plan(facts, model, found.replica, reason), _log_report)
-        for o in outcomes:
-            if not o.ok:
-                log.error("%s: stopping replica %d: %s: %s", model, found.replica, o.subject, o.message)
-        await self._probe(spec)  # so the next look does not see it running any more
+        # Not seen while it stops (the last probe still shows it running) and until the
+        # probe after the stop says what is left of it.
+        self._stopping.add((model, found.replica))
+        try:
+            plan = stop_plan(facts, model, found.replica, reason)
+            outcomes = await self.nodes.execute(spec, plan, _log_report)
+            for o in outcomes:
+                if not o.ok:
+                    log.error("%s: stopping replica %d: %s: %s", model, found.replica, o.subject, o.message)
+            await self._probe(spec)
+        finally:
+            self._stopping.discard((model, found.replica))
         self.known.pop((model, found.replica), None)
         key = replica_key(model, address)
         self.saved.pop(key, None)

@@ -95,7 +95,9 @@ class FakeNodes:
         self.exit_next: str | None = None  # the next started replica's unit exits so
         self.fetched_outside_lock: list[bool] = []
         self.fetch_gate: asyncio.Event | None = None
+        self.seen_while_stopping: list[object] = []
         self.health: dict[str, int] = {}  # address -> what its readiness path answers
+        self.while_stopping: list[Callable[[], object]] = []  # called as a stop's units go
 
     async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
         self.facts = dict(self.truth)
@@ -128,6 +130,8 @@ class FakeNodes:
                     }
                 )
             self.truth = with_units(self.truth, [(w.node, w.name, w.text) for w in action.write])
+            if action.remove:
+                self.seen_while_stopping = [look() for look in self.while_stopping]
             if action.write and self.exit_next is not None:
                 head = next(w for w in action.write if w.node == action.nodes[0])
                 self.exits[head.name] = self.exit_next
@@ -468,11 +472,14 @@ def test_an_idle_replica_is_stopped_and_the_model_reads_stopped_at_once() -> Non
         await w.controller.tick()
         assert not w.nodes.plans  # idle_timeout is 5m
         w.clock.now += 2
+        w.nodes.while_stopping.append(lambda: w.controller.phase("lazy"))
         await w.controller.tick()
         await until(lambda: w.nodes.stops("lazy"), "the idle stop")
         await w.controller.idle()
         assert w.pool.of("lazy") == [] and not running_replicas(w.nodes.truth)
-        # no stale look: the controller probed after the stop, before discovery runs again
+        # no stale look, neither while its units go (the last probe still shows them) nor
+        # after (the controller probes after a stop, before discovery runs again)
+        assert w.nodes.seen_while_stopping == [Phase.stopped]
         assert w.controller.phase("lazy") is Phase.stopped
         assert [(a.model, a.action) for a in w.controller.actions] == [("lazy", "stop")]
 
