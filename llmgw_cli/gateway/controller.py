@@ -937,14 +937,12 @@ def _start_label(start: Start) -> str:
     reason = start.reason.lower()
     if start.avoid:
         return "gave-up"
-    for word, label in (
-        ("request", "requested"),
-        ("scale", "scale-out"),
-        ("lost", "node-lost"),
-        ("restart", "unhealthy"),
-        ("not running", "down"),
-        ("below min", "below-min"),
-    ):
+    if reason == "requested":
+        return "requested"
+    for prefix, label in (("scale out", "scale-out"), ("restart", "unhealthy")):
+        if reason.startswith(prefix):
+            return label
+    for word, label in (("lost", "node-lost"), ("not running", "down"), ("below min", "below-min")):
         if word in reason:
             return label
     return "other"

@@ -506,3 +506,32 @@ def test_a_replica_failing_its_health_check_is_restarted_after_unhealthy_restart
         assert "restart" in [a.action for a in w.controller.actions]
 
     run(scenario)
+
+
+SCALE = CLUSTER.replace(
+    "gateway: {model_concurrency: 2}", "gateway: {model_concurrency: 1, scale_out_wait: 0s}"
+) + ("  - {name: busy, source: org/busy, profile: vllm, scaling: {min: 0, max: 2, idle_timeout: 5m}}\n")
+
+
+def test_a_saturated_model_scales_out_and_the_start_is_counted_as_one() -> None:
+    async def scenario() -> None:
+        w = World(cluster=SCALE)
+        address = w.run("busy", "a")
+        w.discover()
+        w.health[address] = 200
+        await w.check_health()
+        assert await w.admission.enter("busy", queue=10)
+        waiting = asyncio.create_task(w.admission.enter("busy", queue=10))
+        await until(lambda: w.admission.queued().get("busy") == 1, "a request in the queue")
+        await w.controller.tick()
+        await until(lambda: w.nodes.starts("busy"), "a second replica")
+        (start,) = w.nodes.starts("busy")
+        assert start.nodes == ("b",)
+        w.health[f"10.0.0.2:{start.port}"] = 200
+        assert await waiting  # let in by the new replica's slot, nobody left
+        w.metrics.build()
+        body = (w.metrics.render() or b"").decode()
+        assert 'llmgw_scale_outs_total{model="busy"} 1.0' in body
+        assert 'llmgw_controller_actions_total{action="start",model="busy",reason="scale-out"} 1.0' in body
+
+    run(scenario)
