@@ -296,7 +296,7 @@ class Controller:
         self.actions: deque[Done] = deque(maxlen=ACTIONS_KEPT)
         self._fetching: dict[int, _Start] = {}  # starts bringing weights, by ticket
         self._tickets = itertools.count()
-        self._stopping: set[tuple[str, int]] = set()  # (model, replica) being stopped
+        self._stopping: dict[tuple[str, int], str] = {}  # (model, replica) being stopped -> address
         self._tasks: set[asyncio.Task[None]] = set()
 
     def model(self, name: str) -> ModelController:
@@ -394,7 +394,11 @@ class Controller:
 
     def with_starts(self, found: dict[str, list[str]]) -> dict[str, list[str]]:
         """Discovery's addresses plus the replicas being started (their units may not be
-        active yet, and the start watches them)."""
+        active yet, and the start watches them), less the ones being stopped (a probe made
+        before their stop still lists them)."""
+        for (name, _), address in self._stopping.items():
+            if address in found.get(name, ()):
+                found[name] = [a for a in found[name] if a != address]
         for name, mc in self.models.items():
             for address in mc.loading:
                 if address not in found.setdefault(name, []):
@@ -883,7 +887,7 @@ class Controller:
         self._record(model, action, reason, label or action)
         # Not seen while it stops (the last probe still shows it running) and until the
         # probe after the stop says what is left of it.
-        self._stopping.add((model, found.replica))
+        self._stopping[(model, found.replica)] = address
         try:
             plan = stop_plan(facts, model, found.replica, reason)
             outcomes = await self.nodes.execute(spec, plan, _log_report)
@@ -892,7 +896,7 @@ class Controller:
                     log.error("%s: stopping replica %d: %s: %s", model, found.replica, o.subject, o.message)
             await self._probe(spec)
         finally:
-            self._stopping.discard((model, found.replica))
+            self._stopping.pop((model, found.replica), None)
         self.known.pop((model, found.replica), None)
         key = replica_key(model, address)
         self.saved.pop(key, None)

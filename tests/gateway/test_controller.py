@@ -473,13 +473,15 @@ def test_an_idle_replica_is_stopped_and_the_model_reads_stopped_at_once() -> Non
         assert not w.nodes.plans  # idle_timeout is 5m
         w.clock.now += 2
         w.nodes.while_stopping.append(lambda: w.controller.phase("lazy"))
+        # a discovery whose probe was made before the stop does not put it back
+        w.nodes.while_stopping.append(lambda: w.controller.with_starts({"lazy": [address]}))
         await w.controller.tick()
         await until(lambda: w.nodes.stops("lazy"), "the idle stop")
         await w.controller.idle()
         assert w.pool.of("lazy") == [] and not running_replicas(w.nodes.truth)
         # no stale look, neither while its units go (the last probe still shows them) nor
         # after (the controller probes after a stop, before discovery runs again)
-        assert w.nodes.seen_while_stopping == [Phase.stopped]
+        assert w.nodes.seen_while_stopping == [Phase.stopped, {"lazy": []}]
         assert w.controller.phase("lazy") is Phase.stopped
         assert [(a.model, a.action) for a in w.controller.actions] == [("lazy", "stop")]
 
