@@ -49,7 +49,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from llmgw_cli.core.controller import (
@@ -188,8 +188,9 @@ class Known:
     replica: int
     address: str
     nodes: tuple[str, ...]
-    gpus: frozenset[str]
     first_seen: float
+    port: int = 0
+    held: dict[str, tuple[str, ...]] = field(default_factory=dict)  # node -> GPU UUIDs
     ready_at: float | None = None
     lost_since: float | None = None
     failing_since: float | None = None
@@ -529,9 +530,8 @@ class Controller:
             address = serving_address(nodes[r.members[0]].engine_host, r.port)
             known = self.known.get(key)
             if known is None or known.address != address:
-                known = self.known[key] = Known(r.model, r.replica, address, r.members, frozenset(), now)
-            known.nodes = r.members
-            known.gpus = frozenset(g for gpus in r.gpus.values() for g in gpus)
+                known = self.known[key] = Known(r.model, r.replica, address, r.members, now)
+            known.nodes, known.port, known.held = r.members, r.port, r.gpus
             current.add(key)
             seen.append(self._one(spec, known, _condition(r, facts, unreachable), in_pool, now))
         for key, known in list(self.known.items()):
@@ -579,7 +579,7 @@ class Controller:
             replica=known.replica,
             address=known.address,
             nodes=known.nodes,
-            gpus=known.gpus,
+            gpus=frozenset(g for gpus in known.held.values() for g in gpus),
             units=units,
             health=health,
             first_seen=known.first_seen,
@@ -675,7 +675,24 @@ class Controller:
         return await self.nodes.probe(spec)
 
     def _reserved(self, but: int | None = None) -> list[Action]:
-        return [s.action for i, s in self._fetching.items() if i != but]
+        """What a new start must not take besides the units on the nodes: the starts still
+        bringing weights, and the replicas on nodes that stopped answering (their units are
+        not in the probe, but their replica numbers, cards and ports are still theirs)."""
+        fetching = [s.action for i, s in self._fetching.items() if i != but]
+        lost = [
+            Action(
+                op="=",
+                model=k.model,
+                replica=k.replica,
+                nodes=k.nodes,
+                reason="on a node that does not answer",
+                port=k.port or None,
+                gpus=k.held,
+            )
+            for k in self.known.values()
+            if k.lost_since is not None
+        ]
+        return fetching + lost
 
     async def _place_and_start(
         self, spec: ClusterSpec, start: Start, mc: ModelController
@@ -776,7 +793,7 @@ class Controller:
         mc.loading.add(address)
         now = self.clock()
         self.known[(model, action.replica)] = Known(
-            model, action.replica, address, action.nodes, frozenset(), first_seen=now
+            model, action.replica, address, action.nodes, now, action.port, dict(action.gpus)
         )
         replica = self.pool.add(model, address, time.monotonic())
         replica.last_used = now  # the request that asked for it is about to use it

@@ -334,6 +334,7 @@ def test_one_of_two_replicas_lost_is_degraded_then_replaced_after_node_grace(
         await w.check_health()
         await w.controller.tick()
         assert w.controller.phase("duo") is Phase.ready and not w.nodes.plans
+        held_by_b = w.nodes.truth["b"]
         w.lose("b")
         del w.health[second]
         w.discover()
@@ -348,6 +349,20 @@ def test_one_of_two_replicas_lost_is_degraded_then_replaced_after_node_grace(
         assert replacement.nodes == ("a",)  # b does not answer
         await w.controller.tick()
         assert len(w.nodes.starts("duo")) == 1  # one replacement, not one per tick
+        w.health[f"10.0.0.1:{replacement.port}"] = 200
+        await w.controller.idle()
+        assert w.controller.phase("duo") is Phase.ready
+        # b answers again with the old replica still up: the replaced one is stopped
+        w.nodes.truth["b"] = held_by_b
+        w.health[second] = 200
+        w.discover()
+        await w.check_health()
+        await w.controller.tick()
+        await until(lambda: w.nodes.stops("duo"), "the replaced replica stopped")
+        (stopped,) = w.nodes.stops("duo")
+        assert stopped.nodes == ("b",)
+        await w.controller.idle()
+        assert w.controller.phase("duo") is Phase.ready and len(w.nodes.starts("duo")) == 1
 
     run(scenario)
     assert "duo: replacing replica " in caplog.text
