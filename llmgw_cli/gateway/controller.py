@@ -32,9 +32,10 @@ the requests waiting for it are answered ``model_start_failed``.
 
 Contract (concurrency): everything runs on the gateway's asyncio loop. A model has at most
 one start or stop under way (``ModelController.busy``); every plan is made on a probe
-taken under the lock (``CardLock``: an asyncio lock of this process by default, the
-cluster-wide lock when the caller passes one), so two starts never pick the same cards.
-The lock is not held while weights are fetched or a replica loads.
+taken under the lock (``remote/cluster_lock.py``: the cluster lock, which ``apply`` takes
+too, when the gateway passes it; an asyncio lock of this process by default), so two
+starts never pick the same cards. The lock is not held while weights are fetched or a
+replica loads.
 
 Last use is wall-clock time (it is persisted, so a restart keeps it); a replica found
 running without a saved time is "unknown" until watched unused for its idle_timeout.
@@ -47,8 +48,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,6 +79,7 @@ from llmgw_cli.gateway.metrics import Metrics
 from llmgw_cli.gateway.sources import ProbeSource
 from llmgw_cli.gateway.store import Store
 from llmgw_cli.progress import Report
+from llmgw_cli.remote.cluster_lock import Hold, LocalLock
 from llmgw_cli.remote.execute import Outcome, UnitWatch, execute
 from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.nodeops import NodeOps
@@ -95,31 +96,7 @@ def replica_key(model: str, address: str) -> str:
     return f"{model}@{address}"
 
 
-# --- the seams: the lock over the cards, and the nodes ---------------------------------
-
-
-class CardLock(Protocol):
-    """Held around probe, plan, unit writes and start: whoever holds it may pick cards and
-    ports. ``why`` says who holds it (for a lock shared with ``apply``)."""
-
-    def hold(self, why: str) -> AbstractAsyncContextManager[None]: ...
-
-
-class LocalLock:
-    """The lock over the cards within this process."""
-
-    def __init__(self) -> None:
-        self._lock = asyncio.Lock()
-        self.why = ""
-
-    @asynccontextmanager
-    async def hold(self, why: str) -> AsyncIterator[None]:
-        async with self._lock:
-            self.why = why
-            try:
-                yield
-            finally:
-                self.why = ""
+# --- the seam: the nodes ---------------------------------
 
 
 class UnitFailure(Protocol):
@@ -277,7 +254,7 @@ class Controller:
         nodes: Nodes | None = None,
         store: Store | None = None,
         manages: bool = False,
-        lock: CardLock | None = None,
+        lock: Hold | None = None,
         saved_last_use: dict[str, float] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -289,7 +266,7 @@ class Controller:
         self.nodes = nodes
         self.store = store
         self.manages = manages and nodes is not None  # else it only observes
-        self.lock: CardLock = lock or LocalLock()
+        self.lock: Hold = lock if lock is not None else LocalLock()
         self.saved = dict(saved_last_use or {})  # replica key -> last use read from the store
         self.clock = clock
         self.models: dict[str, ModelController] = {}

@@ -25,12 +25,13 @@ from llmgw_cli.core.spec import ClusterSpec, Model
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.accesslog import AccessLog
 from llmgw_cli.gateway.admission import Admission
-from llmgw_cli.gateway.controller import CardLock, Controller, RemoteNodes
+from llmgw_cli.gateway.controller import Controller, RemoteNodes
 from llmgw_cli.gateway.metrics import Metrics
 from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource
 from llmgw_cli.gateway.store import Store
 from llmgw_cli.gateway.upstream import Upstreams
 from llmgw_cli.gateway.usage import Meter
+from llmgw_cli.remote.cluster_lock import Hold
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -81,7 +82,7 @@ class Gateway:
         keys_every: float = 5.0,
         access_log: AccessLog | None = None,
         manage_replicas: bool = False,
-        lock: CardLock | None = None,
+        lock: Hold | None = None,
     ) -> None:
         self.spec = spec
         self.catalog: dict[str, Model] = {m.name: m for m in spec.models}
