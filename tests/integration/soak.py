@@ -1,0 +1,276 @@
+"""A soak on the lab: streams through the real gateway while replicas' engines are killed.
+
+One always-on model, ``soak``, two replicas (each takes a whole node, so they sit on
+node01 and node02), the simulated vLLM at a slow token rate so that a stream lasts about
+2 s. The official ``openai`` client streams at a set concurrency for a set time; every
+``kill_every`` seconds one replica's engine is SIGKILLed (``systemctl kill -s KILL``, the
+two in turn; systemd restarts it after the unit's RestartSec), but only once the other
+replica is in the gateway's rotation again: with none ready every request would fail.
+
+Each failure is attributed from the gateway's access log (``replica``, ``cut``,
+``status``, ``attempts``) and the kill times: what the gateway promises is that no
+request fails before its first byte (a request sent to the killed replica is retried on
+the other one) and that the only streams cut are those that were running on the
+replica killed while they ran. Used by tests/integration/test_soak_lab.py and
+bench/soak.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import yaml
+
+from tests.gateway.harness import free_port, start_gateway, stop
+from tests.waiting import wait_until
+
+from .conftest import Lab
+from .lab_helpers import reset, run
+
+MODEL = "soak"
+TOKENS_PER_SECOND = 8  # the simulator's 16-token reply: a stream of about 2 s
+MESSAGES = [{"role": "user", "content": "Tell me a short story."}]
+SLACK = 1.0  # seconds around a kill that its SSH round trip may take
+
+
+@dataclass
+class SoakGateway:
+    cluster: Path
+    port: int
+    key: str
+    admin: str
+    admin_port: int
+    log: Path
+    units: dict[str, tuple[str, str]]  # replica address -> (node, unit)
+    halt: Any
+
+    def ready(self) -> set[str]:
+        """Addresses of the soak replicas in the gateway's rotation."""
+        replicas = httpx.get(
+            f"http://127.0.0.1:{self.admin_port}/admin/api/replicas",
+            headers={"Authorization": f"Bearer {self.admin}"},
+            timeout=10,
+        ).json()["replicas"]
+        return {r["address"] for r in replicas if r["model"] == MODEL and r["health"] == "ready"}
+
+
+def _cluster(lab: Lab, folder: Path, port: int, admin_port: int) -> Path:
+    data = yaml.safe_load(lab.cluster_file.read_text())
+    data["nodes"] = [n for n in data["nodes"] if n["name"] in ("node01", "node02")]
+    data["gateway"].update(
+        listen=f"127.0.0.1:{port}",
+        admin_listen=f"127.0.0.1:{admin_port}",
+        metrics_listen=f"127.0.0.1:{free_port()}",
+        state_dir=str(folder / "state"),
+    )
+    data["models"] = [
+        {
+            "name": MODEL,
+            "source": "/data/models/Mistral-7B-Instruct-v0.3",
+            "profile": "vllm",
+            "tensor_parallel": 8,  # a whole node each: the two replicas are on two nodes
+            "env": {"LLMGW_LAB_TOKENS_PER_SECOND": str(TOKENS_PER_SECOND)},
+            "scaling": {"min": 2, "max": 2},
+        }
+    ]
+    path = folder / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@contextmanager
+def soak_gateway(lab: Lab, folder: Path) -> Iterator[SoakGateway]:
+    """apply (the two replicas), then the gateway on this machine; cleans the lab after."""
+    reset(lab)
+    port, admin_port = free_port(), free_port()
+    cluster = _cluster(lab, folder, port, admin_port)
+    applied = run("apply", "-f", str(cluster), "--yes")
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    key = run("keys", "create", "--name", "soak", "-f", str(cluster)).stdout.strip()
+    admin = run("keys", "create", "--name", "ops", "--admin", "-f", str(cluster)).stdout.strip()
+    units: dict[str, tuple[str, str]] = {}
+    for node in lab.nodes:
+        shown = lab.ssh(node.name, f"grep -h '^X-Llmgw-Port=' /etc/systemd/system/llmgw-{MODEL}-*.service")
+        names = lab.ssh(node.name, f"ls /etc/systemd/system/ | grep '^llmgw-{MODEL}-' || true").stdout.split()
+        if names:
+            (name,) = names
+            units[f"{node.ip}:{shown.stdout.strip().split('=')[1]}"] = (node.name, name)
+    assert len(units) == 2 and len({n for n, _ in units.values()}) == 2, units
+    log = folder / "gateway.log"
+    options = ["--engine-keys-file", str(folder / "state/engine-keys.json"), "--health-every", "0.5"]
+    options += ["--identity-file", str(folder / "state/ssh-key")]
+    proc = start_gateway(cluster, log, *options, port=port)
+    try:
+        gw = SoakGateway(cluster, port, key, admin, admin_port, log, units, lambda: stop(proc))
+        wait_until(lambda: gw.ready() == set(units), timeout=60, interval=0.5, what="both replicas ready")
+        yield gw
+    finally:
+        stop(proc)
+        reset(lab)
+
+
+@dataclass
+class Stream:
+    """One request as the client saw it (wall times)."""
+
+    started: float
+    ended: float = 0.0
+    opened: bool = False  # the answer's head arrived (create() returned)
+    complete: bool = False  # a chunk with a finish_reason arrived
+    error: str = ""
+
+
+@dataclass
+class Kill:
+    at: float  # wall time just before the kill was sent
+    done: float  # wall time once the node said it was done
+    address: str
+    unit: str
+
+
+@dataclass
+class SoakResult:
+    streams: list[Stream]
+    kills: list[Kill]
+    log: list[dict[str, Any]]  # the gateway's access log lines of the model
+    waits: list[float] = field(default_factory=list)  # seconds a kill waited for the other replica
+
+    @property
+    def before_first_byte(self) -> list[Stream]:
+        return [s for s in self.streams if not s.opened]
+
+    @property
+    def broken(self) -> list[Stream]:
+        """Streams the client got a head for but not the whole answer."""
+        return [s for s in self.streams if s.opened and not s.complete]
+
+    @property
+    def logged_failures(self) -> list[dict[str, Any]]:
+        """Lines of requests that failed before their first byte (an error status)."""
+        return [x for x in self.log if x["status"] != 200]
+
+    @property
+    def cut(self) -> list[dict[str, Any]]:
+        return [x for x in self.log if x["cut"]]
+
+    @property
+    def retried(self) -> list[dict[str, Any]]:
+        return [x for x in self.log if x["attempts"] > 1]
+
+    def killer(self, line: dict[str, Any]) -> Kill | None:
+        """The kill of ``line``'s replica while the request ran, if any."""
+        end = float(line["ts"])
+        start = end - float(line["ms"]) / 1000
+        for kill in self.kills:
+            if kill.address == line["replica"] and start - SLACK <= kill.at and kill.done <= end + SLACK:
+                return kill
+        return None
+
+    @property
+    def unexplained_cuts(self) -> list[dict[str, Any]]:
+        return [x for x in self.cut if self.killer(x) is None]
+
+    def totals(self) -> str:
+        on_killed = len(self.cut) - len(self.unexplained_cuts)
+        return (
+            f"requests {len(self.streams)} (logged {len(self.log)}), kills {len(self.kills)}, "
+            f"retried {len(self.retried)}, failed before the first byte {len(self.before_first_byte)} "
+            f"(logged {len(self.logged_failures)}), streams cut {len(self.cut)} "
+            f"({on_killed} on the replica killed while they ran), broken at the client {len(self.broken)}, "
+            f"longest wait for the other replica before a kill {max(self.waits, default=0):.1f}s"
+        )
+
+
+async def _client_loop(client: openai.AsyncOpenAI, until: float, out: list[Stream]) -> None:
+    while time.monotonic() < until:
+        stream = Stream(time.time())
+        out.append(stream)
+        try:
+            answer = await client.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,  # type: ignore[arg-type]
+                stream=True,
+            )
+            stream.opened = True
+            async for chunk in answer:
+                if chunk.choices and chunk.choices[0].finish_reason is not None:
+                    stream.complete = True
+        except Exception as exc:  # every failure is counted, whatever its kind
+            stream.error = f"{type(exc).__name__}: {exc}"
+        stream.ended = time.time()
+
+
+async def _kill_loop(
+    lab: Lab, gw: SoakGateway, until: float, *, every: float, kills: list[Kill], waits: list[float]
+) -> None:
+    order = sorted(gw.units)
+    turn = 0
+    next_at = time.monotonic() + every
+    while next_at < until:
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        victim = order[turn % 2]
+        other = order[(turn + 1) % 2]
+        began = time.monotonic()
+        # Killing the last replica in rotation would fail every request: wait for the
+        # other one (killed last time) to be back.
+        await asyncio.to_thread(
+            wait_until,
+            lambda other=other: other in gw.ready(),
+            timeout=120,
+            interval=0.2,
+            what=f"{other} back in rotation before {victim} is killed",
+        )
+        waits.append(time.monotonic() - began)
+        node, unit = gw.units[victim]
+        at = time.time()
+        # reset-failed first: the soak kills more often than the unit's StartLimitBurst
+        # allows in StartLimitIntervalSec, and systemd would give up on it.
+        done = await asyncio.to_thread(
+            lab.ssh, node, f"systemctl reset-failed {unit}; systemctl kill -s KILL {unit}"
+        )
+        assert done.returncode == 0, done.stderr
+        kills.append(Kill(at, time.time(), victim, unit))
+        turn += 1
+        next_at = max(next_at + every, time.monotonic() + 1)
+
+
+async def _soak(
+    lab: Lab, gw: SoakGateway, concurrency: int, seconds: float, kill_every: float
+) -> tuple[list[Stream], list[Kill], list[float]]:
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{gw.port}/v1",
+        api_key=gw.key,
+        max_retries=0,  # a failure must show, not be hidden by the client's own retries
+        timeout=60,
+        http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency * 2)),
+    )
+    until = time.monotonic() + seconds
+    streams: list[Stream] = []
+    kills: list[Kill] = []
+    waits: list[float] = []
+    try:
+        await asyncio.gather(
+            _kill_loop(lab, gw, until, every=kill_every, kills=kills, waits=waits),
+            *(_client_loop(client, until, streams) for _ in range(concurrency)),
+        )
+    finally:
+        await client.close()
+    return streams, kills, waits
+
+
+def soak(lab: Lab, gw: SoakGateway, *, concurrency: int, seconds: float, kill_every: float) -> SoakResult:
+    """Stream at ``concurrency`` for ``seconds``, killing a replica every ``kill_every``
+    seconds; then stop the gateway (its log is complete) and read its access log."""
+    streams, kills, waits = asyncio.run(_soak(lab, gw, concurrency, seconds, kill_every))
+    gw.halt()
+    lines = [json.loads(x) for x in gw.log.read_text().splitlines() if x.startswith("{")]
+    return SoakResult(streams, kills, [x for x in lines if x.get("model") == MODEL], waits)
