@@ -9,6 +9,7 @@ admission grows when a replica turns ready.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -24,6 +25,7 @@ from llmgw_cli.core.plan import Action, Plan, grow_plan, running_replicas
 from llmgw_cli.core.routing import Pool, RoutedReplica
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.gateway import controller as controller_module
+from llmgw_cli.gateway import proxy
 from llmgw_cli.gateway.admission import Admission
 from llmgw_cli.gateway.controller import Controller, replica_key
 from llmgw_cli.gateway.metrics import Metrics
@@ -552,3 +554,16 @@ def test_a_saturated_model_scales_out_and_the_start_is_counted_as_one() -> None:
         assert 'llmgw_controller_actions_total{action="start",model="busy",reason="scale-out"} 1.0' in body
 
     run(scenario)
+
+
+def test_a_failed_start_is_answered_in_the_openai_shape_with_the_back_off_left() -> None:
+    answer = proxy._refused(
+        Unavailable(503, "model_start_failed", "The model `m` could not be started: exit 1", 7.2)
+    )
+    assert answer.status == 503 and answer.headers["Retry-After"] == "8"
+    assert isinstance(answer.body, bytes)
+    error = json.loads(answer.body)["error"]
+    assert error["code"] == "model_start_failed" and error["type"] == "server_error"
+    assert error["message"].endswith("exit 1")
+    off = proxy._refused(Unavailable(404, "model_off", "The model `m` is switched off.", 30.0))
+    assert off.status == 404 and "Retry-After" not in off.headers
