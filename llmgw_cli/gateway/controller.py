@@ -119,8 +119,11 @@ class Nodes(Protocol):
         """Bring the weights of ``plan``'s starts: node -> why they could not be brought."""
         ...
 
-    async def execute(self, spec: ClusterSpec, plan: Plan, report: Report) -> list[Outcome]:
-        """Write, start or stop the plan's units; no readiness wait."""
+    async def execute(
+        self, spec: ClusterSpec, plan: Plan, report: Report, *, fetch: bool = False
+    ) -> list[Outcome]:
+        """Write, start or stop the plan's units; no readiness wait. ``fetch``: bring the
+        weights first (a start brings them itself, outside the lock, before this)."""
         ...
 
     async def watch(self, spec: ClusterSpec, action: Action) -> UnitFailure:
@@ -144,8 +147,11 @@ class RemoteNodes:
     async def fetch(self, spec: ClusterSpec, plan: Plan, report: Report) -> dict[str, str]:
         return await ensure_for_plan(spec, plan, await self.source.connections(spec), report)
 
-    async def execute(self, spec: ClusterSpec, plan: Plan, report: Report) -> list[Outcome]:
-        return await execute(spec, await self.source.connections(spec), plan, report, wait=False)
+    async def execute(
+        self, spec: ClusterSpec, plan: Plan, report: Report, *, fetch: bool = False
+    ) -> list[Outcome]:
+        conns = await self.source.connections(spec)
+        return await execute(spec, conns, plan, report, wait=False, fetch=fetch)
 
     async def watch(self, spec: ClusterSpec, action: Action) -> UnitFailure:
         head = action.nodes[0]
@@ -699,7 +705,10 @@ class Controller:
                         raise StartFailed(f"{taken}; {_unplaced(plan)}")
                     action = plan.changes[0]
                 del self._fetching[ticket]
-                return action, await self._write_and_start(spec, start, plan, action)
+                # Re-planned: its weights may be missing where it goes now; brought under
+                # the lock then (rare: only when another writer took the planned cards).
+                address = await self._write_and_start(spec, start, plan, action, fetch=taken is not None)
+                return action, address
         finally:
             self._fetching.pop(ticket, None)
 
@@ -748,7 +757,9 @@ class Controller:
             raise StartFailed(_unplaced(plan) or "no room after an eviction")
         return plan
 
-    async def _write_and_start(self, spec: ClusterSpec, start: Start, plan: Plan, action: Action) -> str:
+    async def _write_and_start(
+        self, spec: ClusterSpec, start: Start, plan: Plan, action: Action, *, fetch: bool
+    ) -> str:
         """Under the lock: the units written and started; the replica in the pool, loading."""
         assert self.nodes is not None
         mc = self.model(start.model)
@@ -759,7 +770,7 @@ class Controller:
         self._record(model, "start", start.reason, _start_label(start))
         mc.progress = f"starting on {','.join(action.nodes)}"
         start_plan = plan.model_copy(update={"actions": (action,)})
-        outcomes = await self.nodes.execute(spec, start_plan, _log_report)
+        outcomes = await self.nodes.execute(spec, start_plan, _log_report, fetch=fetch)
         assert action.port is not None
         address = serving_address(spec.node(action.nodes[0]).engine_host, action.port)
         broken = [f"{o.subject}: {o.message}" for o in outcomes if not o.ok]

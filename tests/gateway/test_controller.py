@@ -96,6 +96,7 @@ class FakeNodes:
         self.exits: dict[str, str] = {}  # unit -> why it exited (the watch reports it)
         self.exit_next: str | None = None  # the next started replica's unit exits so
         self.fetched_outside_lock: list[bool] = []
+        self.fetched_in_execute: list[bool] = []  # whether a start's execute fetched weights too
         self.fetch_gate: asyncio.Event | None = None
         self.seen_while_stopping: list[object] = []
         self.health: dict[str, int] = {}  # address -> what its readiness path answers
@@ -115,9 +116,11 @@ class FakeNodes:
         return {}
 
     async def execute(
-        self, spec: ClusterSpec, plan: Plan, report: Callable[[str, str], None]
+        self, spec: ClusterSpec, plan: Plan, report: Callable[[str, str], None], *, fetch: bool = False
     ) -> list[Outcome]:
         assert self.lock.held, "units are written and started under the lock only"
+        if any(a.write for a in plan.changes):
+            self.fetched_in_execute.append(fetch)
         for action in plan.changes:
             self.plans.append(action)
             if action.remove:  # a stopped engine answers nothing
@@ -252,6 +255,7 @@ def test_a_request_starts_a_stopped_model_and_gets_the_replica_once_ready(
         address = f"10.0.0.1:{action.port}" if action.nodes == ("a",) else f"10.0.0.2:{action.port}"
         assert ctl.phase("lazy") is Phase.starting and not asked.done()
         assert w.nodes.fetched_outside_lock == [True]  # weights came without the lock
+        assert w.nodes.fetched_in_execute == [False]  # and not again under it
         w.health[address] = 200
         got = await asked
         assert isinstance(got, RoutedReplica) and got.address == address
@@ -567,3 +571,42 @@ def test_a_failed_start_is_answered_in_the_openai_shape_with_the_back_off_left()
     assert error["message"].endswith("exit 1")
     off = proxy._refused(Unavailable(404, "model_off", "The model `m` is switched off.", 30.0))
     assert off.status == 404 and "Retry-After" not in off.headers
+
+
+def test_weights_come_outside_the_lock_and_a_start_meanwhile_does_not_take_the_same_card() -> None:
+    async def scenario() -> None:
+        w = World()
+        w.nodes.fetch_gate = asyncio.Event()
+        first = asyncio.create_task(w.controller.ensure_ready("lazy", time.monotonic() + FOREVER))
+        await until(lambda: len(w.nodes.fetched_outside_lock) == 1, "the first start fetching")
+        # the lock is free while it fetches: a second model starts meanwhile
+        second = asyncio.create_task(w.controller.ensure_ready("other", time.monotonic() + FOREVER))
+        await until(lambda: len(w.nodes.fetched_outside_lock) == 2, "the second start fetching")
+        w.nodes.fetch_gate.set()
+        await until(lambda: len(w.nodes.starts()) == 2, "both started")
+        lazy, other = w.nodes.starts("lazy")[0], w.nodes.starts("other")[0]
+        assert lazy.nodes != other.nodes  # one card each: the reserved one was left alone
+        for a in (lazy, other):
+            w.health[f"{w.spec.node(a.nodes[0]).address}:{a.port}"] = 200
+        assert isinstance(await first, RoutedReplica) and isinstance(await second, RoutedReplica)
+
+    run(scenario)
+
+
+def test_a_start_whose_card_was_taken_while_it_fetched_is_placed_again_under_the_lock() -> None:
+    async def scenario() -> None:
+        w = World()
+        w.nodes.fetch_gate = asyncio.Event()
+        asked = asyncio.create_task(w.controller.ensure_ready("lazy", time.monotonic() + FOREVER))
+        await until(lambda: w.nodes.fetched_outside_lock, "the start fetching")
+        planned = w.controller._reserved()[0]
+        w.run("other", planned.nodes[0])  # another writer (apply) took that card meanwhile
+        w.nodes.fetch_gate.set()
+        await until(lambda: w.nodes.starts("lazy"), "the start")
+        (start,) = w.nodes.starts("lazy")
+        assert start.nodes != planned.nodes
+        assert w.nodes.fetched_in_execute == [True]  # its weights, where it goes now
+        w.health[f"{w.spec.node(start.nodes[0]).address}:{start.port}"] = 200
+        assert isinstance(await asked, RoutedReplica)
+
+    run(scenario)
