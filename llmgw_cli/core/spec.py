@@ -407,7 +407,8 @@ class GatewaySettings(Spec):
     node_grace: Duration = Field(
         20.0,
         description="A replica on a node that stopped answering the gateway's probe is "
-        "replaced on another node after this long (an SSH hiccup is not a lost node).",
+        "replaced on another node after this long (an SSH hiccup is not a lost node), counted "
+        "from its first failed health check.",
     )
     unhealthy_restart: Duration = Field(
         60.0,

@@ -538,7 +538,9 @@ class Controller:
         health = routed.health if routed is not None else Health.unknown
         if units is UnitCondition.lost:
             if known.lost_since is None:
-                known.lost_since = now
+                # Since its first sign: a replica that was ready and stopped answering its
+                # health check just before its node stopped answering the probe was lost then.
+                known.lost_since = known.failing_since or now
         else:
             known.lost_since = None
         if health is Health.ready:

@@ -20,7 +20,7 @@ import aiohttp
 
 from llmgw_cli.core.keys import ApiKey, hash_token
 from llmgw_cli.core.parse.engine_env import engine_key
-from llmgw_cli.core.routing import Pool
+from llmgw_cli.core.routing import Health, Pool
 from llmgw_cli.core.spec import ClusterSpec, Model
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.accesslog import AccessLog
@@ -34,6 +34,8 @@ from llmgw_cli.gateway.usage import Meter
 from llmgw_cli.remote.cluster_lock import Hold
 
 log = logging.getLogger("llmgw.gateway")
+
+DISCOVER_SOON = 1.0  # seconds from a ready replica failing its health check to a probe round
 
 
 def read_engine_key(path: Path) -> str:
@@ -108,6 +110,7 @@ class Gateway:
         self.upstreams = Upstreams(spec.gateway.timeouts.connect, {})
         self.health_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._discover_soon = asyncio.Event()  # set: probe the nodes now, not at the next round
         # The one owner of the models' replicas. It starts and stops them only when the
         # gateway manages replicas (a probed cluster with manage_replicas); else it observes.
         manages = manage_replicas and isinstance(source, ProbeSource)
@@ -183,13 +186,27 @@ class Gateway:
 
     async def _every(self, name: str, job: Callable[[], object]) -> None:
         while True:
-            await asyncio.sleep(self.every[name])
+            if name == "discover":
+                await self._until_discovery_due()
+            else:
+                await asyncio.sleep(self.every[name])
             try:
                 result = job()
                 if asyncio.iscoroutine(result):
                     await result
             except Exception:  # a background job never dies: log it, try again next round
                 log.exception("gateway %s failed", name)
+
+    async def _until_discovery_due(self) -> None:
+        """The next probe round is due after ``discover_every``, or as soon as a ready
+        replica failed its health check (a lost node is then noticed within one probe,
+        not one interval later), but never sooner than ``DISCOVER_SOON`` after the last."""
+        try:
+            await asyncio.wait_for(self._discover_soon.wait(), self.every["discover"])
+            await asyncio.sleep(DISCOVER_SOON)
+        except TimeoutError:
+            pass
+        self._discover_soon.clear()
 
     async def reload(self) -> None:
         """SIGHUP: read the cluster file again; listeners and open connections are kept."""
@@ -249,6 +266,8 @@ class Gateway:
         for replica, status in zip(replicas, statuses, strict=True):
             before = replica.health
             self.pool.checked(replica, status, now)
+            if before is Health.ready and replica.health is not Health.ready:
+                self._discover_soon.set()  # is its node still there? ask now
             if replica.health is not before:
                 log.info(
                     "replica %s of %s: %s -> %s",

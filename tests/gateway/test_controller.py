@@ -374,6 +374,32 @@ def test_one_of_two_replicas_lost_is_degraded_then_replaced_after_node_grace(
     assert "duo: replacing replica " in caplog.text
 
 
+def test_a_lost_nodes_grace_counts_from_its_replicas_first_failed_health_check() -> None:
+    """The replica stopped answering before the probe of its node timed out: the loss
+    began then, so the replacement does not wait a whole node_grace after the probe."""
+
+    async def scenario() -> None:
+        w = World(gpus=2, cluster=DUO)
+        first, second = w.run("duo", "a"), w.run("duo", "b")
+        w.discover()
+        w.health.update({first: 200, second: 200})
+        await w.check_health()
+        await w.controller.tick()
+        del w.health[second]  # b's engine stops answering: its health check fails
+        await w.check_health()
+        await w.controller.tick()
+        w.clock.now += 10  # the probe of b took this long to give up
+        w.lose("b")
+        w.discover()
+        await w.controller.tick()
+        assert not w.nodes.starts()
+        w.clock.now += w.spec.gateway.node_grace - 10 + 1
+        await w.controller.tick()
+        await until(lambda: w.nodes.starts("duo"), "a replacement node_grace after the first failure")
+
+    run(scenario)
+
+
 def test_a_unit_systemd_gave_up_on_is_stopped_and_started_again_on_other_cards() -> None:
     async def scenario() -> None:
         w = World(gpus=2, cluster=DUO)

@@ -1,0 +1,75 @@
+"""A ready replica that fails its health check makes the gateway probe the nodes at once,
+not at the next discovery round: a lost node is noticed within one probe."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.gateway.sources import StaticSource
+from llmgw_cli.gateway.state import Gateway
+from llmgw_cli.gateway.store import SqliteStore
+
+from .harness import free_port
+
+CLUSTER = """\
+cluster: {name: t}
+profiles: {vllm: {engine: vllm}}
+models:
+  - {name: m, source: org/m, profile: vllm, scaling: {min: 1, max: 1}}
+"""
+
+
+class Counting(StaticSource):
+    def __init__(self, replicas: dict[str, list[str]]) -> None:
+        super().__init__(replicas)
+        self.rounds = 0
+
+    async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
+        self.rounds += 1
+        return await super().discover(spec)
+
+
+async def _until(condition: Callable[[], bool], seconds: float) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while loop.time() < end:
+        if condition():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def test_a_replica_failing_its_health_check_brings_the_next_probe_forward(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        site = web.TCPSite(runner, "127.0.0.1", port)
+        await site.start()
+        source = Counting({"m": [f"127.0.0.1:{port}"]})
+        spec = parse_cluster(CLUSTER)
+        gw = Gateway(spec, source, SqliteStore(tmp_path), "k", discover_every=3600.0, health_every=0.05)
+        await gw.start()
+        try:
+            assert await _until(lambda: gw.pool.ready_count("m") == 1, 5)
+            rounds = source.rounds
+            await asyncio.sleep(0.5)
+            assert source.rounds == rounds  # nothing due for an hour
+            await runner.cleanup()  # the engine is gone: its health check fails
+            assert await _until(lambda: source.rounds > rounds, 5), "no probe after the failure"
+        finally:
+            await gw.stop()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
