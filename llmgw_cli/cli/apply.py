@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -23,11 +24,13 @@ from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
 from llmgw_cli.remote.connect import Connections, Session
 from llmgw_cli.remote.engine_keys import distribute_engine_keys, nodes_without_key, rotate_engine_keys
 from llmgw_cli.remote.execute import Outcome, execute, wait_started
+from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.gateway_install import GatewayPreview, install, preview
 from llmgw_cli.remote.node_setup import prepare, stale_nodes
 from llmgw_cli.remote.probe import Snapshot
 from llmgw_cli.remote.transport import Transport
 
+T = TypeVar("T")
 out = Console()
 err = Console(stderr=True)
 
@@ -43,22 +46,15 @@ async def _execute_with_progress(
     facts: dict[str, NodeFacts],
     rotate: bool = False,
     lock: ApplyHold | None = None,
+    fetched: dict[str, str] | None = None,
 ) -> list[Outcome]:
     """Run the plan, then install the gateway, with a live table of nodes and replicas on
     a terminal, lines otherwise. ``lock`` (the cluster lock, held) is released once the
-    units are written and started, before the readiness wait."""
-    states: dict[str, str] = {}
-    live = Live(console=err, transient=False, auto_refresh=False) if err.is_terminal else None
+    units are written and started, before the readiness wait. ``fetched``: the plan's
+    weights were brought already (node -> why they could not be): the units go only where
+    they are; None: the executor brings them first."""
 
-    def report(subject: str, message: str) -> None:
-        states[subject] = message
-        if live is None:
-            # Messages carry node output (journal tails): printed as text, never as markup.
-            err.print(Text(f"  {subject}: {message}"), highlight=False, soft_wrap=True)
-        else:
-            live.update(progress_view(states), refresh=True)
-
-    async def run() -> list[Outcome]:
+    async def run(report: Report) -> list[Outcome]:
         # The gateway's key and the node helper first: the units below go through it.
         reachable = [n.name for n in spec.nodes if n.name not in unreachable]
         setup = await prepare(spec, conns, reachable, report, facts)
@@ -68,7 +64,13 @@ async def _execute_with_progress(
         keys, outcomes = await distribute_engine_keys(spec, transports, report)
         outcomes = setup + outcomes
         if chosen.changes:
-            done = await execute(spec, conns, chosen, report, wait=False, engine_keys=keys)
+            if fetched is None:
+                done = await execute(spec, conns, chosen, report, wait=False, engine_keys=keys)
+            else:
+                done = [Outcome(node, False, why) for node, why in sorted(fetched.items())]
+                done += await execute(
+                    spec, conns, _without(chosen, fetched), report, wait=False, engine_keys=keys, fetch=False
+                )
             if lock is not None:
                 await lock.release()
             outcomes += done
@@ -81,10 +83,39 @@ async def _execute_with_progress(
             )
         return outcomes
 
+    return await _with_progress(run)
+
+
+async def _with_progress(work: Callable[[Report], Awaitable[T]]) -> T:
+    """``work(report)`` with a live table of nodes and replicas on a terminal, one line per
+    event otherwise."""
+    states: dict[str, str] = {}
+    live = Live(console=err, transient=False, auto_refresh=False) if err.is_terminal else None
+
+    def report(subject: str, message: str) -> None:
+        states[subject] = message
+        if live is None:
+            # Messages carry node output (journal tails): printed as text, never as markup.
+            err.print(Text(f"  {subject}: {message}"), highlight=False, soft_wrap=True)
+        else:
+            live.update(progress_view(states), refresh=True)
+
     if live is None:
-        return await run()
+        return await work(report)
     with live:
-        return await run()
+        return await work(report)
+
+
+def _without(chosen: Plan, failed: dict[str, str]) -> Plan:
+    """``chosen`` without the starts on nodes whose weights could not be brought."""
+    kept = tuple(a for a in chosen.actions if not (a.write and set(a.nodes) & failed.keys()))
+    return chosen.model_copy(update={"actions": kept})
+
+
+async def _fetch(spec: ClusterSpec, conns: Connections, chosen: Plan) -> dict[str, str]:
+    """The weights of the replicas ``chosen`` starts (URL sources), brought before apply
+    takes the cluster lock, so the gateway's starts do not wait for a download."""
+    return await _with_progress(lambda report: ensure_for_plan(spec, chosen, conns, report))
 
 
 async def _rotate(
@@ -109,6 +140,24 @@ async def _rotate(
 def _unplaced_is_failure(chosen: Plan) -> None:
     if chosen.unplaced:
         raise ApplyFailed(f"{len(chosen.unplaced)} replica(s) could not be placed; the plan above says why")
+
+
+def _fetch_and_lock(
+    spec: ClusterSpec,
+    file: Path,
+    session: Session,
+    chosen: Plan,
+    *,
+    saved: Path | None,
+    yes: bool,
+    timeout: float,
+) -> tuple[Plan, Snapshot, ApplyHold, dict[str, str] | None]:
+    """Bring the plan's weights, then take the cluster lock (``_locked``). The weights
+    fetched (node -> why they could not be), or None when the plan was made again under
+    the lock (the executor then brings its weights itself)."""
+    fetched = session.run(_fetch(spec, session.conns, chosen))
+    now, snapshot, held = _locked(spec, file, session, chosen, saved=saved, yes=yes, timeout=timeout)
+    return now, snapshot, held, fetched if now is chosen else None
 
 
 def _saved_still_holds(saved: Path, chosen: Plan, facts: dict[str, NodeFacts]) -> None:
@@ -294,9 +343,9 @@ def apply(
             if not sys.stdin.isatty():
                 raise InputError("not a terminal: pass --yes to apply without confirmation")
             typer.confirm("Apply these changes?", abort=True)
-        held = None
+        held, fetched = None, None
         if chosen.changes and not no_lock:
-            chosen, snapshot, held = _locked(
+            chosen, snapshot, held, fetched = _fetch_and_lock(
                 spec, file, session, chosen, saved=saved, yes=yes, timeout=lock_timeout
             )
         try:
@@ -311,6 +360,7 @@ def apply(
                     facts={f.node: f for f in snapshot.nodes},
                     rotate=rotate_engine_key,
                     lock=held,
+                    fetched=fetched,
                 )
             )
         finally:

@@ -5,6 +5,7 @@ the lock while it asks, and says what to do when the lock cannot be taken."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ from llmgw_cli.core.plan import Plan, grow_plan, make_plan
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import ApplyFailed, InputError, NodeError
 from llmgw_cli.remote.cluster_lock import LockTimeout
-from llmgw_cli.remote.connect import Session
+from llmgw_cli.remote.connect import Connections, Session
+from llmgw_cli.remote.execute import Outcome
 from llmgw_cli.remote.probe import Snapshot
 
 from .facts_factory import node_facts, with_units
@@ -179,3 +181,90 @@ def test_a_lock_held_too_long_changes_nothing(world: World, tmp_path: Path) -> N
     world.fails = LockTimeout("the cluster lock on gw.example was still held after 600s")
     with pytest.raises(ApplyFailed, match="still held after 600s; nothing was changed"):
         locked(spec, make_plan(spec, fresh()), tmp_path)
+
+
+def test_weights_come_before_the_lock_and_count_only_for_the_plan_they_were_for(
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = parse_cluster(CLUSTER)
+    chosen = make_plan(spec, fresh())
+    fetched_for: list[Plan] = []
+
+    async def ensure_for_plan(spec: ClusterSpec, plan: Plan, conns: Any, report: Any) -> dict[str, str]:
+        assert all(h.released for h in world.holds), "weights brought under the lock"
+        fetched_for.append(plan)
+        return {"a": "weights of steady: 404"}
+
+    monkeypatch.setattr(apply_cli, "ensure_for_plan", ensure_for_plan)
+    world.probes = [fresh(), with_lazy_started(spec)]
+    with Session(spec, tmp_path) as session:
+        options: dict[str, Any] = {"saved": None, "yes": True, "timeout": 600.0}
+        same = apply_cli._fetch_and_lock(spec, tmp_path / "c.yaml", session, chosen, **options)
+        session.run(same[2].release())
+        other = apply_cli._fetch_and_lock(spec, tmp_path / "c.yaml", session, chosen, **options)
+    assert fetched_for == [chosen, chosen]
+    assert same[0] is chosen and same[3] == {"a": "weights of steady: 404"}
+    assert other[0] is not chosen and other[3] is None  # a new plan: the executor fetches
+
+
+def test_units_go_only_where_the_weights_are_and_the_lock_goes_before_the_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = CLUSTER.replace(
+        "  - {name: a, address: 10.0.0.1, fabric: ib, hcas: [mlx5_0]}\n",
+        "  - {name: a, address: 10.0.0.1, fabric: ib, hcas: [mlx5_0]}\n"
+        "  - {name: b, address: 10.0.0.2, fabric: ib, hcas: [mlx5_0]}\n",
+    ).replace("scaling: {min: 1, max: 1}", "scaling: {min: 2, max: 2}")
+    spec = parse_cluster(text)
+    chosen = make_plan(spec, {"a": node_facts("a"), "b": node_facts("b")})
+    assert sorted(n for a in chosen.changes for n in a.nodes) == ["a", "b"]
+    executed: list[tuple[Plan, bool]] = []
+    hold = FakeHold()
+
+    async def nothing(*args: Any, **kwargs: Any) -> list[Any]:
+        return []
+
+    async def keys(*args: Any, **kwargs: Any) -> tuple[dict[str, str], list[Any]]:
+        return {}, []
+
+    async def execute(spec: Any, conns: Any, plan: Plan, report: Any, **kwargs: Any) -> list[Outcome]:
+        assert hold.released == 0
+        executed.append((plan, kwargs["fetch"]))
+        return [Outcome(n, True, "units in place") for a in plan.changes for n in a.nodes]
+
+    async def wait_started(
+        spec: Any, conns: Any, plan: Plan, done: list[Outcome], report: Any
+    ) -> list[Outcome]:
+        assert hold.released == 1, "waited for readiness under the lock"
+        return []
+
+    async def install(*args: Any) -> Outcome:
+        return Outcome("gateway", True, "unchanged")
+
+    for name, fake in (
+        ("prepare", nothing),
+        ("distribute_engine_keys", keys),
+        ("execute", execute),
+        ("wait_started", wait_started),
+        ("install", install),
+    ):
+        monkeypatch.setattr(apply_cli, name, fake)
+    monkeypatch.setattr(apply_cli, "err", Console(file=io.StringIO(), color_system=None))
+    outcomes = asyncio.run(
+        apply_cli._execute_with_progress(
+            spec,
+            Connections(spec, tmp_path),
+            chosen,
+            wait=True,
+            gateway=None,  # type: ignore[arg-type]
+            unreachable=set(),
+            facts={},
+            lock=hold,  # type: ignore[arg-type]
+            fetched={"b": "weights of steady: 404"},
+        )
+    )
+    ((plan, fetch),) = executed
+    assert fetch is False  # brought before the lock already
+    assert [n for a in plan.changes for n in a.nodes] == ["a"]
+    assert Outcome("b", False, "weights of steady: 404") in outcomes
+    assert hold.released == 1
