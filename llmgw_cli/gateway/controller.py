@@ -646,7 +646,9 @@ class Controller:
                     facts = await self._probe(spec)
                     found = _at(spec, facts, model, address)
                     if found is not None:
-                        await self._stop_found(spec, facts, found, address, "its start failed", force=True)
+                        await self._stop_found(
+                            spec, facts, found, address, "its start failed", force=True, label="start-failed"
+                        )
                     self.pool.remove(model, address)
             except Exception:
                 log.exception("%s: could not stop the replica whose start failed", model)
