@@ -291,6 +291,11 @@ async def _relay(request: web.Request, upstream: Answer, record: RequestRecord) 
         # does) can end here with the whole answer sent. (The caller's release closes the
         # upstream connection.)
         record.cut = True
+        _metered(relay, record)
+        if not record.done and request.transport is not None:
+            # Half an answer must not read as a whole one: the client's body breaks off as
+            # the engine's did, without the end of the chunked body (aiohttp then skips it).
+            request.transport.close()
         return out
     except ConnectionResetError:
         # The client left: the caller's release closes the upstream connection, which

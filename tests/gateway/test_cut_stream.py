@@ -31,7 +31,7 @@ EVENTS = [
 ]
 
 
-def _serve(server: socket.socket, hold: float = 0) -> None:
+def _serve(server: socket.socket, hold: float = 0, events: int = len(EVENTS)) -> None:
     while True:
         try:
             conn, _ = server.accept()
@@ -41,7 +41,7 @@ def _serve(server: socket.socket, hold: float = 0) -> None:
             if read_head(conn).startswith(b"GET"):
                 conn.sendall(HEALTHY)
                 continue
-            conn.sendall(EVENT_STREAM + b"".join(chunk(e) for e in EVENTS))
+            conn.sendall(EVENT_STREAM + b"".join(chunk(e) for e in EVENTS[:events]))
             if hold:  # end the body properly, but only after a while
                 time.sleep(hold)
                 conn.sendall(b"0\r\n\r\n")
@@ -51,6 +51,12 @@ def _serve(server: socket.socket, hold: float = 0) -> None:
 @pytest.fixture
 def abrupt_engine() -> Iterator[int]:
     yield from fake_engine(lambda server: _serve(server, hold=0))
+
+
+@pytest.fixture
+def crashing_engine() -> Iterator[int]:
+    """Dies after its first event: no usage, no `[DONE]`, no end of body."""
+    yield from fake_engine(lambda server: _serve(server, events=1))
 
 
 @pytest.fixture
@@ -98,6 +104,35 @@ def test_usage_of_a_stream_cut_after_its_last_event_is_metered(abrupt_engine: in
         assert (row["requests"], row["prompt_tokens"], row["completion_tokens"]) == (1, 5, 3)
     finally:
         gw.stop()
+
+
+def test_a_stream_the_engine_broke_off_reaches_the_client_broken(
+    crashing_engine: int, tmp_path: Path
+) -> None:
+    """A client must not take half an answer for a whole one: the gateway ends the
+    client's body the way the engine ended its own, without the end of the chunked body."""
+    gw = Gateway(tmp_path, MODELS, {"m": [f"127.0.0.1:{crashing_engine}"]})
+    key = gw.cli("keys", "create", "--name", "user")
+    gw.start()
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with (
+            httpx.stream(
+                "POST",
+                f"http://127.0.0.1:{gw.port}/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=30,
+            ) as response,
+            pytest.raises(httpx.RemoteProtocolError),
+        ):
+            assert response.status_code == 200
+            for _ in response.iter_raw():
+                pass
+    finally:
+        gw.stop()
+    lines = [json.loads(x) for x in gw.log.read_text().splitlines() if x.startswith("{")]
+    assert [(x["status"], x["cut"]) for x in lines if x["key"] == "user"] == [(200, True)]
 
 
 def test_client_that_hangs_up_after_done_is_metered_as_a_whole_answer(
