@@ -142,7 +142,9 @@ class RemoteNodes:
         return self.source.facts
 
     async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
-        return await self.source.probe(spec)
+        # Nodes the last probe could not read are not waited on again: discovery's rounds
+        # see them come back.
+        return await self.source.probe(spec, skip_lost=True)
 
     async def fetch(self, spec: ClusterSpec, plan: Plan, report: Report) -> dict[str, str]:
         return await ensure_for_plan(spec, plan, await self.source.connections(spec), report)

@@ -92,9 +92,17 @@ class ProbeSource:
         if self._conns is not None:
             await self._conns.close()
 
-    async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
-        snapshot = await gather(spec, await self.connections(spec))
-        facts = {f.node: f for f in snapshot.nodes}
+    async def probe(self, spec: ClusterSpec, *, skip_lost: bool = False) -> dict[str, NodeFacts]:
+        """Every node's facts now. ``skip_lost``: a node the last probe could not read is
+        not asked again and keeps that answer (a start or stop, which probes several times,
+        must not wait out the SSH timeouts of a lost node each time); discovery's rounds
+        ask every node, so a node that came back is seen at the next one."""
+        lost = {n for n, f in self.facts.items() if f.error} if skip_lost else set()
+        asked = [n.name for n in spec.nodes if n.name not in lost]
+        snapshot = await gather(spec, await self.connections(spec), asked)
+        facts = {n.name: self.facts[n.name] for n in spec.nodes if n.name in lost}
+        facts.update({f.node: f for f in snapshot.nodes})
+        facts = {n.name: facts[n.name] for n in spec.nodes if n.name in facts}  # the spec's order
         for name, f in facts.items():  # say so when a node stops (or starts) answering
             before = self.facts.get(name)
             if f.error and (before is None or before.error != f.error):

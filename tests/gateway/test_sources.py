@@ -43,7 +43,9 @@ def probed(*facts: NodeFacts) -> Snapshot:
 def run(
     source: ProbeSource, spec: ClusterSpec, snapshot: Snapshot, monkeypatch: pytest.MonkeyPatch
 ) -> dict[str, list[str]]:
-    async def fake_gather(_spec: ClusterSpec, _conns: Connections) -> Snapshot:
+    async def fake_gather(
+        _spec: ClusterSpec, _conns: Connections, _nodes: list[str] | None = None
+    ) -> Snapshot:
         return snapshot
 
     monkeypatch.setattr(sources, "gather", fake_gather)
@@ -87,6 +89,33 @@ def test_an_unreachable_node_keeps_its_replicas(monkeypatch: pytest.MonkeyPatch)
     assert run(source, spec, probed(NodeFacts(node="a"), b_down), monkeypatch) == {"small": ["10.0.0.2:8101"]}
     b_stopped = NodeFacts(node="b", units=(), unit_labels={})
     assert run(source, spec, probed(NodeFacts(node="a"), b_stopped), monkeypatch) == {}
+
+
+def test_a_start_does_not_wait_on_a_node_the_last_probe_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller's probes skip a node the last probe could not read (each would
+    wait out its SSH timeouts); discovery's rounds ask every node again."""
+    spec = parse_cluster(CLUSTER)
+    source = ProbeSource(Path())
+    asked: list[list[str] | None] = []
+    answers = {"a": NodeFacts(node="a"), "b": NodeFacts(node="b", error="timed out", error_kind="timeout")}
+
+    async def fake_gather(
+        _spec: ClusterSpec, _conns: Connections, nodes: list[str] | None = None
+    ) -> Snapshot:
+        asked.append(nodes)
+        return probed(*(answers[n] for n in (nodes or ["a", "b"])))
+
+    async def no_connections(_spec: ClusterSpec) -> Connections:
+        return None  # type: ignore[return-value]  # the fake gather needs none
+
+    monkeypatch.setattr(sources, "gather", fake_gather)
+    monkeypatch.setattr(source, "connections", no_connections)
+    asyncio.run(source.probe(spec))
+    facts = asyncio.run(source.probe(spec, skip_lost=True))
+    assert asked[-1] == ["a"]
+    assert list(facts) == ["a", "b"] and facts["b"].error == "timed out"  # its last answer kept
+    asyncio.run(source.discover(spec))
+    assert asked[-1] == ["a", "b"]
 
 
 def test_static_source_file(tmp_path: Path) -> None:
