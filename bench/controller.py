@@ -67,22 +67,34 @@ def free_port() -> int:
     return port
 
 
-def ssh(node: str, command: str) -> str:
+def ssh(node: str, command: str) -> str | None:
+    """``command``'s output on ``node``; None when ssh itself failed (a node just healed
+    may not answer yet: that must not read as "nothing runs there")."""
     done = subprocess.run(
         ["ssh", "-F", str(STATE / "ssh_config"), node, command],
         capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
-    return done.stdout
+    return done.stdout if done.returncode == 0 else None
 
 
-def running(node: str, model: str) -> set[str]:
+def running(node: str, model: str) -> set[str] | None:
+    """The model's units that run on ``node``; None when the node could not be asked."""
     pattern = shlex.quote(f"llmgw-{model}-*")
     out = ssh(
         node,
         f"systemctl list-units --plain --no-legend --state=active,activating,reloading {pattern}"
         " | awk '{print $1}'",
     )
-    return set(out.split())
+    return None if out is None else set(out.split())
+
+
+def where(model: str) -> list[str] | None:
+    """The nodes the model runs on once exactly one does (every node answering)."""
+    found = {n: running(n, model) for n in NODES}
+    if any(units is None for units in found.values()):
+        return None
+    nodes = [n for n, units in found.items() if units]
+    return nodes if len(nodes) == 1 else None
 
 
 def wait(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.25) -> Any:
@@ -181,7 +193,7 @@ def node_loss(gw: Gateway, runs: int) -> tuple[list[float], list[float]]:
 
     wait(answered, 120, "keeper to answer")
     for run in range(1, runs + 1):
-        (lost,) = wait(lambda: [n for n in NODES if running(n, "keeper")], 60, "keeper on one node")
+        (lost,) = wait(lambda: where("keeper"), 60, "keeper on exactly one node")
         must(llmgw("lab", "fault", lost, "node", "unreachable", "--state", str(STATE)))
         t0 = time.monotonic()
         try:
@@ -190,7 +202,7 @@ def node_loss(gw: Gateway, runs: int) -> tuple[list[float], list[float]]:
         finally:
             must(llmgw("lab", "fault", lost, "node", "reachable", "--state", str(STATE)))
         healed = time.monotonic()
-        wait(lambda: not running(lost, "keeper"), 300, f"the replaced replica on {lost} to stop")  # noqa: B023
+        wait(lambda: running(lost, "keeper") == set(), 300, f"the replaced replica on {lost} to stop")  # noqa: B023
         stopped.append(time.monotonic() - healed)
         print(f"node lost, run {run}: answered again after {recovered[-1]:.1f} s; "
               f"replaced replica stopped {stopped[-1]:.1f} s after {lost} came back", flush=True)  # fmt: skip
@@ -205,7 +217,7 @@ def exit_time(model: str) -> float | None:
             node,
             f"journalctl --sync; journalctl -u {unit} -o short-unix --no-pager | grep -m1 'Main process exited'",
         )
-        if out.strip():
+        if out and out.strip():
             return float(out.split()[0])
     return None
 
