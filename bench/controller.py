@@ -278,7 +278,8 @@ def main() -> None:
         finally:
             gw.stop()
             llmgw("lab", "down", "--state", str(STATE))
-            log = (Path(tmp) / "gateway.log").read_text(errors="replace")
+            written = Path(tmp) / "gateway.log"
+            log = written.read_text(errors="replace") if written.exists() else ""
             kept = [line for line in log.splitlines() if not line.startswith("[conn=")]
             Path("/tmp/llmgw-bench-controller.log").write_text("\n".join(kept) + "\n")
     for name, values in results.items():
