@@ -54,8 +54,8 @@ LOAD_SECONDS = 2.0  # the simulated engine's default load time
 START_TIMEOUT = 8.0  # readiness.start_timeout of the `quick` profile
 LOAD_WAIT = 10.0  # gateway.load_wait: how long a request waits for a replica to be ready
 # Besides node_grace and the engine's load: noticing the loss (a probe of a node that does
-# not answer takes up to twice ssh.connect_timeout, 5s in the lab) and the start, whose
-# own probes wait on the lost node the same way (bench/RESULTS.md: where the time goes).
+# not answer takes up to twice ssh.connect_timeout, 5s in the lab), the start, and a busy
+# machine (bench/RESULTS.md: where the time goes).
 RECOVERY_MARGIN = 45.0
 MODEL_SOURCE = "/data/models/Mistral-7B-Instruct-v0.3"
 
