@@ -127,6 +127,9 @@ def run(
     store = SqliteStore(spec.gateway.state_dir)
     manages = probe is not None and spec.gateway.manage_replicas
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
+    # asyncssh says "Opening SSH connection", "Requesting new SSH session"... at INFO for
+    # every probe: most of the journal. Its warnings and errors still show.
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
     gateway = Gateway(
         spec,
         source,

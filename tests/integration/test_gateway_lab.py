@@ -77,3 +77,5 @@ def test_discovery_rounds_reuse_one_connection_per_node(lab: Lab, tmp_path: Path
         assert asyncio.run(poll_until(later_rounds, timeout=30, interval=0.5)), "no later discovery round"
         counts = {n.name: logins(lab, n.name, "llmgw-gateway", marks[n.name]) for n in lab.nodes}
     assert counts == {n.name: 1 for n in lab.nodes}
+    # asyncssh's per-session lines (INFO) stay out of the gateway's journal
+    assert "SSH session" not in (tmp_path / "gateway.log").read_text()
