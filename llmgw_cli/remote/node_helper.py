@@ -307,6 +307,15 @@ def check_words(words: list[str]) -> None:
         raise Refused(f"{verb!r} is not a node-helper verb")
 
 
+def unit_matches(unit: str) -> list[str]:
+    """journalctl matches for a unit's lines: its processes' (``_SYSTEMD_UNIT``) or lines
+    about it (``UNIT``). Not ``-u``: that takes ``UNIT`` only from PID 1, and the line
+    systemd's forked child logs when it cannot execute the engine ("Failed to execute
+    ...: No such file or directory") carries ``UNIT`` but comes from the child, which is
+    often gone before journald can read its cgroup for ``_SYSTEMD_UNIT``."""
+    return [f"_SYSTEMD_UNIT={unit}", "+", f"UNIT={unit}"]
+
+
 def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
     verb, args = words[0], words[1:]
     if verb == "probe":
@@ -322,7 +331,7 @@ def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
         # returns once everything sent before it is stored, so the tail below holds it.
         subprocess.call(["journalctl", "--sync"], stderr=subprocess.DEVNULL)
         since = ["--since", f"@{args[1]}"] if args[1] != "-" else []
-        cmd = ["journalctl", "-u", args[0], *since, "-n", args[2], "--no-pager", "-o", "cat"]
+        cmd = ["journalctl", *unit_matches(args[0]), *since, "-n", args[2], "--no-pager", "-o", "cat"]
         return subprocess.call(cmd)
     if verb == "stop":
         return _systemctl("stop", *args)

@@ -22,7 +22,7 @@ from llmgw_cli.core.facts import UnitState
 from llmgw_cli.core.node_access import HELPER
 from llmgw_cli.core.parse.systemctl import parse_show, unit_state
 from llmgw_cli.errors import NodeError
-from llmgw_cli.remote.node_helper import SHOW_PROPERTIES
+from llmgw_cli.remote.node_helper import SHOW_PROPERTIES, unit_matches
 from llmgw_cli.remote.transport import CommandResult, Transport
 
 
@@ -105,7 +105,7 @@ class ShellOps:
         after = f"--since @{since}" if since.isdigit() else ""
         result = await self.transport.run(
             # --sync first: a failed start's own line may still be on its way to journald
-            f"journalctl --sync 2>/dev/null; journalctl -u {shlex.quote(unit)} {after} -n {int(lines)} --no-pager -o cat",
+            f"journalctl --sync 2>/dev/null; journalctl {shlex.join(unit_matches(unit))} {after} -n {int(lines)} --no-pager -o cat",
             root=True,
         )
         return result.stdout

@@ -178,3 +178,17 @@ def test_fetch_jobs_outside_the_weights_folders_are_refused(job: dict[str, str])
     cfg = {"programs": [], "users": [], "weights": ["/data/models"]}
     with pytest.raises(Refused):
         node_helper._fetch(job, cfg)
+
+
+def test_journal_reads_the_lines_about_a_unit_not_only_those_of_its_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """systemd's child logs why it could not execute the engine with UNIT=, and is often
+    gone before journald reads its cgroup: `-u` (UNIT= from PID 1 only) can miss that line."""
+    ran: list[list[str]] = []
+    monkeypatch.setattr(node_helper.subprocess, "call", lambda cmd, **_: ran.append(cmd) or 0)
+    assert node_helper.run_verb(["journal", "llmgw-m-0.service", "1700000000", "15"], {}) == 0
+    sync, read = ran
+    assert sync == ["journalctl", "--sync"]
+    assert read[:4] == ["journalctl", "_SYSTEMD_UNIT=llmgw-m-0.service", "+", "UNIT=llmgw-m-0.service"]
+    assert "-u" not in read and read[read.index("--since") + 1] == "@1700000000"
