@@ -126,8 +126,9 @@ class Nodes(Protocol):
         weights first (a start brings them itself, outside the lock, before this)."""
         ...
 
-    async def watch(self, spec: ClusterSpec, action: Action) -> UnitFailure:
-        """Begin watching the head unit of a replica just started."""
+    async def watch(self, spec: ClusterSpec, action: Action, since: str = "") -> UnitFailure:
+        """Begin watching the head unit of a replica just started (``since``: the head
+        node's clock before the start, ``Outcome.since``)."""
         ...
 
 
@@ -155,11 +156,11 @@ class RemoteNodes:
         conns = await self.source.connections(spec)
         return await execute(spec, conns, plan, report, wait=False, fetch=fetch)
 
-    async def watch(self, spec: ClusterSpec, action: Action) -> UnitFailure:
+    async def watch(self, spec: ClusterSpec, action: Action, since: str = "") -> UnitFailure:
         head = action.nodes[0]
         unit = next(w.name for w in action.write if w.node == head)
         conns = await self.source.connections(spec)
-        return await UnitWatch.start(NodeOps(conns.to(head)), unit)
+        return await UnitWatch.start(NodeOps(conns.to(head)), unit, since)
 
 
 # --- what the controller remembers ------------------------------------------------------
@@ -180,6 +181,7 @@ class Known:
     lost_since: float | None = None
     failing_since: float | None = None
     replaced: bool = False
+    since: str = ""  # its head node's clock just before this gateway started it
 
 
 @dataclass(frozen=True)
@@ -789,6 +791,9 @@ class Controller:
         self.known[(model, action.replica)] = Known(
             model, action.replica, address, action.nodes, now, action.port, dict(action.gpus)
         )
+        self.known[(model, action.replica)].since = next(
+            (o.since for o in outcomes if o.subject == action.nodes[0]), ""
+        )
         replica = self.pool.add(model, address, time.monotonic())
         replica.last_used = now  # the request that asked for it is about to use it
         await self._probe(spec)  # so the next look sees its units (and their cards)
@@ -801,7 +806,8 @@ class Controller:
         timeout = spec.profiles[spec.model(model).profile].readiness.start_timeout
         mc = self.model(model)
         try:
-            watch: UnitFailure | None = await self.nodes.watch(spec, action)
+            known = self.known.get((model, action.replica))
+            watch: UnitFailure | None = await self.nodes.watch(spec, action, known.since if known else "")
         except NodeError as exc:
             log.warning("%s: cannot watch the unit of replica %d: %s", model, action.replica, exc)
             watch = None

@@ -79,6 +79,7 @@ class ProbeSource:
         self.facts: dict[str, NodeFacts] = {}  # of the last probe (the controller plans on them)
         self.probed: dict[str, float] = {}  # node -> monotonic time of its last good probe
         self.since = time.monotonic()  # the age of a node never reached counts from here
+        self._asked: dict[str, float] = {}  # node -> monotonic time its kept facts were asked for
 
     async def connections(self, spec: ClusterSpec) -> Connections:
         """The connections to ``spec``'s nodes, held between rounds."""
@@ -99,9 +100,18 @@ class ProbeSource:
         ask every node, so a node that came back is seen at the next one."""
         lost = {n for n, f in self.facts.items() if f.error} if skip_lost else set()
         asked = [n.name for n in spec.nodes if n.name not in lost]
+        began = time.monotonic()
         snapshot = await gather(spec, await self.connections(spec), asked)
-        facts = {n.name: self.facts[n.name] for n in spec.nodes if n.name in lost}
-        facts.update({f.node: f for f in snapshot.nodes})
+        # Probes overlap (discovery's rounds, the controller's starts and stops), and one
+        # that waited on a lost node can end after a later one that saw a unit written or
+        # started meanwhile: a node's facts are replaced only by facts asked for later.
+        facts = dict(self.facts)
+        fresh = []
+        for f in snapshot.nodes:
+            if self._asked.get(f.node, float("-inf")) <= began:
+                facts[f.node] = f
+                self._asked[f.node] = began
+                fresh.append(f)
         facts = {n.name: facts[n.name] for n in spec.nodes if n.name in facts}  # the spec's order
         for name, f in facts.items():  # say so when a node stops (or starts) answering
             before = self.facts.get(name)
@@ -110,7 +120,7 @@ class ProbeSource:
             elif not f.error and before is not None and before.error:
                 log.info("node %s: reachable again", name)
         now = time.monotonic()
-        self.probed.update({f.node: now for f in snapshot.nodes if f.reachable})
+        self.probed.update({f.node: now for f in fresh if f.reachable})
         self.facts = facts
         return facts
 

@@ -47,6 +47,9 @@ class Outcome:
     subject: str  # a node, or "model#replica"
     ok: bool
     message: str
+    # The node's clock (epoch seconds) just before it started units, "" when it started
+    # none: a watch of a unit that exited at once reads its journal from there.
+    since: str = ""
 
 
 @dataclass
@@ -146,7 +149,7 @@ async def ensure_account(t: Transport, user: str) -> None:
     )
 
 
-async def _apply_node(t: Transport, w: _NodeWork, key: str | None, *, operator: bool = True) -> None:
+async def _apply_node(t: Transport, w: _NodeWork, key: str | None, *, operator: bool = True) -> str:
     """Accounts and the key file (the operator only: the gateway finds them made by apply),
     then the units through the node helper's verbs, the one path both callers share."""
     if operator:
@@ -169,6 +172,7 @@ async def _apply_node(t: Transport, w: _NodeWork, key: str | None, *, operator: 
         # would have seen it: say why with the journals of the units that did not come up.
         tails = [await unit_failure(ops, unit, since) for unit in units]
         raise NodeError(t.node, exc.kind, "\n".join([exc.reason, *filter(None, tails)])) from None
+    return since
 
 
 async def must(t: Transport, command: str, what: str) -> None:
@@ -179,7 +183,7 @@ async def must(t: Transport, command: str, what: str) -> None:
 
 
 async def _wait_ready(
-    spec: ClusterSpec, action: Action, transports: dict[str, Transport], report: Report
+    spec: ClusterSpec, action: Action, transports: dict[str, Transport], report: Report, since: str
 ) -> Outcome:
     model = spec.model(action.model)
     profile = spec.profiles[model.profile]
@@ -188,7 +192,7 @@ async def _wait_ready(
     host = spec.node(head).engine_host
     url = f"http://{host}:{action.port}{profile.readiness.path}"
     subject = f"{action.model}#{action.replica}"
-    watch = await UnitWatch.start(NodeOps(transports[head]), unit)
+    watch = await UnitWatch.start(NodeOps(transports[head]), unit, since)
     report(subject, "starting")
     last = "starting"
 
@@ -277,9 +281,12 @@ class UnitWatch:
         return self.ops.transport
 
     @classmethod
-    async def start(cls, ops: NodeOps | ShellOps, unit: str) -> UnitWatch:
+    async def start(cls, ops: NodeOps | ShellOps, unit: str, since: str = "") -> UnitWatch:
+        """Watch ``unit`` from now on. ``since``: the node's clock before the unit was
+        started (``Outcome.since``), so the journal of an engine that exited before the
+        watch began is read whole; "" takes the node's clock now."""
         state = await ops.show(unit)
-        return cls(ops, unit, state.n_restarts if state else 0, await ops.date())
+        return cls(ops, unit, state.n_restarts if state else 0, since or await ops.date())
 
     async def failure(self, lines: int = 15) -> str | None:
         """The reason and the last ``lines`` of its journal if the unit went wrong, else None."""
@@ -313,19 +320,31 @@ async def execute(
             report(node.name, f"failed: {no_weights[node.name]}")
             return Outcome(node.name, False, no_weights[node.name])
         try:
-            await _apply_node(t, work[node.name], keys.get(node.name), operator=operator)
+            since = await _apply_node(t, work[node.name], keys.get(node.name), operator=operator)
         except NodeError as exc:
             report(node.name, f"failed: {exc.reason}")
             return Outcome(node.name, False, exc.reason)
         report(node.name, "units in place")
-        return Outcome(node.name, True, "units in place")
+        return Outcome(node.name, True, "units in place", since)
 
     outcomes = await conns.each([spec.node(n) for n in sorted(work)], one)
-    broken = {o.subject for o in outcomes if not o.ok}
     if wait:
-        started = [a for a in plan.changes if a.write and not set(a.nodes) & broken]
-        outcomes += await asyncio.gather(*(_wait_ready(spec, a, transports, report) for a in started))
+        outcomes += await _wait_all(spec, plan, outcomes, transports, report)
     return outcomes
+
+
+async def _wait_all(
+    spec: ClusterSpec, plan: Plan, outcomes: list[Outcome], transports: dict[str, Transport], report: Report
+) -> list[Outcome]:
+    """The readiness wait of every replica ``plan`` started on nodes that did not fail."""
+    broken = {o.subject for o in outcomes if not o.ok}
+    since = {o.subject: o.since for o in outcomes}
+    started = [a for a in plan.changes if a.write and not set(a.nodes) & broken]
+    return list(
+        await asyncio.gather(
+            *(_wait_ready(spec, a, transports, report, since.get(a.nodes[0], "")) for a in started)
+        )
+    )
 
 
 async def wait_started(
@@ -334,7 +353,5 @@ async def wait_started(
     """The readiness wait of ``execute`` on its own: one Outcome per replica ``plan``
     started on nodes that did not fail in ``outcomes``. For a caller that ran ``execute``
     with ``wait=False`` under the cluster lock and waits after releasing it."""
-    broken = {o.subject for o in outcomes if not o.ok}
-    started = [a for a in plan.changes if a.write and not set(a.nodes) & broken]
-    transports = {name: conns.to(name) for a in started for name in a.nodes}
-    return list(await asyncio.gather(*(_wait_ready(spec, a, transports, report) for a in started)))
+    transports = {name: conns.to(name) for a in plan.changes if a.write for name in a.nodes}
+    return await _wait_all(spec, plan, outcomes, transports, report)

@@ -143,7 +143,7 @@ class FakeNodes:
                 self.exit_next = None
         return [Outcome(n, True, "units in place") for a in plan.changes for n in a.nodes]
 
-    async def watch(self, spec: ClusterSpec, action: Action) -> Watch:
+    async def watch(self, spec: ClusterSpec, action: Action, since: str = "") -> Watch:
         head = next(w for w in action.write if w.node == action.nodes[0])
         return Watch(self, head.name)
 

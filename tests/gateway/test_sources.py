@@ -118,6 +118,50 @@ def test_a_start_does_not_wait_on_a_node_the_last_probe_lost(monkeypatch: pytest
     assert asked[-1] == ["a", "b"]
 
 
+def test_a_probe_that_ends_late_does_not_overwrite_what_a_later_probe_saw(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Discovery's round waits on a lost node while a start writes its unit and probes
+    again: the round's older view of the other node must not replace the newer one (the
+    controller read the just-started unit as missing and stopped it)."""
+    spec = parse_cluster(CLUSTER)
+    source = ProbeSource(Path())
+    started = NodeFacts(
+        node="a",
+        units=(unit_state("llmgw-small-0.service"),),
+        unit_labels={"llmgw-small-0.service": labels("small", 0, 8101, "a")},
+    )
+    lost = NodeFacts(node="b", error="timed out", error_kind="timeout")
+
+    async def scenario() -> dict[str, NodeFacts]:
+        release = asyncio.Event()
+
+        async def fake_gather(
+            _spec: ClusterSpec, _conns: Connections, nodes: list[str] | None = None
+        ) -> Snapshot:
+            if nodes == ["a", "b"]:  # the slow round: it read a before the start
+                await release.wait()
+                return probed(NodeFacts(node="a"), lost)
+            return probed(started)
+
+        async def no_connections(_spec: ClusterSpec) -> Connections:
+            return None  # type: ignore[return-value]  # the fake gather needs none
+
+        monkeypatch.setattr(sources, "gather", fake_gather)
+        monkeypatch.setattr(source, "connections", no_connections)
+        source.facts = {"b": lost}  # known lost: the start's probe asks a only
+        source._asked = {}
+        round_ = asyncio.create_task(source.probe(spec))
+        await asyncio.sleep(0)
+        assert (await source.probe(spec, skip_lost=True))["a"] == started
+        release.set()
+        return await round_
+
+    facts = asyncio.run(scenario())
+    assert facts["a"] == started and source.facts["a"] == started
+    assert facts["b"].error == "timed out"
+
+
 def test_static_source_file(tmp_path: Path) -> None:
     path = tmp_path / "replicas.yaml"
     path.write_text("small: ['127.0.0.1:8000', '127.0.0.1:8001']\n")

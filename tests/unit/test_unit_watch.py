@@ -181,3 +181,18 @@ def test_execute_brings_weights_unless_told_its_caller_did(
 
     asyncio.run(scenario())
     assert calls == ([stop] if fetch else [])
+
+
+def test_the_journal_is_read_from_before_the_start_when_the_watch_began_later() -> None:
+    """An engine that exited before its watch began: its journal lines are older than
+    the watch, so the watch reads from the clock its node gave before the start."""
+    node = FakeNode()
+    node.set("activating", "auto-restart", "exit-code", status=2)
+    node.journal = [JOURNAL]
+    watch = asyncio.run(UnitWatch.start(NodeOps(node), UNIT, "1699999990"))
+    assert failure(watch)
+    journal = [c for c in node.commands if " journal " in c]
+    assert journal and shlex.split(journal[-1])[-2] == "1699999990", journal
+    assert not any(" date" in c for c in node.commands)  # the node's clock now is not asked
+    later = watched(FakeNode(props=node.props))
+    assert later.since == "1700000000"  # without one: the node's clock when the watch began
