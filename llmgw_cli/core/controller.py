@@ -85,6 +85,18 @@ class Seen:
     in_flight: int = 0
     replaced: bool = False  # the controller started a replacement for it already
 
+    @property
+    def use(self) -> ReplicaUse:
+        """What the idle, eviction and scale-out rules (``core/lifecycle.py``) read."""
+        return ReplicaUse(
+            model=self.model,
+            replica=self.replica,
+            nodes=len(self.nodes),
+            ready_at=self.ready_at,
+            last_used=self.last_used,
+            in_flight=self.in_flight,
+        )
+
 
 def backoff(failures: int, first: float) -> float:
     """Seconds to wait after ``failures`` failed starts in a row: doubling, at most 5 min."""
@@ -241,18 +253,7 @@ def reconcile(
             decisions.append(Start(model.name, reason, avoid))
             continue
         stopping = {d.replica for d in judged if not isinstance(d, Start)}
-        uses += [
-            ReplicaUse(
-                model=r.model,
-                replica=r.replica,
-                nodes=len(r.nodes),
-                ready_at=r.ready_at,
-                last_used=r.last_used,
-                in_flight=r.in_flight,
-            )
-            for r in counted
-            if r.units is UnitCondition.up and r.replica not in stopping
-        ]
+        uses += [r.use for r in counted if r.units is UnitCondition.up and r.replica not in stopping]
         wait = queue_wait.get(model.name, 0.0)
         if (
             wait

@@ -144,12 +144,20 @@ def facts_digest(facts: dict[str, NodeFacts]) -> str:
 
 
 def _as_replica(facts: dict[str, NodeFacts], r: Running) -> PlacedReplica:
+    return _holding(facts, r.model, r.members, r.gpus)
+
+
+def _holding(
+    facts: dict[str, NodeFacts], model: str, nodes: tuple[str, ...], gpus: dict[str, tuple[str, ...]]
+) -> PlacedReplica:
+    """A replica of ``model`` on ``nodes`` holding the cards ``gpus`` (node -> UUIDs), as
+    placement takes what is already taken (card indices from the facts)."""
     slots = []
-    for node in r.members:
-        uuids = r.gpus.get(node, ())
+    for node in nodes:
+        uuids = gpus.get(node, ())
         indices = tuple(g.index for g in facts[node].gpus if g.uuid in uuids) if node in facts else ()
         slots.append(Slot(node, indices, uuids))
-    return PlacedReplica(r.model, tuple(slots))
+    return PlacedReplica(model, tuple(slots))
 
 
 def _used_ports(running: list[Running]) -> dict[str, set[int]]:
@@ -330,7 +338,9 @@ def grow_plan(
     weights are still being fetched): their cards, ports and replica numbers count as
     taken. ``avoid``: GPU UUIDs not to use (the cards of a unit systemd gave up on)."""
     running = running_replicas(facts)
-    held = [_as_replica(facts, r) for r in running] + [_reserved_replica(facts, a) for a in reserved]
+    held = [_as_replica(facts, r) for r in running] + [
+        _holding(facts, a.model, a.nodes, a.gpus) for a in reserved
+    ]
     placement = place(spec, _without(facts, avoid), held, {model: count})
     used = _used_ports(running)
     for a in reserved:
@@ -342,15 +352,6 @@ def grow_plan(
     return Plan(
         actions=tuple(actions), unplaced=tuple(unplaced), warnings=warnings, facts_digest=facts_digest(facts)
     )
-
-
-def _reserved_replica(facts: dict[str, NodeFacts], action: Action) -> PlacedReplica:
-    slots = []
-    for node in action.nodes:
-        uuids = action.gpus.get(node, ())
-        indices = tuple(g.index for g in facts[node].gpus if g.uuid in uuids) if node in facts else ()
-        slots.append(Slot(node, indices, uuids))
-    return PlacedReplica(action.model, tuple(slots))
 
 
 def _placeholder(action: Action) -> Running:

@@ -69,7 +69,7 @@ from llmgw_cli.core.controller import (
     phase as model_phase,
 )
 from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.lifecycle import ReplicaUse, eviction_candidate, known_last_use
+from llmgw_cli.core.lifecycle import eviction_candidate, known_last_use
 from llmgw_cli.core.plan import Action, Plan, Running, conflicts, grow_plan, running_replicas, stop_plan
 from llmgw_cli.core.routing import Health, Pool, RoutedReplica, serving_address
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
@@ -729,18 +729,7 @@ class Controller:
         if mc.evicted and mc.attempts.failures:
             raise StartFailed(f"{why}; an eviction for it was done already and its start failed since")
         now = self.clock()
-        uses = [
-            ReplicaUse(
-                model=s.model,
-                replica=s.replica,
-                nodes=len(s.nodes),
-                ready_at=s.ready_at,
-                last_used=s.last_used,
-                in_flight=s.in_flight,
-            )
-            for s in self._seen(spec, now)
-            if s.units is UnitCondition.up
-        ]
+        uses = [s.use for s in self._seen(spec, now) if s.units is UnitCondition.up]
         victim = eviction_candidate(spec, uses, start.model, now, spec.gateway.eviction_grace)
         if victim is None:
             raise StartFailed(f"{why}; no idle on-demand replica may be evicted")
