@@ -2,10 +2,11 @@
 
 One always-on model, ``soak``, two replicas (each takes a whole node, so they sit on
 node01 and node02), the simulated vLLM at a slow token rate so that a stream lasts about
-2 s. The official ``openai`` client streams at a set concurrency for a set time; every
-``kill_every`` seconds one replica's engine is SIGKILLed (``systemctl kill -s KILL``, the
-two in turn; systemd restarts it after the unit's RestartSec), but only once the other
-replica is in the gateway's rotation again: with none ready every request would fail.
+2 s. The official ``openai`` client streams at a set concurrency for a set time (the
+load generator of tests/integration/load.py); every ``kill_every`` seconds one replica's
+engine is SIGKILLed (``systemctl kill -s KILL``, the two in turn; systemd restarts it
+after the unit's RestartSec), but only once the other replica is in the gateway's
+rotation again: with none ready every request would fail.
 
 Each failure is attributed from the gateway's access log (``replica``, ``cut``,
 ``status``, ``attempts``) and the kill times: what the gateway promises is that no
@@ -18,7 +19,6 @@ bench/soak.py.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import yaml
 
 from tests.gateway.harness import free_port, start_gateway, stop
@@ -35,10 +34,10 @@ from tests.waiting import wait_until
 
 from .conftest import Lab
 from .lab_helpers import reset, run
+from .load import Load, Request, access_log
 
 MODEL = "soak"
 TOKENS_PER_SECOND = 8  # the simulator's 16-token reply: a stream of about 2 s
-MESSAGES = [{"role": "user", "content": "Tell me a short story."}]
 SLACK = 1.0  # seconds around a kill that its SSH round trip may take
 
 
@@ -119,17 +118,6 @@ def soak_gateway(lab: Lab, folder: Path) -> Iterator[SoakGateway]:
 
 
 @dataclass
-class Stream:
-    """One request as the client saw it (wall times)."""
-
-    started: float
-    ended: float = 0.0
-    opened: bool = False  # the answer's head arrived (create() returned)
-    complete: bool = False  # a chunk with a finish_reason arrived
-    error: str = ""
-
-
-@dataclass
 class Kill:
     at: float  # wall time just before the kill was sent
     done: float  # wall time once the node said it was done
@@ -139,17 +127,17 @@ class Kill:
 
 @dataclass
 class SoakResult:
-    streams: list[Stream]
+    streams: list[Request]  # what the client saw of each request
     kills: list[Kill]
     log: list[dict[str, Any]]  # the gateway's access log lines of the model
     waits: list[float] = field(default_factory=list)  # seconds a kill waited for the other replica
 
     @property
-    def before_first_byte(self) -> list[Stream]:
+    def before_first_byte(self) -> list[Request]:
         return [s for s in self.streams if not s.opened]
 
     @property
-    def broken(self) -> list[Stream]:
+    def broken(self) -> list[Request]:
         """Streams the client got a head for but not the whole answer."""
         return [s for s in self.streams if s.opened and not s.complete]
 
@@ -190,25 +178,6 @@ class SoakResult:
         )
 
 
-async def _client_loop(client: openai.AsyncOpenAI, until: float, out: list[Stream]) -> None:
-    while time.monotonic() < until:
-        stream = Stream(time.time())
-        out.append(stream)
-        try:
-            answer = await client.chat.completions.create(
-                model=MODEL,
-                messages=MESSAGES,  # type: ignore[arg-type]
-                stream=True,
-            )
-            stream.opened = True
-            async for chunk in answer:
-                if chunk.choices and chunk.choices[0].finish_reason is not None:
-                    stream.complete = True
-        except Exception as exc:  # every failure is counted, whatever its kind
-            stream.error = f"{type(exc).__name__}: {exc}"
-        stream.ended = time.time()
-
-
 async def _kill_loop(
     lab: Lab, gw: SoakGateway, until: float, *, every: float, kills: list[Kill], waits: list[float]
 ) -> None:
@@ -245,26 +214,15 @@ async def _kill_loop(
 
 async def _soak(
     lab: Lab, gw: SoakGateway, concurrency: int, seconds: float, kill_every: float
-) -> tuple[list[Stream], list[Kill], list[float]]:
-    client = openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{gw.port}/v1",
-        api_key=gw.key,
-        max_retries=0,  # a failure must show, not be hidden by the client's own retries
-        timeout=60,
-        http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency * 2)),
-    )
+) -> tuple[list[Request], list[Kill], list[float]]:
+    load = Load(f"http://127.0.0.1:{gw.port}/v1", gw.key, MODEL, concurrency=concurrency)
     until = time.monotonic() + seconds
-    streams: list[Stream] = []
     kills: list[Kill] = []
     waits: list[float] = []
-    try:
-        await asyncio.gather(
-            _kill_loop(lab, gw, until, every=kill_every, kills=kills, waits=waits),
-            *(_client_loop(client, until, streams) for _ in range(concurrency)),
-        )
-    finally:
-        await client.close()
-    return streams, kills, waits
+    await asyncio.gather(
+        _kill_loop(lab, gw, until, every=kill_every, kills=kills, waits=waits), load.run(until)
+    )
+    return load.requests, kills, waits
 
 
 def soak(lab: Lab, gw: SoakGateway, *, concurrency: int, seconds: float, kill_every: float) -> SoakResult:
@@ -272,5 +230,4 @@ def soak(lab: Lab, gw: SoakGateway, *, concurrency: int, seconds: float, kill_ev
     seconds; then stop the gateway (its log is complete) and read its access log."""
     streams, kills, waits = asyncio.run(_soak(lab, gw, concurrency, seconds, kill_every))
     gw.halt()
-    lines = [json.loads(x) for x in gw.log.read_text().splitlines() if x.startswith("{")]
-    return SoakResult(streams, kills, [x for x in lines if x.get("model") == MODEL], waits)
+    return SoakResult(streams, kills, access_log(gw.log, MODEL), waits)
