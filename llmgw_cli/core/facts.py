@@ -185,6 +185,9 @@ class NodeFacts(Fact):
     units: tuple[UnitState, ...] = ()
     unit_labels: dict[str, dict[str, str]] = {}
     engines: tuple[Engine, ...] = ()
+    # Replica units being retired: unit name -> deadline (node clock), from the drain
+    # markers (``core/drain.py``).
+    draining: dict[str, float] = {}
     # Read only by a probe that runs as root (the operator's, logged in as root); None
     # otherwise. The engine key itself never leaves the node: only whether there is one.
     node_access: NodeAccess | None = None

@@ -83,6 +83,15 @@ class Running(Fact):
         return not self.up
 
 
+class Retired(Fact):
+    """The replica a ``~`` replaces: drained, then stopped and its units removed."""
+
+    replica: int
+    nodes: tuple[str, ...]
+    unit: str
+    port: int
+
+
 class Action(Fact):
     op: Op
     model: str
@@ -95,6 +104,14 @@ class Action(Fact):
     gpus: dict[str, tuple[str, ...]] = Field(
         default_factory=dict
     )  # node -> GPU UUIDs the replica takes (`+`, `~`)
+    # `~` only: the replica replaced. With ``surge`` this action's units start first (a
+    # new replica number, port and cards) and ``retire`` is drained and stopped once they
+    # serve; without, ``retire`` is drained and stopped first, then these units start.
+    retire: Retired | None = None
+    surge: bool = False
+    # Non-empty: carrying this out leaves the model with no serving replica for its load
+    # time, in plain words; apply refuses it without --allow-downtime.
+    downtime: str = ""
 
 
 class Plan(Fact):
@@ -106,6 +123,11 @@ class Plan(Fact):
     @property
     def changes(self) -> list[Action]:
         return [a for a in self.actions if a.op != "="]
+
+    @property
+    def downtime(self) -> list[str]:
+        """Why carrying it out leaves some model with no serving replica (empty: it does not)."""
+        return [a.downtime for a in self.actions if a.downtime]
 
 
 def running_replicas(facts: dict[str, NodeFacts]) -> list[Running]:
@@ -136,6 +158,7 @@ def facts_digest(facts: dict[str, NodeFacts]) -> str:
             "gpus": [(g.uuid, g.health.value) for g in f.gpus],
             "units": sorted((u.name, u.active_state) for u in f.units),
             "labels": f.unit_labels,
+            "draining": sorted(f.draining),
             "ib": [(p.hca, p.port, p.state.value) for p in f.ib_ports],
         }
         for name, f in sorted(facts.items())

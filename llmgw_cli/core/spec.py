@@ -392,7 +392,10 @@ class GatewaySettings(Spec):
         None, description="TLS on the public listener. Unset: plain HTTP (put a TLS proxy in front)."
     )
     drain_timeout: Duration = Field(
-        30.0, description="On SIGTERM, how long in-flight requests and streams may still run."
+        30.0,
+        description="How long requests and streams in flight may still run: in the gateway on "
+        "SIGTERM, and on a replica that `apply` retires (drains) before it stops it. A model's "
+        "`drain_timeout` overrides it for its replicas.",
     )
     scale_out_wait: Duration = Field(
         5.0,
@@ -691,6 +694,11 @@ class Model(Spec):
         default_factory=list, description="Names in `env` whose values are secrets (see the profile's)."
     )
     scaling: Scaling | None = Field(None, description="Replica counts; unset: the model is off.")
+    drain_timeout: Duration | None = Field(
+        None,
+        description="How long a replica being retired (replaced by `apply`) may finish its "
+        "requests in flight before it is stopped. Unset: `gateway.drain_timeout`.",
+    )
 
     @field_validator("source")
     @classmethod
