@@ -23,11 +23,12 @@ from llmgw_cli.progress import Report
 from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
 from llmgw_cli.remote.connect import Connections, Session
 from llmgw_cli.remote.engine_keys import distribute_engine_keys, nodes_without_key, rotate_engine_keys
-from llmgw_cli.remote.execute import Outcome, execute, wait_started
+from llmgw_cli.remote.execute import Outcome
 from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.gateway_install import GatewayPreview, install, preview
 from llmgw_cli.remote.node_setup import prepare, stale_nodes
 from llmgw_cli.remote.probe import Snapshot
+from llmgw_cli.remote.rollout import TakeLock, carry_out
 from llmgw_cli.remote.transport import Transport
 
 T = TypeVar("T")
@@ -46,11 +47,14 @@ async def _execute_with_progress(
     facts: dict[str, NodeFacts],
     rotate: bool = False,
     lock: ApplyHold | None = None,
+    take_lock: TakeLock | None = None,
     fetched: dict[str, str] | None = None,
 ) -> list[Outcome]:
     """Run the plan, then install the gateway, with a live table of nodes and replicas on
     a terminal, lines otherwise. ``lock`` (the cluster lock, held) is released once the
-    units are written and started, before the readiness wait. ``fetched``: the plan's
+    units are written and started, before the readiness wait; the rolling replacements
+    take it again for each of their write steps with ``take_lock`` (None: ``--no-lock``).
+    ``fetched``: the plan's
     weights were brought already (node -> why they could not be): the units go only where
     they are; None: the executor brings them first."""
 
@@ -64,18 +68,20 @@ async def _execute_with_progress(
         keys, outcomes = await distribute_engine_keys(spec, transports, report)
         outcomes = setup + outcomes
         if chosen.changes:
-            if fetched is None:
-                done = await execute(spec, conns, chosen, report, wait=False, engine_keys=keys)
-            else:
-                done = [Outcome(node, False, why) for node, why in sorted(fetched.items())]
-                done += await execute(
-                    spec, conns, _without(chosen, fetched), report, wait=False, engine_keys=keys, fetch=False
-                )
-            if lock is not None:
-                await lock.release()
-            outcomes += done
-            if wait:
-                outcomes += await wait_started(spec, conns, chosen, done, report)
+            if fetched is not None:
+                outcomes += [Outcome(node, False, why) for node, why in sorted(fetched.items())]
+            outcomes += await carry_out(
+                spec,
+                conns,
+                chosen if fetched is None else _without(chosen, fetched),
+                report,
+                facts=facts,
+                lock=lock,
+                take_lock=take_lock,
+                engine_keys=keys,
+                fetch=fetched is None,
+                wait=wait,
+            )
         outcomes.append(await install(spec, conns, gateway, {n: (k,) for n, k in keys.items()}, report))
         if rotate:
             outcomes += await _rotate(
@@ -158,6 +164,20 @@ def _fetch_and_lock(
     fetched = session.run(_fetch(spec, session.conns, chosen))
     now, snapshot, held = _locked(spec, file, session, chosen, saved=saved, yes=yes, timeout=timeout)
     return now, snapshot, held, fetched if now is chosen else None
+
+
+def _lock_taker(spec: ClusterSpec, conns: Connections, file: Path, timeout: float) -> TakeLock:
+    """Takes the cluster lock again for one step of a rolling replacement."""
+
+    async def take(why: str) -> ApplyHold:
+        def waiting(message: str) -> None:
+            err.print(Text(message, style="yellow"), highlight=False, soft_wrap=True)
+
+        return await take_for_apply(
+            spec, conns, wait=timeout, why=f"applying {file.name}: {why}", on_wait=waiting
+        )
+
+    return take
 
 
 def _saved_still_holds(saved: Path, chosen: Plan, facts: dict[str, NodeFacts]) -> None:
@@ -360,6 +380,7 @@ def apply(
                     facts={f.node: f for f in snapshot.nodes},
                     rotate=rotate_engine_key,
                     lock=held,
+                    take_lock=None if no_lock else _lock_taker(spec, session.conns, file, lock_timeout),
                     fetched=fetched,
                 )
             )

@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from llmgw_cli.core.drain import REPLICA_UNIT, marker_path
 from llmgw_cli.core.engine_access import (
     engine_env_text,
     secret_env_file,
@@ -159,6 +160,10 @@ async def _apply_node(t: Transport, w: _NodeWork, key: str | None, *, operator: 
         await ensure_engine_key(t, key)
     ops = NodeOps(t, root=operator)
     await ops.stop(w.remove + w.restart)
+    if operator:
+        # a replica retired by a rolling replace leaves with its drain marker; a unit
+        # started again under the same name must not read as being retired
+        await clear_markers(t, w.remove + w.restart)
     await ops.remove([name for name in w.remove if name not in w.write])
     for name, text in sorted(w.write.items()):
         await ops.write_unit(name, text)
@@ -173,6 +178,13 @@ async def _apply_node(t: Transport, w: _NodeWork, key: str | None, *, operator: 
         tails = [await unit_failure(ops, unit, since) for unit in units]
         raise NodeError(t.node, exc.kind, "\n".join([exc.reason, *filter(None, tails)])) from None
     return since
+
+
+async def clear_markers(t: Transport, units: list[str]) -> None:
+    """Remove the drain markers of ``units`` (``core/drain.py``), as root."""
+    paths = [marker_path(u) for u in units if REPLICA_UNIT.match(u)]
+    if paths:
+        await must(t, f"rm -f {shlex.join(paths)}", "remove the drain markers")
 
 
 async def must(t: Transport, command: str, what: str) -> None:

@@ -25,6 +25,7 @@ from llmgw_cli.errors import ApplyFailed, InputError, NodeError
 from llmgw_cli.remote.cluster_lock import LockTimeout
 from llmgw_cli.remote.connect import Connections, Session
 from llmgw_cli.remote.execute import Outcome
+from llmgw_cli.remote import rollout
 from llmgw_cli.remote.probe import Snapshot
 
 from .facts_factory import node_facts, with_units
@@ -244,11 +245,11 @@ def test_units_go_only_where_the_weights_are_and_the_lock_goes_before_the_wait(
     for name, fake in (
         ("prepare", nothing),
         ("distribute_engine_keys", keys),
-        ("execute", execute),
-        ("wait_started", wait_started),
         ("install", install),
     ):
         monkeypatch.setattr(apply_cli, name, fake)
+    monkeypatch.setattr(rollout, "execute", execute)
+    monkeypatch.setattr(rollout, "wait_started", wait_started)
     monkeypatch.setattr(apply_cli, "err", Console(file=io.StringIO(), color_system=None))
     outcomes = asyncio.run(
         apply_cli._execute_with_progress(

@@ -58,6 +58,8 @@ class FakeNode:
             if verb == "journal":
                 return CommandResult(0, "".join(f"{line}\n" for line in self.journal), "")
             return CommandResult(0, "", "")
+        if words[:2] == ["rm", "-f"] and all(w.startswith("/var/lib/llmgw/draining/") for w in words[2:]):
+            return CommandResult(0, "", "")
         if words[:2] == ["cat", "/etc/llmgw/engine.env"]:
             return CommandResult(0, f"LLMGW_ENGINE_KEY={KEY}\n", "")
         return CommandResult(1, "", f"unexpected: {command}")
@@ -181,6 +183,8 @@ def test_execute_brings_weights_unless_told_its_caller_did(
 
     asyncio.run(scenario())
     assert calls == ([stop] if fetch else [])
+    # a removed unit takes its drain marker with it: a later replica of the same name is not retired
+    assert f"rm -f /var/lib/llmgw/draining/{UNIT}" in node.commands
 
 
 def test_the_journal_is_read_from_before_the_start_when_the_watch_began_later() -> None:

@@ -1,0 +1,607 @@
+"""Replace serving replicas without refusing or cutting a request: apply's rolling steps.
+
+A ``~`` action with ``retire`` set replaces a replica that may be serving. With ``surge``
+(its successor has a new replica number, port and cards):
+
+1. under the cluster lock: check that the successor's cards and port are still free (a
+   probe of its nodes: the gateway may have started something there since the plan),
+   write and start its units (``execute`` on a one-action plan); release; wait until
+   it is ready (``wait_started``);
+2. wait until every live gateway routes it (it is in ``ready[model]`` of each routes
+   file on the gateway host; each gateway is told to probe at once with
+   ``PROBE_NOW_SIGNAL``), at most ``ROUTED_BOUND`` seconds, then go on with a warning;
+3. under the lock: write the drain marker on every member node of the old replica (its
+   deadline: the node's clock plus ``drain_seconds``); release; tell the gateways to
+   probe, and wait until none routes the old replica any more (bound: the deadline);
+4. wait until the old engine has no established TCP connection on its API port (counted
+   with ``ss`` on its head node every ``POLL`` seconds), or the deadline: connections
+   still open then are the requests cut, said in the outcome;
+5. under the lock: stop and remove the old units and their markers, daemon-reload.
+
+Without ``surge`` (no free cards: the successor takes the old one's): steps 3 and 4
+first, then stop the old units and write and start the new ones in ONE lock hold, then
+wait until ready. The lock is taken for each write step and never held during a wait,
+so the gateway's own starts and stops go on meanwhile.
+
+The replacements of one model run one after another (the plan counts on the cards each
+one frees), the models' at the same time. The other actions go through ``execute`` as
+before; a ``+`` that takes cards or a port of a replica being replaced starts once the
+replacements are done (``carry_out``).
+
+Where no gateway writes a routing view (none runs on the gateway host, or an older one),
+apply says so once and goes by health checks only: a successor counts as routed two
+gateway health-check rounds after it is ready, an old replica as drained by its
+connection count alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import logging
+import shlex
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from llmgw_cli.core.drain import (
+    PROBE_NOW_SIGNAL,
+    Routes,
+    drain_seconds,
+    marker_path,
+    marker_text,
+    parse_routes,
+    routes_dir,
+)
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.plan import Action, Plan, Retired, conflicts, running_replicas
+from llmgw_cli.core.routing import serving_address
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.errors import LlmgwError, NodeError
+from llmgw_cli.polling import poll_until
+from llmgw_cli.progress import Report
+from llmgw_cli.remote.connect import Connections
+from llmgw_cli.remote.execute import Outcome, execute, wait_started
+from llmgw_cli.remote.fetch import ensure_for_plan
+from llmgw_cli.remote.gateway_install import gateway_transport
+from llmgw_cli.remote.nodeops import NodeOps
+from llmgw_cli.remote.probe import gather
+from llmgw_cli.remote.transport import Transport
+
+log = logging.getLogger("llmgw.apply")
+
+POLL = 0.5  # seconds between two looks at the routes files or the connection count
+ROUTED_BOUND = 60.0  # seconds a started successor may take to be routed by every gateway
+HEALTH_INTERVAL = 2.0  # the gateway's health checks: a ready replica is taken within two
+SIGNAL_AGAIN = 5.0  # seconds: tell the gateways again (one may have started meanwhile)
+
+
+class Held(Protocol):
+    """The cluster lock as held (``ApplyHold``)."""
+
+    async def release(self) -> None: ...
+
+
+TakeLock = Callable[[str], Awaitable[Held]]
+"""Takes the cluster lock, saying why (``take_for_apply``)."""
+
+
+def _plan(actions: Sequence[Action], digest: str = "") -> Plan:
+    return Plan(actions=tuple(actions), unplaced=(), warnings=(), facts_digest=digest)
+
+
+def is_roll(action: Action) -> bool:
+    """Whether ``action`` replaces a replica through the rolling steps."""
+    return action.op == "~" and action.retire is not None
+
+
+def subject(model: str, replica: int) -> str:
+    return f"{model}#{replica}"
+
+
+def cut_text(seconds: float, open_connections: int) -> str:
+    """What a drain that ran into its bound says (one connection is one request)."""
+    s = "" if open_connections == 1 else "s"
+    return f"stopped at the drain bound ({seconds:g}s) with {open_connections} request{s} in flight: cut"
+
+
+# --- the gateways' routing views -----------------------------------------------------
+
+
+def _views_script(directory: str) -> str:
+    """Shell printing ``PID BASE64`` for each routes file whose process is alive and is an
+    llmgw process (a pid a dead gateway left may have been given to anything since)."""
+    d = shlex.quote(directory)
+    return (
+        f'for f in {d}/*.json; do [ -f "$f" ] || continue; p=$(basename "$f" .json); '
+        'case "$p" in ""|*[!0-9]*) continue;; esac; kill -0 "$p" 2>/dev/null || continue; '
+        'tr "\\000" " " < /proc/$p/cmdline 2>/dev/null | grep -q llmgw || continue; '
+        'printf "%s " "$p"; base64 -w0 "$f"; echo; done; true'
+    )
+
+
+def parse_views(text: str) -> list[Routes]:
+    """The output of ``_views_script``: the routes files that parse and whose content names
+    the process their file name does."""
+    found = []
+    for line in text.splitlines():
+        pid, _, encoded = line.strip().partition(" ")
+        try:
+            routes = parse_routes(base64.b64decode(encoded, validate=True).decode("utf-8"))
+        except (binascii.Error, UnicodeDecodeError):
+            continue
+        if routes is not None and pid.isdigit() and routes.pid == int(pid):
+            found.append(routes)
+    return found
+
+
+@dataclass
+class Gateways:
+    """Every live gateway process's routing view, read as root on the gateway host, and
+    the probe-now signal sent to each. ``transport`` None: no gateway host to ask."""
+
+    transport: Transport | None
+    host: str
+    directory: str
+    report: Report
+    said: bool = False
+
+    @classmethod
+    def of(cls, spec: ClusterSpec, conns: Connections, report: Report) -> Gateways:
+        try:
+            t: Transport | None = gateway_transport(conns)
+        except LlmgwError:
+            t = None
+        return cls(t, spec.gateway.host, routes_dir(spec.gateway.state_dir), report)
+
+    async def views(self) -> list[Routes]:
+        """The live gateways' views; none when there is none or the host cannot be read."""
+        if self.transport is None:
+            return []
+        try:
+            result = await self.transport.run(_views_script(self.directory), root=True)
+        except NodeError:
+            return []
+        return parse_views(result.stdout) if result.ok else []
+
+    async def probe_now(self, views: Sequence[Routes]) -> None:
+        """Tell each gateway to probe the nodes at once (not at its next round)."""
+        if self.transport is None or not views:
+            return
+        pids = " ".join(str(v.pid) for v in views)
+        with contextlib.suppress(NodeError):
+            await self.transport.run(f"kill -{PROBE_NOW_SIGNAL} {pids} 2>/dev/null; true", root=True)
+
+    def none_seen(self) -> None:
+        if not self.said:
+            self.said = True
+            self.report("gateway", f"no gateway's routing view on {self.host}; going by health checks only")
+
+    async def until(self, holds: Callable[[Routes], bool], *, timeout: float) -> bool | None:
+        """Wait until ``holds`` is true of every live gateway's view: True when it came
+        true, False when it did not within ``timeout``, None when no gateway has a view."""
+        views = await self.views()
+        if not views:
+            self.none_seen()
+            return None
+        await self.probe_now(views)
+        signalled = time.monotonic()
+
+        async def step() -> bool | None:
+            nonlocal signalled
+            now = await self.views()
+            if not now:
+                return False  # every gateway went away meanwhile: nothing routes anything
+            if all(holds(v) for v in now):
+                return True
+            if time.monotonic() - signalled >= SIGNAL_AGAIN:
+                await self.probe_now(now)
+                signalled = time.monotonic()
+            return None
+
+        done = await poll_until(step, timeout=max(timeout, 0.0), interval=POLL)
+        if done is False and not await self.views():
+            self.none_seen()
+            return None
+        return bool(done)
+
+
+# --- the engine's connections ----------------------------------------------------------
+
+
+async def in_flight(t: Transport, port: int) -> int | None:
+    """Established TCP connections to ``port`` on the node (the requests an engine still
+    serves: the gateway closes its idle ones to a replica it no longer routes); None when
+    they cannot be counted."""
+    try:
+        result = await t.run(f"ss -Htn state established '( sport = :{int(port)} )'", root=True)
+    except NodeError:
+        return None
+    if not result.ok:
+        return None
+    return sum(1 for line in result.stdout.splitlines() if line.strip())
+
+
+# --- one model's replacements ----------------------------------------------------------
+
+
+@dataclass
+class Rolled:
+    """One replacement: what it did, and whether the old replica is gone (stopped and
+    its units removed: it no longer runs anything)."""
+
+    action: Action
+    outcomes: list[Outcome]
+    retired: bool
+
+
+@dataclass
+class _Roller:
+    spec: ClusterSpec
+    conns: Connections
+    report: Report
+    take_lock: TakeLock | None
+    engine_keys: dict[str, str] | None
+    fetch: bool
+    gateways: Gateways
+    _one_at_a_time: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @contextlib.asynccontextmanager
+    async def locked(self, why: str) -> AsyncIterator[None]:
+        """The cluster lock for one write step (one holder in this process at a time: the
+        models' steps take turns rather than wait for each other on the gateway host)."""
+        async with self._one_at_a_time:
+            held = await self.take_lock(why) if self.take_lock is not None else None
+            try:
+                yield
+            finally:
+                if held is not None:
+                    await held.release()
+
+    async def weights(self, action: Action) -> str | None:
+        """Bring the weights ``action`` starts with (before any lock); why not, or None."""
+        if not self.fetch:
+            return None
+        missing = await ensure_for_plan(self.spec, _plan([action]), self.conns, self.report)
+        return "; ".join(f"{node}: {why}" for node, why in sorted(missing.items())) or None
+
+    async def still_fits(self, action: Action) -> str | None:
+        """Under the lock: why ``action``'s cards or port are no longer free (a probe of its
+        nodes now), or None."""
+        snapshot = await gather(self.spec, self.conns, list(action.nodes))
+        return conflicts({f.node: f for f in snapshot.nodes}, action)
+
+    async def run(self, action: Action) -> Rolled:
+        try:
+            return await (self.surge(action) if action.surge else self.in_place(action))
+        except (LlmgwError, OSError) as exc:  # the lock not taken, a node lost midway
+            assert action.retire is not None
+            reason = getattr(exc, "reason", None) or str(exc)
+            who = subject(action.model, action.retire.replica)
+            self.report(who, f"failed: {reason}")
+            return Rolled(
+                action, [Outcome(who, False, f"replacement stopped: {reason}; run apply again")], False
+            )
+
+    async def surge(self, action: Action) -> Rolled:
+        old = _retired(action)
+        new_subject, old_subject = subject(action.model, action.replica), subject(action.model, old.replica)
+        start = action.model_copy(update={"op": "+", "remove": (), "retire": None, "surge": False})
+        stays = f"#{old.replica} serves on; run apply again"
+        missing = await self.weights(start)
+        if missing:
+            return Rolled(action, [Outcome(new_subject, False, f"not started: {missing}; {stays}")], False)
+        self.report(new_subject, f"starting (successor of #{old.replica})")
+        async with self.locked(f"starting {new_subject} to replace #{old.replica}"):
+            taken = await self.still_fits(start)
+            if taken:
+                self.report(new_subject, f"not started: {taken}")
+                return Rolled(action, [Outcome(new_subject, False, f"not started: {taken}; {stays}")], False)
+            done = await execute(
+                self.spec, self.conns, _plan([start]), self.report, wait=False,
+                engine_keys=self.engine_keys, fetch=False,
+            )  # fmt: skip
+        outcomes = list(done)
+        if all(o.ok for o in done):
+            outcomes += await wait_started(self.spec, self.conns, _plan([start]), done, self.report)
+        if not all(o.ok for o in outcomes):
+            outcomes.append(Outcome(old_subject, False, f"not retired: its successor did not start; {stays}"))
+            return Rolled(action, outcomes, False)
+        address = self.address(action.nodes[0], action.port or 0)
+        routed = await self.gateways.until(lambda v: v.routes(action.model, address), timeout=ROUTED_BOUND)
+        if routed is None:
+            await asyncio.sleep(2 * HEALTH_INTERVAL)
+        elif routed:
+            self.report(new_subject, "routed by the gateway")
+        else:
+            warning = f"not routed by every gateway {ROUTED_BOUND:g}s after it was ready; went on"
+            self.report(new_subject, warning)
+            outcomes.append(Outcome(new_subject, True, warning))
+        drained = await self.drain(action)
+        if isinstance(drained, Outcome):
+            return Rolled(action, [*outcomes, drained], False)
+        gone = _plan([_removal(action)])
+        async with self.locked(f"stopping {old_subject}, replaced by #{action.replica}"):
+            stopped = await execute(self.spec, self.conns, gone, self.report, wait=False, fetch=False)
+        outcomes += stopped
+        if not all(o.ok for o in stopped):
+            return Rolled(
+                action, [*outcomes, Outcome(old_subject, False, "not stopped; run apply again")], False
+            )
+        return Rolled(action, [*outcomes, self.stopped(action, drained)], True)
+
+    async def in_place(self, action: Action) -> Rolled:
+        old = _retired(action)
+        who = subject(action.model, old.replica)
+        missing = await self.weights(action)
+        if missing:
+            return Rolled(action, [Outcome(who, False, f"not replaced: {missing}; it serves on")], False)
+        drained = await self.drain(action)
+        if isinstance(drained, Outcome):
+            return Rolled(action, [drained], False)
+        async with self.locked(f"replacing {who} in place"):
+            done = await execute(
+                self.spec, self.conns, _plan([action]), self.report, wait=False,
+                engine_keys=self.engine_keys, fetch=False,
+            )  # fmt: skip
+        if not all(o.ok for o in done):
+            return Rolled(action, [*done, Outcome(who, False, "not replaced; run apply again")], False)
+        outcomes = [*done, self.stopped(action, drained)]
+        outcomes += await wait_started(self.spec, self.conns, _plan([action]), done, self.report)
+        return Rolled(action, outcomes, True)
+
+    def address(self, node: str, port: int) -> str:
+        return serving_address(self.spec.node(node).engine_host, port)
+
+    async def drain(self, action: Action) -> tuple[int, float] | Outcome:
+        """Steps 3 and 4: marker, out of every gateway's rotation, connections closed. The
+        connections still open at the drain bound and the bound; an Outcome when the old
+        replica could not be marked (it serves on)."""
+        old = _retired(action)
+        who = subject(action.model, old.replica)
+        seconds = drain_seconds(self.spec, self.spec.model(action.model))
+        async with self.locked(f"draining {who}"):
+            marked = await self.mark(old, seconds)
+        if marked is not None:
+            self.report(who, f"not drained: {marked}")
+            return Outcome(who, False, f"not retired: cannot mark it draining ({marked}); it serves on")
+        until = time.monotonic() + seconds
+        self.report(who, "draining")
+        address = self.address(old.nodes[0], old.port)
+        await self.gateways.until(
+            lambda v: not v.routes(action.model, address), timeout=until - time.monotonic()
+        )
+        head = self.conns.to(old.nodes[0])
+        last: list[int | None] = [-1]
+
+        async def idle() -> int | None:
+            count = await in_flight(head, old.port)
+            if count != last[0]:
+                last[0] = count
+                said = "?" if count is None else str(count)
+                self.report(who, f"draining ({said} in flight)")
+            return 0 if count == 0 else None
+
+        done = await poll_until(idle, timeout=max(until - time.monotonic(), 0.0), interval=POLL)
+        left = 0 if done == 0 else last[0]
+        if left is None:
+            left = -1  # could not be counted
+        return left, seconds
+
+    async def mark(self, old: Retired, seconds: float) -> str | None:
+        """Write the marker on every member node (deadline on the node's clock); on a
+        failure take back those written, and say why."""
+
+        async def one(node: str) -> str | None:
+            t = self.conns.to(node)
+            try:
+                clock = (await NodeOps(t).date()).strip()
+                if not clock.isdigit():
+                    return f"{node}: cannot read its clock"
+                await t.write_file(marker_path(old.unit), marker_text(int(clock) + seconds), root=True)
+            except NodeError as exc:
+                return f"{node}: {exc.reason}"
+            return None
+
+        failed = [why for why in await asyncio.gather(*(one(n) for n in old.nodes)) if why]
+        if not failed:
+            return None
+        path = shlex.quote(marker_path(old.unit))
+        for node in old.nodes:
+            with contextlib.suppress(NodeError):
+                await self.conns.to(node).run(f"rm -f {path}", root=True)
+        return "; ".join(failed)
+
+    def stopped(self, action: Action, drained: tuple[int, float]) -> Outcome:
+        old = _retired(action)
+        who = subject(action.model, old.replica)
+        left, seconds = drained
+        by = f"replaced by #{action.replica}" if action.surge else "replaced in place"
+        if left > 0:
+            text = f"{cut_text(seconds, left)}; {by}"
+            log.warning("%s: %s", who, text)
+        elif left < 0:
+            text = f"stopped at the drain bound ({seconds:g}s), its connections could not be counted; {by}"
+            log.warning("%s: %s", who, text)
+        else:
+            text = f"drained and stopped; {by}"
+        self.report(who, text)
+        return Outcome(who, True, text)
+
+    async def roll_all(self, actions: Sequence[Action]) -> list[Rolled]:
+        by_model: dict[str, list[Action]] = {}
+        for action in actions:
+            if not is_roll(action):
+                raise ValueError(f"{action.op} {action.model}#{action.replica} is not a rolling replacement")
+            by_model.setdefault(action.model, []).append(action)
+
+        async def model(chain: list[Action]) -> list[Rolled]:
+            return [await self.run(a) for a in chain]
+
+        done = await asyncio.gather(*(model(chain) for chain in by_model.values()))
+        return [r for chain in done for r in chain]
+
+    async def start_later(self, actions: list[Action], *, wait: bool) -> list[Outcome]:
+        """The ``+`` that waited for the replacements: under the lock, those whose cards and
+        port are free now (a replacement that failed still holds its old replica's)."""
+        outcomes: list[Outcome] = []
+        ready: list[Action] = []
+        for action in actions:
+            missing = await self.weights(action)
+            who = subject(action.model, action.replica)
+            if missing:
+                outcomes.append(Outcome(who, False, f"not started: {missing}"))
+            else:
+                ready.append(action)
+        go: list[Action] = []
+        done: list[Outcome] = []
+        if ready:
+            async with self.locked("starting replicas after the replacements"):
+                for action in ready:
+                    taken = await self.still_fits(action)
+                    who = subject(action.model, action.replica)
+                    if taken:
+                        outcomes.append(Outcome(who, False, f"not started: {taken}"))
+                    else:
+                        go.append(action)
+                if go:
+                    done = await execute(
+                        self.spec, self.conns, _plan(go), self.report, wait=False,
+                        engine_keys=self.engine_keys, fetch=False,
+                    )  # fmt: skip
+        outcomes += done
+        if wait and go:
+            outcomes += await wait_started(self.spec, self.conns, _plan(go), done, self.report)
+        return outcomes
+
+
+def _retired(action: Action) -> Retired:
+    if action.retire is None:
+        raise ValueError(f"{action.model}#{action.replica}: not a replacement")
+    return action.retire
+
+
+def _removal(action: Action) -> Action:
+    """The ``-`` that stops and removes a surge's old replica."""
+    old = _retired(action)
+    remove = action.remove or tuple((n, old.unit) for n in old.nodes)
+    return Action(
+        op="-",
+        model=action.model,
+        replica=old.replica,
+        nodes=old.nodes,
+        reason=f"replaced by #{action.replica}",
+        remove=remove,
+        port=old.port,
+    )
+
+
+async def roll_each(
+    spec: ClusterSpec,
+    conns: Connections,
+    actions: Sequence[Action],
+    report: Report,
+    *,
+    take_lock: TakeLock | None,
+    engine_keys: dict[str, str] | None = None,
+    fetch: bool = True,
+    gateways: Gateways | None = None,
+) -> list[Rolled]:
+    """Carry out the rolling ``~`` actions (``is_roll``): each model's one after another in
+    the order given, the models at the same time. ``take_lock``: takes the cluster lock
+    for one write step (None: no lock, ``--no-lock``). ``engine_keys``: as ``execute``'s.
+    ``fetch``: bring each successor's weights first (False: they were brought)."""
+    gateways = gateways or Gateways.of(spec, conns, report)
+    return await _Roller(spec, conns, report, take_lock, engine_keys, fetch, gateways).roll_all(actions)
+
+
+async def roll(
+    spec: ClusterSpec,
+    conns: Connections,
+    actions: Sequence[Action],
+    report: Report,
+    *,
+    take_lock: TakeLock | None,
+    engine_keys: dict[str, str] | None = None,
+    fetch: bool = True,
+    gateways: Gateways | None = None,
+) -> list[Outcome]:
+    """``roll_each``'s outcomes, in one list."""
+    rolled = await roll_each(
+        spec, conns, actions, report,
+        take_lock=take_lock, engine_keys=engine_keys, fetch=fetch, gateways=gateways,
+    )  # fmt: skip
+    return [o for r in rolled for o in r.outcomes]
+
+
+# --- the whole plan ---------------------------------------------------------------------
+
+
+def after_rolls(facts: dict[str, NodeFacts], actions: Sequence[Action]) -> list[int]:
+    """Indices in ``actions`` of the ``+`` that take a card or a port one of the rolling
+    replacements frees (the plan places them around the state once those are done)."""
+    retiring = {(a.model, a.retire.replica) for a in actions if is_roll(a) and a.retire is not None}
+    held: set[tuple[str, str]] = set()
+    ports: set[tuple[str, int]] = set()
+    for r in running_replicas(facts):
+        if (r.model, r.replica) in retiring:
+            held |= {(node, g) for node, gs in r.gpus.items() for g in gs}
+            ports |= {(r.members[0], r.port), (r.members[0], r.port + 1)}
+    later = []
+    for i, a in enumerate(actions):
+        if a.op != "+":
+            continue
+        cards = {(node, g) for node, gs in a.gpus.items() for g in gs}
+        mine = {(a.nodes[0], a.port), (a.nodes[0], a.port + 1)} if a.port is not None else set()
+        if cards & held or mine & ports:
+            later.append(i)
+    return later
+
+
+async def carry_out(
+    spec: ClusterSpec,
+    conns: Connections,
+    plan: Plan,
+    report: Report,
+    *,
+    facts: dict[str, NodeFacts],
+    lock: Held | None,
+    take_lock: TakeLock | None,
+    engine_keys: dict[str, str] | None,
+    fetch: bool = True,
+    wait: bool = True,
+    gateways: Gateways | None = None,
+) -> list[Outcome]:
+    """apply's executor: the plan's plain actions through ``execute`` under ``lock`` (the
+    cluster lock, held; released once they are written and started), then their readiness
+    wait and, at the same time, the rolling replacements (``roll``), which take the lock
+    for each write step with ``take_lock``; a ``+`` that needs what those free starts after
+    them. ``facts``: what the plan was made from."""
+    changes = plan.changes
+    later_at = set(after_rolls(facts, changes))
+    rolls = [a for a in changes if is_roll(a)]
+    later = [a for i, a in enumerate(changes) if i in later_at]
+    now = _plan([a for i, a in enumerate(changes) if i not in later_at and not is_roll(a)], plan.facts_digest)
+    done: list[Outcome] = []
+    try:
+        if now.changes:
+            done = await execute(spec, conns, now, report, wait=False, engine_keys=engine_keys, fetch=fetch)
+    finally:
+        if lock is not None:
+            await lock.release()
+
+    async def waited() -> list[Outcome]:
+        return await wait_started(spec, conns, now, done, report) if wait and now.changes else []
+
+    gateways = gateways or Gateways.of(spec, conns, report)
+    roller = _Roller(spec, conns, report, take_lock, engine_keys, fetch, gateways)
+
+    async def rolled() -> list[Outcome]:
+        outcomes = [o for r in await roller.roll_all(rolls) for o in r.outcomes]
+        return outcomes + (await roller.start_later(later, wait=wait) if later else [])
+
+    first, second = await asyncio.gather(waited(), rolled())
+    return [*done, *first, *second]
