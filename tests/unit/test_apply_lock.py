@@ -22,10 +22,10 @@ from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Plan, grow_plan, make_plan
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import ApplyFailed, InputError, NodeError
+from llmgw_cli.remote import rollout
 from llmgw_cli.remote.cluster_lock import LockTimeout
 from llmgw_cli.remote.connect import Connections, Session
 from llmgw_cli.remote.execute import Outcome
-from llmgw_cli.remote import rollout
 from llmgw_cli.remote.probe import Snapshot
 
 from .facts_factory import node_facts, with_units
