@@ -98,6 +98,20 @@ def is_roll(action: Action) -> bool:
     return action.op == "~" and action.retire is not None
 
 
+def rolling(facts: dict[str, NodeFacts], actions: Sequence[Action]) -> list[Action]:
+    """The actions of ``actions`` that go through the rolling steps: the ``~`` whose old
+    replica serves (as ``facts`` say; one they do not know is taken to serve). A ``~`` of
+    a replica that serves nothing is replaced in place as any action is, without a drain."""
+    running = {(r.model, r.replica): r for r in running_replicas(facts)}
+
+    def serves(action: Action) -> bool:
+        assert action.retire is not None
+        found = running.get((action.model, action.retire.replica))
+        return found is None or found.serving()
+
+    return [a for a in actions if is_roll(a) and serves(a)]
+
+
 def subject(model: str, replica: int) -> str:
     return f"{model}#{replica}"
 
@@ -540,10 +554,11 @@ async def roll(
 # --- the whole plan ---------------------------------------------------------------------
 
 
-def after_rolls(facts: dict[str, NodeFacts], actions: Sequence[Action]) -> list[int]:
+def after_rolls(facts: dict[str, NodeFacts], rolls: Sequence[Action], actions: Sequence[Action]) -> list[int]:
     """Indices in ``actions`` of the ``+`` that take a card or a port one of the rolling
-    replacements frees (the plan places them around the state once those are done)."""
-    retiring = {(a.model, a.retire.replica) for a in actions if is_roll(a) and a.retire is not None}
+    replacements ``rolls`` frees (the plan places them around the state once those are
+    done)."""
+    retiring = {(a.model, a.retire.replica) for a in rolls if a.retire is not None}
     held: set[tuple[str, str]] = set()
     ports: set[tuple[str, int]] = set()
     for r in running_replicas(facts):
@@ -581,10 +596,11 @@ async def carry_out(
     for each write step with ``take_lock``; a ``+`` that needs what those free starts after
     them. ``facts``: what the plan was made from."""
     changes = plan.changes
-    later_at = set(after_rolls(facts, changes))
-    rolls = [a for a in changes if is_roll(a)]
+    rolls = rolling(facts, changes)
+    later_at = set(after_rolls(facts, rolls, changes))
     later = [a for i, a in enumerate(changes) if i in later_at]
-    now = _plan([a for i, a in enumerate(changes) if i not in later_at and not is_roll(a)], plan.facts_digest)
+    rest = [a for i, a in enumerate(changes) if i not in later_at and not any(a is r for r in rolls)]
+    now = _plan(rest, plan.facts_digest)
     done: list[Outcome] = []
     try:
         if now.changes:

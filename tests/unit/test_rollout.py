@@ -403,4 +403,9 @@ def test_a_start_that_takes_what_a_replacement_frees_waits_for_it() -> None:
         port=8160,
     )
     on_port = Action(op="+", model="m", replica=7, nodes=old.nodes, reason="below min", port=old.port)
-    assert rollout.after_rolls(running, [roll, on_freed, elsewhere, on_port]) == [1, 3]
+    assert rollout.rolling(running, [roll, on_freed, elsewhere, on_port]) == [roll]
+    assert rollout.after_rolls(running, [roll], [roll, on_freed, elsewhere, on_port]) == [1, 3]
+    # a replica that serves nothing is replaced as any action is: nothing waits for it
+    down = with_units(running, [(u.node, u.name, u.text) for u in old.write], state="failed")
+    assert rollout.rolling(down, [roll]) == []
+    assert rollout.after_rolls(down, [], [roll, on_freed]) == []
