@@ -19,13 +19,20 @@ start or stop under way:
   (an SSH hiccup is not a lost node); after that a replacement starts elsewhere, and the
   old one is stopped if its node answers again;
 - a replica that was ready and has failed its health check for ``gateway.unhealthy_restart``
-  is restarted;
+  is restarted (the shell starts its successor first when one fits elsewhere, and stops
+  the old one once the successor is ready; in place otherwise);
 - a replica never ready ``start_timeout`` (its profile's) after it was first seen is
   stopped: nobody may hold cards for a replica that does not come up, not even one found
   after a restart of the gateway;
 - an always-on model with fewer counted replicas than ``min`` gets one start, unless its
   back-off runs: after ``n`` failed starts in a row the next waits ``start_backoff * 2**(n-1)``
   (at most 5 minutes), so a model that cannot start does not thrash the cluster;
+- a replica being drained (``apply`` retires it: a drain marker on its nodes,
+  ``core/drain.py``) is never routed and gets no decision (no stop, restart, idle stop or
+  eviction); it counts towards ``min`` until its drain deadline + ``DRAIN_GRACE``, so no
+  replacement of its own starts while ``apply`` replaces it. After that its ``apply``
+  died: it is stopped (``drain-abandoned``) and a replacement starts if ``min`` calls for
+  one. A draining replica on a node that stopped answering is judged as a lost one;
 - idle stops and scale-out as ``core/lifecycle.py`` says.
 
 At most one start per model per call: the shell marks the model busy while it acts.
@@ -39,6 +46,7 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from enum import StrEnum
 
+from llmgw_cli.core.drain import DRAIN_GRACE, abandoned
 from llmgw_cli.core.lifecycle import ReplicaUse, idle_to_stop, should_scale_out
 from llmgw_cli.core.routing import Health
 from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode
@@ -84,6 +92,9 @@ class Seen:
     last_used: float | None = None  # last use as lifecycle.known_last_use gives it
     in_flight: int = 0
     replaced: bool = False  # the controller started a replacement for it already
+    # Being drained: its drain deadline on this gateway's wall clock (the shell converts
+    # the markers' node clock); None when it is not.
+    draining: float | None = None
 
     @property
     def use(self) -> ReplicaUse:
@@ -137,6 +148,7 @@ class StopCause(StrEnum):
     gave_up = "gave-up"
     down = "down"
     replaced = "replaced"
+    drain_abandoned = "drain-abandoned"
 
 
 @dataclass(frozen=True)
@@ -180,6 +192,17 @@ def _judge(
     avoid: set[str] = set()
     replacing: list[str] = []
     for r in sorted(mine, key=lambda r: r.replica):
+        if r.draining is not None and r.units is not UnitCondition.lost:
+            if abandoned(r.draining, now):
+                why = (
+                    f"left draining by an apply that did not finish: its drain ended "
+                    f"{now - r.draining:.0f}s ago (more than the {DRAIN_GRACE:g}s grace)"
+                )
+                decisions.append(Stop(r.model, r.replica, why, StopCause.drain_abandoned))
+                replacing.append(f"replica {r.replica} {why}")
+            else:
+                counted.append(r)  # apply is replacing it: nothing to decide, no start of ours
+            continue
         if r.units is UnitCondition.lost:
             if r.replaced:
                 continue  # its replacement counts; it is stopped when its node answers again
@@ -253,7 +276,11 @@ def reconcile(
             decisions.append(Start(model.name, reason, avoid))
             continue
         stopping = {d.replica for d in judged if not isinstance(d, Start)}
-        uses += [r.use for r in counted if r.units is UnitCondition.up and r.replica not in stopping]
+        uses += [
+            r.use
+            for r in counted
+            if r.units is UnitCondition.up and r.replica not in stopping and r.draining is None
+        ]
         wait = queue_wait.get(model.name, 0.0)
         if (
             wait
@@ -293,7 +320,7 @@ def phase(
     if model.mode is ScalingMode.off:
         return Phase.off
     live = [r for r in seen if r.units in (UnitCondition.up, UnitCondition.lost) and not r.replaced]
-    ready = sum(r.health is Health.ready for r in live)
+    ready = sum(r.health is Health.ready and r.draining is None for r in live)  # drained: not routed
     want = max(model.scaling.min if model.scaling else 0, 1)
     if ready >= want:
         return Phase.ready

@@ -30,6 +30,17 @@ that exits, or one not ready within the profile's ``start_timeout``, fails the s
 once: its units are stopped, the failure is recorded with the journal's last lines, and
 the requests waiting for it are answered ``model_start_failed``.
 
+A restart of a replica failing its health check starts its successor first when one fits
+besides the cards it holds (``grow_plan``, as any start), and stops the old replica once
+the successor is ready; when nothing fits, a start of the model is under way already, or
+the successor does not come up, the old replica is restarted in place (stopped, then
+started again). The actions log says which.
+
+A replica ``apply`` drains (a drain marker on its nodes, ``core/drain.py``) leaves the pool
+at the first look that sees the marker and gets no decision (``core/controller.py``); its
+deadline, written on its node's clock, is read on this gateway's through the offset of
+that node's clock in the probe (``NodeFacts.clock``).
+
 Contract (concurrency): everything runs on the gateway's asyncio loop. A model has at most
 one start or stop under way (``ModelController.busy``); every plan is made on a probe
 taken under the lock (``remote/cluster_lock.py``: the cluster lock, which ``apply`` takes
@@ -56,6 +67,7 @@ from llmgw_cli.core.controller import (
     Attempts,
     Decision,
     Phase,
+    Restart,
     Seen,
     Start,
     Stop,
@@ -182,6 +194,7 @@ class Known:
     failing_since: float | None = None
     replaced: bool = False
     since: str = ""  # its head node's clock just before this gateway started it
+    draining: float | None = None  # its drain deadline on this gateway's clock, when apply retires it
 
 
 @dataclass(frozen=True)
@@ -285,7 +298,11 @@ class Controller:
         self._fetching: dict[int, _Start] = {}  # starts bringing weights, by ticket
         self._tickets = itertools.count()
         self._stopping: dict[tuple[str, int], str] = {}  # (model, replica) being stopped -> address
-        self._tasks: set[asyncio.Task[None]] = set()
+        # node -> (its clock in a probe, this gateway's clock when that probe was first seen):
+        # how drain deadlines, written on the node's clock, read on this gateway's.
+        self._clocks: dict[str, tuple[float, float]] = {}
+        self.changed: Callable[[], None] | None = None  # called by every ``observe``
+        self._tasks: set[asyncio.Task[object]] = set()
 
     def model(self, name: str) -> ModelController:
         found = self.models.get(name)
@@ -383,8 +400,11 @@ class Controller:
     def with_starts(self, found: dict[str, list[str]]) -> dict[str, list[str]]:
         """Discovery's addresses plus the replicas being started (their units may not be
         active yet, and the start watches them), less the ones being stopped (a probe made
-        before their stop still lists them)."""
-        for (name, _), address in self._stopping.items():
+        before their stop still lists them) and those being drained (discovery leaves them
+        out itself: ``Running.serving``; this holds for a look taken between two probes)."""
+        gone = {(name, address) for (name, _), address in self._stopping.items()}
+        gone |= {(k.model, k.address) for k in self.known.values() if k.draining is not None}
+        for name, address in gone:
             if address in found.get(name, ()):
                 found[name] = [a for a in found[name] if a != address]
         for name, mc in self.models.items():
@@ -409,6 +429,12 @@ class Controller:
             if look != mc.look:
                 mc.look = look
                 mc.wake()
+        if self.changed is not None:
+            self.changed()
+
+    def draining(self) -> frozenset[str]:
+        """The addresses of the replicas this gateway knows are being drained."""
+        return frozenset(k.address for k in self.known.values() if k.draining is not None)
 
     # --- the reconcile tick -----------------------------------------------------------
 
@@ -421,6 +447,11 @@ class Controller:
             if replica.last_used is None and key in self.saved:
                 replica.last_used = self.saved[key]  # known from before a restart
         seen = self._seen(spec, now)
+        for s in seen:
+            if s.draining is not None:
+                # never routed, even before discovery's next round drops it (the
+                # controller's own probes see a marker first, sometimes)
+                self.pool.remove(s.model, s.address)
         self.observe()
         if not self.manages or self.nodes is None or not self.nodes.facts:
             return
@@ -453,15 +484,60 @@ class Controller:
                 for d in stops:
                     if isinstance(d, Stop):
                         await self._stop(d.model, d.replica, d.reason, d.cause.value)
-                    elif await self._stop(d.model, d.replica, d.reason, "unhealthy"):
-                        self._record(d.model, "restart", d.reason, "unhealthy")
-                        then = then or Start(d.model, f"restart of replica {d.replica}: {d.reason}")
+                        continue
+                    in_place = await self._successor_first(d)
+                    if not in_place:
+                        continue  # its successor serves; it was stopped
+                    reason = f"{d.reason}; restarted in place: {in_place}"
+                    if await self._stop(d.model, d.replica, reason, "unhealthy"):
+                        self._record(d.model, "restart", reason, "unhealthy")
+                        then = then or Start(d.model, f"restart of replica {d.replica}: {reason}")
             finally:
                 mc.stopping -= 1
             if then is not None and not mc.starting:
                 self._begin(then)
 
         self._spawn(run())
+
+    async def _successor_first(self, restart: Restart) -> str:
+        """Replace a replica failing its health check successor first: a successor placed
+        as any start is (``grow_plan``, around everything on the nodes, the old replica's
+        cards included) and started; once it is ready the old replica is stopped. Returns
+        "" when that was done, else why the replica must be restarted in place instead
+        (nothing fits besides its own cards, a start of the model is under way already, or
+        the successor did not come up)."""
+        assert self.nodes is not None
+        spec, model = self.spec(), restart.model
+        mc = self.model(model)
+        async with self.lock.hold(f"place a successor of {model}#{restart.replica}"):
+            facts = await self._probe(spec)
+            plan = grow_plan(spec, facts, model, reserved=self._reserved())
+        if not plan.changes:
+            return f"no free cards for a successor ({_unplaced(plan)})"
+        if mc.starting:
+            return "a start of the model is under way already"
+        self._record(
+            model,
+            "replace",
+            f"replica {restart.replica} {restart.reason}: a successor starts first; "
+            f"replica {restart.replica} is stopped once it is ready",
+            "unhealthy",
+        )
+        mc.starting = True
+        mc.progress = "probing the nodes to place a successor"
+        mc.wake()
+        successor = await self._start(
+            Start(model, f"restart of replica {restart.replica}, successor first: {restart.reason}")
+        )
+        if successor is None:
+            return "its successor did not start"
+        await self._stop(
+            model,
+            restart.replica,
+            f"replaced by its successor at {successor}, ready ({restart.reason})",
+            StopCause.replaced.value,
+        )
+        return ""
 
     def _mark_replaced(self, start: Start, seen: Sequence[Seen]) -> None:
         """A start while a replica of the model is lost past node_grace replaces it."""
@@ -519,6 +595,7 @@ class Controller:
             if known is None or known.address != address:
                 known = self.known[key] = Known(r.model, r.replica, address, r.members, now)
             known.nodes, known.port, known.held = r.members, r.port, r.gpus
+            known.draining = self._drain_deadline(r, facts, now)
             current.add(key)
             seen.append(self._one(spec, known, _condition(r, facts, unreachable), in_pool, now))
         for key, known in list(self.known.items()):
@@ -529,6 +606,24 @@ class Controller:
             else:
                 del self.known[key]  # gone from the nodes
         return seen
+
+    def _drain_deadline(self, r: Running, facts: dict[str, NodeFacts], now: float) -> float | None:
+        """When the replica's drain ends on this gateway's clock (the latest of its members'
+        markers, each on its node's clock), or None when no member's node marks it."""
+        found: list[float] = []
+        for node in r.members:
+            f = facts.get(node)
+            deadline = f.draining.get(r.unit) if f is not None else None
+            if f is None or deadline is None:
+                continue
+            if f.clock is None:
+                found.append(deadline)  # no clock read: take the two clocks as one
+                continue
+            seen = self._clocks.get(node)
+            if seen is None or seen[0] != f.clock:
+                seen = self._clocks[node] = (f.clock, now)  # first seen now: this probe's offset
+            found.append(deadline + seen[1] - seen[0])
+        return max(found, default=None)
 
     def _one(
         self,
@@ -547,7 +642,9 @@ class Controller:
                 known.lost_since = known.failing_since or now
         else:
             known.lost_since = None
-        if health is Health.ready:
+        if known.draining is not None:
+            pass  # out of rotation on purpose: its health is nobody's concern
+        elif health is Health.ready:
             if known.ready_at is None:
                 known.ready_at = now
             known.failing_since = None
@@ -578,11 +675,12 @@ class Controller:
             last_used=known_last_use(max(times) if times else None, known.first_seen, idle_timeout, now),
             in_flight=routed.outstanding if routed is not None else 0,
             replaced=known.replaced,
+            draining=known.draining,
         )
 
     # --- effects: background work -----------------------------------------------------
 
-    def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, job: Coroutine[Any, Any, object]) -> None:
         task = asyncio.create_task(job)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -613,7 +711,9 @@ class Controller:
 
     # --- starts -----------------------------------------------------------------------
 
-    async def _start(self, start: Start) -> None:
+    async def _start(self, start: Start) -> str | None:
+        """Place, start and watch one replica; its address once ready, None when the start
+        failed (recorded, its units stopped)."""
         spec = self.spec()
         mc = self.model(start.model)
         began = time.monotonic()
@@ -623,6 +723,7 @@ class Controller:
             await self._watch(spec, start.model, action, address, began)
             mc.attempts = mc.attempts.succeeded()
             mc.evicted = False
+            return address
         except Exception as exc:  # an unexpected failure must still end the start
             if isinstance(exc, _Broken):
                 address = exc.address
@@ -630,6 +731,7 @@ class Controller:
             if not isinstance(exc, StartFailed):
                 log.exception("%s: start failed", start.model)
             await self._failed(spec, start.model, address, why, began)
+            return None
         finally:
             mc.starting = False
             mc.progress = ""
@@ -729,7 +831,7 @@ class Controller:
         if mc.evicted and mc.attempts.failures:
             raise StartFailed(f"{why}; an eviction for it was done already and its start failed since")
         now = self.clock()
-        uses = [s.use for s in self._seen(spec, now) if s.units is UnitCondition.up]
+        uses = [s.use for s in self._seen(spec, now) if s.units is UnitCondition.up and s.draining is None]
         victim = eviction_candidate(spec, uses, start.model, now, spec.gateway.eviction_grace)
         if victim is None:
             raise StartFailed(f"{why}; no idle on-demand replica may be evicted")

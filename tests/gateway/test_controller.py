@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from llmgw_cli.core.controller import Phase, Unavailable
+from llmgw_cli.core.drain import DRAIN_GRACE
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Action, Plan, grow_plan, running_replicas
@@ -132,6 +133,8 @@ class FakeNodes:
                     update={
                         "units": tuple(u for u in f.units if u.name != name),
                         "unit_labels": {k: v for k, v in f.unit_labels.items() if k != name},
+                        # its drain marker goes with it (the node helper's remove)
+                        "draining": {k: v for k, v in f.draining.items() if k != name},
                     }
                 )
             self.truth = with_units(self.truth, [(w.node, w.name, w.text) for w in action.write])
@@ -197,12 +200,28 @@ class World:
         )
         return f"{self.spec.node(node).address}:{action.port}"
 
+    def drain(self, address: str, left: float, *, ahead: float = 0.0) -> None:
+        """Mark the replica at ``address`` draining, as apply does: a marker on each member
+        node whose deadline is ``left`` seconds away, on node clocks ``ahead`` seconds
+        ahead of the gateway's (read by the next probe)."""
+        (r,) = [
+            r
+            for r in running_replicas(self.nodes.truth)
+            if f"{self.spec.node(r.members[0]).address}:{r.port}" == address
+        ]
+        clock = self.clock.now + ahead
+        for node in r.members:
+            f = self.nodes.truth[node]
+            self.nodes.truth[node] = f.model_copy(
+                update={"draining": {**f.draining, r.unit: clock + left}, "clock": clock}
+            )
+
     def discover(self) -> None:
         """What the gateway's discovery does: the pool from the facts, then a look."""
         found: dict[str, list[str]] = {}
         self.nodes.facts = dict(self.nodes.truth)  # discovery probes the nodes
         for r in running_replicas(self.nodes.facts):
-            if r.up:
+            if r.serving():
                 found.setdefault(r.model, []).append(f"{self.spec.node(r.members[0]).address}:{r.port}")
         self.pool.replace(self.controller.with_starts(found), time.monotonic())
         self.controller.observe()
@@ -535,24 +554,168 @@ def test_an_idle_replica_is_stopped_and_the_model_reads_stopped_at_once() -> Non
     run(scenario)
 
 
-def test_a_replica_failing_its_health_check_is_restarted_after_unhealthy_restart() -> None:
+async def _wedged(w: World) -> tuple[str, str]:
+    """duo's two replicas ready on a and b, then b's engine wedged (its unit up, its
+    health check failing) for longer than unhealthy_restart; their addresses."""
+    first, second = w.run("duo", "a"), w.run("duo", "b")
+    w.discover()
+    w.health.update({first: 200, second: 200})
+    await w.check_health()
+    await w.controller.tick()
+    w.health[second] = 500
+    await w.check_health()
+    await w.controller.tick()
+    assert w.controller.phase("duo") is Phase.degraded and not w.nodes.plans
+    w.clock.now += w.spec.gateway.unhealthy_restart + 1
+    return first, second
+
+
+def test_a_replica_failing_its_health_check_is_replaced_successor_first_when_one_fits() -> None:
     async def scenario() -> None:
         w = World(gpus=2, cluster=DUO)
+        _, second = await _wedged(w)
+        await w.controller.tick()
+        await until(lambda: w.nodes.starts("duo"), "the successor's start")
+        (successor,) = w.nodes.starts("duo")
+        assert successor.replica == 2  # a new replica: the wedged one still holds its cards
+        address = f"{w.spec.node(successor.nodes[0]).address}:{successor.port}"
+        for _ in range(3):  # however long the successor loads, the wedged one stays
+            await w.controller.tick()
+            await asyncio.sleep(0.01)
+        assert not w.nodes.stops("duo")
+        w.health[address] = 200
+        await until(lambda: w.nodes.stops("duo"), "the wedged replica stopped once its successor is ready")
+        (stopped,) = w.nodes.stops("duo")
+        assert f"{w.spec.node(stopped.nodes[0]).address}:{stopped.port}" == second
+        await w.controller.idle()
+        assert len(w.nodes.starts("duo")) == 1 and w.controller.phase("duo") is Phase.ready
+        done = [(a.action, a.reason) for a in w.controller.actions]
+        assert [a for a, _ in done] == ["replace", "start", "stop"]
+        assert "a successor starts first" in done[0][1] and "failing its health check" in done[0][1]
+        assert done[1][1].startswith("restart of replica 1, successor first: failing its health check")
+        assert done[2][1].startswith(f"replaced by its successor at {address}, ready")
+        w.metrics.build()
+        body = (w.metrics.render() or b"").decode()
+        assert 'llmgw_controller_actions_total{action="replace",model="duo",reason="unhealthy"} 1.0' in body
+        assert 'llmgw_controller_actions_total{action="stop",model="duo",reason="replaced"} 1.0' in body
+
+    run(scenario)
+
+
+def test_a_replica_failing_its_health_check_is_restarted_in_place_when_nothing_else_fits() -> None:
+    async def scenario() -> None:
+        w = World(gpus=1, cluster=DUO)
+        _, second = await _wedged(w)
+        await w.controller.tick()
+        await until(lambda: w.nodes.starts("duo"), "the start after the restart's stop")
+        (stopped,) = w.nodes.stops("duo")
+        assert f"{w.spec.node(stopped.nodes[0]).address}:{stopped.port}" == second
+        assert w.nodes.plans.index(stopped) < w.nodes.plans.index(w.nodes.starts("duo")[0])
+        (start,) = w.nodes.starts("duo")
+        assert start.nodes == stopped.nodes  # on its own cards: the only free ones then
+        restart = next(a for a in w.controller.actions if a.action == "restart")
+        assert "restarted in place: no free cards for a successor" in restart.reason
+        assert "replace" not in [a.action for a in w.controller.actions]
+
+    run(scenario)
+
+
+def test_a_successor_that_does_not_start_leaves_the_replica_to_be_restarted_in_place() -> None:
+    async def scenario() -> None:
+        w = World(gpus=2, cluster=DUO)
+        _, second = await _wedged(w)
+        w.nodes.exit_next = "llmgw-duo-2.service failed\nCUDA error"
+        await w.controller.tick()
+        await until(
+            lambda: len(w.nodes.starts("duo")) == 2, "the restart in place after the failed successor"
+        )
+        first_start, second_start = w.nodes.starts("duo")
+        assert first_start.replica == 2 and second_start.replica == 1
+        stopped = [f"{w.spec.node(a.nodes[0]).address}:{a.port}" for a in w.nodes.stops("duo")]
+        assert stopped[-1] == second  # the failed successor's units went first, then the old one
+        actions = [a.action for a in w.controller.actions]
+        assert actions == ["replace", "start", "stop", "start-failed", "stop", "restart", "start"]
+        restart = next(a for a in w.controller.actions if a.action == "restart")
+        assert "restarted in place: its successor did not start" in restart.reason
+
+    run(scenario)
+
+
+# --- replicas apply drains ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ahead", [0.0, 500.0, -500.0])
+def test_a_draining_replica_is_not_routed_counts_towards_min_then_is_stopped_when_abandoned(
+    ahead: float,
+) -> None:
+    """Its deadline is on its node's clock, whichever way that one is off the gateway's."""
+
+    async def scenario() -> None:
+        w = World(cluster=DUO)
         first, second = w.run("duo", "a"), w.run("duo", "b")
         w.discover()
         w.health.update({first: 200, second: 200})
         await w.check_health()
         await w.controller.tick()
-        w.health[second] = 500  # the engine is wedged: its unit is up
-        await w.check_health()
+        assert w.controller.phase("duo") is Phase.ready
+        w.drain(second, 30, ahead=ahead)
+        w.nodes.facts = dict(w.nodes.truth)  # a probe of the controller's own sees it first
         await w.controller.tick()
-        assert w.controller.phase("duo") is Phase.degraded and not w.nodes.plans
-        w.clock.now += w.spec.gateway.unhealthy_restart + 1
+        assert [r.address for r in w.pool.of("duo")] == [first]  # out of rotation at once
+        assert w.controller.draining() == {second}
+        w.discover()
+        assert [r.address for r in w.pool.of("duo")] == [first]
+        assert w.controller.phase("duo") is Phase.degraded
+        # no start of a replacement (it counts towards min), no restart though it is not
+        # checked any more, for as long as apply may take
+        w.clock.now += 30 + DRAIN_GRACE - 1
         await w.controller.tick()
-        await until(lambda: w.nodes.starts("duo"), "the start after the restart's stop")
+        await w.controller.idle()
+        assert not w.nodes.plans and not w.controller.actions
+        # past its deadline + DRAIN_GRACE its apply is gone: stopped, and replaced
+        w.clock.now += 2
+        await w.controller.tick()
+        await until(lambda: w.nodes.starts("duo"), "a replacement")
         (stopped,) = w.nodes.stops("duo")
         assert f"{w.spec.node(stopped.nodes[0]).address}:{stopped.port}" == second
-        assert "restart" in [a.action for a in w.controller.actions]
+        stop = next(a for a in w.controller.actions if a.action == "stop")
+        assert "left draining by an apply that did not finish" in stop.reason
+        (start,) = w.nodes.starts("duo")
+        assert start.nodes == ("b",)  # its cards back
+        w.health[f"10.0.0.2:{start.port}"] = 200
+        await w.controller.idle()
+        assert w.controller.draining() == frozenset()  # the marker went with the unit
+        w.metrics.build()
+        body = (w.metrics.render() or b"").decode()
+        assert (
+            'llmgw_controller_actions_total{action="stop",model="duo",reason="drain-abandoned"} 1.0' in body
+        )
+
+    run(scenario)
+
+
+def test_a_draining_replica_is_neither_stopped_when_idle_nor_evicted() -> None:
+    async def scenario() -> None:
+        w = World()
+        w.nodes.truth = {"a": w.nodes.truth["a"]}
+        w.spec = w.spec.model_copy(update={"nodes": [w.spec.node("a")]})
+        address = w.run("lazy", "a")
+        w.discover()
+        w.health[address] = 200
+        await w.check_health()
+        await w.controller.tick()
+        (r,) = w.pool.of("lazy")
+        r.last_used = w.clock.now
+        w.drain(address, 3600)
+        w.discover()
+        w.clock.now += 1800  # idle for 6 times its idle_timeout, and evictable
+        await w.controller.tick()
+        await w.controller.idle()
+        assert not w.nodes.plans
+        got = await w.controller.ensure_ready("other", time.monotonic() + FOREVER)
+        assert isinstance(got, Unavailable) and got.code == "model_start_failed"
+        assert "no idle on-demand replica may be evicted" in got.message
+        assert not w.nodes.stops()
 
     run(scenario)
 

@@ -22,6 +22,7 @@ from llmgw_cli.core.controller import (
     reconcile,
     unavailable,
 )
+from llmgw_cli.core.drain import DRAIN_GRACE
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.routing import Health
 
@@ -181,6 +182,43 @@ def test_a_saturated_model_scales_out_unless_its_back_off_runs() -> None:
     failed = {"lazy": Attempts().failed("boom", T0 - 1)}
     assert decide([seen("lazy", last_used=T0)], models=("lazy",), queue={"lazy": 6}, attempts=failed) == []
     assert decide([seen("lazy", last_used=T0)], models=("lazy",), queue={"lazy": 4}) == []
+
+
+def test_a_draining_replica_counts_towards_min_and_gets_no_decision_until_abandoned() -> None:
+    """apply is replacing it: no start of a replacement, no restart, stop or idle stop,
+    whatever its health or units say, until its deadline + DRAIN_GRACE."""
+    deadline = T0 - DRAIN_GRACE  # the last second it is waited for
+    for draining in (
+        seen(draining=deadline),
+        seen(draining=deadline, health=Health.failing, failing_since=T0 - 3600),
+        seen(draining=deadline, units=UnitCondition.down, health=Health.unknown),
+        seen(draining=deadline, units=UnitCondition.gave_up, health=Health.unknown),
+    ):
+        assert decide([draining]) == [], draining
+    assert decide([seen("pair", 0), seen("pair", 1, draining=T0 + 30)], models=("pair",)) == []
+    assert decide([seen("lazy", last_used=T0 - 3600, draining=T0 + 30)], models=("lazy",)) == []
+    stop, start = decide([seen(draining=deadline - 1)])
+    assert stop == Stop(
+        "always",
+        0,
+        "left draining by an apply that did not finish: its drain ended 61s ago (more than the 60s grace)",
+        StopCause.drain_abandoned,
+    )
+    assert isinstance(start, Start) and start.reason.startswith(
+        "below min (0 of 1): replacing replica 0 left"
+    )
+
+
+def test_a_draining_replica_on_a_lost_node_is_judged_as_a_lost_one() -> None:
+    lost = seen(units=UnitCondition.lost, health=Health.failing, lost_since=T0 - 20, draining=T0 + 30)
+    (start,) = decide([lost])
+    assert isinstance(start, Start) and "replica 0 lost with node01" in start.reason
+
+
+def test_a_draining_replica_is_not_ready_for_the_phase() -> None:
+    model = MODELS["pair"]
+    pair = [seen("pair", 0), seen("pair", 1, draining=T0 + 30)]
+    assert phase(model, pair, Attempts(), starting=False, now=T0, backoff_first=BACKOFF) is Phase.degraded
 
 
 def test_switched_off_models_are_not_touched() -> None:
