@@ -21,6 +21,12 @@ Contract
   which reading is paused because the caller is behind does not count.
 - Reading from the engine pauses while more than ``HIGH_WATER`` bytes of body wait for the
   caller, and resumes when the caller has taken them.
+- ``Upstreams.retain(addresses)`` says which addresses are in rotation (the gateway calls
+  it whenever its pool changes): the idle connections to any other address are closed at
+  once, and a connection to one is closed instead of pooled when its answer is released.
+  Requests in flight to an address that left go on to their end on their connection. So
+  an engine being drained sees its connections fall to none as its requests end (``apply``
+  waits for that). Until the first call, every address is kept.
 
 Errors, all ``UpstreamError`` (defined in ``llmgw_cli.errors``)::
 
@@ -38,6 +44,7 @@ Errors, all ``UpstreamError`` (defined in ``llmgw_cli.errors``)::
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import cast
 
 import httptools
@@ -291,6 +298,7 @@ class Upstreams:
         # Per address, the idle connections; a dict as an ordered set, so that the most
         # recently used (the least likely to have been closed by the engine) goes first.
         self._idle: dict[str, dict[_Connection, None]] = {}
+        self._routed: frozenset[str] | None = None  # the addresses in rotation; None: all
 
     def configure(self, connect_timeout: float, headers: dict[str, str]) -> None:
         """Settings of the next requests (a reload changes them; pooled connections stay)."""
@@ -371,7 +379,18 @@ class Upstreams:
         return conn
 
     def put(self, conn: _Connection) -> None:
+        if self._routed is not None and conn.address not in self._routed:
+            conn.close()  # its engine left the rotation: no connection is kept to it
+            return
         self._idle.setdefault(conn.address, {})[conn] = None
+
+    def retain(self, addresses: Iterable[str]) -> None:
+        """The addresses in rotation now: idle connections to any other are closed, and
+        a connection to one is not pooled again until it is back in rotation."""
+        self._routed = frozenset(addresses)
+        for address in [a for a in self._idle if a not in self._routed]:
+            for conn in list(self._idle.pop(address)):
+                conn.close()
 
     def forget(self, conn: _Connection) -> None:
         idle = self._idle.get(conn.address)

@@ -39,6 +39,7 @@ class Engine:
 
     behaviour: Behaviour
     connections: int = 0
+    open: int = 0  # connections not yet closed (what ``ss`` counts as established)
     requests: list[bytes] = field(default_factory=list)
     hung_up: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
@@ -54,6 +55,7 @@ class Engine:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.open += 1
         n = 0
         try:
             while True:
@@ -68,6 +70,7 @@ class Engine:
         except (asyncio.IncompleteReadError, ConnectionError):
             self.hung_up.set()
         finally:
+            self.open -= 1
             writer.close()
 
 
@@ -392,3 +395,59 @@ def test_a_shorter_timeout_on_a_reused_connection_is_kept() -> None:
         assert engine.connections == 1
 
     run(stalls_the_second, scenario)
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Yield to the loop until ``condition`` holds (bounded, so a broken test ends)."""
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_an_address_that_leaves_the_rotation_keeps_no_idle_connection() -> None:
+    async def scenario(engine: Engine, pool: Upstreams) -> None:
+        answers = await asyncio.gather(*(pool.request(engine.address, "/p", b"{}", 5) for _ in range(3)))
+        for answer in answers:
+            await answer.read()
+            answer.release()
+        assert pool.idle_count(engine.address) == 3 and engine.open == 3
+        pool.retain([engine.address, "127.0.0.1:1"])  # still in rotation: kept
+        assert pool.idle_count(engine.address) == 3
+        pool.retain(["127.0.0.1:1"])
+        assert pool.idle_count(engine.address) == 0
+        await until(lambda: engine.open == 0, "the engine sees its connections closed")
+
+    run(answers_ok, scenario)
+
+
+def test_a_request_in_flight_to_an_address_that_left_ends_whole_and_its_connection_closes() -> None:
+    gate = asyncio.Event()
+
+    async def waits_for_the_gate(writer: asyncio.StreamWriter, n: int, request: bytes) -> None:
+        writer.write(SSE_HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await gate.wait()
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+    async def scenario(engine: Engine, pool: Upstreams) -> None:
+        gate.clear()
+        answer = await pool.request(engine.address, "/p", b"{}", 5)
+        assert await answer.next_chunk() == b"data: 1\n\n"
+        pool.retain([])  # drained: out of rotation while the stream runs
+        gate.set()
+        assert await all_chunks(answer) == [b"data: [DONE]\n\n"]
+        assert answer.complete
+        answer.release()
+        assert pool.idle_count(engine.address) == 0
+        await until(lambda: engine.open == 0, "the engine sees the connection closed")
+        # back in rotation: pooled again
+        pool.retain([engine.address])
+        gate.set()
+        again = await pool.request(engine.address, "/p", b"{}", 5)
+        await all_chunks(again)
+        again.release()
+        assert pool.idle_count(engine.address) == 1 and engine.open == 1
+
+    run(waits_for_the_gate, scenario)
