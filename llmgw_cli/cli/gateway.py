@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
+from llmgw_cli.core.drain import routes_dir
 from llmgw_cli.core.engines import ENGINE_ENV_FILE, ENGINE_KEY_VAR
 from llmgw_cli.core.gateway_install import ENGINE_KEYS_FILE
 from llmgw_cli.core.spec import ClusterSpec
@@ -146,6 +147,8 @@ def run(
         manage_replicas=manages,
         # the cluster lock in its state folder: apply takes the same one before it writes units
         lock=gateway_lock(spec) if manages else None,
+        # what it routes, for apply (core/drain.py): <state_dir>/routes/<pid>.json
+        routes=Path(routes_dir(spec.gateway.state_dir)),
     )
     runner(serve(gateway))
 

@@ -1,5 +1,14 @@
 """The gateway's live state and its background work: keys, replicas, health, usage flushes.
 
+What it routes, it tells: with a routes directory (``core/drain.py``: ``routes/`` in the
+state folder), the process writes ``<pid>.json`` there (ready addresses by model, and the
+addresses it knows are being drained) whenever that changes and at least once per
+discovery round, and removes it when it stops. ``apply`` reads those files to know when
+every gateway routes a new replica and none routes one it drains; it sends SIGUSR1
+(``probe_now``) to have the nodes probed within ``DISCOVER_SOON``. The upstream
+connections follow the pool: an address that leaves it keeps no connection
+(``Upstreams.retain``).
+
 Contract (concurrency): everything here runs on one asyncio loop. Request handlers read
 ``keys``, ``catalog`` and the pool and bump counters without awaiting in between, so they
 need no lock. Background tasks replace ``keys`` and ``catalog`` wholesale (one assignment),
@@ -9,8 +18,12 @@ never mutate them in place. Disk work (the store) runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import signal
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -18,6 +31,7 @@ from pathlib import Path
 
 import aiohttp
 
+from llmgw_cli.core.drain import Routes, routes_text
 from llmgw_cli.core.keys import ApiKey, hash_token
 from llmgw_cli.core.parse.engine_env import engine_key
 from llmgw_cli.core.routing import Health, Pool
@@ -35,7 +49,7 @@ from llmgw_cli.remote.cluster_lock import Hold
 
 log = logging.getLogger("llmgw.gateway")
 
-DISCOVER_SOON = 1.0  # seconds from a ready replica failing its health check to a probe round
+DISCOVER_SOON = 1.0  # seconds at most from SIGUSR1, or a ready replica failing, to a probe round
 
 
 def read_engine_key(path: Path) -> str:
@@ -85,6 +99,7 @@ class Gateway:
         access_log: AccessLog | None = None,
         manage_replicas: bool = False,
         lock: Hold | None = None,
+        routes: Path | None = None,
     ) -> None:
         self.spec = spec
         self.catalog: dict[str, Model] = {m.name: m for m in spec.models}
@@ -111,6 +126,11 @@ class Gateway:
         self.health_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._discover_soon = asyncio.Event()  # set: probe the nodes now, not at the next round
+        self._last_round = float("-inf")  # monotonic time the last probe round began
+        # The routes file of this process (None: none is written) and what it says now.
+        self.routes_file = routes / f"{os.getpid()}.json" if routes is not None else None
+        self._routed: tuple[dict[str, frozenset[str]], frozenset[str]] | None = None
+        self._signals = False  # whether start installed the SIGUSR1 handler
         # The one owner of the models' replicas. It starts and stops them only when the
         # gateway manages replicas (a probed cluster with manage_replicas); else it observes.
         manages = manage_replicas and isinstance(source, ProbeSource)
@@ -126,6 +146,7 @@ class Gateway:
             lock=lock,
             saved_last_use=store.last_use() if manages else None,
         )
+        self.controller.changed = self._routing_changed
         self.access_log = access_log
         self._upstream_settings()
 
@@ -150,6 +171,10 @@ class Gateway:
     # --- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
+        # Before the routes file first names this process: apply signals the processes it
+        # names, and SIGUSR1's default action ends a process.
+        self._signals = _on_signal(signal.SIGUSR1, self.probe_now)
+        self._clear_stale_routes()
         self.health_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True), cookie_jar=aiohttp.DummyCookieJar()
         )
@@ -173,6 +198,10 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        self._forget_routes()
+        if self._signals:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
+            self._signals = False
         await self.controller.stop()
         try:
             await self.flush()
@@ -200,13 +229,20 @@ class Gateway:
     async def _until_discovery_due(self) -> None:
         """The next probe round is due after ``discover_every``, or as soon as a ready
         replica failed its health check (a lost node is then noticed within one probe,
-        not one interval later), but never sooner than ``DISCOVER_SOON`` after the last."""
+        not one interval later) or ``probe_now`` was called, but never sooner than
+        ``DISCOVER_SOON`` after the last one began."""
         try:
             await asyncio.wait_for(self._discover_soon.wait(), self.every["discover"])
-            await asyncio.sleep(DISCOVER_SOON)
+            await asyncio.sleep(max(0.0, self._last_round + DISCOVER_SOON - time.monotonic()))
         except TimeoutError:
             pass
         self._discover_soon.clear()
+        self._last_round = time.monotonic()
+
+    def probe_now(self) -> None:
+        """SIGUSR1 (``apply``, after it started a replica or marked one draining): probe the
+        nodes within ``DISCOVER_SOON``, not at the next round."""
+        self._discover_soon.set()
 
     async def reload(self) -> None:
         """SIGHUP: read the cluster file again; listeners and open connections are kept."""
@@ -258,6 +294,72 @@ class Gateway:
         found = self.controller.with_starts(await self.source.discover(self.spec))
         self.pool.replace({m: a for m, a in found.items() if m in self.catalog}, time.monotonic())
         self.controller.observe()
+        self.write_routes()  # once per round at least, so its age tells this process is alive
+
+    # --- what it routes -----------------------------------------------------------
+
+    def _routing_changed(self) -> None:
+        """After every look at the pool (``Controller.observe``): the upstream connections
+        follow it, and the routes file is written when what it says changed."""
+        self.upstreams.retain(r.address for r in self.pool.all())
+        if self.routes_file is not None and self._routing() != self._routed:
+            self.write_routes()
+
+    def _routing(self) -> tuple[dict[str, frozenset[str]], frozenset[str]]:
+        ready: dict[str, set[str]] = {}
+        for r in self.pool.all():
+            if r.health is Health.ready:
+                ready.setdefault(r.model, set()).add(r.address)
+        return {m: frozenset(a) for m, a in ready.items()}, self.controller.draining()
+
+    def write_routes(self) -> None:
+        """The routes file, replaced atomically (a temporary file in the same folder,
+        renamed over it); a failure is logged, never raised (routing goes on)."""
+        if self.routes_file is None:
+            return
+        ready, draining = routing = self._routing()
+        text = routes_text(Routes(os.getpid(), time.time(), ready, draining))
+        folder = self.routes_file.parent
+        try:
+            if not folder.is_dir():
+                folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+                folder.chmod(0o755)  # whatever the umask: apply reads it as root, others may look
+            fd, temporary = tempfile.mkstemp(prefix=f".{self.routes_file.name}.", dir=folder)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as out:
+                    os.fchmod(out.fileno(), 0o644)
+                    out.write(text)
+                os.replace(temporary, self.routes_file)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+                raise
+        except OSError as exc:
+            log.error("cannot write the routes file %s: %s", self.routes_file, exc)
+            return
+        self._routed = routing
+
+    def _clear_stale_routes(self) -> None:
+        """Remove the routes files of gateway processes that are gone (an unclean stop
+        leaves one; its pid may name another process one day)."""
+        if self.routes_file is None or not self.routes_file.parent.is_dir():
+            return
+        for path in self.routes_file.parent.glob("*.json"):
+            if path.stem.isdigit() and not _alive(int(path.stem)):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    log.info("removed the routes file of a gateway process that is gone: %s", path)
+
+    def _forget_routes(self) -> None:
+        """A clean stop: this process routes nothing more."""
+        if self.routes_file is None:
+            return
+        self._routed = None
+        try:
+            self.routes_file.unlink(missing_ok=True)
+        except OSError as exc:
+            log.error("cannot remove the routes file %s: %s", self.routes_file, exc)
+        self.routes_file = None  # no write after this one
 
     async def check_health(self) -> None:
         replicas = self.pool.all()
@@ -318,3 +420,23 @@ class Gateway:
             return None
         key = self.keys.get(hash_token(token))
         return key if key is not None and key.valid(datetime.now(UTC)) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another account's process
+    return True
+
+
+def _on_signal(signum: int, handler: Callable[[], None]) -> bool:
+    """Install ``handler`` for ``signum`` on the running loop; False where signals cannot
+    be handled (not the main thread)."""
+    try:
+        asyncio.get_running_loop().add_signal_handler(signum, handler)
+    except (RuntimeError, ValueError):
+        return False
+    return True

@@ -1,9 +1,12 @@
-"""A ready replica that fails its health check makes the gateway probe the nodes at once,
-not at the next discovery round: a lost node is noticed within one probe."""
+"""A ready replica that fails its health check, or SIGUSR1, makes the gateway probe the
+nodes at once, not at the next discovery round: a lost node is noticed within one probe,
+and apply's changes within a second. What discovery drops keeps no upstream connection."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +15,7 @@ from aiohttp import web
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.gateway.sources import StaticSource
-from llmgw_cli.gateway.state import Gateway
+from llmgw_cli.gateway.state import DISCOVER_SOON, Gateway
 from llmgw_cli.gateway.store import SqliteStore
 
 from .harness import free_port
@@ -68,6 +71,68 @@ def test_a_replica_failing_its_health_check_brings_the_next_probe_forward(tmp_pa
             assert source.rounds == rounds  # nothing due for an hour
             await runner.cleanup()  # the engine is gone: its health check fails
             assert await _until(lambda: source.rounds > rounds, 5), "no probe after the failure"
+        finally:
+            await gw.stop()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_sigusr1_brings_the_next_probe_within_discover_soon(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        source = Counting({"m": []})
+        gw = Gateway(
+            parse_cluster(CLUSTER),
+            source,
+            SqliteStore(tmp_path),
+            "k",
+            discover_every=3600.0,
+            health_every=3600.0,
+        )
+        await gw.start()
+        try:
+            await asyncio.sleep(DISCOVER_SOON + 0.2)  # the last round is long enough ago
+            rounds = source.rounds
+            loop = asyncio.get_running_loop()
+            sent = loop.time()
+            os.kill(os.getpid(), signal.SIGUSR1)  # what apply sends (PROBE_NOW_SIGNAL)
+            assert await _until(lambda: source.rounds > rounds, 5), "no probe after SIGUSR1"
+            assert loop.time() - sent < DISCOVER_SOON
+        finally:
+            await gw.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_address_that_leaves_the_pool_keeps_no_idle_upstream_connection(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        peers: set[object] = set()
+
+        async def answer(request: web.Request) -> web.Response:
+            peers.add(request.transport)
+            return web.json_response({"ok": True})
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        address = f"127.0.0.1:{port}"
+        source = Counting({"m": [address]})
+        gw = Gateway(parse_cluster(CLUSTER), source, SqliteStore(tmp_path), "k", discover_every=3600.0)
+        await gw.start()
+        try:
+            reply = await gw.upstreams.request(address, "/v1/completions", b"{}", 5)
+            await reply.read()
+            reply.release()
+            assert gw.upstreams.idle_count(address) == 1
+            source.replicas = {"m": []}  # discovery no longer finds it (drained, stopped)
+            await gw.discover()
+            assert gw.upstreams.idle_count(address) == 0
+            server = runner.server
+            assert server is not None
+            assert await _until(lambda: not server.connections, 5), "the engine still has a connection"
         finally:
             await gw.stop()
             await runner.cleanup()
