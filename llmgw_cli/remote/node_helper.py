@@ -21,7 +21,8 @@ Verbs (unit names must be ``llmgw-<model>-<replica>.service``, except that ``sho
 - ``journal UNIT SINCE LINES``: the unit's last LINES journal lines since SINCE (epoch
   seconds, or ``-``);
 - ``stop|start|restart|remove UNIT...``: ``start`` enables too; ``remove`` disables and
-  deletes the unit file;
+  deletes the unit file and its drain marker (a replica ``apply`` retires; a unit
+  written again under that name must not read as being retired);
 - ``write-unit UNIT``: the unit text on stdin, checked line by line against what
   llmgw's replica template produces (see ``check_unit``), then written atomically;
 - ``daemon-reload``;
@@ -49,6 +50,7 @@ PROBE = "/usr/local/libexec/llmgw/probe.sh"
 NODEFETCH = "/usr/local/libexec/llmgw/nodefetch.py"
 CONFIG = "/etc/llmgw/node-helper.json"
 UNIT_DIR = "/etc/systemd/system"
+DRAIN_DIR = "/var/lib/llmgw/draining"  # core/drain.py's
 SUDO = "/usr/bin/sudo"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -342,9 +344,9 @@ def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
     if verb == "remove":
         subprocess.call(["systemctl", "disable", *args], stderr=subprocess.DEVNULL)
         for a in args:
-            path = os.path.join(UNIT_DIR, a)
-            if os.path.lexists(path):
-                os.unlink(path)
+            for path in (os.path.join(UNIT_DIR, a), os.path.join(DRAIN_DIR, a)):
+                if os.path.lexists(path):
+                    os.unlink(path)
         return 0
     if verb == "write-unit":
         text = sys.stdin.read(MAX_UNIT_BYTES + 1)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core import node_access
+from llmgw_cli.core import drain, node_access
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.remote import node_helper
@@ -34,6 +34,7 @@ def units(spec: ClusterSpec) -> list[str]:
 
 
 def test_the_helper_and_apply_agree_on_paths() -> None:
+    assert node_helper.DRAIN_DIR == drain.DRAIN_DIR
     assert node_helper.HELPER == node_access.HELPER
     assert node_helper.PROBE == node_access.PROBE
     assert node_helper.NODEFETCH == node_access.NODEFETCH
@@ -192,3 +193,21 @@ def test_journal_reads_the_lines_about_a_unit_not_only_those_of_its_processes(
     assert sync == ["journalctl", "--sync"]
     assert read[:4] == ["journalctl", "_SYSTEMD_UNIT=llmgw-m-0.service", "+", "UNIT=llmgw-m-0.service"]
     assert "-u" not in read and read[read.index("--since") + 1] == "@1700000000"
+
+
+def test_remove_deletes_the_unit_file_and_its_drain_marker_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    units, markers = tmp_path / "units", tmp_path / "draining"
+    units.mkdir()
+    markers.mkdir()
+    for folder in (units, markers):
+        for name in ("llmgw-a-0.service", "llmgw-a-1.service"):
+            (folder / name).write_text("x")
+    monkeypatch.setattr(node_helper, "UNIT_DIR", str(units))
+    monkeypatch.setattr(node_helper, "DRAIN_DIR", str(markers))
+    monkeypatch.setattr(node_helper.subprocess, "call", lambda *_a, **_k: 0)  # systemctl disable
+    assert node_helper.run_verb(["remove", "llmgw-a-0.service"], {}) == 0
+    assert sorted(p.name for p in units.iterdir()) == ["llmgw-a-1.service"]
+    assert sorted(p.name for p in markers.iterdir()) == ["llmgw-a-1.service"]
+    assert node_helper.run_verb(["remove", "llmgw-a-0.service"], {}) == 0  # gone already: fine
