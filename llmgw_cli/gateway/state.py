@@ -131,6 +131,7 @@ class Gateway:
         self.routes_file = routes / f"{os.getpid()}.json" if routes is not None else None
         self._routed: tuple[dict[str, frozenset[str]], frozenset[str]] | None = None
         self._signals = False  # whether start installed the SIGUSR1 handler
+        self._routes_error: str | None = None  # why the last write of the routes file failed
         # The one owner of the models' replicas. It starts and stops them only when the
         # gateway manages replicas (a probed cluster with manage_replicas); else it observes.
         manages = manage_replicas and isinstance(source, ProbeSource)
@@ -335,8 +336,13 @@ class Gateway:
                     os.unlink(temporary)
                 raise
         except OSError as exc:
-            log.error("cannot write the routes file %s: %s", self.routes_file, exc)
+            if str(exc) != self._routes_error:  # once, not at every look
+                log.error("cannot write the routes file %s: %s", self.routes_file, exc)
+                self._routes_error = str(exc)
             return
+        if self._routes_error is not None:
+            log.info("routes file written again: %s", self.routes_file)
+            self._routes_error = None
         self._routed = routing
 
     def _clear_stale_routes(self) -> None:

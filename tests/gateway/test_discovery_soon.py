@@ -10,6 +10,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 
 from llmgw_cli.core.load import parse_cluster
@@ -138,3 +139,28 @@ def test_an_address_that_leaves_the_pool_keeps_no_idle_upstream_connection(tmp_p
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_a_routes_file_that_cannot_be_written_is_said_once_and_routing_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        blocked = tmp_path / "not-a-folder"
+        blocked.write_text("")  # the routes folder cannot be made here
+        gw = Gateway(
+            parse_cluster(CLUSTER),
+            Counting({"m": []}),
+            SqliteStore(tmp_path),
+            "k",
+            discover_every=3600.0,
+            routes=blocked / "routes",
+        )
+        await gw.start()
+        try:
+            for _ in range(3):
+                await gw.discover()
+        finally:
+            await gw.stop()
+
+    asyncio.run(scenario())
+    assert caplog.text.count("cannot write the routes file") == 1
