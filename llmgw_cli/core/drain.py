@@ -43,7 +43,7 @@ def drain_seconds(spec: ClusterSpec, model: Model) -> float:
 
 
 def marker_path(unit: str) -> str:
-    if not REPLICA_UNIT.match(unit):
+    if not REPLICA_UNIT.fullmatch(unit):
         raise ValueError(f"not a replica unit name: {unit!r}")
     return f"{DRAIN_DIR}/{unit}"
 
@@ -70,7 +70,7 @@ def parse_markers(entries: list[tuple[str, str]]) -> dict[str, float]:
     found: dict[str, float] = {}
     for name, text in entries:
         deadline = parse_marker(text)
-        if REPLICA_UNIT.match(name) and deadline is not None:
+        if REPLICA_UNIT.fullmatch(name) and deadline is not None:
             found[name] = deadline
     return found
 

@@ -11,6 +11,8 @@ Pure and deterministic: the same inputs give the same placement. Rules, in order
   nodes with fewer replicas of the same model (spread), then the fullest node that fits
   (whole nodes stay free for multi-node replicas), then the name;
 - running replicas are given first and keep their cards;
+- a replacement may name the nodes it prefers (its predecessor's): the first of them that
+  fits wins, before every rule above but the card rules;
 - every replica that cannot be placed comes back with a sentence saying why.
 """
 
@@ -113,7 +115,10 @@ def _group(free: list[int], size: int, topo: Topology | None) -> tuple[tuple[int
     return combo, warning
 
 
-class _Placer:
+class Placer:
+    """The cluster's free cards as replicas are placed, taken and given back (``place``
+    runs one; ``make_plan`` steps one through a rolling replacement)."""
+
     def __init__(self, spec: ClusterSpec, facts: dict[str, NodeFacts], running: list[PlacedReplica]) -> None:
         self.spec = spec
         self.states: dict[str, _NodeState] = {}
@@ -142,17 +147,35 @@ class _Placer:
             for held in state.holds:
                 self.holders[held].append(name)
         for replica in running:
-            self._take(replica)
+            self.take(replica)
 
-    def _take(self, replica: PlacedReplica) -> None:
+    def take(self, replica: PlacedReplica) -> None:
+        """``replica``'s cards are used from now on."""
         for slot in replica.slots:
             state = self.states.get(slot.node)
             if state is not None:
-                bucket = self.buckets[(state.cls or "").upper()]
-                bucket[len(state.free)].remove(slot.node)
-                state.free = [i for i in state.free if i not in slot.gpus]
-                bisect.insort(bucket[len(state.free)], slot.node)
+                self._resize(state, [i for i in state.free if i not in slot.gpus])
                 state.replicas[replica.model] += 1
+
+    def release(self, replica: PlacedReplica) -> None:
+        """``replica``'s cards are free again (it stopped); faulty ones stay unusable."""
+        for slot in replica.slots:
+            state = self.states.get(slot.node)
+            if state is not None:
+                healthy = {g.index for g in state.facts.gpus if g.health is GpuHealth.healthy}
+                self._resize(state, sorted(set(state.free) | (set(slot.gpus) & healthy)))
+                state.replicas[replica.model] = max(state.replicas[replica.model] - 1, 0)
+
+    def _resize(self, state: _NodeState, free: list[int]) -> None:
+        bucket = self.buckets[(state.cls or "").upper()]
+        bucket[len(state.free)].remove(state.node.name)
+        state.free = free
+        bisect.insort(bucket[len(state.free)], state.node.name)
+
+    def one(self, model: Model, prefer: tuple[str, ...] = ()) -> PlacedReplica | Unplaced:
+        """Place one replica of ``model`` (its cards are taken), on the nodes of ``prefer``
+        when one fits (in that order), else by the usual rules."""
+        return self.multi(model, prefer) if model.nodes > 1 else self.single(model, prefer)
 
     def _fits(self, state: _NodeState, model: Model) -> bool:
         if model.gpu_class and not (state.cls and same_class(state.cls, model.gpu_class)):
@@ -197,8 +220,9 @@ class _Placer:
                     break  # larger buckets rank lower
         return best
 
-    def single(self, model: Model) -> PlacedReplica | Unplaced:
-        state = self._best_node(model)
+    def single(self, model: Model, prefer: tuple[str, ...] = ()) -> PlacedReplica | Unplaced:
+        preferred = (self.states[n] for n in prefer if n in self.states)
+        state = next((s for s in preferred if self._fits(s, model)), None) or self._best_node(model)
         if state is not None:
             chosen = _group(self._usable(state, model), model.tensor_parallel, state.facts.topology)
             assert chosen is not None  # _fits guarantees enough usable cards
@@ -208,11 +232,11 @@ class _Placer:
                 (Slot(state.node.name, gpus, tuple(state.uuid[i] for i in gpus)),),
                 (warning,) if warning else (),
             )
-            self._take(replica)
+            self.take(replica)
             return replica
         return Unplaced(model.name, self._why_single(model))
 
-    def multi(self, model: Model) -> PlacedReplica | Unplaced:
+    def multi(self, model: Model, prefer: tuple[str, ...] = ()) -> PlacedReplica | Unplaced:
         by_fabric: dict[str, list[_NodeState]] = defaultdict(list)
         for state in self.states.values():
             status = fabric_status(state.node, state.facts)
@@ -221,18 +245,20 @@ class _Placer:
         options = []
         for fabric, states in sorted(by_fabric.items()):
             if len(states) >= model.nodes:
-                chosen = sorted(states, key=lambda s: self._rank(s, model))[: model.nodes]
+                chosen = sorted(states, key=lambda s: (s.node.name not in prefer, self._rank(s, model)))
+                chosen = chosen[: model.nodes]
+                preferred = sum(1 for s in chosen if s.node.name in prefer)
                 holding = sum(1 for s in chosen if _holds_weights(s, model))
-                options.append((-holding, fabric, chosen))
+                options.append((-preferred, -holding, fabric, chosen))
         if not options:
             return Unplaced(model.name, self._why_multi(model, by_fabric))
-        _, _, chosen = min(options, key=lambda o: (o[0], o[1]))
+        *_, chosen = min(options, key=lambda o: (o[0], o[1], o[2]))
         slots = []
         for state in chosen:
             gpus = tuple(sorted(self._usable(state, model))[: model.tensor_parallel])
             slots.append(Slot(state.node.name, gpus, tuple(state.uuid[i] for i in gpus)))
         replica = PlacedReplica(model.name, tuple(slots))
-        self._take(replica)
+        self.take(replica)
         return replica
 
     def _what(self, model: Model) -> str:
@@ -285,7 +311,7 @@ def place(
 
     Multi-node models go first (they need whole nodes), then larger groups, then spec order.
     """
-    placer = _Placer(spec, facts, running)
+    placer = Placer(spec, facts, running)
     order = sorted(
         (m for m in spec.models if want.get(m.name, 0) > 0),
         key=lambda m: (-m.nodes, -m.tensor_parallel, spec.models.index(m)),
@@ -294,7 +320,7 @@ def place(
     unplaced: list[Unplaced] = []
     for model in order:
         for _ in range(want[model.name]):
-            result = placer.multi(model) if model.nodes > 1 else placer.single(model)
+            result = placer.one(model)
             if isinstance(result, PlacedReplica):
                 replicas.append(result)
             else:

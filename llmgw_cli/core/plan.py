@@ -2,7 +2,14 @@
 
 ``+`` create a replica, ``~`` replace one whose spec changed (or restart one that failed),
 ``-`` delete one whose model was removed or switched off, ``=`` leave one alone and say
-why. What ``--dry-run`` prints is exactly what ``apply`` executes; a plan saved as JSON
+why.
+
+A serving replica is replaced by rolling it: its successor starts first, on free cards
+(a new replica number and port), and the old one is drained and stopped once the
+successor serves (``surge``); its cards are then free for the model's next successor.
+Only when no successor fits beside it is it replaced in place (stopped, then started on
+its own cards), and when that leaves its model with no serving replica the action says so
+(``downtime``): ``apply`` refuses it unless told otherwise. What ``--dry-run`` prints is exactly what ``apply`` executes; a plan saved as JSON
 carries a digest of the facts it was made from, so applying it later refuses when the
 nodes have changed since.
 """
@@ -22,7 +29,7 @@ from llmgw_cli.core.engines import Member, replica_unit, spec_hash
 from llmgw_cli.core.facts import Fact, GpuHealth, NodeFacts, ReplicaUnit
 from llmgw_cli.core.hardware import fabric_status
 from llmgw_cli.core.parse.units import replica_units
-from llmgw_cli.core.placement import PlacedReplica, Placement, Slot, place
+from llmgw_cli.core.placement import PlacedReplica, Placement, Placer, Slot, place
 from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode
 
 Op = Literal["+", "~", "-", "="]
@@ -44,6 +51,8 @@ class Running(Fact):
     members: tuple[str, ...]  # node names, rank order
     unit: str
     units: dict[str, ReplicaUnit]  # node -> the replica's unit found there
+    # Being retired (a drain marker on a member node): its deadline, node clock. None: not.
+    draining: float | None = None
 
     @property
     def gpus(self) -> dict[str, tuple[str, ...]]:
@@ -66,10 +75,11 @@ class Running(Fact):
         every other member's unit is up or unseen because its node, in ``unreachable``,
         could not be read this time (an SSH hiccup is not a failed engine; the health
         checks still judge it). The same ``ReplicaUnit.up`` as ``up``, which plan and
-        status use."""
+        status use. A draining replica does not serve: it is being retired."""
         head = self.units.get(self.members[0]) if self.members else None
         return (
-            head is not None
+            self.draining is None
+            and head is not None
             and head.up
             and all(
                 (n in self.units and self.units[n].up) or (n not in self.units and n in unreachable)
@@ -146,7 +156,13 @@ def running_replicas(facts: dict[str, NodeFacts]) -> list[Running]:
                 units={},
             )
             found[key] = current.model_copy(update={"units": {**current.units, u.node: u}})
-    return [found[k] for k in sorted(found)]
+    return [_with_marker(facts, found[k]) for k in sorted(found)]
+
+
+def _with_marker(facts: dict[str, NodeFacts], r: Running) -> Running:
+    """``r`` with the earliest deadline of the drain markers its members' nodes hold."""
+    deadlines = [facts[n].draining[r.unit] for n in r.members if n in facts and r.unit in facts[n].draining]
+    return r.model_copy(update={"draining": min(deadlines)}) if deadlines else r
 
 
 def facts_digest(facts: dict[str, NodeFacts]) -> str:
@@ -238,18 +254,25 @@ class _Sorted:
     replace: dict[str, list[Running]] = field(default_factory=lambda: defaultdict(list))
 
 
-def _sort_running(spec: ClusterSpec, running: list[Running]) -> _Sorted:
+def _sort_running(
+    spec: ClusterSpec, running: list[Running], replace: frozenset[tuple[str, int]] = frozenset()
+) -> _Sorted:
     models = {m.name: m for m in spec.models}
     out = _Sorted()
     for r in running:
         model = models.get(r.model)
-        if model is None or model.mode is ScalingMode.off:
-            why = "model removed from the cluster file" if model is None else "model is switched off"
+        if model is None or model.mode is ScalingMode.off or r.draining is not None:
+            if model is None:
+                why = "model removed from the cluster file"
+            elif model.mode is ScalingMode.off:
+                why = "model is switched off"
+            else:
+                why = "left draining by an interrupted apply"
             removal = tuple((n, r.unit) for n in r.members)
             out.delete.append(
                 Action(op="-", model=r.model, replica=r.replica, nodes=r.members, reason=why, remove=removal)
             )
-        elif r.spec_hash != spec_hash(spec, model) or r.down:
+        elif r.spec_hash != spec_hash(spec, model) or r.down or (r.model, r.replica) in replace:
             out.replace[r.model].append(r)
         else:
             out.keep.append(r)
@@ -274,13 +297,15 @@ def _keep_actions(spec: ClusterSpec, keep: list[Running]) -> list[Action]:
 
 
 def _wanted(spec: ClusterSpec, sorted_: _Sorted) -> dict[str, int]:
-    """New replicas per model: one per replacement, plus always-on models up to ``min``."""
+    """New replicas per always-on model up to ``min``, beside the kept and the replaced ones
+    (replaced or left as they are, each still counts once)."""
     counts = Counter(r.model for r in sorted_.keep)
-    want = {name: len(rs) for name, rs in sorted_.replace.items()}
+    want = {}
     for model in spec.models:
         if model.mode is ScalingMode.always and model.scaling:
             missing = model.scaling.min - counts[model.name] - len(sorted_.replace.get(model.name, []))
-            want[model.name] = want.get(model.name, 0) + max(missing, 0)
+            if missing > 0:
+                want[model.name] = missing
     return want
 
 
@@ -291,10 +316,9 @@ def _placed_actions(
     running: list[Running],
     *,
     used: dict[str, set[int]],
-    replace: dict[str, list[Running]],
 ) -> tuple[list[Action], list[tuple[str, str]]]:
-    """A ``+`` (or ``~`` for a replica in ``replace``) action per placed replica, with its
-    port and replica index; plus what could not be placed and why. ``replace`` is consumed."""
+    """A ``+`` action per placed replica, with its port and the lowest replica number not
+    in ``running``; plus what could not be placed and why."""
     taken: dict[str, set[int]] = defaultdict(set)
     for r in running:
         taken[r.model].add(r.replica)
@@ -303,41 +327,21 @@ def _placed_actions(
     for replica in placement.replicas:
         model = spec.model(replica.model)
         head = replica.slots[0].node
-        port = _next_port(spec, model, head, used, 2 if model.nodes > 1 else 1)
+        port = _next_port(spec, model, head, used, _port_count(model))
         if port is None:
             unplaced.append((model.name, f"no free port in profile {model.profile}'s range on {head}"))
             continue
-        old = replace.get(model.name, [])
-        previous = old.pop(0) if old else None
-        index = (
-            previous.replica if previous else min(set(range(len(taken[model.name]) + 1)) - taken[model.name])
-        )
+        index = min(set(range(len(taken[model.name]) + 1)) - taken[model.name])
         taken[model.name].add(index)
-        writes = _units(spec, facts, model, replica, index=index, port=port)
-        nodes = tuple(s.node for s in replica.slots)
-        stale: tuple[tuple[str, str], ...] = ()
-        if previous is None:
-            op: Op = "+"
-            reason = "below min" if model.mode is ScalingMode.always else "requested"
-        else:
-            op = "~"
-            reason = (
-                "not running; started again"
-                if previous.spec_hash == spec_hash(spec, model)
-                else "spec changed"
-            )
-            written = {(w.node, w.name) for w in writes}
-            stale = tuple((n, previous.unit) for n in previous.members if (n, previous.unit) not in written)
         actions.append(
             Action(
-                op=op,
+                op="+",
                 model=model.name,
                 replica=index,
-                nodes=nodes,
-                write=writes,
-                remove=stale,
+                nodes=tuple(s.node for s in replica.slots),
+                write=_units(spec, facts, model, replica, index=index, port=port),
                 port=port,
-                reason=reason,
+                reason="below min" if model.mode is ScalingMode.always else "requested",
                 gpus={s.node: s.uuids for s in replica.slots},
             )
         )
@@ -370,7 +374,7 @@ def grow_plan(
         if a.port is not None:
             used[a.nodes[0]] |= {a.port, a.port + 1}
     indices = running + [_placeholder(a) for a in reserved]
-    actions, unplaced = _placed_actions(spec, facts, placement, indices, used=used, replace={})
+    actions, unplaced = _placed_actions(spec, facts, placement, indices, used=used)
     warnings = tuple(dict.fromkeys(w for rep in placement.replicas for w in rep.warnings))
     return Plan(
         actions=tuple(actions), unplaced=tuple(unplaced), warnings=warnings, facts_digest=facts_digest(facts)
@@ -408,9 +412,10 @@ def _without(facts: dict[str, NodeFacts], avoid: frozenset[str]) -> dict[str, No
 
 def conflicts(facts: dict[str, NodeFacts], action: Action) -> str | None:
     """Why ``action``, planned on older facts, can no longer go where it was placed: a
-    unit found now holds one of its cards or its port, or one of its cards is faulty.
-    None when it still fits. (A plan made before a lock was taken is checked under it.)"""
-    running = running_replicas(facts)
+    unit found now holds one of its cards or its port, or one of its cards is faulty; the
+    replica it retires (``~``) is not in its way. None when it still fits. (A plan made before a lock was taken is checked under it.)"""
+    retired = (action.model, action.retire.replica) if action.retire else None
+    running = [r for r in running_replicas(facts) if (r.model, r.replica) != retired]
     for node in action.nodes:
         mine = set(action.gpus.get(node, ()))
         for r in running:
@@ -427,9 +432,9 @@ def conflicts(facts: dict[str, NodeFacts], action: Action) -> str | None:
             return f"{node}: card(s) {', '.join(bad)} now faulty"
     if action.port is not None:
         head = action.nodes[0]
-        ports = {action.port, action.port + 1}
+        ports = _ports(action.port, action.nodes)
         for r in running:
-            if head in r.members and ports & {r.port, r.port + 1}:
+            if head in r.members and ports & _ports(r.port, r.members):
                 return f"{head}: port {action.port} now used by {r.model} replica {r.replica}"
     return None
 
@@ -452,24 +457,189 @@ def stop_plan(facts: dict[str, NodeFacts], model: str, replica: int, reason: str
     return Plan(actions=actions, unplaced=(), warnings=(), facts_digest=facts_digest(facts))
 
 
-def make_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
+def make_plan(
+    spec: ClusterSpec, facts: dict[str, NodeFacts], *, replace: frozenset[tuple[str, int]] = frozenset()
+) -> Plan:
     """The plan that brings the nodes to the spec: ``min`` replicas of each always-on model,
-    nothing lost or restarted that already matches."""
+    nothing lost or restarted that already matches. ``replace``: (model, replica) pairs to
+    replace even though they match (the caller checks that they run)."""
     running = running_replicas(facts)
-    sorted_ = _sort_running(spec, running)
+    sorted_ = _sort_running(spec, running, replace)
     actions = sorted_.delete + _keep_actions(spec, sorted_.keep)
-    placement = place(spec, facts, [_as_replica(facts, r) for r in sorted_.keep], _wanted(spec, sorted_))
-    created, unplaced = _placed_actions(
-        spec, facts, placement, running, used=_used_ports(sorted_.keep), replace=sorted_.replace
-    )
+    roll = _Rolling(spec, facts, running, sorted_)
+    actions += roll.actions
+    unplaced = roll.unplaced
+    # `+` for always-on models below min, around what runs once the replacements are done
+    final = sorted_.keep + roll.left
+    held = [_as_replica(facts, r) for r in final] + roll.successors
+    placement = place(spec, facts, held, _wanted(spec, sorted_))
+    indices = running + [_placeholder(a) for a in roll.actions]
+    created, missed = _placed_actions(spec, facts, placement, indices, used=roll.used)
     actions += created
-    for name, left in sorted_.replace.items():
-        unplaced += [
-            (name, f"replica {r.replica} needs replacing but does not fit; left as it is") for r in left
-        ]
+    unplaced += missed
     order = {"-": 0, "~": 1, "+": 2, "=": 3}
-    actions.sort(key=lambda a: (order[a.op], a.model, a.replica))
-    warnings = tuple(dict.fromkeys(w for rep in placement.replicas for w in rep.warnings))
+    actions.sort(key=lambda a: (order[a.op], a.model, a.retire.replica if a.retire else a.replica))
+    warnings = tuple(
+        dict.fromkeys([*roll.warnings, *(w for rep in placement.replicas for w in rep.warnings)])
+    )
     return Plan(
         actions=tuple(actions), unplaced=tuple(unplaced), warnings=warnings, facts_digest=facts_digest(facts)
     )
+
+
+class _Rolling:
+    """The replacements of a plan, simulated one at a time per model, in replica order, as
+    the executor carries them out (models side by side, each model's one after another).
+
+    A serving replica's successor is placed with everything still holding its cards (the
+    kept replicas, the successors so far and every replica not replaced yet, this one
+    included), on its own nodes first: if it fits, it starts first (surge); the old one's
+    cards are then free for that model's next successor (never another model's: models
+    are replaced side by side). If not, it is replaced in place on its own cards freed,
+    which leaves the model with no serving replica meanwhile when no other one serves. A
+    replica that is down serves nothing: it is replaced in place."""
+
+    def __init__(self, spec: ClusterSpec, facts: dict[str, NodeFacts], running: list[Running], s: _Sorted):
+        self.spec, self.facts = spec, facts
+        olds = [r for rs in s.replace.values() for r in rs]
+        self.placer = Placer(spec, facts, [_as_replica(facts, r) for r in s.keep + olds])
+        # ports: an old replica keeps its own until the end (a successor of another model
+        # may start while it still runs); one replaced in place gives its own to its successor
+        self.used = _used_ports(s.keep + olds)
+        self.taken: dict[str, set[int]] = defaultdict(set)
+        for r in running:
+            self.taken[r.model].add(r.replica)
+        self.actions: list[Action] = []
+        self.successors: list[PlacedReplica] = []
+        self.left: list[Running] = []  # not replaced: does not fit
+        self.unplaced: list[tuple[str, str]] = []
+        self.warnings: list[str] = []
+        serving = Counter(r.model for r in s.keep)
+        models = sorted(
+            (spec.model(name) for name in s.replace),
+            key=lambda m: (-m.nodes, -m.tensor_parallel, spec.models.index(m)),
+        )
+        for model in models:
+            self._model(model, sorted(s.replace[model.name], key=lambda r: r.replica), serving[model.name])
+
+    def _model(self, model: Model, olds: list[Running], kept: int) -> None:
+        done = 0  # successors so far: each one serves before the next replacement begins
+        retired: list[PlacedReplica] = []
+        for i, old in enumerate(olds):
+            others = (
+                kept + done + sum(1 for o in (*olds[i + 1 :], *self.left) if o.model == model.name and o.up)
+            )
+            held = _as_replica(self.facts, old)
+            action = self._surge(model, old) if old.up else None
+            if action is None:
+                self.placer.release(held)
+                action = self._in_place(model, old, others)
+                if action is None:
+                    self.placer.take(held)
+                    self.left.append(old)
+                    self.unplaced.append(
+                        (model.name, f"replica {old.replica} needs replacing but does not fit; left as it is")
+                    )
+                    continue
+            else:
+                self.placer.release(held)
+                retired.append(held)
+            self.actions.append(action)
+            done += 1
+        # A retired replica's cards were free for this model's successors only: the other
+        # models' replacements run at the same time, maybe before it is stopped.
+        mine = {(s.node, u) for rep in self.successors for s in rep.slots for u in s.uuids}
+        for gone in retired:
+            left = {s.node: tuple(u for u in s.uuids if (s.node, u) not in mine) for s in gone.slots}
+            self.placer.take(_holding(self.facts, "", tuple(left), left))
+
+    def _surge(self, model: Model, old: Running) -> Action | None:
+        result = self.placer.one(model, prefer=old.members)
+        if not isinstance(result, PlacedReplica):
+            return None
+        port = _next_port(self.spec, model, result.slots[0].node, self.used, _port_count(model))
+        if port is None:
+            self.placer.release(result)
+            return None
+        index = min(set(range(len(self.taken[model.name]) + 1)) - self.taken[model.name])
+        why = f"{_cause(self.spec, model, old)}; new replica first, then #{old.replica} drained and stopped"
+        return self._action(model, old, result, index=index, port=port, reason=why, surge=True)
+
+    def _in_place(self, model: Model, old: Running, others: int) -> Action | None:
+        result = self.placer.one(model, prefer=old.members)
+        if not isinstance(result, PlacedReplica):
+            return None
+        head = result.slots[0].node
+        mine = {old.port, old.port + 1} if head in old.members else set()
+        self.used[head] -= mine
+        port = _next_port(self.spec, model, head, self.used, _port_count(model))
+        if port is None:
+            self.used[head] |= mine
+            self.placer.release(result)
+            return None
+        cause = _cause(self.spec, model, old)
+        downtime = ""
+        if not old.up:
+            why = cause
+        elif others:
+            serve = "1 other replica serves" if others == 1 else f"{others} other replicas serve"
+            why = f"{cause}; replaced in place: no free cards, {serve}"
+        else:
+            why = f"{cause}; replaced in place: no free cards, no other replica serves"
+            cards = f"{model.gpu_class} cards" if model.gpu_class else "cards"
+            downtime = (
+                f"{model.name} will be unavailable for its load time: no free {cards} to start "
+                "the new replica first"
+            )
+        return self._action(
+            model, old, result, index=old.replica, port=port, reason=why, surge=False, downtime=downtime
+        )
+
+    def _action(
+        self,
+        model: Model,
+        old: Running,
+        placed: PlacedReplica,
+        *,
+        index: int,
+        port: int,
+        reason: str,
+        surge: bool,
+        downtime: str = "",
+    ) -> Action:
+        self.taken[model.name].add(index)
+        self.successors.append(placed)
+        self.warnings += placed.warnings
+        writes = _units(self.spec, self.facts, model, placed, index=index, port=port)
+        written = {(w.node, w.name) for w in writes}
+        stale = tuple((n, old.unit) for n in old.members if (n, old.unit) not in written)
+        return Action(
+            op="~",
+            model=model.name,
+            replica=index,
+            nodes=tuple(s.node for s in placed.slots),
+            write=writes,
+            remove=stale,
+            port=port,
+            reason=reason,
+            gpus={s.node: s.uuids for s in placed.slots},
+            retire=Retired(replica=old.replica, nodes=old.members, unit=old.unit, port=old.port),
+            surge=surge,
+            downtime=downtime,
+        )
+
+
+def _cause(spec: ClusterSpec, model: Model, old: Running) -> str:
+    if old.spec_hash != spec_hash(spec, model):
+        return "spec changed"
+    return "not running; started again" if old.down else "replace requested"
+
+
+def _ports(port: int, members: tuple[str, ...]) -> set[int]:
+    """The ports a replica listens on at its head node (see ``_port_count``)."""
+    return {port, port + 1} if len(members) > 1 else {port}
+
+
+def _port_count(model: Model) -> int:
+    """Ports a replica takes on its head node: the API, and the rendezvous of a multi-node one."""
+    return 2 if model.nodes > 1 else 1

@@ -6,7 +6,7 @@ import time
 
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.placement import PlacedReplica, Slot, place
+from llmgw_cli.core.placement import PlacedReplica, Placer, Slot, place
 from llmgw_cli.core.spec import ClusterSpec
 
 from .facts_factory import node_facts, topology
@@ -96,6 +96,28 @@ def test_running_replicas_keep_their_cards() -> None:
     running = [PlacedReplica("m", (Slot("a", (0, 1, 2, 3), tuple(f"GPU-a-{i}" for i in range(4))),))]
     (replica,) = place(s, {"a": node_facts("a")}, running, {"m": 1}).replicas
     assert replica.slots[0].gpus == (4, 5, 6, 7)
+
+
+def test_a_preferred_node_comes_first_and_released_cards_are_free_again() -> None:
+    s = spec(hgx("a") + hgx("b"), model("m", tp=4))
+    facts = {"a": node_facts("a", faulty=(7,)), "b": node_facts("b")}
+    old = PlacedReplica("m", (Slot("a", (0, 1, 2, 3), tuple(f"GPU-a-{i}" for i in range(4))),))
+    placer = Placer(s, facts, [old])
+    m = s.model("m")
+    # spread alone would take the empty node b; the old replica's node is preferred, but
+    # it has 3 healthy cards left
+    spread = placer.one(m)
+    assert isinstance(spread, PlacedReplica) and spread.slots[0].node == "b"
+    placer.release(spread)
+    assert placer.one(m, prefer=("a",)) == spread  # a does not fit: the usual rules
+    placer.release(spread)
+    placer.release(old)
+    beside = placer.one(m, prefer=("a",))
+    assert isinstance(beside, PlacedReplica) and beside.slots[0] == old.slots[0]
+    placer.release(beside)
+    placer.take(PlacedReplica("x", (Slot("a", (0, 1, 2, 3, 4, 5, 6), ()),)))
+    placer.release(PlacedReplica("x", (Slot("a", (0, 1, 2, 3, 4, 5, 6, 7), ()),)))
+    assert placer.states["a"].free == [0, 1, 2, 3, 4, 5, 6]  # the faulty card stays out
 
 
 def test_multi_node_takes_whole_nodes_in_one_advertising_fabric() -> None:

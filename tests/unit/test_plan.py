@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Action, Plan, conflicts, grow_plan, make_plan, running_replicas, stop_plan
+from llmgw_cli.core.plan import (
+    Action,
+    Plan,
+    Retired,
+    conflicts,
+    grow_plan,
+    make_plan,
+    running_replicas,
+    stop_plan,
+)
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.core.summary import summarize
 
@@ -36,6 +47,8 @@ def fresh() -> dict[str, NodeFacts]:
 
 
 def applied(plan: Plan, facts: dict[str, NodeFacts]) -> dict[str, NodeFacts]:
+    """The nodes once ``plan`` ran: what it removes is gone (with its drain marker), what it
+    writes runs. A surge's old replica goes too: its units are in its ``remove``."""
     out = dict(facts)
     for action in plan.actions:
         for node, name in action.remove:
@@ -44,6 +57,7 @@ def applied(plan: Plan, facts: dict[str, NodeFacts]) -> dict[str, NodeFacts]:
                 update={
                     "units": tuple(u for u in f.units if u.name != name),
                     "unit_labels": {k: v for k, v in f.unit_labels.items() if k != name},
+                    "draining": {k: v for k, v in f.draining.items() if k != name},
                 }
             )
         out = with_units(out, [(w.node, w.name, w.text) for w in action.write])
@@ -75,10 +89,15 @@ def test_second_plan_changes_nothing() -> None:
 def test_changing_one_models_args_replaces_only_its_replica() -> None:
     facts = applied(make_plan(spec(), fresh()), fresh())
     changed = make_plan(spec(CLUSTER.replace("args: [--x]", "args: [--y]")), facts)
-    assert [(a.op, a.model, a.reason) for a in changed.changes] == [("~", "mid", "spec changed")]
+    assert [(a.op, a.model) for a in changed.changes] == [("~", "mid")]
     (mid,) = changed.changes
     assert "--y" in mid.write[0].text
-    assert mid.replica == 0  # the same unit name is rewritten in place
+    # big holds two whole nodes, mid and small the third: no 4 cards are free beside mid
+    assert mid.replica == 0 and not mid.surge  # the same unit name is rewritten in place
+    assert mid.reason == "spec changed; replaced in place: no free cards, no other replica serves"
+    assert changed.downtime == [
+        "mid will be unavailable for its load time: no free cards to start the new replica first"
+    ]
 
 
 def test_removing_a_model_deletes_its_units() -> None:
@@ -264,3 +283,197 @@ def test_a_start_planned_before_a_lock_is_rechecked_under_it() -> None:
     lost = dict(facts)
     lost[action.nodes[0]] = facts[action.nodes[0]].model_copy(update={"error": "unreachable"})
     assert "not reachable" in (conflicts(lost, action) or "")
+
+
+# --- rolling replacements ------------------------------------------------------------
+
+ROLLING = """\
+cluster: {{name: t}}
+nodes:
+  - {{name: a, address: 10.0.0.1}}
+  - {{name: b, address: 10.0.0.2}}
+profiles:
+  vllm: {{engine: vllm, ports: 8100-8199}}
+models:
+  - {{name: m, source: org/m, profile: vllm, tensor_parallel: 2, args: [{arg}]{extra},
+      scaling: {{min: {min}, max: 4}}}}
+"""
+
+
+def rolling(arg: str = "--x", *, min: int = 1, extra: str = "") -> ClusterSpec:
+    return parse_cluster(ROLLING.format(arg=arg, min=min, extra=extra))
+
+
+def cluster(a: int, b: int = 0) -> dict[str, NodeFacts]:
+    """Node a with ``a`` cards, node b with ``b``."""
+    return {"a": node_facts("a", gpus=a), "b": node_facts("b", gpus=b)}
+
+
+def settled(s: ClusterSpec, facts: dict[str, NodeFacts]) -> dict[str, NodeFacts]:
+    """The nodes once ``make_plan`` was applied, checked to need nothing more."""
+    out = applied(make_plan(s, facts), facts)
+    assert make_plan(s, out).changes == []
+    return out
+
+
+def converges(s: ClusterSpec, plan: Plan, facts: dict[str, NodeFacts]) -> dict[str, NodeFacts]:
+    """Applying ``plan`` leaves nothing to do for a second plan."""
+    after = applied(plan, facts)
+    again = make_plan(s, after)
+    assert again.changes == [] and again.unplaced == (), ops(again)
+    return after
+
+
+def test_a_changed_replica_with_free_cards_beside_it_is_replaced_new_one_first() -> None:
+    facts = settled(rolling(), cluster(8, 8))
+    (old,) = running_replicas(facts)
+    assert (old.replica, old.members, old.port) == (0, ("a",), 8100)
+    s = rolling("--y")
+    plan = make_plan(s, facts)
+    (action,) = plan.changes
+    assert (action.op, action.replica, action.surge) == ("~", 1, True)
+    assert action.nodes == ("a",)  # beside the old one, though node b is empty
+    assert action.port == 8102 and action.gpus == {"a": ("GPU-a-2", "GPU-a-3")}
+    assert action.retire == Retired(replica=0, nodes=("a",), unit="llmgw-m-0.service", port=8100)
+    assert action.remove == (("a", "llmgw-m-0.service"),)
+    assert [w.name for w in action.write] == ["llmgw-m-1.service"]
+    assert action.reason == "spec changed; new replica first, then #0 drained and stopped"
+    assert action.downtime == "" and plan.downtime == []
+    # planned before a lock: the old replica it retires is not in its way
+    assert conflicts(facts, action) is None
+    after = converges(s, plan, facts)
+    assert [(r.replica, r.port) for r in running_replicas(after)] == [(1, 8102)]
+
+
+def test_two_replicas_with_room_for_one_successor_roll_onto_each_others_cards() -> None:
+    # 6 cards, two replicas of 2: one successor fits at a time
+    s0 = rolling(min=2)
+    facts = settled(s0, cluster(6))
+    olds = {r.replica: r for r in running_replicas(facts)}
+    assert set(olds) == {0, 1}
+    s = rolling("--y", min=2)
+    plan = make_plan(s, facts)
+    first, second = plan.changes
+    assert [(a.op, a.replica, a.surge, a.retire and a.retire.replica) for a in plan.changes] == [
+        ("~", 2, True, 0),
+        ("~", 3, True, 1),
+    ]
+    free = {"GPU-a-4", "GPU-a-5"}
+    assert set(first.gpus["a"]) == free
+    # the second successor takes the first old replica's cards once it is stopped: never
+    # the cards of the old replica still serving, never both old replicas down
+    assert set(second.gpus["a"]) == set(olds[0].gpus["a"])
+    assert plan.downtime == []
+    assert {first.port, second.port}.isdisjoint({olds[0].port, olds[1].port})
+    converges(s, plan, facts)
+
+
+def test_no_free_cards_with_another_replica_serving_is_in_place_without_downtime() -> None:
+    s0 = rolling(min=2)
+    facts = settled(s0, cluster(4))
+    s = rolling("--y", min=2)
+    plan = make_plan(s, facts)
+    assert [(a.replica, a.surge, a.retire and a.retire.replica) for a in plan.changes] == [
+        (0, False, 0),
+        (1, False, 1),
+    ]
+    assert all(
+        a.reason == "spec changed; replaced in place: no free cards, 1 other replica serves"
+        for a in plan.changes
+    )
+    assert plan.downtime == []
+    for a in plan.changes:
+        assert conflicts(facts, a) is None  # its own old replica is not in its way
+    converges(s, plan, facts)
+
+
+def test_no_free_cards_and_no_other_replica_is_downtime_named_by_class() -> None:
+    facts = settled(rolling(), cluster(2))
+    s = rolling("--y", extra=", gpu_class: H100-80GB")
+    plan = make_plan(s, facts)
+    (action,) = plan.changes
+    assert (action.replica, action.surge) == (0, False)
+    assert action.retire is not None and action.retire.replica == 0
+    assert action.reason == "spec changed; replaced in place: no free cards, no other replica serves"
+    assert plan.downtime == [
+        "m will be unavailable for its load time: no free H100-80GB cards to start the new replica first"
+    ]
+    converges(s, plan, facts)
+
+
+def test_a_down_replica_is_replaced_in_place_without_drain_or_downtime() -> None:
+    s = rolling()
+    for room in (2, 8):  # no room beside it, and room
+        facts = settled(s, cluster(room))
+        (old,) = running_replicas(facts)
+        down = with_units(facts, [("a", old.unit, unit_text(facts, "a", old.unit))], state="failed")
+        plan = make_plan(s, down)
+        (action,) = plan.changes
+        assert (action.op, action.replica, action.surge) == ("~", 0, False)
+        assert action.reason == "not running; started again"
+        assert action.downtime == ""
+        converges(s, plan, down)
+
+
+def unit_text(facts: dict[str, NodeFacts], node: str, unit: str) -> str:
+    """A unit's labels back as unit text (what ``with_units`` reads)."""
+    return "".join(f"X-Llmgw-{k}={v}\n" for k, v in facts[node].unit_labels[unit].items())
+
+
+def test_replace_requested_rolls_an_unchanged_replica() -> None:
+    s = rolling()
+    facts = settled(s, cluster(8))
+    assert make_plan(s, facts).changes == []
+    plan = make_plan(s, facts, replace=frozenset({("m", 0)}))
+    (action,) = plan.changes
+    assert (action.replica, action.surge, action.retire and action.retire.replica) == (1, True, 0)
+    assert action.reason == "replace requested; new replica first, then #0 drained and stopped"
+    converges(s, plan, facts)
+    # a pair that does not run changes nothing
+    assert make_plan(s, facts, replace=frozenset({("m", 7), ("x", 0)})).changes == []
+
+
+def test_a_replica_left_draining_is_deleted_and_min_kept() -> None:
+    s = rolling()
+    facts = settled(s, cluster(8))
+    (old,) = running_replicas(facts)
+    marked = dict(facts)
+    marked["a"] = facts["a"].model_copy(update={"draining": {old.unit: 1700000000.0}})
+    (r,) = running_replicas(marked)
+    assert r.draining == 1700000000.0 and r.up and not r.serving()
+    plan = make_plan(s, marked)
+    assert [(a.op, a.replica, a.reason) for a in plan.changes] == [
+        ("-", 0, "left draining by an interrupted apply"),
+        ("+", 1, "below min"),
+    ]
+    assert plan.changes[0].remove == (("a", old.unit),)
+    converges(s, plan, marked)
+
+
+def test_another_models_retired_cards_wait_for_it() -> None:
+    # Models are replaced side by side: one model's successor never takes the cards of
+    # another model's old replica, which may still run.
+    text = ROLLING.format(arg="--x", min=1, extra="") + (
+        "  - {name: n, source: org/n, profile: vllm, tensor_parallel: 2, args: [--x],"
+        " scaling: {min: 1, max: 1}}\n"
+    )
+    facts = settled(parse_cluster(text), cluster(6))
+    s = parse_cluster(text.replace("--x", "--y"))
+    plan = make_plan(s, facts)
+    first, second = plan.changes
+    assert first.surge and not second.surge
+    assert second.downtime  # the 2 free cards went to the first model's successor
+    assert not _cards(first) & _cards(second)
+    converges(s, plan, facts)
+
+
+def test_a_saved_plan_without_the_rolling_fields_still_loads() -> None:
+    plan = make_plan(rolling("--y"), settled(rolling(), cluster(8)))
+    data = json.loads(plan.model_dump_json())
+    for action in data["actions"]:
+        for key in ("retire", "surge", "downtime"):
+            del action[key]
+    loaded = Plan.model_validate(data)
+    (action,) = loaded.changes
+    assert action.retire is None and not action.surge and action.downtime == ""
+    assert Plan.model_validate_json(plan.model_dump_json()) == plan

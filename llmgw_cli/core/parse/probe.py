@@ -18,11 +18,13 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import shlex
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw_cli.core.drain import DRAIN_DIR, parse_markers
 from llmgw_cli.core.facts import Cpu, Engine, Gpu, GpuHealth, NodeAccess, NodeFacts, WeightsDir
 from llmgw_cli.core.node_access import MANAGED_PATHS, managed_accounts
 from llmgw_cli.core.parse.cpuinfo import parse_cpuinfo
@@ -454,6 +456,42 @@ def _parse_engine_key(text: str, _node: Node, _found: Mapping[str, Any]) -> Fiel
     return {"engine_key_present": present}
 
 
+MAX_MARKERS = 1024  # drain markers read per node
+MARKER_BYTES = 64  # read of each (one number: the deadline)
+
+DRAINING_SH = f"""\
+# Drain markers: each file's name and the first bytes of its content go out NUL-separated
+# and base64-encoded on a line of their own ("@marker B64" = name NUL content), so no name
+# becomes program text or a line of output. Regular files only, never through a symlink.
+d={shlex.quote(DRAIN_DIR)}
+if [ -d "$d" ] && [ ! -L "$d" ]; then
+  n=0
+  for f in "$d"/*; do
+    [ -f "$f" ] && [ ! -L "$f" ] || continue
+    n=$((n + 1))
+    [ "$n" -le {MAX_MARKERS} ] || break
+    printf '@marker '
+    {{
+      printf '%s\\0' "${{f##*/}}"
+      dd if="$f" iflag=nofollow,nonblock bs={MARKER_BYTES} count=1 status=none 2>/dev/null | tr -d '\\0'
+    }} | base64 -w0
+    echo
+  done
+fi"""
+
+
+def _parse_draining(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
+    """``@marker`` lines -> unit name -> deadline (``core/drain.py`` keeps only replica
+    unit names with one finite number)."""
+    entries: list[tuple[str, str]] = []
+    for line in text.split("\n")[:MAX_MARKERS]:
+        if line.startswith("@marker "):
+            fields = _fields(line[8:])
+            if fields is not None and len(fields) in (1, 2):
+                entries.append((fields[0], fields[1] if len(fields) == 2 else ""))
+    return {"draining": parse_markers(entries)}
+
+
 SECTIONS: tuple[Section, ...] = (
     Section("host", _shell(HOST_SH), _parse_host),
     Section("cpu", _shell(CPU_SH), _parse_cpu),
@@ -467,6 +505,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("labels", _shell(LABELS_SH), _parse_labels),
     Section("node-access", _node_access_script, _parse_node_access),
     Section("engine-key", _shell(ENGINE_KEY_SH), _parse_engine_key),
+    Section("draining", _shell(DRAINING_SH), _parse_draining),
 )
 """Every fact of the probe, in the order the script prints them (``gpuhealth`` reads the
 cards ``gpus`` found)."""

@@ -17,9 +17,17 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmgw_cli.core.drain import DRAIN_DIR
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.parse.probe import BAD_OUTPUT, parse_probe, probe_script, split_sections
+from llmgw_cli.core.parse.probe import (
+    BAD_OUTPUT,
+    DRAINING_SH,
+    MARKER_BYTES,
+    parse_probe,
+    probe_script,
+    split_sections,
+)
 from llmgw_cli.core.spec import ClusterSpec
 
 FORGED_UNITS = (
@@ -158,8 +166,22 @@ PREFIXES = [
     "MainPID=",
     "NRestarts=",
     "/etc/systemd/system/",
+    "@marker ",
 ]
-SECTIONS = ["host", "cpu", "gpus", "gpuhealth", "topo", "ib", "weights", "engines", "units", "labels", "end"]
+SECTIONS = [
+    "host",
+    "cpu",
+    "gpus",
+    "gpuhealth",
+    "topo",
+    "ib",
+    "weights",
+    "engines",
+    "units",
+    "labels",
+    "draining",
+    "end",
+]
 
 
 @settings(max_examples=400, deadline=None)
@@ -242,3 +264,71 @@ def test_rendered_probe_reads_a_hostile_folder_as_data(tmp_path: Path) -> None:
     assert shards and all(b"SECRET" not in base64.b64decode(s) for s in shards), "read through a symlink"
     assert models["peek"].complete and models["stuck"].complete
     assert [(e.path, e.found) for e in facts.engines] == [(str(engine), True)]
+
+
+# --- drain markers: names and contents from the node ------------------------------------
+
+
+def test_marker_names_with_newlines_and_section_markers_stay_names() -> None:
+    forged = "llmgw-m-1.service" + FORGED_UNITS
+    lines = "\n".join(
+        [
+            "@marker " + b64("llmgw-m-0.service", "1700000000.500\n"),
+            "@marker " + b64(forged, "5\n"),
+            "@marker " + b64("llmgw-m-2.service\n", "7"),  # a trailing newline is no unit name
+            "@marker " + b64("llmgw-m-3.service", "5" + FORGED_UNITS),  # not one number
+            "@marker " + b64("llmgw-m-4.service", "nan"),
+            "@marker " + b64("llmgw-m-5.service"),  # empty
+            "@marker " + b64("llmgw-m-6.service", "1", "2"),  # a field too many
+            "@marker " + b64("../../etc/llmgw-m-7.service", "1"),
+            "@marker !!not base64!!",
+            "@marker " + b64("llmgw-m-8.service", "9")[:-4],  # cut mid-line
+            "llmgw-m-9.service 1",  # not the probe's format
+        ]
+    )
+    text = probe_output("").replace("@@ end\n", f"@@ draining\n{lines}\n@@ end\n")
+    facts = parse_probe(NODE, text)
+    assert_real_facts_only(facts)
+    assert facts.draining == {"llmgw-m-0.service": 1700000000.5}
+
+
+def test_rendered_marker_listing_reads_a_hostile_folder_as_data(tmp_path: Path) -> None:
+    canary = tmp_path / "CANARY"
+    drain = tmp_path / "draining"
+    drain.mkdir()
+    (drain / "llmgw-m-0.service").write_text("1700000000.500\n")
+    (drain / ("llmgw-m-1.service" + FORGED_UNITS)).write_text("5\n")
+    (drain / "llmgw-m-2.service$(touch CANARY)").write_text("$(touch CANARY)")  # run in tmp_path
+    (drain / "llmgw-m-3.service").write_text("`touch CANARY`")
+    # only the first bytes are read: a huge file costs nothing, and its head is the number
+    (drain / "llmgw-m-4.service").write_text("12" + " " * (MARKER_BYTES - 2) + "34" + "x" * 100_000)
+    secret = tmp_path / "secret"
+    secret.write_text("99\n")
+    (drain / "llmgw-m-5.service").symlink_to(secret)  # read through a link: never
+    os.mkfifo(drain / "llmgw-m-6.service")  # must not block the probe
+    (drain / "llmgw-m-7.service").mkdir()
+    (drain / "llmgw-m-8.service").write_bytes(b"\0\0" + b"8" + b"\0")
+    script = DRAINING_SH.replace(DRAIN_DIR, str(drain))
+    assert str(drain) in script
+    env = {"LC_ALL": "C", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        ["sh", "-c", script], capture_output=True, text=True, timeout=30, cwd=tmp_path, env=env, check=True
+    )
+    assert not canary.exists(), "a marker's name or content ran a command"
+    assert all(line.startswith("@marker ") for line in done.stdout.split("\n") if line)
+    text = probe_output("").replace("@@ end\n", f"@@ draining\n{done.stdout}@@ end\n")
+    facts = parse_probe(NODE, text)
+    assert_real_facts_only(facts)
+    assert facts.draining == {
+        "llmgw-m-0.service": 1700000000.5,
+        "llmgw-m-4.service": 12.0,
+        "llmgw-m-8.service": 8.0,
+    }
+    # the folder itself a symlink (to the markers above): nothing is read through it
+    linked = tmp_path / "linked"
+    linked.symlink_to(drain)
+    script = DRAINING_SH.replace(DRAIN_DIR, str(linked))
+    done = subprocess.run(
+        ["sh", "-c", script], capture_output=True, text=True, timeout=30, env=env, check=True
+    )
+    assert done.stdout == ""
