@@ -10,6 +10,8 @@ Errors that reach the command line::
     ├── NodeError              one node could not be reached or a command on it failed;
     │                          carries the node and a kind (unreachable, auth, hostkey-...)
     ├── ApplyFailed            ``apply``: some node or replica failed; the others were applied
+    ├── DowntimeRefused        ``apply``: the plan leaves a model with no serving replica and
+    │                          --allow-downtime was not given; nothing was changed
     ├── FetchFailed            ``fetch``: some weights could not be brought; the others were
     └── LabError               the lab cluster could not be booted, changed or removed
         └── LabUnavailable     exit 2: this machine cannot run the lab (not Linux, not root,
@@ -104,6 +106,11 @@ class NodeError(LlmgwError):
 
 class ApplyFailed(LlmgwError):
     """``apply``: some node or replica failed; the others were applied."""
+
+
+class DowntimeRefused(LlmgwError):
+    """``apply``: carrying out the plan leaves a model with no serving replica for a while,
+    and ``--allow-downtime`` was not given. Nothing was changed."""
 
 
 class FetchFailed(LlmgwError):

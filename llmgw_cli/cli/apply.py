@@ -16,9 +16,9 @@ from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, probe_with_progress,
 from llmgw_cli.cli.views import plan_view, progress_view
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.gateway_install import GatewayChange
-from llmgw_cli.core.plan import Plan, facts_digest, make_plan
+from llmgw_cli.core.plan import Plan, facts_digest, make_plan, running_replicas
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.errors import ApplyFailed, InputError, NodeError
+from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, UsageError
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
 from llmgw_cli.remote.connect import Connections, Session
@@ -148,6 +148,50 @@ def _unplaced_is_failure(chosen: Plan) -> None:
         raise ApplyFailed(f"{len(chosen.unplaced)} replica(s) could not be placed; the plan above says why")
 
 
+REPLACE_HELP = (
+    "Replace this running replica (MODEL#N, as `llmgw status` and the plan name it) even "
+    "though it is unchanged: its successor starts first when cards are free. Repeatable."
+)
+ALLOW_DOWNTIME_HELP = (
+    "Carry out replacements that leave a model with no serving replica for its load time "
+    "(no free cards to start the new replica first). Without it apply refuses such a plan "
+    "before changing anything."
+)
+
+
+def replacements(values: list[str], facts: dict[str, NodeFacts]) -> frozenset[tuple[str, int]]:
+    """``--replace MODEL#N`` values as (model, replica) pairs, each a replica that runs."""
+    running = running_replicas(facts)
+    found = {(r.model, r.replica) for r in running}
+    pairs = set()
+    for value in values:
+        name, sep, number = value.rpartition("#")
+        if not sep or not name or not (number.isascii() and number.isdigit()):
+            raise UsageError(f"--replace {value}: expected MODEL#N, a model and a replica number (e.g. m#0)")
+        pair = (name, int(number))
+        if pair not in found:
+            runs = [f"{r.model}#{r.replica}" for r in running if r.model == name]
+            what = (
+                f"the replicas of {name} that run: {', '.join(runs)}"
+                if runs
+                else f"no replica of {name} runs"
+            )
+            raise InputError(f"--replace {value}: no such replica runs; {what} (see `llmgw status`)")
+        pairs.add(pair)
+    return frozenset(pairs)
+
+
+def refuse_downtime(chosen: Plan, allowed: bool) -> None:
+    """Stop before anything changes when the plan leaves a model with no serving replica
+    and ``--allow-downtime`` was not given."""
+    if chosen.downtime and not allowed:
+        texts = "; ".join(chosen.downtime)
+        raise DowntimeRefused(
+            f"{texts}. Nothing was changed: free cards of that class (or add a node) so the new "
+            "replica can start first, or pass --allow-downtime to accept the outage"
+        )
+
+
 def _fetch_and_lock(
     spec: ClusterSpec,
     file: Path,
@@ -157,12 +201,24 @@ def _fetch_and_lock(
     saved: Path | None,
     yes: bool,
     timeout: float,
+    replace: frozenset[tuple[str, int]] = frozenset(),
+    allow_downtime: bool = False,
 ) -> tuple[Plan, Snapshot, ApplyHold, dict[str, str] | None]:
     """Bring the plan's weights, then take the cluster lock (``_locked``). The weights
     fetched (node -> why they could not be), or None when the plan was made again under
     the lock (the executor then brings its weights itself)."""
     fetched = session.run(_fetch(spec, session.conns, chosen))
-    now, snapshot, held = _locked(spec, file, session, chosen, saved=saved, yes=yes, timeout=timeout)
+    now, snapshot, held = _locked(
+        spec,
+        file,
+        session,
+        chosen,
+        saved=saved,
+        yes=yes,
+        timeout=timeout,
+        replace=replace,
+        allow_downtime=allow_downtime,
+    )
     return now, snapshot, held, fetched if now is chosen else None
 
 
@@ -194,10 +250,13 @@ def _locked(
     saved: Path | None,
     yes: bool,
     timeout: float,
+    replace: frozenset[tuple[str, int]] = frozenset(),
+    allow_downtime: bool = False,
 ) -> tuple[Plan, Snapshot, ApplyHold]:
     """Take the cluster lock, probe again under it, and go on with ``chosen`` if the nodes
     did not change since it was made; else make the plan again and show it (with
-    ``yes``, go on with it; otherwise release the lock and ask again)."""
+    ``yes``, go on with it; otherwise release the lock and ask again). A plan made again
+    that leaves a model with no serving replica is refused unless ``allow_downtime``."""
     host = spec.gateway.host
     while True:
 
@@ -224,12 +283,13 @@ def _locked(
                 return chosen, snapshot, held
             if saved is not None:
                 _saved_still_holds(saved, chosen, facts)
-            chosen = make_plan(spec, facts)
+            chosen = make_plan(spec, facts, replace=replace)
             err.print(
                 Text("The nodes changed since the plan above was made; the plan now:", style="yellow"),
                 highlight=False,
             )
             out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
+            refuse_downtime(chosen, allow_downtime)
             if yes or not chosen.changes:
                 return chosen, snapshot, held
         except BaseException:
@@ -245,18 +305,40 @@ def plan(
     save: Annotated[
         Path | None, typer.Option("--out", "-o", help="Save the plan as JSON for `apply PLAN`.")
     ] = None,
+    replace: Annotated[
+        list[str] | None, typer.Option("--replace", metavar="MODEL#N", help=REPLACE_HELP)
+    ] = None,
 ) -> None:
     """Probe the nodes and show what `apply` would do, changing nothing."""
     spec = read_cluster(file)
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, None, err, session)
-        result = make_plan(spec, {f.node: f for f in snapshot.nodes})
+        facts = {f.node: f for f in snapshot.nodes}
+        result = make_plan(spec, facts, replace=replacements(replace or [], facts))
         gateway = session.run(preview(spec, session.conns, file.read_text(encoding="utf-8")))
         out.print(plan_view(result), soft_wrap=True)
         _show_host_changes(spec, session, snapshot, gateway)
     if save:
         save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
         out.print(Text(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}"), highlight=False)
+
+
+def _choose(
+    spec: ClusterSpec, facts: dict[str, NodeFacts], saved: Path | None, replace: list[str]
+) -> tuple[Plan, frozenset[tuple[str, int]]]:
+    """The plan to apply (the saved one, checked against the nodes, or a new one) and the
+    replicas it was told to replace."""
+    if saved is None:
+        wanted = replacements(replace, facts)
+        return make_plan(spec, facts, replace=wanted), wanted
+    if replace:
+        raise UsageError(
+            "--replace makes a new plan; a saved plan carries its own: "
+            "run `llmgw plan --replace ... --out PLAN` again"
+        )
+    chosen = Plan.model_validate_json(saved.read_text(encoding="utf-8"))
+    _saved_still_holds(saved, chosen, facts)
+    return chosen, frozenset()
 
 
 def _show_host_changes(
@@ -287,6 +369,10 @@ def apply(
     file: ClusterFile = DEFAULT_FILE,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan and stop.")] = False,
+    replace: Annotated[
+        list[str] | None, typer.Option("--replace", metavar="MODEL#N", help=REPLACE_HELP)
+    ] = None,
+    allow_downtime: Annotated[bool, typer.Option("--allow-downtime", help=ALLOW_DOWNTIME_HELP)] = False,
     wait: Annotated[bool, typer.Option(help="Wait until started replicas answer their health check.")] = True,
     rotate_engine_key: Annotated[
         bool,
@@ -319,6 +405,12 @@ def apply(
     A second run changes nothing. With a saved PLAN, refuses when the nodes changed since.
     Exit code 0 when everything applied and became ready, 1 when something failed.
 
+    A serving replica is replaced by rolling it: its successor starts first on free cards
+    (a new replica number and port), and once the gateway routes it the old one is taken
+    out of rotation, given up to `drain_timeout` to finish its requests, and stopped. With
+    no free cards beside it, it is replaced in place; when that leaves its model with no
+    serving replica the plan says so and apply refuses unless --allow-downtime is given.
+
     One writer at a time: after the confirmation, apply takes the cluster lock on
     `gateway.host` (in `gateway.state_dir`, also with `gateway.install: false`), probes
     again under it and shows the plan again if the nodes changed meanwhile. It holds the
@@ -331,11 +423,7 @@ def apply(
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, None, err, session)
         facts = {f.node: f for f in snapshot.nodes}
-        if saved is not None:
-            chosen = Plan.model_validate_json(saved.read_text(encoding="utf-8"))
-            _saved_still_holds(saved, chosen, facts)
-        else:
-            chosen = make_plan(spec, facts)
+        chosen, wanted = _choose(spec, facts, saved, replace or [])
         gateway = session.run(preview(spec, session.conns, file.read_text(encoding="utf-8")))
         out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
         unreachable = [f.node for f in snapshot.nodes if not f.reachable]
@@ -344,6 +432,7 @@ def apply(
         helper_nodes = _show_host_changes(spec, session, snapshot, gateway)
         if dry_run:
             return
+        refuse_downtime(chosen, allow_downtime)
         if rotate_engine_key and chosen.changes:
             # the rotation restarts the replicas the probe found: one this apply starts would
             # keep the old key
@@ -366,7 +455,15 @@ def apply(
         held, fetched = None, None
         if chosen.changes and not no_lock:
             chosen, snapshot, held, fetched = _fetch_and_lock(
-                spec, file, session, chosen, saved=saved, yes=yes, timeout=lock_timeout
+                spec,
+                file,
+                session,
+                chosen,
+                saved=saved,
+                yes=yes,
+                timeout=lock_timeout,
+                replace=wanted,
+                allow_downtime=allow_downtime,
             )
         try:
             outcomes = session.run(

@@ -156,19 +156,22 @@ _OP_STYLE = {"+": "green", "~": "yellow", "-": "red", "=": "dim"}
 
 
 def plan_view(plan: Plan, *, show_unchanged: bool = True) -> RenderableType:
-    """The plan terraform-style: one line per replica, then what could not be placed."""
+    """The plan terraform-style: one line per replica, then what could not be placed and
+    what would leave a model with no serving replica (``apply`` refuses that unless told)."""
     lines: list[RenderableType] = []
     for a in plan.actions:
         if a.op == "=" and not show_unchanged:
             continue
         where = ", ".join(a.nodes)
         port = f":{a.port}" if a.port else ""
-        lines.append(
-            Text(f"{a.op} {a.model} #{a.replica} on {where}{port}  ({a.reason})", style=_OP_STYLE[a.op])
-        )
+        number = f"#{a.replica}"
+        if a.retire is not None and a.retire.replica != a.replica:
+            number = f"#{a.retire.replica} -> #{a.replica}"  # a successor beside the old one
+        lines.append(Text(f"{a.op} {a.model} {number} on {where}{port}  ({a.reason})", style=_OP_STYLE[a.op]))
     for model, reason in plan.unplaced:
         lines.append(Text(f"! {model}: {reason}", style="bold red"))
     lines += [Text(f"warning: {w}", style="yellow") for w in plan.warnings]
+    lines += [Text(f"downtime: {d}", style="red") for d in plan.downtime]
     counts = Counter(a.op for a in plan.actions)
     if plan.changes:
         summary = (
@@ -179,6 +182,12 @@ def plan_view(plan: Plan, *, show_unchanged: bool = True) -> RenderableType:
         summary = f"No changes. {counts['=']} replica(s) as they should be."
     if plan.unplaced:
         summary += f" {len(plan.unplaced)} replica(s) cannot be placed (see !)."
+    if plan.downtime:
+        n = len(plan.downtime)
+        summary += (
+            f" {n} replacement{'s' if n != 1 else ''} leave{'s' if n == 1 else ''} a model with no "
+            "serving replica (see downtime): apply refuses without --allow-downtime."
+        )
     lines.append(Text(summary, style="bold"))
     return Group(*lines)
 

@@ -697,7 +697,8 @@ class Model(Spec):
     drain_timeout: Duration | None = Field(
         None,
         description="How long a replica being retired (replaced by `apply`) may finish its "
-        "requests in flight before it is stopped. Unset: `gateway.drain_timeout`.",
+        "requests in flight before it is stopped; it then stops, cutting what still runs. "
+        "Unset: `gateway.drain_timeout`. Changing it replaces no replica.",
     )
 
     @field_validator("source")
