@@ -86,7 +86,7 @@ def test_apply_starts_min_replicas_and_a_second_apply_changes_nothing(clean: Lab
 def test_changing_one_model_replaces_only_its_replica(clean: Lab, tmp_path: Path) -> None:
     assert apply(clean.cluster_file).returncode == 0
     smol_before = unit_props(clean, where(clean, SMOL), SMOL)["MainPID"]
-    llama_before = unit_props(clean, where(clean, LLAMA), LLAMA)["MainPID"]
+    assert unit_props(clean, where(clean, LLAMA), LLAMA)["ActiveState"] == "active"
     cluster = cluster_variant(
         clean,
         tmp_path,
@@ -99,11 +99,19 @@ def test_changing_one_model_replaces_only_its_replica(clean: Lab, tmp_path: Path
     )
     changed = apply(cluster)
     assert changed.returncode == 0, changed.stdout + changed.stderr
-    assert "~ llama-3.1-8b-instruct #0" in changed.stdout
+    # the lab has free cards beside it: its successor, replica 1, starts first
+    assert "~ llama-3.1-8b-instruct #0 -> #1 on " in changed.stdout
+    assert "(spec changed; new replica first, then #0 drained and stopped)" in changed.stdout
     assert "Plan: 0 to create, 1 to replace" in changed.stdout
     assert unit_props(clean, where(clean, SMOL), SMOL)["MainPID"] == smol_before
-    assert unit_props(clean, where(clean, LLAMA), LLAMA)["MainPID"] != llama_before
-    assert "--max-model-len 4096" in clean.ssh(where(clean, LLAMA), f"cat /etc/systemd/system/{LLAMA}").stdout
+    assert all(LLAMA not in units for units in llmgw_units(clean).values())
+    successor = LLAMA.replace("-0.service", "-1.service")
+    assert int(unit_props(clean, where(clean, successor), successor)["MainPID"]) > 0
+    assert (
+        "--max-model-len 4096"
+        in clean.ssh(where(clean, successor), f"cat /etc/systemd/system/{successor}").stdout
+    )
+    assert "No changes" in apply(cluster).stdout  # it converged
 
 
 def test_removing_a_model_stops_and_removes_its_units(clean: Lab, tmp_path: Path) -> None:
