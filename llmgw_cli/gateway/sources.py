@@ -61,7 +61,9 @@ class StaticSource:
 
 
 class ProbeSource:
-    """Probe every node over SSH and take the replicas that may serve (``Running.serving``).
+    """Probe every node over SSH and take the replicas that may serve (``Running.serving``:
+    not one whose unit is down, nor one ``apply`` is draining, which leaves the pool at the
+    round that sees its drain marker).
 
     The connections to the nodes are held from one round to the next (and lent to the
     model controller's starts and stops), opened again when one broke, and closed by ``close``.

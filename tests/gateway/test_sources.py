@@ -172,3 +172,19 @@ def test_static_source_file(tmp_path: Path) -> None:
     path.write_text("small: 8000\n")
     with pytest.raises(InputError, match="host:port"):
         StaticSource.from_file(path)
+
+
+def test_a_replica_being_drained_is_not_discovered(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = parse_cluster(CLUSTER)
+    a = NodeFacts(
+        node="a",
+        units=(unit_state("llmgw-small-0.service"), unit_state("llmgw-small-1.service")),
+        unit_labels={
+            "llmgw-small-0.service": labels("small", 0, 8101, "a"),
+            "llmgw-small-1.service": labels("small", 1, 8102, "a"),
+        },
+        draining={"llmgw-small-0.service": 1_000_030.0},  # apply retires it
+        clock=1_000_000.0,
+    )
+    found = run(ProbeSource(Path()), spec, probed(a, NodeFacts(node="b")), monkeypatch)
+    assert found == {"small": ["10.0.0.1:8102"]}
