@@ -127,6 +127,15 @@ class Rig:
                 found.append(Unit(node, unit, int(replica), int(port), digest, active, int(pid)))
         return sorted(found, key=lambda u: (u.replica, u.node))
 
+    def started_at(self, unit: Unit) -> float:
+        """When its engine process started (wall clock, the node's: the lab shares this
+        machine's)."""
+        done = self.lab.ssh(
+            unit.node, f"systemctl show --timestamp=unix -p ExecMainStartTimestamp --value {unit.name}"
+        )
+        assert done.returncode == 0 and done.stdout.startswith("@"), done
+        return float(done.stdout.strip()[1:])
+
     def address(self, unit: Unit) -> str:
         return f"{next(n.ip for n in self.lab.nodes if n.name == unit.node)}:{unit.port}"
 
