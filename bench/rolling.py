@@ -7,7 +7,8 @@ first) against the old stop-then-start path, side by side on the same lab.
 Boots the 4-node lab (`llmgw lab up`, root) and takes it down at the end. Each run builds
 the rig of tests/integration/rolling.py on node01 (one always-on model, `min: 1`, the
 simulated vLLM, the real gateway on this machine), streams through the gateway with the
-official openai client at ``--concurrency`` for ``--seconds`` (tests/integration/load.py),
+official openai client at ``--concurrency`` for ``--seconds`` (tests/integration/load.py;
+longer if the new replica has not answered a request by then, up to 90 s after `apply`),
 and a third of the way in runs `apply --yes` with a spec change (an engine flag):
 
 - surge: the model takes 4 of node01's 8 cards: the new replica starts on the free ones
@@ -45,6 +46,7 @@ from tests.integration.rolling import model, rig
 
 CHANGE = ["--gpu-memory-utilization", "0.85"]
 MODEL = "rolled"
+MORE = 90.0  # seconds after apply the run may go on, waiting for the new replica to answer
 
 
 @dataclass
@@ -72,7 +74,7 @@ def longest_gap(load: Load, since: float, until: float) -> float:
     return max(b - a for a, b in itertools.pairwise(ends))
 
 
-def one(lab: Lab, folder: Path, path: str, args: argparse.Namespace) -> Run:
+def one(lab: Lab, folder: Path, path: str, args: argparse.Namespace, logs: Path | None) -> Run:
     tp = 4 if path == "surge" else 8
     entry: dict[str, Any] = model(MODEL, tp=tp, tokens_per_second=args.tokens_per_second)
     with rig(lab, folder, ("node01",), [entry]) as made:
@@ -80,22 +82,37 @@ def one(lab: Lab, folder: Path, path: str, args: argparse.Namespace) -> Run:
         made.write([{**entry, "args": CHANGE}])
         load = Load(f"http://127.0.0.1:{made.port}/v1", made.key, MODEL, concurrency=args.concurrency)
         began = time.monotonic()
-        thread = threading.Thread(target=lambda: asyncio.run(load.run(began + args.seconds)))
+        thread = threading.Thread(target=lambda: asyncio.run(load.run()))
         thread.start()
         time.sleep(args.seconds / 3)
         applied_at = time.time()
         done = made.apply("--yes", *(["--allow-downtime"] if path == "in-place" else []))
         apply_seconds = time.time() - applied_at
+        news = [u for u in made.units(MODEL) if u.pid != old.pid]
+        address = made.address(news[0]) if len(news) == 1 else ""
+        # The run lasts --seconds, and at least until the new replica has answered a
+        # request (at most MORE seconds after apply): its figure must not be cut short.
+        served = len(load.completed)
+        limit = time.monotonic() + MORE
+        while time.monotonic() < limit and (
+            time.monotonic() < began + args.seconds or (address and len(load.completed) == served)
+        ):
+            if address and address not in made.ready(MODEL):
+                served = len(load.completed)
+            time.sleep(0.25)
+        load.halt.set()
         thread.join()
         ended = time.time()
         made.stop_gateway()  # its access log complete
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+            (logs / f"{folder.name}.apply.txt").write_text(made.applied())
+            (logs / f"{folder.name}.gateway.log").write_text(made.log_text())
         if done.returncode != 0:
             print(made.applied(), file=sys.stderr)
-        news = [u for u in made.units(MODEL) if u.pid != old.pid]
         serving = None
-        if news:
-            (new,) = news
-            address, started = made.address(new), made.started_at(new)
+        if address:
+            started = made.started_at(news[0])
             firsts = [
                 float(x["ts"]) - float(x["ms"]) / 1000 + float(x["first_byte_ms"]) / 1000
                 for x in access_log(made.log, MODEL)
@@ -118,7 +135,7 @@ def one(lab: Lab, folder: Path, path: str, args: argparse.Namespace) -> Run:
 def median(values: list[float]) -> str:
     if not values:
         return "-"
-    return f"{statistics.median(values):.1f} ({min(values):g}–{max(values):g})"
+    return f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})"
 
 
 def main() -> int:
@@ -127,6 +144,7 @@ def main() -> int:
     )
     parser.add_argument("--runs", type=int, default=3, help="runs of each path (alternating)")
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--logs", type=Path, help="keep each run's apply output and gateway log here")
     parser.add_argument("--seconds", type=float, default=40)
     parser.add_argument(
         "--tokens-per-second", type=float, default=200, help="the simulated engine's pace (200: its default)"
@@ -142,7 +160,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="llmgw-rolling-") as folder:
             for i in range(args.runs):
                 for path in ("surge", "in-place"):
-                    runs.append(one(lab, Path(folder) / f"{path}-{i}", path, args))
+                    runs.append(one(lab, Path(folder) / f"{path}-{i}", path, args, args.logs))
                     print(runs[-1].line(), flush=True)
     finally:
         llmgw("lab", "down", "--state", str(STATE), check=False)

@@ -85,12 +85,16 @@ def test_with_no_free_cards_apply_refuses_unless_downtime_is_allowed(lab: Lab, t
 
         with made.load("whole", concurrency=4) as load:
             allowed = made.apply("--yes", "--allow-downtime")
+            returned = time.monotonic()
             assert allowed.returncode == 0, figures(made, load.failures())
             (new,) = made.units("whole")
             made.wait_routed("whole", [new])
+            routed = time.monotonic() - returned
             served = len(load.completed)
             wait_until(lambda: len(load.completed) >= served + 4, timeout=60, what=load.failures)
-        print(f"\nin-place replace with --allow-downtime: {load.totals()}")
+        print(
+            f"\nin-place replace with --allow-downtime: {load.totals()}; routed {routed:.1f}s after apply returned"
+        )
         assert new.spec_hash == made.expected_hash("whole") and new.active == "active", new
 
 
