@@ -22,7 +22,12 @@ from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
 from llmgw_cli.remote.connect import Connections, Session
-from llmgw_cli.remote.engine_keys import distribute_engine_keys, nodes_without_key, rotate_engine_keys
+from llmgw_cli.remote.engine_keys import (
+    distribute_engine_keys,
+    nodes_without_key,
+    rotate_engine_keys,
+    rotation_plan,
+)
 from llmgw_cli.remote.execute import Outcome
 from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.gateway_install import GatewayPreview, install, preview
@@ -49,6 +54,7 @@ async def _execute_with_progress(
     lock: ApplyHold | None = None,
     take_lock: TakeLock | None = None,
     fetched: dict[str, str] | None = None,
+    allow_downtime: bool = False,
 ) -> list[Outcome]:
     """Run the plan, then install the gateway, with a live table of nodes and replicas on
     a terminal, lines otherwise. ``lock`` (the cluster lock, held) is released once the
@@ -85,7 +91,14 @@ async def _execute_with_progress(
         outcomes.append(await install(spec, conns, gateway, {n: (k,) for n, k in keys.items()}, report))
         if rotate:
             outcomes += await _rotate(
-                spec, conns, gateway=gateway, facts=facts, transports=transports, report=report
+                spec,
+                conns,
+                gateway=gateway,
+                facts=facts,
+                transports=transports,
+                report=report,
+                take_lock=take_lock,
+                allow_downtime=allow_downtime,
             )
         return outcomes
 
@@ -132,6 +145,8 @@ async def _rotate(
     facts: dict[str, NodeFacts],
     transports: list[Transport],
     report: Report,
+    take_lock: TakeLock | None,
+    allow_downtime: bool,
 ) -> list[Outcome]:
     """New engine keys on every reachable node, the installed gateway holding both meanwhile."""
     # The gateway's files were installed just before: only its key map changes now.
@@ -140,7 +155,16 @@ async def _rotate(
     async def give_gateway(keys: dict[str, tuple[str, ...]]) -> Outcome:
         return await install(spec, conns, settled, keys, report)
 
-    return await rotate_engine_keys(spec, facts, {t.node: t for t in transports}, give_gateway, report)
+    return await rotate_engine_keys(
+        spec,
+        conns,
+        facts,
+        give_gateway,
+        report,
+        transports={t.node: t for t in transports},
+        take_lock=take_lock,
+        allow_downtime=allow_downtime,
+    )
 
 
 def _unplaced_is_failure(chosen: Plan) -> None:
@@ -379,7 +403,7 @@ def apply(
         typer.Option(
             "--rotate-engine-key",
             help="Give every node a new engine key: the gateway holds old and new keys while "
-            "the replicas restart one at a time.",
+            "every replica is replaced (its successor first, then the old one drained).",
         ),
     ] = False,
     lock_timeout: Annotated[
@@ -439,6 +463,8 @@ def apply(
             raise InputError(
                 "--rotate-engine-key rotates a settled cluster: run `llmgw apply` first, then rotate"
             )
+        if rotate_engine_key:  # it replaces every replica: the same rule as any replacement
+            refuse_downtime(rotation_plan(spec, facts), allow_downtime)
         reachable = [f.node for f in snapshot.nodes if f.reachable]
         keyless = session.run(nodes_without_key(spec, session.conns, reachable, facts))
         if keyless or rotate_engine_key:
@@ -479,6 +505,7 @@ def apply(
                     lock=held,
                     take_lock=None if no_lock else _lock_taker(spec, session.conns, file, lock_timeout),
                     fetched=fetched,
+                    allow_downtime=allow_downtime,
                 )
             )
         finally:

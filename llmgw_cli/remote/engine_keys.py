@@ -13,40 +13,34 @@ before or after its restart:
    hold before doing any work, and the gateway then sends the request once more with
    the node's other key;
 2. every node's key files get the new key (replicas keep the key they started with);
-3. the running replicas are restarted one at a time, each waited for until it answers
-   its readiness path and then until the gateway's health checks have taken it back, so
-   a model with two replicas or more keeps serving throughout;
-4. the gateway is given only the new keys, and reloaded.
+3. every running replica is replaced as ``apply`` replaces one (``remote/rollout.py``):
+   its successor starts with the new key, on free cards when there are some, and the
+   old one leaves the gateways' rotation, finishes its requests and is stopped once the
+   successor is routed; each model's replicas one after another;
+4. the gateway is given only the new keys, and reloaded; a node where a replica could
+   not be replaced keeps both.
 
-A model with a single replica is unavailable while that replica restarts (requests wait
-in the gateway's queue up to ``load_wait``); requests in flight on a replica when it is
-stopped end with it, as with any restart.
+A replica with no free cards for its successor is replaced in place (drained, then
+stopped and started again): a model with no other serving replica is then unavailable
+for its load time, which ``apply`` does only with ``--allow-downtime``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import shlex
 from collections.abc import Awaitable, Callable, Mapping
 
 from llmgw_cli.core.engine_access import sglang_users
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.parse.probe import parse_section, section_script
-from llmgw_cli.core.plan import running_replicas
+from llmgw_cli.core.plan import Plan, make_plan, running_replicas
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
-from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import Connections
-from llmgw_cli.remote.execute import (
-    Outcome,
-    ensure_engine_key,
-    ensure_secret_env,
-    must,
-    node_engine_keys,
-    ready_status,
-)
+from llmgw_cli.remote.execute import Outcome, ensure_engine_key, ensure_secret_env, node_engine_keys
+from llmgw_cli.remote.rollout import TakeLock, is_roll, roll_each, subject
 from llmgw_cli.remote.transport import Transport
 
 KeyMap = dict[str, tuple[str, ...]]
@@ -97,26 +91,30 @@ async def nodes_without_key(
     return [n for n in names if not (asked[n] if n in asked else known[n])]
 
 
-def _replicas(facts: dict[str, NodeFacts]) -> dict[tuple[str, str], list[tuple[str, str, int]]]:
-    """Running llmgw replicas by (model, replica): [(node, unit, port)], rank 0 first."""
-    found: dict[tuple[str, str], list[tuple[str, str, int]]] = {}
-    for r in running_replicas(facts):
-        # Names and labels come from the nodes: used only when they look like ours.
-        if not UNIT_NAME.fullmatch(r.unit) or not r.port or not r.members:
-            continue
-        if r.up:
-            found[(r.model, str(r.replica))] = [(node, r.unit, r.port) for node in r.members]
-    return found
+def rotation_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
+    """The plan that replaces every running replica of the cluster file's models (each
+    one's successor starts with the node's new key), as ``apply`` replaces any replica:
+    the downtime it would cause is in ``Plan.downtime``."""
+    models = {m.name for m in spec.models}
+    replace = frozenset((r.model, r.replica) for r in running_replicas(facts) if r.model in models and r.up)
+    return make_plan(spec, facts, replace=replace)
 
 
 async def rotate_engine_keys(
     spec: ClusterSpec,
+    conns: Connections,
     facts: dict[str, NodeFacts],
-    transports: dict[str, Transport],
     give_gateway: Callable[[KeyMap], Awaitable[Outcome]],
     report: Report,
+    *,
+    transports: dict[str, Transport],
+    take_lock: TakeLock | None,
+    allow_downtime: bool = False,
 ) -> list[Outcome]:
-    """New keys on every node in ``transports``, with no request lost (module docstring)."""
+    """New keys on every node in ``transports`` (the reachable ones), with no request lost
+    (module docstring). ``take_lock``: the cluster lock for each write step of the replacements (None: none).
+    ``allow_downtime``: also replace the replicas whose replacement leaves their model with
+    no serving replica (otherwise they keep their old key, and their nodes both keys)."""
     ts = list(transports.values())
     old = await node_engine_keys(ts)
     new = await node_engine_keys(ts, rotate=True)
@@ -132,24 +130,37 @@ async def rotate_engine_keys(
         return [first, *failed]
     outcomes = [first]
     behind: set[str] = set()  # nodes with a replica still on its old key: they keep both
-    for (model, replica), members in sorted(_replicas(facts).items()):
-        nodes = {node for node, _, _ in members}
-        if not nodes <= transports.keys():
-            behind |= nodes
-            why = f"not restarted: {', '.join(sorted(nodes - transports.keys()))} unreachable"
-            outcomes.append(Outcome(f"{model}#{replica}", False, f"{why}; run the rotation again"))
+    plan = rotation_plan(spec, facts)
+    rolls = []
+    for action in plan.changes:
+        if not is_roll(action) or action.retire is None:
             continue
-        if len(outcomes) > 1:
-            # The replica restarted last is ready, but the gateway takes it back only at
-            # its next health check: restarting the next one sooner would leave a model
-            # with no replica in rotation.
-            await asyncio.sleep(GATEWAY_PICKUP)
-        done = await _restart(
-            spec, model=model, replica=replica, members=members, transports=transports, report=report
-        )
-        outcomes.append(done)
-        if not done.ok:
-            behind |= nodes
+        old_nodes = set(action.retire.nodes)
+        who = subject(action.model, action.retire.replica)
+        if not old_nodes | set(action.nodes) <= transports.keys():
+            behind |= old_nodes
+            why = f"not replaced: {', '.join(sorted((old_nodes | set(action.nodes)) - transports.keys()))} unreachable"
+            outcomes.append(Outcome(who, False, f"{why}; run the rotation again"))
+        elif action.downtime and not allow_downtime:
+            behind |= old_nodes
+            outcomes.append(Outcome(who, False, f"not replaced: {action.downtime}; pass --allow-downtime"))
+        else:
+            rolls.append(action)
+    replaced = {(a.model, a.retire.replica) for a in plan.changes if a.retire is not None}
+    for r in running_replicas(facts):
+        if (r.model, r.replica) in replaced:
+            continue
+        behind |= set(r.members)  # down, or no room for its successor: on its old key
+        if r.up and any(m.name == r.model for m in spec.models):
+            why = "not replaced: no cards for its successor, nor its own (see `llmgw plan`)"
+            outcomes.append(Outcome(subject(r.model, r.replica), False, f"{why}; it keeps its old key"))
+    for done in await roll_each(spec, conns, rolls, report, take_lock=take_lock, engine_keys=new):
+        outcomes += done.outcomes
+        assert done.action.retire is not None
+        if done.retired:
+            report(subject(done.action.model, done.action.retire.replica), "replaced with the new engine key")
+        else:
+            behind |= set(done.action.retire.nodes)
     final: KeyMap = {node: (key,) if node not in behind else (key, old[node]) for node, key in new.items()}
     outcomes.append(await give_gateway(final))
     return outcomes
@@ -167,40 +178,3 @@ async def _write_all(
         return None
 
     return [o for o in await asyncio.gather(*(one(t) for t in ts)) if o is not None]
-
-
-async def _restart(
-    spec: ClusterSpec,
-    *,
-    model: str,
-    replica: str,
-    members: list[tuple[str, str, int]],
-    transports: dict[str, Transport],
-    report: Report,
-) -> Outcome:
-    """Restart one replica (every member, so they meet again) and wait until it is ready."""
-    subject = f"{model}#{replica}"
-    head, _, port = members[0]
-    try:
-        await asyncio.gather(
-            *(
-                must(transports[node], f"systemctl restart {shlex.quote(unit)}", f"restart {unit}")
-                for node, unit, _ in members
-            )
-        )
-    except NodeError as exc:
-        return Outcome(subject, False, f"restart with the new key: {exc.reason}")
-    report(subject, "restarted with the new engine key")
-    known = next((m for m in spec.models if m.name == model), None)
-    profile = spec.profiles[known.profile] if known else None
-    path = profile.readiness.path if profile else "/health"
-    timeout = profile.readiness.start_timeout if profile else 600.0
-    host = spec.node(head).engine_host
-
-    async def ready() -> bool | None:
-        return True if await ready_status(transports[head], host, port, path) == 200 else None
-
-    if await poll_until(ready, timeout=timeout, interval=0.5):
-        report(subject, "ready")
-        return Outcome(subject, True, "ready with the new engine key")
-    return Outcome(subject, False, f"not ready {timeout:g}s after its restart with the new engine key")

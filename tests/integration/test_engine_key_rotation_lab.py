@@ -80,7 +80,7 @@ def test_rotation_loses_no_request(lab: Lab, tmp_path: Path) -> None:
             after = node_keys(lab)
             assert all(after[n] != before[n] and len(after[n]) == 64 for n in before), (before, after)
             assert json.loads((state / "engine-keys.json").read_text()) == {n: [k] for n, k in after.items()}
-            assert rotated.stderr.count("restarted with the new engine key") == 2, rotated.stderr
+            assert rotated.stderr.count("replaced with the new engine key") == 2, rotated.stderr
             assert failures == [], failures[:5]
             assert answered[0] > 20
             print(

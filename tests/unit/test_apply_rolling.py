@@ -204,3 +204,27 @@ def test_apply_replace_rolls_an_unchanged_replica(world: World, tmp_path: Path) 
     )
     assert isinstance(both.exception, UsageError)
     assert "a saved plan carries its own" in str(both.exception)
+
+
+def test_a_key_rotation_that_would_take_a_model_down_is_refused_unless_allowed(
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    allowed_by: list[bool] = []
+
+    async def execute(spec: ClusterSpec, conns: Any, chosen: Plan, **kw: Any) -> list[Outcome]:
+        world.executed.append(chosen)
+        allowed_by.append(kw["rotate"] and kw["allow_downtime"])
+        return []
+
+    monkeypatch.setattr(apply_cli, "_execute_with_progress", execute)
+    world.facts = running(2)  # the only replica holds both cards: rotating replaces it in place
+    refused = cli(tmp_path, "--x", "apply", "--yes", "--rotate-engine-key")
+    assert isinstance(refused.exception, DowntimeRefused), refused.output
+    assert "m will be unavailable for its load time" in str(refused.exception)
+    assert world.executed == []
+    allowed = cli(tmp_path, "--x", "apply", "--yes", "--rotate-engine-key", "--allow-downtime")
+    assert allowed.exit_code == 0, allowed.output
+    assert allowed_by == [True]  # the rotation is told it may
+    world.facts = running(4)  # a free pair: the successor starts first, nothing to refuse
+    rolled = cli(tmp_path, "--x", "apply", "--yes", "--rotate-engine-key")
+    assert rolled.exit_code == 0, rolled.output
