@@ -40,7 +40,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import logging
 import shlex
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -70,8 +69,6 @@ from llmgw_cli.remote.gateway_install import gateway_transport
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.probe import gather
 from llmgw_cli.remote.transport import Transport
-
-log = logging.getLogger("llmgw.apply")
 
 POLL = 0.5  # seconds between two looks at the routes files or the connection count
 ROUTED_BOUND = 60.0  # seconds a started successor may take to be routed by every gateway
@@ -436,10 +433,8 @@ class _Roller:
         by = f"replaced by #{action.replica}" if action.surge else "replaced in place"
         if left > 0:
             text = f"{cut_text(seconds, left)}; {by}"
-            log.warning("%s: %s", who, text)
         elif left < 0:
             text = f"stopped at the drain bound ({seconds:g}s), its connections could not be counted; {by}"
-            log.warning("%s: %s", who, text)
         else:
             text = f"drained and stopped; {by}"
         self.report(who, text)
