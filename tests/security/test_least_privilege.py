@@ -7,6 +7,7 @@ as root; and the gateway still starts an on-demand model with that key alone."""
 from __future__ import annotations
 
 import asyncio
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,9 +18,12 @@ import openai
 import pytest
 import yaml
 
+from llmgw_cli.core.drain import marker_path, marker_text
 from llmgw_cli.core.fetch import Peers, plan_fetch
 from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.parse.probe import parse_probe
 from llmgw_cli.remote import connect, fetch
+from llmgw_cli.remote.transport import atomic_write_command
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import origin_on_the_bridge, reset, run
 from tests.integration.weights_origin import Origin
@@ -113,6 +117,27 @@ def test_gateway_key_reaches_only_the_helper_as_llmgw_gateway(installed: Install
     for user in ("root", "llmgw"):
         denied = installed.as_key(user, "node01", "true")
         assert denied.returncode == 255 and "Permission denied" in denied.stderr, (user, denied.stderr)
+
+
+def test_the_gateways_probe_sees_a_drain_marker_as_apply_writes_it(lab: Lab, installed: Installed) -> None:
+    # apply writes a marker as root (mode 0644, the folder made with the usual umask); the
+    # gateway's probe runs unprivileged through the helper and must still read it, or it
+    # would route a replica being retired
+    unit = "llmgw-smollm2-135m-7.service"
+    path = marker_path(unit)
+    write = atomic_write_command(path, 0o644)
+    try:
+        wrote = lab.ssh(
+            "node01", f"printf %s {shlex.quote(marker_text(1700000000.5))} | sh -c {shlex.quote(write)}"
+        )
+        assert wrote.returncode == 0, wrote.stderr
+        probed = installed.as_key("llmgw-gateway", "node01", "probe")
+        assert probed.returncode == 0, probed.stderr
+        spec = parse_cluster(installed.cluster.read_text())
+        facts = parse_probe(spec.node("node01"), probed.stdout)
+        assert facts.error is None and facts.draining == {unit: 1700000000.5}
+    finally:
+        lab.ssh("node01", f"rm -f {shlex.quote(path)}")
 
 
 def test_helper_refuses_units_that_would_run_something_else(lab: Lab, installed: Installed) -> None:
