@@ -35,6 +35,12 @@ from tests.integration.soak import soak, soak_gateway
 
 
 def boot() -> Lab:
+    """The 4-node lab, booted afresh (a stale one taken down first); exits 2 where the lab
+    cannot run."""
+    reason = lab_unavailable()
+    if reason:
+        print(f"cannot run: {reason}", file=sys.stderr)
+        raise SystemExit(2)
     llmgw("lab", "down", "--state", str(STATE), check=False)  # a stale lab from a crashed run
     llmgw("lab", "up", "--nodes", str(NODES), "--state", str(STATE))
     record = json.loads((STATE / "lab.json").read_text())
@@ -56,10 +62,6 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=600)
     parser.add_argument("--kill-every", type=float, default=60)
     args = parser.parse_args()
-    reason = lab_unavailable()
-    if reason:
-        print(f"cannot run: {reason}", file=sys.stderr)
-        return 2
     lab = boot()
     try:
         with (
