@@ -9,7 +9,9 @@ The gateway runs as ``llmgw-gateway.service`` under its own account, ``llmgw-gat
   node lets it in as ``llmgw-gateway`` and runs the node helper for it, nothing else
   (``core/node_access.py``). The operator's key is never copied anywhere;
 - ``known_hosts``: the host keys the control host trusts, so the gateway checks them too;
-- the unit in ``/etc/systemd/system``.
+- the units in ``/etc/systemd/system``: ``llmgw-gateway.socket`` (the listeners, held by
+  systemd), ``llmgw-gateway.service`` and ``llmgw-gateway-handover.service`` (the same
+  gateway, run beside the first while an upgrade restarts it).
 
 - ``engine-keys.json``: the engine key of every node (keys are per node), written by
   ``apply`` beside these (``remote/gateway_install.py``), readable by the gateway's account
@@ -23,7 +25,13 @@ from dataclasses import dataclass
 
 from llmgw_cli.core.engines import UNIT_DIR
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.core.units import GATEWAY_UNIT, gateway_unit
+from llmgw_cli.core.units import (
+    GATEWAY_HANDOVER_UNIT,
+    GATEWAY_SOCKET,
+    GATEWAY_UNIT,
+    gateway_socket_unit,
+    gateway_unit,
+)
 
 GATEWAY_DIR = "/etc/llmgw/gateway"
 CLUSTER_FILE = f"{GATEWAY_DIR}/cluster.yaml"
@@ -37,6 +45,9 @@ ENGINE_KEYS_FILE = f"{GATEWAY_DIR}/engine-keys.json"  # the same path as in unit
 # The gateway's own account: never the engines' (which must not read every node's key).
 GATEWAY_ACCOUNT = "llmgw-gateway"
 UNIT_FILE = f"{UNIT_DIR}/{GATEWAY_UNIT}"
+SOCKET_FILE = f"{UNIT_DIR}/{GATEWAY_SOCKET}"
+HANDOVER_FILE = f"{UNIT_DIR}/{GATEWAY_HANDOVER_UNIT}"
+UNIT_FILES = (SOCKET_FILE, UNIT_FILE, HANDOVER_FILE)
 
 
 @dataclass(frozen=True)
@@ -54,39 +65,69 @@ class GatewayFile:
 def gateway_files(
     spec: ClusterSpec, *, cluster_text: str, llmgw_bin: str, known_hosts: str
 ) -> tuple[GatewayFile, ...]:
-    unit = gateway_unit(
-        spec,
-        llmgw_bin=llmgw_bin,
-        config_path=CLUSTER_FILE,
-        user=GATEWAY_ACCOUNT,
-        ssh_key=GATEWAY_KEY,
-        known_hosts=KNOWN_HOSTS,
-    )
+    units = {
+        handover: gateway_unit(
+            spec,
+            llmgw_bin=llmgw_bin,
+            config_path=CLUSTER_FILE,
+            user=GATEWAY_ACCOUNT,
+            ssh_key=GATEWAY_KEY,
+            known_hosts=KNOWN_HOSTS,
+            handover=handover,
+        )
+        for handover in (False, True)
+    }
     return (
         GatewayFile(CLUSTER_FILE, cluster_text, 0o644),
         GatewayFile(KNOWN_HOSTS, known_hosts, 0o644),
-        GatewayFile(UNIT_FILE, unit, 0o644),
+        GatewayFile(SOCKET_FILE, gateway_socket_unit(spec), 0o644),
+        GatewayFile(UNIT_FILE, units[False], 0o644),
+        GatewayFile(HANDOVER_FILE, units[True], 0o644),
     )
 
 
 @dataclass(frozen=True)
 class GatewayChange:
-    """What an install changes, and how the running gateway takes it."""
+    """What an install changes, and how the running gateway takes it.
+
+    ``how``:
+    - ``none``: nothing;
+    - ``reload``: SIGHUP (the cluster file only; connections stay);
+    - ``handover``: a second gateway process starts on the same sockets, the first
+      restarts while it serves, then it stops: no connection refused, none cut;
+    - ``restart``: stop, then start (with the socket unit first). For a gateway that runs,
+      that is a brief outage: its listeners move (the socket unit is new or changed).
+    """
 
     write: tuple[GatewayFile, ...]
-    how: str  # "none", "reload" (SIGHUP: the cluster file only) or "restart"
+    how: str
+    active: bool = False  # the gateway ran before the change
+
+    @property
+    def interrupts(self) -> bool:
+        """A running gateway stops serving for a moment: connections are refused."""
+        return self.active and self.how == "restart"
 
 
 def gateway_change(
-    files: tuple[GatewayFile, ...], current: dict[str, str], *, active: bool, listeners_changed: bool
+    files: tuple[GatewayFile, ...],
+    current: dict[str, str],
+    *,
+    active: bool,
+    listeners_changed: bool,
+    socket_active: bool = True,
 ) -> GatewayChange:
     """Compare the wanted files with the digests found on the host (``current``, by path).
     A changed cluster file of a running gateway is a reload (SIGHUP keeps connections),
-    unless its listener addresses changed; anything else (a new key, unit) restarts it,
-    and a gateway that is not running is started."""
+    unless its listener addresses changed; anything else (a new key, unit) is a hand-over
+    to a new gateway process on the same sockets, unless the sockets themselves change
+    (new listener addresses, or no socket unit running yet: the gateway bound its ports
+    itself), which needs a restart; a gateway that is not running is started."""
     write = tuple(f for f in files if current.get(f.path) != f.digest)
     if not write:
-        return GatewayChange((), "none" if active else "restart")
+        return GatewayChange((), "none" if active else "restart", active)
     if active and not listeners_changed and all(f.path == CLUSTER_FILE for f in write):
-        return GatewayChange(write, "reload")
-    return GatewayChange(write, "restart")
+        return GatewayChange(write, "reload", active)
+    if active and socket_active and all(f.path != SOCKET_FILE for f in write):
+        return GatewayChange(write, "handover", active)
+    return GatewayChange(write, "restart", active)

@@ -13,9 +13,15 @@ client whose socket stays full for ``write`` (it stopped reading) is dropped by
 ``WriteWatch``, which cancels its handler: the model slot is freed and the engine's
 connection closed. ``gateway.tls`` puts TLS on the public listener.
 
-SIGHUP reloads the cluster file (listeners and connections stay); SIGTERM/SIGINT stop
-accepting, let requests and streams in flight finish for up to ``drain_timeout``, write
-the pending usage, and return.
+Started by systemd, the gateway takes its listeners from ``llmgw-gateway.socket``
+(``gateway/systemd.py``) instead of binding them, and reports ``READY=1`` once it serves:
+two gateway processes can then accept from the same sockets, which is how an upgrade hands
+over without refusing a connection. Started by hand, it binds its listeners itself.
+
+SIGHUP reloads the cluster file (listeners and connections stay); SIGTERM/SIGINT stop the
+replica controller first (a gateway that is leaving starts and stops no replica), then
+stop accepting, let requests and streams in flight finish for up to ``drain_timeout``,
+write the pending usage, and return.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
 import ssl
 import time
 from typing import Any
@@ -34,7 +41,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from llmgw_cli.core.keys import bearer
 from llmgw_cli.core.spec import GatewayTls
 from llmgw_cli.errors import LlmgwError
-from llmgw_cli.gateway import admin
+from llmgw_cli.gateway import admin, systemd
 from llmgw_cli.gateway.fleet import FleetCollector
 from llmgw_cli.gateway.openai_error import error
 from llmgw_cli.gateway.proxy import GATEWAY, forward
@@ -211,12 +218,34 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+async def _start_site(
+    runner: web.AppRunner, listen: str, sockets: list[socket.socket] | None, context: ssl.SSLContext | None
+) -> None:
+    """Accept on ``sockets`` (inherited from systemd) or, when None, on ``listen`` bound here."""
+    try:
+        if sockets is None:
+            host, port = split_listen(listen)
+            await web.TCPSite(runner, host, port, backlog=2048, ssl_context=context).start()
+        else:
+            for sock in sockets:
+                await web.SockSite(runner, sock, backlog=2048, ssl_context=context).start()
+    except OSError as exc:
+        raise LlmgwError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
+
+
 async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT; the caller owns the loop."""
     settings = gw.spec.gateway
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, ClientMistakes) for f in server_log.filters):
         server_log.addFilter(ClientMistakes())
+    addresses = {"listen": settings.listen, "admin_listen": settings.admin_listen}
+    if settings.metrics_listen:
+        addresses["metrics_listen"] = settings.metrics_listen
+    # Checked before anything starts: a socket unit that disagrees with the cluster file
+    # is refused at once, with what to do.
+    inherited = systemd.inherited_sockets()
+    passed = systemd.assign(inherited, addresses) if inherited else None
     await gw.start()
     # The registry exists once there is something true to report: until now /metrics
     # answers 503 (the listeners below open after this today; the 503 keeps it so if
@@ -224,16 +253,16 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
     gw.metrics.build(FleetCollector(gw))
     public_tls = tls_context(settings.tls) if settings.tls is not None else None
     listeners = [
-        (public_app(gw), settings.listen, public_tls),
-        (admin_app(gw), settings.admin_listen, None),
+        (public_app(gw), "listen", public_tls),
+        (admin_app(gw), "admin_listen", None),
     ]
     if settings.metrics_listen:
-        listeners.append((metrics_app(gw), settings.metrics_listen, None))
+        listeners.append((metrics_app(gw), "metrics_listen", None))
     runners: list[web.AppRunner] = []
     clients = settings.client_timeouts
     watch = asyncio.create_task(WriteWatch(runners, clients.write).run(), name="gateway-write-watch")
     try:
-        for app, listen, context in listeners:
+        for app, name, context in listeners:
             # handler_cancellation: a client that disconnects cancels its handler, which
             # closes the upstream connection, so the engine stops generating.
             # keepalive_timeout: aiohttp closes a connection that has not sent a whole
@@ -247,12 +276,14 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
             )
             await runner.setup()
             runners.append(runner)
-            host, port = split_listen(listen)
-            try:
-                await web.TCPSite(runner, host, port, backlog=2048, ssl_context=context).start()
-            except OSError as exc:
-                raise LlmgwError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
-            log.info("listening on %s%s", listen, " (TLS)" if context is not None else "")
+            listen = addresses[name]
+            await _start_site(runner, listen, passed[name] if passed is not None else None, context)
+            log.info(
+                "listening on %s%s%s",
+                listen,
+                " (TLS)" if context is not None else "",
+                f" (from {systemd.SOCKET_UNIT})" if passed is not None else "",
+            )
         loop = asyncio.get_running_loop()
         log.info("event loop: %s", type(loop).__module__.partition(".")[0])  # asyncio or uvloop
         stop = asyncio.Event()
@@ -263,9 +294,14 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
         # move it out of the garbage collector's sight, so collections triggered by
         # per-request garbage do not rescan it.
         gc.freeze()
+        systemd.notify("READY=1")
         if ready is not None:
             ready.set()
         await stop.wait()
+        systemd.notify("STOPPING=1")
+        # A gateway that is leaving decides nothing more about replicas: during an upgrade
+        # the next one runs already, and it decides.
+        await gw.quiesce()
         log.info("stopping: draining requests in flight for up to %ss", settings.drain_timeout)
         started = time.monotonic()
     finally:

@@ -194,6 +194,16 @@ class Gateway:
         for name, job in jobs:
             self._tasks.append(asyncio.create_task(self._every(name, job), name=f"gateway-{name}"))
 
+    async def quiesce(self) -> None:
+        """The first step of a stop: no new decision about replicas, and the starts and
+        stops under way cancelled (another gateway process may be running already: an
+        upgrade's). Requests are still served; discovery and health checks go on."""
+        reconcile = [t for t in self._tasks if t.get_name() == "gateway-reconcile"]
+        for task in reconcile:
+            task.cancel()
+        await asyncio.gather(*reconcile, return_exceptions=True)
+        await self.controller.stop()
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()

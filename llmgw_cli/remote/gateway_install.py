@@ -1,10 +1,20 @@
 """Install or update ``llmgw-gateway.service`` on the gateway host (``gateway.host``).
 
 Two steps, so that `apply` can show the change before it asks: ``preview`` reads what is
-on the host (file digests, whether the unit runs) and says what would change;
-``install`` writes the changed files atomically, then reloads or restarts the gateway and
-waits until it answers ``/health`` (or, when its listener cannot be reached from here,
-until its unit has stayed up).
+on the host (file digests, whether the units run) and says what would change;
+``install`` writes the changed files atomically, then reloads, hands over or restarts the
+gateway and waits until it answers ``/health`` (or, when its listener cannot be reached
+from here, until its unit has stayed up).
+
+A hand-over (the gateway runs and its files changed): ``llmgw-gateway-handover.service``
+starts on the same listening sockets (``systemctl start`` returns once it is READY);
+``llmgw-gateway.service`` restarts (the old process drains its requests while the
+hand-over accepts the new ones; the new one is READY when ``restart`` returns); the
+hand-over stops (it drains too). No connection is refused: the kernel queues them on the
+sockets ``llmgw-gateway.socket`` holds. When those sockets change (new listener
+addresses, or a host whose gateway bound its ports itself, before the socket unit), the
+gateway stops, the socket unit (re)starts and the gateway starts: a brief interruption,
+which the preview says.
 
 The host is a node of the cluster file, ``localhost`` (this machine), or an address
 reached with the top-level ``ssh`` settings. A host without systemd as init (a container,
@@ -16,11 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from llmgw_cli.core.facts import UnitState
 from llmgw_cli.core.gateway_install import (
     CLUSTER_FILE,
     ENGINE_KEYS_FILE,
@@ -28,7 +40,7 @@ from llmgw_cli.core.gateway_install import (
     GATEWAY_DIR,
     GATEWAY_KEY,
     OLD_OPERATOR_KEY,
-    UNIT_FILE,
+    UNIT_FILES,
     GatewayChange,
     gateway_change,
     gateway_files,
@@ -36,7 +48,7 @@ from llmgw_cli.core.gateway_install import (
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.node_access import valid_public_key
 from llmgw_cli.core.spec import Become, ClusterSpec, Node
-from llmgw_cli.core.units import GATEWAY_UNIT
+from llmgw_cli.core.units import GATEWAY_HANDOVER_UNIT, GATEWAY_SOCKET, GATEWAY_UNIT
 from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Report
@@ -68,7 +80,16 @@ class GatewayPreview:
         if self.change.how == "none":
             return f"gateway on {self.host}: unchanged"
         written = ", ".join(Path(f.path).name for f in self.change.write) or "no file changed"
-        verb = {"reload": "reload", "restart": "start or restart"}[self.change.how]
+        verb = {
+            "reload": "reload",
+            "handover": "hand over to a new gateway process, no request refused",
+            "restart": "start or restart",
+        }[self.change.how]
+        if self.change.interrupts:
+            verb = (
+                f"restart: its listeners move to {GATEWAY_SOCKET}; connections are refused "
+                "while it stops and starts (a few seconds, once)"
+            )
         return f"gateway on {self.host}: {verb} ({written})"
 
 
@@ -94,14 +115,20 @@ def _read_local(path: Path, what: str) -> str:
         raise LlmgwError(f"{what} {path}: {exc.strerror}") from None
 
 
-async def _host_state(t: Transport, paths: list[str]) -> tuple[dict[str, str], bool, str]:
-    """Digests of ``paths`` on the host, whether the gateway unit is active, and the
-    cluster file the gateway runs with now (empty when none)."""
+@dataclass(frozen=True)
+class HostState:
+    digests: dict[str, str]  # path -> sha256 of the files found
+    active: bool  # llmgw-gateway.service
+    socket_active: bool  # llmgw-gateway.socket
+    cluster: str  # the cluster file the gateway runs with now ("" when none)
+
+
+async def _host_state(t: Transport, paths: list[str]) -> HostState:
     q = " ".join(shlex.quote(p) for p in paths)
     marker = "--llmgw-cluster--"
     result = await t.run(
-        f"sha256sum {q} 2>/dev/null; echo {marker}; systemctl is-active {GATEWAY_UNIT} 2>/dev/null; "
-        f"echo {marker}; cat {shlex.quote(CLUSTER_FILE)} 2>/dev/null; true",
+        f"sha256sum {q} 2>/dev/null; echo {marker}; systemctl is-active {GATEWAY_UNIT} {GATEWAY_SOCKET} "
+        f"2>/dev/null; echo {marker}; cat {shlex.quote(CLUSTER_FILE)} 2>/dev/null; true",
         root=True,
     )
     digests_text, _, rest = result.stdout.partition(marker + "\n")
@@ -110,7 +137,8 @@ async def _host_state(t: Transport, paths: list[str]) -> tuple[dict[str, str], b
     for line in digests_text.splitlines():
         digest, _, path = line.partition("  ")
         digests[path.strip()] = digest
-    return digests, active_text.strip() == "active", cluster
+    states = [*active_text.split(), "", ""]
+    return HostState(digests, states[0] == "active", states[1] == "active", cluster)
 
 
 def _listeners(text: str) -> tuple[str, str, str | None] | None:
@@ -152,10 +180,14 @@ async def preview(spec: ClusterSpec, conns: Connections, cluster_text: str) -> G
         llmgw_bin=llmgw_bin,
         known_hosts=_read_local(resolve_path(spec.ssh.known_hosts, conns.base), "ssh.known_hosts"),
     )
-    digests, active, running_cluster = await _host_state(t, [f.path for f in files])
+    on_host = await _host_state(t, [f.path for f in files])
     wanted = (spec.gateway.listen, spec.gateway.admin_listen, spec.gateway.metrics_listen)
     change = gateway_change(
-        files, digests, active=active, listeners_changed=_listeners(running_cluster) != wanted
+        files,
+        on_host.digests,
+        active=on_host.active,
+        listeners_changed=_listeners(on_host.cluster) != wanted,
+        socket_active=on_host.socket_active,
     )
     return GatewayPreview(host, change, llmgw_bin=llmgw_bin)
 
@@ -256,12 +288,115 @@ async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, repor
     for f in change.write:
         await t.write_file(f.path, f.text, mode=f.mode, root=True)
     report(SUBJECT, "files in place")
-    if any(f.path == UNIT_FILE for f in change.write):
+    if any(f.path in UNIT_FILES for f in change.write):
         await must(t, "systemctl daemon-reload", "systemctl daemon-reload")
-    await must(t, f"systemctl enable {GATEWAY_UNIT} 2>&1", "enable the gateway")
-    verb = "reload" if change.how == "reload" else "restart"
-    await must(t, f"systemctl {verb} {GATEWAY_UNIT}", f"{verb} the gateway")
-    report(SUBJECT, f"{verb}ed")
+    await must(t, f"systemctl enable {GATEWAY_SOCKET} {GATEWAY_UNIT} 2>&1", "enable the gateway")
+    if change.how == "reload":
+        await must(t, f"systemctl reload {GATEWAY_UNIT}", "reload the gateway")
+        report(SUBJECT, "reloaded")
+    elif change.how == "handover":
+        await _hand_over(t, spec, report)
+    else:
+        # The sockets change (or the gateway bound its ports itself, before the socket
+        # unit): nothing may hold them while the socket unit binds them again. The socket
+        # goes first, or a connection in between would start the old gateway again.
+        await must(
+            t,
+            f"systemctl stop {GATEWAY_SOCKET} {GATEWAY_HANDOVER_UNIT} {GATEWAY_UNIT}",
+            "stop the gateway",
+        )
+        await must(t, f"systemctl start {GATEWAY_SOCKET} {GATEWAY_UNIT}", "start the gateway")
+        report(SUBJECT, "restarted" if change.active else "started")
+
+
+async def _hand_over(t: Transport, spec: ClusterSpec, report: Report) -> None:
+    """The running gateway is replaced with no connection refused: a second process
+    serves from the same sockets while the first restarts. A hand-over that does not
+    start leaves the running gateway as it is. Each step is queued (``--no-block``) and
+    watched, so that a drain longer than one remote command's time limit is waited for."""
+    ops = ShellOps(t)
+    # systemd's own bound on a stop (TimeoutStopSec: the drain, and time to write usage),
+    # and on a start (a probe of every node, before READY)
+    stopping = max(60.0, spec.gateway.drain_timeout + 30) + 10
+    starting = 120.0
+    before = await ops.show(GATEWAY_HANDOVER_UNIT)
+    since = await ops.date()
+    report(SUBJECT, "starting the hand-over gateway")
+    await must(t, f"systemctl start --no-block {GATEWAY_HANDOVER_UNIT}", "start the hand-over gateway")
+    failed = await _until(
+        ops,
+        GATEWAY_HANDOVER_UNIT,
+        since,
+        lambda u: u.active_state == "active",
+        timeout=starting,
+        before=before,
+    )
+    if failed:
+        await t.run(f"systemctl stop {GATEWAY_HANDOVER_UNIT}", root=True)
+        raise NodeError(
+            t.node,
+            "failed",
+            "the new gateway did not start; the running one keeps serving, with the new files "
+            f"in place (its next restart takes them): {failed}",
+        )
+    primary = await ops.show(GATEWAY_UNIT)
+    old_pid = primary.main_pid if primary else 0
+    since = await ops.date()
+    report(SUBJECT, "hand-over serving; restarting the gateway (it drains)")
+    await must(t, f"systemctl restart --no-block {GATEWAY_UNIT}", "restart the gateway")
+    failed = await _until(
+        ops,
+        GATEWAY_UNIT,
+        since,
+        lambda u: u.active_state == "active" and u.main_pid not in (0, old_pid),
+        timeout=stopping + starting,
+        before=primary,
+    )
+    if failed:
+        # The hand-over keeps serving: leave it running rather than refuse every request.
+        raise NodeError(t.node, "failed", f"{failed}\n{GATEWAY_HANDOVER_UNIT} keeps serving meanwhile")
+    report(SUBJECT, "restarted; stopping the hand-over gateway (it drains)")
+    await must(t, f"systemctl stop --no-block {GATEWAY_HANDOVER_UNIT}", "stop the hand-over gateway")
+    stopped = await poll_until(lambda: _stopped(ops, GATEWAY_HANDOVER_UNIT), timeout=stopping, interval=0.5)
+    if stopped is None:
+        raise NodeError(t.node, "failed", f"{GATEWAY_HANDOVER_UNIT} did not stop within {stopping:g}s")
+    report(SUBJECT, "handed over")
+
+
+async def _stopped(ops: ShellOps, unit: str) -> bool | None:
+    state = await ops.show(unit)
+    return True if state is None or state.active_state in ("inactive", "failed") else None
+
+
+async def _until(
+    ops: ShellOps,
+    unit: str,
+    since: str,
+    done: Callable[[UnitState], bool],
+    *,
+    timeout: float,
+    before: UnitState | None,
+) -> str:
+    """Wait until ``unit`` is ``done``; "" then, else why not with its journal's tail (it
+    failed, systemd restarts it after a failure, or the time ran out)."""
+    restarts = before.n_restarts if before else 0
+
+    async def step() -> str | None:
+        state = await ops.show(unit)
+        if state is None:
+            return f"{unit}: systemd does not know it"
+        if done(state):
+            return ""
+        if state.active_state == "failed" or state.sub_state == "auto-restart" or state.n_restarts > restarts:
+            return f"{unit} {state.active_state}/{state.sub_state}"
+        return None
+
+    why = await poll_until(step, timeout=timeout, interval=0.5)
+    if why == "":
+        return ""
+    why = why or f"{unit} not ready within {timeout:g}s"
+    tail = await ops.journal(unit, since, 30)
+    return f"{why}\n{tail.strip()}"
 
 
 def _health_url(spec: ClusterSpec, host: str) -> str:

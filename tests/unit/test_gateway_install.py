@@ -6,7 +6,9 @@ from llmgw_cli.core.gateway_install import (
     CLUSTER_FILE,
     GATEWAY_ACCOUNT,
     GATEWAY_KEY,
+    HANDOVER_FILE,
     KNOWN_HOSTS,
+    SOCKET_FILE,
     UNIT_FILE,
     gateway_change,
     gateway_files,
@@ -27,7 +29,7 @@ def on_host(found) -> dict[str, str]:  # type: ignore[no-untyped-def]
 def test_the_files_and_the_unit_that_uses_them() -> None:
     found = {f.path: f for f in files()}
     # No private key travels: the gateway's own is made on its host, the operator's stays home.
-    assert set(found) == {CLUSTER_FILE, KNOWN_HOSTS, UNIT_FILE}
+    assert set(found) == {CLUSTER_FILE, KNOWN_HOSTS, SOCKET_FILE, UNIT_FILE, HANDOVER_FILE}
     assert not any(f.secret or "PRIVATE KEY" in f.text for f in found.values())
     assert found[CLUSTER_FILE].text == TEXT  # the operator's file, comments and all
     unit = found[UNIT_FILE].text
@@ -37,6 +39,18 @@ def test_the_files_and_the_unit_that_uses_them() -> None:
     assert exec_start.endswith(f" --known-hosts {KNOWN_HOSTS}")
     assert f"User={GATEWAY_ACCOUNT}\n" in unit and GATEWAY_ACCOUNT != "llmgw"
     assert "PrivateTmp=yes" in unit
+    assert "Type=notify\nNotifyAccess=main\nSockets=llmgw-gateway.socket\n" in unit
+    # The hand-over instance is the same service, never enabled on its own.
+    handover = found[HANDOVER_FILE].text
+    assert "[Install]" in unit and "[Install]" not in handover
+    assert [x for x in handover.splitlines() if x.startswith(("ExecStart=", "Sockets=", "User="))] == [
+        x for x in unit.splitlines() if x.startswith(("ExecStart=", "Sockets=", "User="))
+    ]
+    socket_unit = found[SOCKET_FILE].text
+    assert [x for x in socket_unit.splitlines() if x.startswith("ListenStream=")] == [
+        "ListenStream=0.0.0.0:8080",
+        "ListenStream=127.0.0.1:9090",
+    ]
     under_tmp = {f.path: f for f in files(llmgw_bin="/tmp/x/bin/llmgw")}[UNIT_FILE].text
     assert "PrivateTmp=yes" not in under_tmp and "ReadWritePaths=/tmp\n" in under_tmp
 
@@ -53,13 +67,42 @@ def test_a_changed_cluster_file_is_a_reload_unless_listeners_moved() -> None:
     changed = files(TEXT + "# a comment\n")
     reload = gateway_change(changed, current, active=True, listeners_changed=False)
     assert reload.how == "reload" and [f.path for f in reload.write] == [CLUSTER_FILE]
-    assert gateway_change(changed, current, active=True, listeners_changed=True).how == "restart"
+    # Listeners written differently that bind the same sockets (localhost, 127.0.0.1): the
+    # socket unit is unchanged, a new process takes them over.
+    assert gateway_change(changed, current, active=True, listeners_changed=True).how == "handover"
     assert gateway_change(changed, current, active=False, listeners_changed=False).how == "restart"
 
 
 def test_new_host_keys_or_a_fresh_host_restarts() -> None:
     current = on_host(files())
     new_known = gateway_change(files(known="h2 k2\n"), current, active=True, listeners_changed=False)
-    assert new_known.how == "restart" and [f.path for f in new_known.write] == [KNOWN_HOSTS]
+    assert new_known.how == "handover" and [f.path for f in new_known.write] == [KNOWN_HOSTS]
+    assert not new_known.interrupts
     fresh = gateway_change(files(), {}, active=False, listeners_changed=True)
-    assert fresh.how == "restart" and len(fresh.write) == 3
+    assert fresh.how == "restart" and len(fresh.write) == 5 and not fresh.interrupts
+
+
+def test_a_changed_unit_of_a_running_gateway_is_a_hand_over() -> None:
+    current = on_host(files())
+    upgraded = gateway_change(
+        files(llmgw_bin="/opt/llmgw/bin/llmgw"), current, active=True, listeners_changed=False
+    )
+    assert upgraded.how == "handover" and not upgraded.interrupts
+    assert {f.path for f in upgraded.write} == {UNIT_FILE, HANDOVER_FILE}
+
+
+def test_new_sockets_under_a_running_gateway_interrupt_it_once() -> None:
+    moved_text = TEXT.replace("host: localhost", "host: localhost, admin_listen: '127.0.0.1:9191'")
+    current = on_host(files())
+    moved = gateway_change(files(moved_text), current, active=True, listeners_changed=True)
+    assert moved.how == "restart" and moved.interrupts
+    assert SOCKET_FILE in {f.path for f in moved.write}
+    # A host upgraded from a gateway that bound its own ports: no socket unit yet.
+    before_sockets = {p: d for p, d in current.items() if p != SOCKET_FILE}
+    first = gateway_change(files(), before_sockets, active=True, listeners_changed=False, socket_active=False)
+    assert first.how == "restart" and first.interrupts
+    # The socket unit's file is in place but it does not run: the same.
+    idle_socket = gateway_change(
+        files(llmgw_bin="/b"), current, active=True, listeners_changed=False, socket_active=False
+    )
+    assert idle_socket.how == "restart" and idle_socket.interrupts

@@ -4,8 +4,8 @@ import pytest
 
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.templates import render
-from llmgw_cli.core.units import gateway_unit
-from llmgw_cli.errors import TemplateError
+from llmgw_cli.core.units import gateway_socket_unit, gateway_unit, socket_address
+from llmgw_cli.errors import InputError, TemplateError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,3 +46,35 @@ def test_gateway_gets_the_engine_key_map_not_one_key() -> None:
     # keys are per node: the gateway reads the map (again on SIGHUP), no node's key file
     assert " --engine-keys-file /etc/llmgw/gateway/engine-keys.json" in unit
     assert "engine.env" not in unit
+
+
+def test_the_socket_unit_holds_every_listener_by_address() -> None:
+    spec = parse_cluster(
+        "cluster: {name: c}\ngateway: {listen: '[::]:8443', admin_listen: 'localhost:9090', "
+        "metrics_listen: '10.0.0.5:9100'}\n"
+    )
+    unit = gateway_socket_unit(spec)
+    assert [x for x in unit.splitlines() if x.startswith("ListenStream=")] == [
+        "ListenStream=[::]:8443",
+        "ListenStream=127.0.0.1:9090",
+        "ListenStream=10.0.0.5:9100",
+    ]
+    assert "Backlog=2048\n" in unit and "Service=llmgw-gateway.service\n" in unit
+    assert "WantedBy=sockets.target\n" in unit
+
+
+def test_a_listener_systemd_cannot_bind_is_refused_with_what_to_write() -> None:
+    assert socket_address("[::1]:80") == "[::1]:80"
+    with pytest.raises(InputError, match=r"gw\.example\.com:8080.*IP address"):
+        socket_address("gw.example.com:8080")
+
+
+def test_systemd_waits_for_the_drain_before_it_kills_the_gateway() -> None:
+    def stop_timeout(drain: str) -> str:
+        spec = parse_cluster(f"cluster: {{name: c}}\ngateway: {{drain_timeout: {drain}}}\n")
+        unit = gateway_unit(spec, llmgw_bin="/b", config_path="/c.yaml")
+        (line,) = [x for x in unit.splitlines() if x.startswith("TimeoutStopSec=")]
+        return line
+
+    assert stop_timeout("30s") == "TimeoutStopSec=60"
+    assert stop_timeout("5m") == "TimeoutStopSec=330"
