@@ -263,3 +263,57 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     )
     key_path.chmod(0o600)
     return cert_path, key_path
+
+
+class Streams:
+    """Streaming chat completions of ``model``, one after another from ``concurrency``
+    threads with the official client (no retries), counting those completed, refused (an
+    error before any chunk) and cut (chunks, then an error or no finish_reason)."""
+
+    def __init__(self, base_url: str, key: str, model: str, concurrency: int, max_tokens: int = 8) -> None:
+        self.client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60)
+        self.model, self.max_tokens = model, max_tokens
+        self.done = threading.Event()
+        self.completed = self.refused = self.cut = 0
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.worker, daemon=True) for _ in range(concurrency)]
+        for t in self.threads:
+            t.start()
+
+    def one(self) -> None:
+        chunks, finished = 0, False
+        try:
+            stream = self.client.chat.completions.create(
+                model=self.model,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=self.max_tokens,
+                stream=True,
+            )
+            for chunk in stream:
+                chunks += 1
+                finished = finished or bool(chunk.choices and chunk.choices[0].finish_reason)
+            error = "" if finished else "no finish_reason"
+        except Exception as exc:  # every failure counts
+            error = f"{type(exc).__name__}: {exc}"
+        with self.lock:
+            if finished:
+                self.completed += 1
+            elif chunks:
+                self.cut += 1
+            else:
+                self.refused += 1
+            if error:
+                self.errors.append(error)
+
+    def worker(self) -> None:
+        while not self.done.is_set():
+            self.one()
+
+    def finish(self) -> str:
+        """Stop sending; wait for the requests in flight; the figures as one line."""
+        self.done.set()
+        for t in self.threads:
+            t.join(60)
+        self.client.close()
+        return f"{self.completed} completed, {self.refused} refused, {self.cut} cut; {self.errors[:5]}"

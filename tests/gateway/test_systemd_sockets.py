@@ -10,17 +10,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from llmgw_cli.errors import LlmgwError
 from llmgw_cli.gateway import systemd
-from tests.gateway.harness import Engine, Gateway, stop
+from tests.gateway.harness import Engine, Gateway, Streams, stop
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -200,56 +198,6 @@ def test_without_inherited_sockets_the_gateway_binds_its_own(tmp_path: Path) -> 
         assert gw.stop() == 0
 
 
-class Streams:
-    """Streaming requests one after another from ``concurrency`` threads, counting those
-    refused (no chunk) and cut (chunks, then no finish_reason)."""
-
-    def __init__(self, gw: Gateway, key: str, concurrency: int) -> None:
-        self.client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{gw.port}/v1", api_key=key, max_retries=0, timeout=30
-        )
-        self.done = threading.Event()
-        self.completed = self.refused = self.cut = 0
-        self.errors: list[str] = []
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self.worker, daemon=True) for _ in range(concurrency)]
-        for t in self.threads:
-            t.start()
-
-    def one(self) -> None:
-        chunks, finished = 0, False
-        try:
-            stream = self.client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
-            )
-            for chunk in stream:
-                chunks += 1
-                finished = finished or bool(chunk.choices and chunk.choices[0].finish_reason)
-            error = "" if finished else "no finish_reason"
-        except Exception as exc:  # every failure counts
-            error = f"{type(exc).__name__}: {exc}"
-        with self.lock:
-            if finished:
-                self.completed += 1
-            elif chunks:
-                self.cut += 1
-            else:
-                self.refused += 1
-            if error:
-                self.errors.append(error)
-
-    def worker(self) -> None:
-        while not self.done.is_set():
-            self.one()
-
-    def finish(self) -> str:
-        self.done.set()
-        for t in self.threads:
-            t.join(60)
-        self.client.close()
-        return f"{self.completed} completed, {self.refused} refused, {self.cut} cut; {self.errors[:5]}"
-
-
 def test_two_gateways_on_the_same_sockets_hand_over_without_a_refusal(
     tmp_path: Path, sockets: list[socket.socket]
 ) -> None:
@@ -275,7 +223,7 @@ def test_two_gateways_on_the_same_sockets_hand_over_without_a_refusal(
     load: Streams | None = None
     try:
         first = start(1)
-        load = Streams(gw, key, concurrency=4)
+        load = Streams(f"http://127.0.0.1:{gw.port}/v1", key, "m", concurrency=4)
         wait_until(lambda: load is not None and load.completed >= 8, timeout=60, what="the load to flow")
         second = start(2)
         assert stop(first, wait=60) == 0

@@ -19,7 +19,10 @@ from tests.integration.weights_origin import Origin, start_origin
 from .conftest import Lab
 
 RESET_UNITS = (
-    "systemctl stop 'llmgw-*' 2>/dev/null; rm -f /etc/systemd/system/llmgw-*.service; "
+    # sockets first: a socket left listening would start its service again
+    "systemctl disable --now llmgw-gateway.socket 2>/dev/null; "
+    "systemctl stop 'llmgw-*' 2>/dev/null; rm -f /etc/systemd/system/llmgw-*.service "
+    "/etc/systemd/system/llmgw-*.socket; "
     "systemctl daemon-reload; systemctl reset-failed 2>/dev/null; "
     "rm -rf /etc/llmgw/engine.env /etc/llmgw/engine-sglang-*.yaml /etc/llmgw/env; true"
 )

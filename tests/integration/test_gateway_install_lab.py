@@ -2,7 +2,9 @@
 on a lab node): it runs as its own account, llmgw-gateway, reaches the nodes with its own
 SSH key (made on that host; the nodes let it run their helper only), and serves the
 replicas apply started. A second apply changes
-nothing; a changed cluster file is a reload, not a restart."""
+nothing; a changed cluster file is a reload, not a restart. A changed unit is an upgrade
+that hands over to a new gateway process on the same sockets (llmgw-gateway.socket): no
+request refused, none cut, while streams flow."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import openai
 import pytest
 import yaml
 
+from tests.gateway.harness import Streams
 from tests.waiting import wait_until
 
 from .conftest import Lab
@@ -24,12 +27,15 @@ pytestmark = pytest.mark.integration
 LLMGW = f"{sys.prefix}/bin/llmgw"
 GATEWAY_FILES = "/etc/llmgw/gateway"
 CLEAN = (
-    "systemctl disable --now llmgw-gateway 2>/dev/null; rm -rf /etc/systemd/system/llmgw-gateway.service "
+    "for u in llmgw-gateway.socket llmgw-gateway-handover llmgw-gateway; do systemctl disable --now $u; done "
+    "2>/dev/null; "
+    "rm -rf /etc/systemd/system/llmgw-gateway.service /etc/systemd/system/llmgw-gateway.socket "
+    "/etc/systemd/system/llmgw-gateway-handover.service "
     f"{GATEWAY_FILES} /var/lib/llmgw-gw; systemctl daemon-reload; true"
 )
 
 
-def _cluster(lab: Lab, folder: Path, load_wait: str = "20s") -> Path:
+def _cluster(lab: Lab, folder: Path, load_wait: str = "20s", **gateway: str) -> Path:
     data = yaml.safe_load(lab.cluster_file.read_text())
     data["gateway"] = {
         "host": "node02",
@@ -38,6 +44,7 @@ def _cluster(lab: Lab, folder: Path, load_wait: str = "20s") -> Path:
         "state_dir": "/var/lib/llmgw-gw",
         "llmgw_bin": LLMGW,
         "load_wait": load_wait,
+        **gateway,
     }
     path = folder / "cluster.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -113,3 +120,111 @@ def test_apply_installs_and_updates_the_gateway(lab: Lab, clean: None, tmp_path:
     assert "load_wait: 30s" in lab.ssh("node02", f"cat {GATEWAY_FILES}/cluster.yaml").stdout
     journal = lab.ssh("node02", "journalctl -u llmgw-gateway --no-pager -o cat").stdout
     assert "reloaded the cluster file" in journal
+
+
+MODEL = "llama-3.1-8b-instruct"  # a simulated vLLM: streams at 200 tokens/s
+BASE_URL = "http://10.213.0.12:8080/v1"
+
+
+def _key_and_first_answer(lab: Lab) -> str:
+    """An API key made on the gateway host, once a request through the gateway succeeds."""
+    key = lab.ssh(
+        "node02",
+        f"runuser -u llmgw-gateway -- {LLMGW} keys create --name load -f {GATEWAY_FILES}/cluster.yaml",
+    )
+    assert key.returncode == 0, key.stderr
+    client = openai.OpenAI(base_url=BASE_URL, api_key=key.stdout.strip(), max_retries=0, timeout=60)
+    try:
+        wait_until(
+            lambda: client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            ),
+            timeout=60,
+            interval=1,
+            retry_on=(openai.AuthenticationError, openai.InternalServerError, openai.APIConnectionError),
+            what=lambda: "an answer through the gateway",
+        )
+    finally:
+        client.close()
+    return key.stdout.strip()
+
+
+def _journal(lab: Lab) -> str:
+    return lab.ssh(
+        "node02",
+        "journalctl -u llmgw-gateway -u llmgw-gateway-handover --no-pager -o cat | grep -v '^{' | tail -40",
+    ).stdout
+
+
+def test_an_upgrade_under_load_refuses_and_cuts_nothing(lab: Lab, clean: None, tmp_path: Path) -> None:
+    """The gateway's unit changes (a longer drain bound is a longer TimeoutStopSec) while
+    four clients stream through it: apply hands over, and every request completes."""
+    first = run("apply", "-f", str(_cluster(lab, tmp_path)), "--yes")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert unit_props(lab, "node02", "llmgw-gateway.socket")["ActiveState"] == "active"
+    before = unit_props(lab, "node02", "llmgw-gateway.service")
+    key = _key_and_first_answer(lab)
+
+    upgraded = _cluster(lab, tmp_path, drain_timeout="45s")
+    load = Streams(BASE_URL, key, MODEL, concurrency=4, max_tokens=64)
+    try:
+        wait_until(
+            lambda: load.completed >= 8, timeout=60, what=lambda: f"the load to flow: {load.errors[:3]}"
+        )
+        flowing = load.completed
+        done = run("apply", "-f", str(upgraded), "--yes")
+        # and the new gateway serves the load afterwards
+        wait_until(lambda: load.completed >= flowing + 8, timeout=60, what=lambda: "the load to flow on")
+    finally:
+        figures = load.finish()
+    print(f"gateway upgrade under load at concurrency 4: {figures}")
+    assert done.returncode == 0, done.stdout + done.stderr + _journal(lab)
+    assert "gateway on node02: hand over to a new gateway process, no request refused" in done.stdout
+    after = unit_props(lab, "node02", "llmgw-gateway.service")
+    assert after["ActiveState"] == "active" and after["MainPID"] != before["MainPID"]
+    assert unit_props(lab, "node02", "llmgw-gateway-handover.service")["ActiveState"] == "inactive"
+    assert load.refused == 0 and load.cut == 0, f"{figures}\n{_journal(lab)}"
+    assert "TimeoutStopSec=75" in lab.ssh("node02", "systemctl cat llmgw-gateway.service").stdout
+
+
+OLD_UNIT = """[Unit]
+Description=llmgw gateway as an llmgw before llmgw-gateway.socket installed it
+[Service]
+Type=exec
+ExecStart={llmgw} gateway run -f {files}/cluster.yaml --engine-keys-file {files}/engine-keys.json \
+  --identity-file {files}/id_ed25519 --known-hosts {files}/known_hosts
+User=llmgw-gateway
+StateDirectory=llmgw-gw
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def test_a_gateway_that_bound_its_own_ports_moves_to_the_socket_unit_once(
+    lab: Lab, clean: None, tmp_path: Path
+) -> None:
+    """A host upgraded from an llmgw whose gateway bound its ports itself: apply says the
+    gateway restarts once (its listeners move to the socket unit), and it serves after."""
+    cluster = _cluster(lab, tmp_path)
+    first = run("apply", "-f", str(cluster), "--yes")
+    assert first.returncode == 0, first.stdout + first.stderr
+    old = OLD_UNIT.format(llmgw=LLMGW, files=GATEWAY_FILES)
+    lab.ssh(
+        "node02",
+        "systemctl disable --now llmgw-gateway.socket llmgw-gateway.service && "
+        "rm /etc/systemd/system/llmgw-gateway.socket /etc/systemd/system/llmgw-gateway-handover.service && "
+        f"cat > /etc/systemd/system/llmgw-gateway.service <<'EOF'\n{old}EOF\n"
+        "systemctl daemon-reload && systemctl enable --now llmgw-gateway.service",
+    )
+    key = _key_and_first_answer(lab)  # the old gateway serves, on ports of its own
+    assert unit_props(lab, "node02", "llmgw-gateway.socket")["ActiveState"] == "inactive"
+
+    said = "gateway on node02: restart: its listeners move to llmgw-gateway.socket"
+    shown = run("plan", "-f", str(cluster))
+    assert shown.returncode == 0 and said in shown.stdout, shown.stdout + shown.stderr
+    done = run("apply", "-f", str(cluster), "--yes")
+    assert done.returncode == 0, done.stdout + done.stderr + _journal(lab)
+    assert said in done.stdout, done.stdout
+    assert unit_props(lab, "node02", "llmgw-gateway.socket")["ActiveState"] == "active"
+    assert "(from llmgw-gateway.socket)" in _journal(lab)
+    assert _key_and_first_answer(lab) and key

@@ -37,7 +37,10 @@ GATEWAY_KEY = f"{GATEWAY_FILES}/id_ed25519"
 STATE = "/var/lib/llmgw-gw"
 HOST = "node02"  # the gateway host, itself a node
 CLEAN = (
-    "systemctl disable --now llmgw-gateway 2>/dev/null; rm -rf /etc/systemd/system/llmgw-gateway.service "
+    "for u in llmgw-gateway.socket llmgw-gateway-handover llmgw-gateway; do systemctl disable --now $u; done "
+    "2>/dev/null; "
+    "rm -rf /etc/systemd/system/llmgw-gateway.service /etc/systemd/system/llmgw-gateway.socket "
+    "/etc/systemd/system/llmgw-gateway-handover.service "
     f"{GATEWAY_FILES} {STATE}; systemctl daemon-reload; true"
 )
 HOSTILE_UNIT = """[Unit]
