@@ -102,6 +102,7 @@ class GatewayChange:
     write: tuple[GatewayFile, ...]
     how: str
     active: bool = False  # the gateway ran before the change
+    rebind: bool = True  # a restart binds the sockets again (new or changed socket unit)
 
     @property
     def interrupts(self) -> bool:
@@ -124,10 +125,13 @@ def gateway_change(
     (new listener addresses, or no socket unit running yet: the gateway bound its ports
     itself), which needs a restart; a gateway that is not running is started."""
     write = tuple(f for f in files if current.get(f.path) != f.digest)
+    # A socket unit that runs unchanged keeps its sockets (and the connections queued on
+    # them) when a gateway that is down is started.
+    rebind = not socket_active or any(f.path == SOCKET_FILE for f in write)
     if not write:
-        return GatewayChange((), "none" if active else "restart", active)
+        return GatewayChange((), "none" if active else "restart", active, rebind)
     if active and not listeners_changed and all(f.path == CLUSTER_FILE for f in write):
-        return GatewayChange(write, "reload", active)
-    if active and socket_active and all(f.path != SOCKET_FILE for f in write):
-        return GatewayChange(write, "handover", active)
-    return GatewayChange(write, "restart", active)
+        return GatewayChange(write, "reload", active, rebind)
+    if active and not rebind:
+        return GatewayChange(write, "handover", active, rebind)
+    return GatewayChange(write, "restart", active, rebind)

@@ -296,7 +296,7 @@ async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, repor
         report(SUBJECT, "reloaded")
     elif change.how == "handover":
         await _hand_over(t, spec, report)
-    else:
+    elif change.rebind:
         # The sockets change (or the gateway bound its ports itself, before the socket
         # unit): nothing may hold them while the socket unit binds them again. The socket
         # goes first, or a connection in between would start the old gateway again.
@@ -307,6 +307,10 @@ async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, repor
         )
         await must(t, f"systemctl start {GATEWAY_SOCKET} {GATEWAY_UNIT}", "start the gateway")
         report(SUBJECT, "restarted" if change.active else "started")
+    else:
+        # down, under a socket unit that runs unchanged: its queued connections wait
+        await must(t, f"systemctl restart {GATEWAY_UNIT}", "start the gateway")
+        report(SUBJECT, "started")
 
 
 async def _hand_over(t: Transport, spec: ClusterSpec, report: Report) -> None:

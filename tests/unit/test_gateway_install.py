@@ -60,6 +60,9 @@ def test_nothing_changed_is_nothing_to_do_unless_the_gateway_is_down() -> None:
     assert gateway_change(files(), current, active=True, listeners_changed=False).how == "none"
     down = gateway_change(files(), current, active=False, listeners_changed=False)
     assert down.how == "restart" and down.write == ()
+    # its socket unit runs unchanged: started under it, the queued connections kept
+    assert not down.rebind and not down.interrupts
+    assert gateway_change(files(), current, active=False, listeners_changed=False, socket_active=False).rebind
 
 
 def test_a_changed_cluster_file_is_a_reload_unless_listeners_moved() -> None:
@@ -95,7 +98,7 @@ def test_new_sockets_under_a_running_gateway_interrupt_it_once() -> None:
     moved_text = TEXT.replace("host: localhost", "host: localhost, admin_listen: '127.0.0.1:9191'")
     current = on_host(files())
     moved = gateway_change(files(moved_text), current, active=True, listeners_changed=True)
-    assert moved.how == "restart" and moved.interrupts
+    assert moved.how == "restart" and moved.interrupts and moved.rebind
     assert SOCKET_FILE in {f.path for f in moved.write}
     # A host upgraded from a gateway that bound its own ports: no socket unit yet.
     before_sockets = {p: d for p, d in current.items() if p != SOCKET_FILE}
