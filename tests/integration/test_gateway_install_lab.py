@@ -126,14 +126,17 @@ MODEL = "llama-3.1-8b-instruct"  # a simulated vLLM: streams at 200 tokens/s
 BASE_URL = "http://10.213.0.12:8080/v1"
 
 
-def _key_and_first_answer(lab: Lab) -> str:
-    """An API key made on the gateway host, once a request through the gateway succeeds."""
-    key = lab.ssh(
-        "node02",
-        f"runuser -u llmgw-gateway -- {LLMGW} keys create --name load -f {GATEWAY_FILES}/cluster.yaml",
-    )
-    assert key.returncode == 0, key.stderr
-    client = openai.OpenAI(base_url=BASE_URL, api_key=key.stdout.strip(), max_retries=0, timeout=60)
+def _key_and_first_answer(lab: Lab, key: str = "") -> str:
+    """An API key made on the gateway host (unless given), once a request through the
+    gateway with it succeeds."""
+    if not key:
+        made = lab.ssh(
+            "node02",
+            f"runuser -u llmgw-gateway -- {LLMGW} keys create --name load -f {GATEWAY_FILES}/cluster.yaml",
+        )
+        assert made.returncode == 0, made.stderr
+        key = made.stdout.strip()
+    client = openai.OpenAI(base_url=BASE_URL, api_key=key, max_retries=0, timeout=60)
     try:
         wait_until(
             lambda: client.chat.completions.create(
@@ -146,7 +149,7 @@ def _key_and_first_answer(lab: Lab) -> str:
         )
     finally:
         client.close()
-    return key.stdout.strip()
+    return key
 
 
 def _journal(lab: Lab) -> str:
@@ -227,4 +230,4 @@ def test_a_gateway_that_bound_its_own_ports_moves_to_the_socket_unit_once(
     assert said in done.stdout, done.stdout
     assert unit_props(lab, "node02", "llmgw-gateway.socket")["ActiveState"] == "active"
     assert "(from llmgw-gateway.socket)" in _journal(lab)
-    assert _key_and_first_answer(lab) and key
+    assert _key_and_first_answer(lab, key)  # the keys stayed: the same state folder
