@@ -18,7 +18,8 @@ import pytest
 
 from llmgw_cli.errors import LlmgwError
 from llmgw_cli.gateway import systemd
-from tests.gateway.harness import Engine, Gateway, Streams, stop
+from tests.gateway.harness import Engine, Gateway, stop
+from tests.integration.load import running_load
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -220,24 +221,19 @@ def test_two_gateways_on_the_same_sockets_hand_over_without_a_refusal(
             assert sink.recv(4096) == b"READY=1", (tmp_path / f"gateway-{n}.log").read_text()[-3000:]
         return proc
 
-    load: Streams | None = None
     try:
         first = start(1)
-        load = Streams(f"http://127.0.0.1:{gw.port}/v1", key, "m", concurrency=4)
-        wait_until(lambda: load is not None and load.completed >= 8, timeout=60, what="the load to flow")
-        second = start(2)
-        assert stop(first, wait=60) == 0
-        third = start(3)
-        assert stop(second, wait=60) == 0
-        before = load.completed
-        wait_until(lambda: load is not None and load.completed >= before + 8, timeout=60, what="more")
-        figures = load.finish()
-        print(f"hand-over under load: {figures}")
-        assert load.refused == 0 and load.cut == 0, figures
+        with running_load(f"http://127.0.0.1:{gw.port}/v1", key, "m", concurrency=4, max_tokens=8) as load:
+            second = start(2)
+            assert stop(first, wait=60) == 0
+            third = start(3)
+            assert stop(second, wait=60) == 0
+            flowing = len(load.completed)
+            wait_until(lambda: len(load.completed) >= flowing + 8, timeout=60, what="the load on the third")
+        print(f"hand-over under load: {load.totals()}")
+        assert not load.refused and not load.cut, load.failures()
         assert stop(third, wait=60) == 0
     finally:
-        if load is not None:
-            load.finish()
         for proc in procs:
             if proc.poll() is None:
                 stop(proc, signal.SIGKILL)

@@ -16,11 +16,11 @@ import openai
 import pytest
 import yaml
 
-from tests.gateway.harness import Streams
 from tests.waiting import wait_until
 
 from .conftest import Lab
 from .lab_helpers import reset, run, unit_props
+from .load import running_load
 
 pytestmark = pytest.mark.integration
 
@@ -169,24 +169,18 @@ def test_an_upgrade_under_load_refuses_and_cuts_nothing(lab: Lab, clean: None, t
     key = _key_and_first_answer(lab)
 
     upgraded = _cluster(lab, tmp_path, drain_timeout="45s")
-    load = Streams(BASE_URL, key, MODEL, concurrency=4, max_tokens=64)
-    try:
-        wait_until(
-            lambda: load.completed >= 8, timeout=60, what=lambda: f"the load to flow: {load.errors[:3]}"
-        )
-        flowing = load.completed
+    with running_load(BASE_URL, key, MODEL, concurrency=4, max_tokens=64) as load:
         done = run("apply", "-f", str(upgraded), "--yes")
         # and the new gateway serves the load afterwards
-        wait_until(lambda: load.completed >= flowing + 8, timeout=60, what=lambda: "the load to flow on")
-    finally:
-        figures = load.finish()
-    print(f"gateway upgrade under load at concurrency 4: {figures}")
+        flowing = len(load.completed)
+        wait_until(lambda: len(load.completed) >= flowing + 8, timeout=60, what="the load to flow on")
+    print(f"gateway upgrade under load: {load.totals()}")
     assert done.returncode == 0, done.stdout + done.stderr + _journal(lab)
     assert "gateway on node02: hand over to a new gateway process, no request refused" in done.stdout
     after = unit_props(lab, "node02", "llmgw-gateway.service")
     assert after["ActiveState"] == "active" and after["MainPID"] != before["MainPID"]
     assert unit_props(lab, "node02", "llmgw-gateway-handover.service")["ActiveState"] == "inactive"
-    assert load.refused == 0 and load.cut == 0, f"{figures}\n{_journal(lab)}"
+    assert not load.refused and not load.cut, f"{load.failures()}\n{_journal(lab)}"
     assert "TimeoutStopSec=75" in lab.ssh("node02", "systemctl cat llmgw-gateway.service").stdout
 
 
