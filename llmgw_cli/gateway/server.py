@@ -20,13 +20,15 @@ over without refusing a connection. Started by hand, it binds its listeners itse
 
 SIGHUP reloads the cluster file (listeners and connections stay); SIGTERM/SIGINT stop the
 replica controller first (a gateway that is leaving starts and stops no replica), then
-stop accepting, let requests and streams in flight finish for up to ``drain_timeout``,
-write the pending usage, and return.
+stop accepting, let requests and streams in flight finish for up to ``drain_timeout`` while
+answering what still arrives on open connections (each answer closing its connection;
+an idle one is closed after ``IDLE_CLOSE``), write the pending usage, and return.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
@@ -233,6 +235,99 @@ async def _start_site(
         raise LlmgwError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
 
 
+# A leaving gateway closes a kept-alive connection once it has been idle this long: a
+# client that reuses a connection at once (a client in a loop) sends its next request on
+# it and is answered (with "Connection: close"), instead of having it closed under that
+# request; one idle this long is seldom reused in the very moment it closes.
+IDLE_CLOSE = 2.0
+
+
+class Connections:
+    """Which client connections are handling a request (a middleware counts them), and,
+    once the gateway is leaving, when each last finished one. Its answers then close their
+    connection (``Connection: close``)."""
+
+    def __init__(self) -> None:
+        self.busy: dict[object, int] = {}  # connection -> requests in progress on it
+        self.last: dict[object, float] = {}  # connection -> when its last request ended (leaving only)
+        self.leaving = False
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        conn = request.protocol
+        self.busy[conn] = self.busy.get(conn, 0) + 1
+        try:
+            response: web.StreamResponse = await handler(request)
+            # Only an answer not sent yet: one whose head said keep-alive must keep the
+            # connection open, or the client's next request on it would meet a closed socket.
+            if self.leaving and not response.prepared:
+                response.force_close()  # the client opens its next connection elsewhere
+            return response
+        finally:
+            left = self.busy.pop(conn) - 1
+            if left:
+                self.busy[conn] = left
+            if self.leaving:
+                self.last[conn] = asyncio.get_running_loop().time()
+
+    async def on_prepare(self, _request: web.Request, response: web.StreamResponse) -> None:
+        if self.leaving:
+            response.force_close()  # a stream that begins now closes its connection at its end
+
+
+async def _stop_accepting(runners: list[web.AppRunner], inherited: list[socket.socket]) -> None:
+    """Stop every listener. asyncio's own loop (before Python 3.12) attaches a connection it
+    accepted a moment later, in a task of its own, and resets it when the listener was
+    closed in between: with sockets another process accepts from too, that is a refused
+    request. So first no more accepts on the inherited sockets, then let those tasks run,
+    then close."""
+    loop = asyncio.get_running_loop()
+    for sock in inherited:
+        with contextlib.suppress(Exception):  # uvloop accepts in libuv: nothing to remove
+            loop.remove_reader(sock.fileno())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    for runner in runners:
+        for site in list(runner.sites):
+            await site.stop()
+
+
+async def _lame_duck(
+    runners: list[web.AppRunner], conns: Connections, bound: float, inherited: list[socket.socket]
+) -> None:
+    """Stop accepting (another gateway process may accept from the same sockets now); then,
+    until every connection is closed or ``bound`` seconds have passed, answer what arrives
+    on the open ones (each answer closing its connection) and close each once it has been
+    idle for ``IDLE_CLOSE``. What is still open after ``bound`` is closed: its requests are
+    cut."""
+    conns.leaving = True
+    await _stop_accepting(runners, inherited)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while True:
+        now = loop.time()
+        open_conns = [c for r in runners if r.server is not None for c in r.server.connections]
+        if not open_conns:
+            return
+        if now - start >= bound:
+            break
+        for conn in open_conns:
+            if not conns.busy.get(conn) and now - conns.last.setdefault(conn, now) >= IDLE_CLOSE:
+                conn.close()
+        await asyncio.sleep(0.1)
+    busy = sum(1 for c in open_conns if conns.busy.get(c))
+    if busy:
+        log.warning("drain bound (%ss) reached with %d requests in flight: cut", bound, busy)
+    for conn in open_conns:
+        conn.force_close()  # its handler is cancelled: the engine's request with it
+
+
+def _inherited(addresses: dict[str, str]) -> dict[str, list[socket.socket]] | None:
+    """The sockets systemd passed, by listener; None when it passed none."""
+    inherited = systemd.inherited_sockets()
+    return systemd.assign(inherited, addresses) if inherited else None
+
+
 async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT; the caller owns the loop."""
     settings = gw.spec.gateway
@@ -244,8 +339,7 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
         addresses["metrics_listen"] = settings.metrics_listen
     # Checked before anything starts: a socket unit that disagrees with the cluster file
     # is refused at once, with what to do.
-    inherited = systemd.inherited_sockets()
-    passed = systemd.assign(inherited, addresses) if inherited else None
+    passed = _inherited(addresses)
     await gw.start()
     # The registry exists once there is something true to report: until now /metrics
     # answers 503 (the listeners below open after this today; the 503 keeps it so if
@@ -259,6 +353,7 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
     if settings.metrics_listen:
         listeners.append((metrics_app(gw), "metrics_listen", None))
     runners: list[web.AppRunner] = []
+    conns = Connections()
     clients = settings.client_timeouts
     watch = asyncio.create_task(WriteWatch(runners, clients.write).run(), name="gateway-write-watch")
     try:
@@ -267,6 +362,8 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
             # closes the upstream connection, so the engine stops generating.
             # keepalive_timeout: aiohttp closes a connection that has not sent a whole
             # request head this long after it opened or its last answer ended.
+            app.middlewares.append(conns.middleware)
+            app.on_response_prepare.append(conns.on_prepare)
             runner = web.AppRunner(
                 app,
                 handler_cancellation=True,
@@ -304,6 +401,9 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
         await gw.quiesce()
         log.info("stopping: draining requests in flight for up to %ss", settings.drain_timeout)
         started = time.monotonic()
+        await _lame_duck(
+            runners, conns, settings.drain_timeout, [x for v in (passed or {}).values() for x in v]
+        )
     finally:
         watch.cancel()
         # Each listener stops accepting, then waits for its handlers (up to drain_timeout).
