@@ -20,7 +20,8 @@ A ``~`` action with ``retire`` set replaces a replica that may be serving. With 
 
 Without ``surge`` (no free cards: the successor takes the old one's): steps 3 and 4
 first, then stop the old units and write and start the new ones in ONE lock hold, then
-wait until ready. The lock is taken for each write step and never held during a wait,
+wait until ready and routed (step 2: the gateways told to probe at once, so the model
+is unserved for its load time, not up to a discovery round more). The lock is taken for each write step and never held during a wait,
 so the gateway's own starts and stops go on meanwhile.
 
 The replacements of one model run one after another (the plan counts on the cards each
@@ -321,16 +322,7 @@ class _Roller:
         if not all(o.ok for o in outcomes):
             outcomes.append(Outcome(old_subject, False, f"not retired: its successor did not start; {stays}"))
             return Rolled(action, outcomes, False)
-        address = self.address(action.nodes[0], action.port or 0)
-        routed = await self.gateways.until(lambda v: v.routes(action.model, address), timeout=ROUTED_BOUND)
-        if routed is None:
-            await asyncio.sleep(2 * HEALTH_INTERVAL)
-        elif routed:
-            self.report(new_subject, "routed by the gateway")
-        else:
-            warning = f"not routed by every gateway {ROUTED_BOUND:g}s after it was ready; went on"
-            self.report(new_subject, warning)
-            outcomes.append(Outcome(new_subject, True, warning))
+        outcomes += await self.routed(action)
         drained = await self.drain(action)
         if isinstance(drained, Outcome):
             return Rolled(action, [*outcomes, drained], False)
@@ -361,8 +353,27 @@ class _Roller:
         if not all(o.ok for o in done):
             return Rolled(action, [*done, Outcome(who, False, "not replaced; run apply again")], False)
         outcomes = [*done, self.stopped(action, drained)]
-        outcomes += await wait_started(self.spec, self.conns, _plan([action]), done, self.report)
+        ready = await wait_started(self.spec, self.conns, _plan([action]), done, self.report)
+        outcomes += ready
+        if all(o.ok for o in ready):
+            outcomes += await self.routed(action)
         return Rolled(action, outcomes, True)
+
+    async def routed(self, action: Action) -> list[Outcome]:
+        """Step 2: wait until every live gateway routes the replica ``action`` started (told
+        to probe at once); a warning outcome when one does not within ``ROUTED_BOUND``."""
+        who = subject(action.model, action.replica)
+        address = self.address(action.nodes[0], action.port or 0)
+        routed = await self.gateways.until(lambda v: v.routes(action.model, address), timeout=ROUTED_BOUND)
+        if routed is None:
+            await asyncio.sleep(2 * HEALTH_INTERVAL)
+        elif routed:
+            self.report(who, "routed by the gateway")
+        else:
+            warning = f"not routed by every gateway {ROUTED_BOUND:g}s after it was ready; went on"
+            self.report(who, warning)
+            return [Outcome(who, True, warning)]
+        return []
 
     def address(self, node: str, port: int) -> str:
         return serving_address(self.spec.node(node).engine_host, port)

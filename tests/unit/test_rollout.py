@@ -302,8 +302,11 @@ def test_in_place_drains_first_then_stops_and_starts_in_one_hold(world: World) -
         "stop and start m#0",
         "unlock",
         "ready m#0",
+        "probe now",  # routed within a second, not at the gateway's next round
     ]
     assert Outcome("m#0", True, "drained and stopped; replaced in place") in outcomes
+    assert ("m", world.address("a", 8100)) in world.routed
+    assert ("m#0", "routed by the gateway") in world.said
 
 
 def test_requests_still_open_at_the_drain_bound_are_counted_as_cut(world: World) -> None:
