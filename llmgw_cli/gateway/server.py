@@ -235,11 +235,13 @@ async def _start_site(
         raise LlmgwError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
 
 
-# A leaving gateway closes a kept-alive connection once it has been idle this long: a
-# client that reuses a connection at once (a client in a loop) sends its next request on
-# it and is answered (with "Connection: close"), instead of having it closed under that
-# request; one idle this long is seldom reused in the very moment it closes.
-IDLE_CLOSE = 2.0
+# A leaving gateway closes a kept-alive connection once it has been idle this long. A
+# request the client sends on it at the moment it closes meets a reset: the race of every
+# HTTP/1.1 server that closes idle connections. Clients do not reuse a connection idle for
+# longer than their own keep-alive expiry (httpx, which the official openai client uses:
+# 5 s), so a server that waits longer than that never closes one under their request; it
+# answers what arrives meanwhile (with "Connection: close").
+IDLE_CLOSE = 8.0
 
 
 class Connections:
