@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, TypeVar
 
@@ -216,45 +217,42 @@ def refuse_downtime(chosen: Plan, allowed: bool) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Replan:
+    """What apply does when the nodes changed between its plan and the cluster lock:
+    ``saved`` (a saved plan is refused then), ``yes`` (go on with the new plan without
+    asking), ``replace`` and ``allow_downtime`` (the new plan is made and judged as the
+    first was), ``lock_timeout`` (how long to wait for the lock)."""
+
+    saved: Path | None = None
+    yes: bool = False
+    lock_timeout: float = 600.0
+    replace: frozenset[tuple[str, int]] = frozenset()
+    allow_downtime: bool = False
+
+
 def _fetch_and_lock(
-    spec: ClusterSpec,
-    file: Path,
-    session: Session,
-    chosen: Plan,
-    *,
-    saved: Path | None,
-    yes: bool,
-    timeout: float,
-    replace: frozenset[tuple[str, int]] = frozenset(),
-    allow_downtime: bool = False,
+    spec: ClusterSpec, file: Path, session: Session, chosen: Plan, how: Replan
 ) -> tuple[Plan, Snapshot, ApplyHold, dict[str, str] | None]:
     """Bring the plan's weights, then take the cluster lock (``_locked``). The weights
     fetched (node -> why they could not be), or None when the plan was made again under
     the lock (the executor then brings its weights itself)."""
     fetched = session.run(_fetch(spec, session.conns, chosen))
-    now, snapshot, held = _locked(
-        spec,
-        file,
-        session,
-        chosen,
-        saved=saved,
-        yes=yes,
-        timeout=timeout,
-        replace=replace,
-        allow_downtime=allow_downtime,
-    )
+    now, snapshot, held = _locked(spec, file, session, chosen, how)
     return now, snapshot, held, fetched if now is chosen else None
+
+
+def _lock_waiting(message: str) -> None:
+    """Said once while apply waits for the cluster lock: who holds it."""
+    err.print(Text(message, style="yellow"), highlight=False, soft_wrap=True)
 
 
 def _lock_taker(spec: ClusterSpec, conns: Connections, file: Path, timeout: float) -> TakeLock:
     """Takes the cluster lock again for one step of a rolling replacement."""
 
     async def take(why: str) -> ApplyHold:
-        def waiting(message: str) -> None:
-            err.print(Text(message, style="yellow"), highlight=False, soft_wrap=True)
-
         return await take_for_apply(
-            spec, conns, wait=timeout, why=f"applying {file.name}: {why}", on_wait=waiting
+            spec, conns, wait=timeout, why=f"applying {file.name}: {why}", on_wait=_lock_waiting
         )
 
     return take
@@ -266,31 +264,24 @@ def _saved_still_holds(saved: Path, chosen: Plan, facts: dict[str, NodeFacts]) -
 
 
 def _locked(
-    spec: ClusterSpec,
-    file: Path,
-    session: Session,
-    chosen: Plan,
-    *,
-    saved: Path | None,
-    yes: bool,
-    timeout: float,
-    replace: frozenset[tuple[str, int]] = frozenset(),
-    allow_downtime: bool = False,
+    spec: ClusterSpec, file: Path, session: Session, chosen: Plan, how: Replan
 ) -> tuple[Plan, Snapshot, ApplyHold]:
     """Take the cluster lock, probe again under it, and go on with ``chosen`` if the nodes
     did not change since it was made; else make the plan again and show it (with
-    ``yes``, go on with it; otherwise release the lock and ask again). A plan made again
-    that leaves a model with no serving replica is refused unless ``allow_downtime``."""
+    ``how.yes``, go on with it; otherwise release the lock and ask again). A plan made
+    again that leaves a model with no serving replica is refused unless
+    ``how.allow_downtime``."""
     host = spec.gateway.host
+    saved = how.saved
     while True:
-
-        def waiting(message: str) -> None:
-            err.print(Text(message, style="yellow"), highlight=False, soft_wrap=True)
-
         try:
             held = session.run(
                 take_for_apply(
-                    spec, session.conns, wait=timeout, why=f"applying {file.name}", on_wait=waiting
+                    spec,
+                    session.conns,
+                    wait=how.lock_timeout,
+                    why=f"applying {file.name}",
+                    on_wait=_lock_waiting,
                 )
             )
         except LockTimeout as exc:
@@ -307,14 +298,14 @@ def _locked(
                 return chosen, snapshot, held
             if saved is not None:
                 _saved_still_holds(saved, chosen, facts)
-            chosen = make_plan(spec, facts, replace=replace)
+            chosen = make_plan(spec, facts, replace=how.replace)
             err.print(
                 Text("The nodes changed since the plan above was made; the plan now:", style="yellow"),
                 highlight=False,
             )
             out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
-            refuse_downtime(chosen, allow_downtime)
-            if yes or not chosen.changes:
+            refuse_downtime(chosen, how.allow_downtime)
+            if how.yes or not chosen.changes:
                 return chosen, snapshot, held
         except BaseException:
             session.run(held.release())
@@ -480,17 +471,8 @@ def apply(
             typer.confirm("Apply these changes?", abort=True)
         held, fetched = None, None
         if chosen.changes and not no_lock:
-            chosen, snapshot, held, fetched = _fetch_and_lock(
-                spec,
-                file,
-                session,
-                chosen,
-                saved=saved,
-                yes=yes,
-                timeout=lock_timeout,
-                replace=wanted,
-                allow_downtime=allow_downtime,
-            )
+            how = Replan(saved, yes, lock_timeout, wanted, allow_downtime)
+            chosen, snapshot, held, fetched = _fetch_and_lock(spec, file, session, chosen, how)
         try:
             outcomes = session.run(
                 _execute_with_progress(

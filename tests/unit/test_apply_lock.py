@@ -105,13 +105,8 @@ def with_lazy_started(spec: ClusterSpec) -> dict[str, NodeFacts]:
 
 def locked(spec: ClusterSpec, chosen: Plan, tmp_path: Path, **options: Any) -> tuple[Plan, FakeHold]:
     with Session(spec, tmp_path) as session:
-        plan, _, hold = apply_cli._locked(
-            spec,
-            tmp_path / "cluster.yaml",
-            session,
-            chosen,
-            **{"saved": None, "yes": True, "timeout": 600.0, **options},
-        )
+        how = apply_cli.Replan(**{"yes": True, **options})
+        plan, _, hold = apply_cli._locked(spec, tmp_path / "cluster.yaml", session, chosen, how)
     assert isinstance(hold, FakeHold)
     return plan, hold
 
@@ -199,10 +194,10 @@ def test_weights_come_before_the_lock_and_count_only_for_the_plan_they_were_for(
     monkeypatch.setattr(apply_cli, "ensure_for_plan", ensure_for_plan)
     world.probes = [fresh(), with_lazy_started(spec)]
     with Session(spec, tmp_path) as session:
-        options: dict[str, Any] = {"saved": None, "yes": True, "timeout": 600.0}
-        same = apply_cli._fetch_and_lock(spec, tmp_path / "c.yaml", session, chosen, **options)
+        how = apply_cli.Replan(yes=True)
+        same = apply_cli._fetch_and_lock(spec, tmp_path / "c.yaml", session, chosen, how)
         session.run(same[2].release())
-        other = apply_cli._fetch_and_lock(spec, tmp_path / "c.yaml", session, chosen, **options)
+        other = apply_cli._fetch_and_lock(spec, tmp_path / "c.yaml", session, chosen, how)
     assert fetched_for == [chosen, chosen]
     assert same[0] is chosen and same[3] == {"a": "weights of steady: 404"}
     assert other[0] is not chosen and other[3] is None  # a new plan: the executor fetches

@@ -141,9 +141,9 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     async def no_nodes(*args: Any) -> list[str]:
         return []
 
-    def fetch_and_lock(spec: ClusterSpec, file: Path, session: Any, chosen: Plan, **kw: Any) -> Any:
+    def fetch_and_lock(spec: ClusterSpec, file: Path, session: Any, chosen: Plan, how: Any) -> Any:
         w.locks += 1
-        apply_cli.refuse_downtime(chosen, kw["allow_downtime"])
+        apply_cli.refuse_downtime(chosen, how.allow_downtime)
         return chosen, Snapshot(tuple(w.facts.values()), 0.0), None, None
 
     async def execute(spec: ClusterSpec, conns: Any, chosen: Plan, **kw: Any) -> list[Outcome]:
