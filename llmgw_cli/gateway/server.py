@@ -315,7 +315,10 @@ async def _lame_duck(
             break
         for conn in open_conns:
             if not conns.busy.get(conn) and now - conns.last.setdefault(conn, now) >= IDLE_CLOSE:
-                conn.close()
+                # Idle: nothing of it is in flight. ``close()`` only asks a connection to
+                # end after its requests, and an idle one waiting for its next request
+                # stays open (aiohttp 3.14): the drain would wait out its bound.
+                conn.force_close()
         await asyncio.sleep(0.1)
     busy = sum(1 for c in open_conns if conns.busy.get(c))
     if busy:
