@@ -538,25 +538,6 @@ async def roll_each(
     return await _Roller(spec, conns, report, take_lock, engine_keys, fetch, gateways).roll_all(actions)
 
 
-async def roll(
-    spec: ClusterSpec,
-    conns: Connections,
-    actions: Sequence[Action],
-    report: Report,
-    *,
-    take_lock: TakeLock | None,
-    engine_keys: dict[str, str] | None = None,
-    fetch: bool = True,
-    gateways: Gateways | None = None,
-) -> list[Outcome]:
-    """``roll_each``'s outcomes, in one list."""
-    rolled = await roll_each(
-        spec, conns, actions, report,
-        take_lock=take_lock, engine_keys=engine_keys, fetch=fetch, gateways=gateways,
-    )  # fmt: skip
-    return [o for r in rolled for o in r.outcomes]
-
-
 # --- the whole plan ---------------------------------------------------------------------
 
 
@@ -598,7 +579,7 @@ async def carry_out(
 ) -> list[Outcome]:
     """apply's executor: the plan's plain actions through ``execute`` under ``lock`` (the
     cluster lock, held; released once they are written and started), then their readiness
-    wait and, at the same time, the rolling replacements (``roll``), which take the lock
+    wait and, at the same time, the rolling replacements (``roll_each``), which take the lock
     for each write step with ``take_lock``; a ``+`` that needs what those free starts after
     them. ``facts``: what the plan was made from."""
     changes = plan.changes

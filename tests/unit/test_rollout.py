@@ -226,9 +226,10 @@ def rolled(w: World, actions: list[Action], *, lock: bool = True) -> list[Outcom
 
     async def scenario() -> list[Outcome]:
         async with Connections(w.spec, Path(), opener=opener) as conns:
-            return await rollout.roll(
+            rolled = await rollout.roll_each(
                 w.spec, conns, actions, w.report, take_lock=take if lock else None, fetch=False
             )
+            return [o for r in rolled for o in r.outcomes]
 
     return asyncio.run(scenario())
 
