@@ -7,11 +7,13 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmgw_cli.lab import fault as lab_fault
 from llmgw_cli.lab import host as lab_host
 from tests.gateway.harness import free_port, start_gateway, stop
 from tests.integration.weights_origin import Origin, start_origin
@@ -39,11 +41,18 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 
 def reset(lab: Lab) -> None:
-    """Heal every fault and remove every llmgw unit, so each test starts from a clean lab."""
-    for node in lab.nodes:
-        lab.fault(node.name, "clear")
-    for node in lab.nodes:
-        lab.ssh(node.name, RESET_UNITS)
+    """Heal every fault and remove every llmgw unit, so each test starts from a clean lab.
+
+    Faults are healed with the code `llmgw lab fault NODE clear` runs, called here: a CLI
+    process per node cost seconds of interpreter start each, twice a test (the CLI's
+    ``clear`` has its own test in test_lab.py). The nodes' units go in parallel."""
+    record = lab_host.load_record(lab.state)
+    assert record is not None, f"no lab is up in {lab.state}"
+    heal = lab_fault.parse_fault("clear", [])
+    for node in record.nodes:
+        lab_fault.inject(record, node, heal)
+    with ThreadPoolExecutor(len(lab.nodes)) as pool:
+        list(pool.map(lambda node: lab.ssh(node.name, RESET_UNITS), lab.nodes))
 
 
 def cluster_variant(
