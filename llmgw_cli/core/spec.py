@@ -209,6 +209,35 @@ PlainWord = Annotated[str, AfterValidator(_plain_word), _pattern(PLAIN_WORD_PATT
 JumpHost = Annotated[str, AfterValidator(_jump_host)]
 
 
+def _store_url(text: str) -> str:
+    """A PostgreSQL URL without a password: ``postgresql://user@host:5432/db``."""
+    from urllib.parse import urlsplit  # noqa: PLC0415 (only the cluster file's store needs it)
+
+    try:
+        url = urlsplit(text)
+        url.port  # noqa: B018 (raises on a bad port)
+    except ValueError as exc:
+        raise ValueError(f"{text!r}: not a URL ({exc})") from None
+    if url.scheme not in ("postgresql", "postgres"):
+        raise ValueError(
+            f"{text!r}: give a postgresql://user@host:5432/database URL (leave `store` unset for "
+            "SQLite in state_dir)"
+        )
+    if url.password is not None:
+        raise ValueError(
+            f"{text!r}: the password must not be in the cluster file: put it in the file named by "
+            "`gateway.store_password_file` or in $LLMGW_STORE_PASSWORD"
+        )
+    if not url.hostname or not url.path.strip("/"):
+        raise ValueError(f"{text!r}: name the host and the database: postgresql://user@host:5432/database")
+    if any(ch.isspace() or ord(ch) < 32 for ch in text):
+        raise ValueError(f"{text!r}: no spaces or control characters in the store URL")
+    return text
+
+
+StoreUrl = Annotated[str, AfterValidator(_store_url), _pattern(r"^postgres(ql)?://\S+/\S+$")]
+
+
 # Words systemd's IPAddressAllow= takes besides addresses and CIDR blocks.
 FIREWALL_WORDS = ("localhost", "link-local", "multicast")
 
@@ -334,7 +363,35 @@ class GatewaySettings(Spec):
 
     host: Host = Field(
         "localhost",
-        description="Where the gateway runs: a node name, `localhost`, or an address.",
+        description="Where the gateway runs: a node name, `localhost`, or an address. With "
+        "`hosts`, the first of them (leave it unset).",
+    )
+    hosts: list[Host] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Several gateway hosts instead of one `host`, behind one address (a TCP "
+        "load balancer or DNS): `apply` installs the gateway on each. They share the store, "
+        "so `store` must be PostgreSQL.",
+    )
+    workers: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Gateway processes per host, accepting on the same port. Unset: one per "
+        "CPU core of the host, at most 8.",
+    )
+    store: StoreUrl | None = Field(
+        None,
+        description="Where the gateways keep keys, usage and their coordination: a "
+        "`postgresql://user@host:port/database` URL, the password never in it (see "
+        "`store_password_file`). Unset: SQLite in `state_dir`, for the workers of one host.",
+    )
+    store_password_file: PlainWord | None = Field(
+        None,
+        pattern=r"^/",
+        description="File holding the PostgreSQL password (on every gateway host, and where "
+        "`llmgw keys` and `llmgw usage` run). Unset: `$LLMGW_STORE_PASSWORD`, else none "
+        "(peer or certificate authentication).",
     )
     listen: Listen = Field("0.0.0.0:8080", description="Public OpenAI API listener.")
     admin_listen: Listen = Field(
@@ -434,6 +491,29 @@ class GatewaySettings(Spec):
         "`host` (taken when it is a node or an IP address). Every engine's firewall lets "
         "only these, the engine's own node, its peer nodes and localhost in.",
     )
+
+    @model_validator(mode="after")
+    def _one_host_list(self) -> GatewaySettings:
+        if not self.hosts:
+            return self
+        if len(set(self.hosts)) != len(self.hosts):
+            raise ValueError(f"gateway.hosts: a host is listed twice: {', '.join(self.hosts)}")
+        if "host" in self.model_fields_set and self.host != self.hosts[0]:
+            raise ValueError("give `gateway.hosts` or `gateway.host`, not both")
+        if len(self.hosts) > 1 and self.store is None:
+            raise ValueError(
+                "gateway.hosts: several gateway hosts share their keys, usage and replicas through "
+                "a PostgreSQL store: set gateway.store to postgresql://user@host:5432/database"
+            )
+        # Everything that needs one gateway host (the cluster file's first gateway) reads `host`.
+        object.__setattr__(self, "host", self.hosts[0])
+        return self
+
+    @property
+    def all_hosts(self) -> list[str]:
+        """Every gateway host: `hosts`, or the one `host`."""
+        return list(self.hosts) if self.hosts else [self.host]
+
 
 
 # --- fabrics and nodes --------------------------------------------------------------

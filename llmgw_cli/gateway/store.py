@@ -49,15 +49,127 @@ class Usage:
         }
 
 
+@dataclass(frozen=True)
+class ModelState:
+    """One model as the leader's controller sees it, published for the followers: what
+    ``/v1/models`` and a 503 answer say about a model no follower controls itself."""
+
+    phase: str  # core.controller.Phase's value
+    progress: str = ""  # what a start does now ("fetching weights on node03", ...)
+    failures: int = 0  # starts failed in a row
+    last_failure: str = ""  # why the last start failed
+    retry_at: float | None = None  # Unix time the back-off ends; None: no back-off runs
+
+
+@dataclass(frozen=True)
+class Published:
+    """The replica set the leader publishes after every look at the fleet: the serving
+    addresses by model (what discovery found: followers health-check them themselves), the
+    addresses being drained, and each model's state. ``version`` grows with every
+    publication; ``fence`` is the leader's fencing number when it wrote it."""
+
+    version: int
+    fence: int
+    leader: str  # the member that wrote it
+    at: float  # Unix time it was written
+    replicas: dict[str, list[str]]
+    draining: list[str]
+    models: dict[str, ModelState]
+
+
+class Leadership(Protocol):
+    """Who runs the model controllers: exactly one member of the cluster at a time.
+
+    PostgreSQL: a session advisory lock held on a connection of its own; SQLite: ``flock``
+    on ``<state_dir>/leader.lock``. Taking it increments the store's leader epoch, which is
+    the fencing number: every action of a leader is preceded by ``still_leader``, and every
+    publication is written only while the stored epoch is still this leader's."""
+
+    fence: int | None  # this member's epoch while it leads, else None
+
+    async def try_acquire(self) -> int | None:
+        """Take the lead if nobody holds it: the new fencing number, or None."""
+        ...
+
+    async def still_leader(self) -> bool:
+        """The fence check: the lock is still held (its connection alive) and the stored
+        epoch is still ours. False also when the store cannot be reached."""
+        ...
+
+    async def release(self) -> None: ...
+
+
 class Store(Protocol):
-    def add_key(self, key: ApiKey) -> None: ...
-    def api_keys(self) -> list[ApiKey]: ...
-    def revoke(self, name: str) -> bool: ...
-    def add_usage(self, rows: list[Usage]) -> None: ...
-    def usage(self) -> list[Usage]: ...
-    def save_last_use(self, rows: dict[str, float]) -> None: ...
-    def last_use(self) -> dict[str, float]: ...
-    def forget_last_use(self, replicas: list[str]) -> None: ...
+    """Everything the gateway processes of one cluster share. Every method is a coroutine;
+    none runs on a request's path except through the background jobs that cache it."""
+
+    # --- API keys
+    async def add_key(self, key: ApiKey) -> None: ...
+    async def api_keys(self) -> list[ApiKey]: ...
+    async def revoke(self, name: str) -> bool: ...
+    async def keys_version(self) -> int:
+        """Grows with every key added or revoked: a cheap look before reading them all."""
+        ...
+
+    # --- usage: a batch is applied once, whatever the retries (``batch`` is its unique id)
+    async def add_usage(self, batch: str, rows: list[Usage]) -> None: ...
+    async def usage(self, since: str | None = None) -> list[Usage]:
+        """Totals per (day, key, model), from day ``since`` (YYYY-MM-DD) on when given."""
+        ...
+
+    # --- when each replica (``model@host:port``) last served a request (Unix time)
+    async def save_last_use(self, rows: dict[str, float]) -> None: ...
+    async def last_use(self) -> dict[str, float]: ...
+    async def forget_last_use(self, replicas: list[str]) -> None: ...
+
+    # --- the replica set: the leader writes, everyone reads
+    async def publish(
+        self,
+        fence: int,
+        replicas: dict[str, list[str]],
+        draining: list[str],
+        models: dict[str, ModelState],
+        leader: str,
+    ) -> bool:
+        """Write a new publication; False (nothing written) when ``fence`` is not the
+        stored leader epoch any more."""
+        ...
+
+    async def published(self) -> Published | None: ...
+    async def published_version(self) -> int:
+        """The version of the latest publication (0: none yet); a cheap look."""
+        ...
+
+    # --- on-demand starts asked for by followers, carried out by the leader
+    async def request_start(self, model: str, member: str) -> None: ...
+    async def take_start_requests(self, fence: int) -> list[str]:
+        """The models asked for since the last take (removed from the store); none when
+        ``fence`` is stale."""
+        ...
+
+    # --- the live gateway processes (each takes its share of a replica's concurrency)
+    async def heartbeat(self, member: str, host: str, pid: int, now: float) -> int:
+        """Record ``member`` alive at ``now``, forget members silent for ``MEMBER_TTL``;
+        how many members are alive, this one included."""
+        ...
+
+    async def leave(self, member: str) -> None: ...
+
+    # --- leadership, changes, schema, lifetime
+    def leadership(self, member: str) -> Leadership: ...
+    async def wait_change(self, timeout: float) -> None:
+        """Return when keys or the replica set may have changed (LISTEN/NOTIFY with
+        PostgreSQL, a poll of the change counters with SQLite), or after ``timeout``."""
+        ...
+
+    async def migrate(self) -> int:
+        """Create or upgrade the schema; the schema version now."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+MEMBER_TTL = 10.0  # seconds without a heartbeat after which a gateway process counts as gone
 
 
 _SCHEMA = """
