@@ -515,7 +515,6 @@ class GatewaySettings(Spec):
         return list(self.hosts) if self.hosts else [self.host]
 
 
-
 # --- fabrics and nodes --------------------------------------------------------------
 
 
