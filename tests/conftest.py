@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests import pg
 from tests.integration.conftest import NODES, STATE, Lab, LabNode, lab_unavailable, llmgw
 from tests.skips import ALLOWED, SkipRule
 
@@ -35,6 +36,22 @@ def promtool_check_metrics() -> Callable[[str], None]:
         assert done.returncode == 0, done.stdout + done.stderr
 
     return check
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[pg.Postgres]:
+    """A real PostgreSQL server for the session (``tests/pg.py``): ``url`` (no password,
+    as a cluster file names it), ``password``, ``dsn`` (both), ``new_database()`` for a
+    test of its own, ``stop()``. A test that needs other listen addresses (the lab's
+    bridge) starts its own with ``pg.start(listen=..., allow=...)``."""
+    reason = pg.unavailable()
+    if reason:
+        pytest.skip(reason)
+    server = pg.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

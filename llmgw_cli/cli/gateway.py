@@ -23,7 +23,7 @@ from llmgw_cli.gateway.accesslog import AccessLog
 from llmgw_cli.gateway.server import serve
 from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource, StaticSource
 from llmgw_cli.gateway.state import Gateway, read_engine_key, read_engine_keys
-from llmgw_cli.gateway.store import SqliteStore
+from llmgw_cli.gateway.store import open_store
 from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.connect import GatewayAccess
 
@@ -125,7 +125,7 @@ def run(
     )
     probe = ProbeSource(file.parent, access) if replicas is None else None
     source: ReplicaSource = probe if probe is not None else StaticSource.from_file(replicas or Path())
-    store = SqliteStore(spec.gateway.state_dir)
+    store = open_store(spec)
     manages = probe is not None and spec.gateway.manage_replicas
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
     # asyncssh says "Opening SSH connection", "Requesting new SSH session"... at INFO for

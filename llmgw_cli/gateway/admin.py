@@ -9,7 +9,6 @@ token. Both read the same Summary as ``llmgw status`` (``fleet.summary_of``).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 from functools import cache
@@ -48,7 +47,7 @@ def admin_token(authorization: str | None) -> str | None:
 
 
 async def _summary(gw: Gateway) -> Summary:
-    stored = await asyncio.to_thread(gw.store.usage)
+    stored = await gw.store.usage()
     return summary_of(gw, merged(stored, gw.meter.pending()))
 
 

@@ -1009,7 +1009,7 @@ class Controller:
         key = replica_key(model, address)
         self.saved.pop(key, None)
         if self.store is not None:
-            await asyncio.to_thread(self.store.forget_last_use, [key])
+            await self.store.forget_last_use([key])
         self.observe()
         return all(o.ok for o in outcomes)
 

@@ -102,7 +102,7 @@ async def _admin_only(request: web.Request, handler: Any) -> web.StreamResponse:
 
 async def admin_usage(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    stored = await asyncio.to_thread(gw.store.usage)
+    stored = await gw.store.usage()
     return web.json_response({"usage": [u.as_dict() for u in merged(stored, gw.meter.pending())]})
 
 

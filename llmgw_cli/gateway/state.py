@@ -12,7 +12,8 @@ connections follow the pool: an address that leaves it keeps no connection
 Contract (concurrency): everything here runs on one asyncio loop. Request handlers read
 ``keys``, ``catalog`` and the pool and bump counters without awaiting in between, so they
 need no lock. Background tasks replace ``keys`` and ``catalog`` wholesale (one assignment),
-never mutate them in place. Disk work (the store) runs in a worker thread.
+never mutate them in place. The store's calls are coroutines (SQLite's run in a worker
+thread), made from background jobs only.
 """
 
 from __future__ import annotations
@@ -145,7 +146,6 @@ class Gateway:
             store=store,
             manages=manages,
             lock=lock,
-            saved_last_use=store.last_use() if manages else None,
         )
         self.controller.changed = self._routing_changed
         self.access_log = access_log
@@ -180,6 +180,8 @@ class Gateway:
             connector=aiohttp.TCPConnector(limit=0, force_close=True), cookie_jar=aiohttp.DummyCookieJar()
         )
         await self.load_keys()
+        if self.controller.manages:  # when each replica last served, from before a restart
+            self.controller.saved = await self.store.last_use()
         await self.discover()
         await self.check_health()
         self.controller.observe()
@@ -223,6 +225,7 @@ class Gateway:
         if self.health_session is not None:
             await self.health_session.close()
         await self.source.close()  # the connections discovery held to the nodes
+        await self.store.close()
 
     async def _every(self, name: str, job: Callable[[], object]) -> None:
         while True:
@@ -281,7 +284,7 @@ class Gateway:
     # --- background jobs ----------------------------------------------------------
 
     async def load_keys(self) -> None:
-        keys = await asyncio.to_thread(self.store.api_keys)
+        keys = await self.store.api_keys()
         self.keys = {k.digest: k for k in keys}
         await self.load_engine_keys()
 
@@ -418,15 +421,15 @@ class Gateway:
     async def flush(self) -> None:
         last_use = self.controller.last_use_rows() if self.controller.manages else {}
         if last_use:
-            await asyncio.to_thread(self.store.save_last_use, last_use)
-        rows = self.meter.take()
-        if not rows:
-            return
-        try:
-            await asyncio.to_thread(self.store.add_usage, rows)
-        except Exception:
-            self.meter.put_back(rows)
-            raise
+            await self.store.save_last_use(last_use)
+        # A batch whose write failed goes first, unchanged (the store applies an id once),
+        # then what was counted since: two writes at most, so a busy gateway never loops.
+        for _ in range(2):
+            batch = self.meter.batch()
+            if batch is None:
+                return
+            await self.store.add_usage(*batch)
+            self.meter.sent(batch[0])
 
     # --- per request --------------------------------------------------------------
 

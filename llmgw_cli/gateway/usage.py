@@ -1,13 +1,16 @@
 """Usage totals per (day, key, model), counted in memory and written in batches.
 
 Contract: ``record`` runs on the event loop for every request and only adds to a dict;
-``take`` hands the pending totals to the flusher (which writes them from a thread) and
-starts a new batch. A batch that fails to write is put back, so nothing is lost while the
-process lives; what is pending when the process is killed (not stopped) is lost.
+``batch`` hands the pending totals to the flusher as one batch with a unique id and starts
+counting the next. A batch whose write failed is handed out again, with the SAME id and
+rows, until ``sent`` says it was written: the store applies a batch id once, so a write
+that committed but whose answer was lost is not counted twice, and nothing is lost while
+the process lives. What is pending when the process is killed (not stopped) is lost.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -26,6 +29,7 @@ class _Counts:
 class Meter:
     def __init__(self) -> None:
         self._pending: dict[tuple[str, str, str], _Counts] = {}
+        self._unsent: tuple[str, list[Usage]] | None = None  # the batch handed out, not yet written
         self._day, self._day_from, self._day_to = "", 0.0, 0.0  # the UTC day of `now`, cached
 
     def record(
@@ -60,20 +64,29 @@ class Meter:
             for (d, k, m), c in pending.items()
         ]
 
-    def put_back(self, rows: list[Usage]) -> None:
-        for u in rows:
-            counts = self._pending.setdefault((u.day, u.key, u.model), _Counts())
-            counts.requests += u.requests
-            counts.prompt_tokens += u.prompt_tokens
-            counts.completion_tokens += u.completion_tokens
-            counts.errors += u.errors
-            counts.latency_ms += u.latency_ms
+    def batch(self) -> tuple[str, list[Usage]] | None:
+        """The batch to write next: the one handed out and not yet ``sent`` (same id, same
+        rows), else the pending totals under a new id; None when there is nothing to write."""
+        if self._unsent is None:
+            rows = self.take()
+            if rows:
+                self._unsent = (uuid.uuid4().hex, rows)
+        return self._unsent
+
+    def sent(self, batch: str) -> None:
+        """The store has the batch ``batch``: it is never handed out again."""
+        if self._unsent is not None and self._unsent[0] == batch:
+            self._unsent = None
 
     def pending(self) -> list[Usage]:
-        """Not yet written totals (the admin API adds them to the stored ones)."""
+        """Not yet written totals (the admin API adds them to the stored ones): the batch
+        being written, then the totals counted since."""
         return [
-            Usage(d, k, m, c.requests, c.prompt_tokens, c.completion_tokens, c.errors, c.latency_ms)
-            for (d, k, m), c in self._pending.items()
+            *(self._unsent[1] if self._unsent is not None else []),
+            *(
+                Usage(d, k, m, c.requests, c.prompt_tokens, c.completion_tokens, c.errors, c.latency_ms)
+                for (d, k, m), c in self._pending.items()
+            ),
         ]
 
 

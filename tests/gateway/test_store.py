@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,22 +15,26 @@ from llmgw_cli.core.keys import ApiKey, bearer, hash_token, parse_expiry
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.request_body import with_include_usage
 from llmgw_cli.gateway.state import Admission, read_engine_key
-from llmgw_cli.gateway.store import SqliteStore, Usage
+from llmgw_cli.gateway.store import SCHEMA_VERSION, SqliteStore, Usage
 from llmgw_cli.gateway.usage import Meter, merged
 
 
 def test_keys_round_trip_and_revoke(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "state")
-    expires = datetime(2030, 1, 1, tzinfo=UTC)
-    store.add_key(ApiKey("a", hash_token("tok-a"), ("m1", "m2"), expires, admin=True))
-    store.add_key(ApiKey("b", hash_token("tok-b")))
-    with pytest.raises(InputError, match="exists already"):
-        store.add_key(ApiKey("a", hash_token("other")))
-    a, _ = store.api_keys()
-    assert (a.name, a.models, a.expires, a.admin, a.revoked) == ("a", ("m1", "m2"), expires, True, False)
-    assert "tok-a" not in (tmp_path / "state" / "gateway.sqlite3").read_bytes().decode(errors="replace")
-    assert store.revoke("b") and not store.revoke("nobody")
-    assert store.api_keys()[1].revoked
+    async def scenario() -> None:
+        store = SqliteStore(tmp_path / "state")
+        expires = datetime(2030, 1, 1, tzinfo=UTC)
+        await store.add_key(ApiKey("a", hash_token("tok-a"), ("m1", "m2"), expires, admin=True))
+        await store.add_key(ApiKey("b", hash_token("tok-b")))
+        with pytest.raises(InputError, match="exists already"):
+            await store.add_key(ApiKey("a", hash_token("other")))
+        a, _ = await store.api_keys()
+        assert (a.name, a.models, a.expires, a.admin, a.revoked) == ("a", ("m1", "m2"), expires, True, False)
+        assert await store.revoke("b") and not await store.revoke("nobody")
+        assert (await store.api_keys())[1].revoked
+
+    asyncio.run(scenario())
+    stored = b"".join(p.read_bytes() for p in (tmp_path / "state").glob("gateway.sqlite3*"))
+    assert b"tok-a" not in stored
     assert oct((tmp_path / "state" / "gateway.sqlite3").stat().st_mode & 0o777) == "0o600"
 
 
@@ -45,21 +50,42 @@ def test_key_checks() -> None:
 
 
 def test_usage_adds_up_across_batches(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path)
+    async def scenario() -> None:
+        store = SqliteStore(tmp_path)
+        meter = Meter()
+        now = datetime(2026, 6, 1, 12, tzinfo=UTC).timestamp()
+        meter.record("a", "m", prompt=3, completion=5, error=False, latency_ms=10.0, now=now)
+        meter.record("a", "m", prompt=1, completion=0, error=True, latency_ms=2.0, now=now)
+        await store.add_usage("batch-1", meter.take())
+        meter.record("a", "m", prompt=2, completion=2, error=False, latency_ms=3.0, now=now)
+        assert meter.take() and not meter.take()
+        meter.record("a", "m", prompt=2, completion=2, error=False, latency_ms=3.0, now=now)
+        await store.add_usage("batch-2", meter.take())
+        (row,) = await store.usage()
+        assert row == Usage("2026-06-01", "a", "m", 3, 6, 7, 1, 15.0)
+        meter.record("a", "m", prompt=1, completion=1, error=False, latency_ms=1.0, now=now)
+        (total,) = merged(await store.usage(), meter.pending())
+        assert (total.requests, total.prompt_tokens) == (4, 7)
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_batch_is_handed_out_again_unchanged() -> None:
+    """The flusher retries the SAME batch (id and rows) before taking the next, and the
+    admin view counts it while it is unwritten."""
     meter = Meter()
-    now = datetime(2026, 6, 1, 12, tzinfo=UTC).timestamp()
-    meter.record("a", "m", prompt=3, completion=5, error=False, latency_ms=10.0, now=now)
-    meter.record("a", "m", prompt=1, completion=0, error=True, latency_ms=2.0, now=now)
-    store.add_usage(meter.take())
-    meter.record("a", "m", prompt=2, completion=2, error=False, latency_ms=3.0, now=now)
-    assert meter.take() and not meter.take()
-    meter.record("a", "m", prompt=2, completion=2, error=False, latency_ms=3.0, now=now)
-    store.add_usage(meter.take())
-    (row,) = store.usage()
-    assert row == Usage("2026-06-01", "a", "m", 3, 6, 7, 1, 15.0)
-    meter.record("a", "m", prompt=1, completion=1, error=False, latency_ms=1.0, now=now)
-    (total,) = merged(store.usage(), meter.pending())
-    assert (total.requests, total.prompt_tokens) == (4, 7)
+    meter.record("a", "m", prompt=1, completion=1, error=False, latency_ms=1.0, now=0.0)
+    first = meter.batch()
+    assert first is not None
+    meter.record("a", "m", prompt=5, completion=5, error=False, latency_ms=1.0, now=0.0)
+    assert meter.batch() == first  # the write failed: again, not merged with the new count
+    assert sum(u.requests for u in meter.pending()) == 2
+    meter.sent(first[0])
+    second = meter.batch()
+    assert second is not None and second[0] != first[0]
+    assert [u.prompt_tokens for u in second[1]] == [5]
+    meter.sent(second[0])
+    assert meter.batch() is None and meter.pending() == []
 
 
 def test_engine_key_file(tmp_path: Path) -> None:
@@ -218,3 +244,43 @@ def test_bearer_is_none_for_tokens_no_key_can_be() -> None:
         "Bearer a b",
     ]:
         assert bearer(header) is None, header
+
+
+def test_sqlite_upgrades_a_first_schema_file_in_place(tmp_path: Path) -> None:
+    """A state directory from before the shared store (keys, usage, last use only) keeps
+    its keys and totals and gains the rest when a gateway opens it."""
+    old = sqlite3.connect(tmp_path / "gateway.sqlite3")
+    old.executescript(
+        "CREATE TABLE api_keys (name TEXT PRIMARY KEY, digest TEXT NOT NULL UNIQUE, models TEXT NOT NULL,"
+        " expires TEXT, created TEXT NOT NULL, revoked INTEGER NOT NULL DEFAULT 0,"
+        " admin INTEGER NOT NULL DEFAULT 0);"
+        "CREATE TABLE usage (day TEXT NOT NULL, key TEXT NOT NULL, model TEXT NOT NULL,"
+        " requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,"
+        " errors INTEGER NOT NULL, latency_ms REAL NOT NULL, PRIMARY KEY (day, key, model));"
+        "CREATE TABLE last_use (replica TEXT PRIMARY KEY, at REAL NOT NULL);"
+        "INSERT INTO api_keys VALUES ('old', 'd1', '[]', NULL, '2026-01-01T00:00:00+00:00', 0, 1);"
+        "INSERT INTO usage VALUES ('2026-01-01', 'old', 'm', 3, 1, 2, 0, 9.0);"
+    )
+    old.close()
+
+    async def scenario() -> None:
+        store = SqliteStore(tmp_path)
+        assert [(k.name, k.admin) for k in await store.api_keys()] == [("old", True)]
+        assert [u.requests for u in await store.usage()] == [3]
+        assert await store.keys_version() == 0 and await store.migrate() == SCHEMA_VERSION
+        await store.add_key(ApiKey("new", hash_token("t")))
+        assert await store.keys_version() == 1
+
+    asyncio.run(scenario())
+
+
+def test_sqlite_leader_lock_is_never_a_link(tmp_path: Path) -> None:
+    """Whoever can write the state directory must not point the lock at another file."""
+    (tmp_path / "elsewhere").write_text("")
+    (tmp_path / "leader.lock").symlink_to(tmp_path / "elsewhere")
+
+    async def scenario() -> None:
+        with pytest.raises(OSError):
+            await SqliteStore(tmp_path).leadership("a").try_acquire()
+
+    asyncio.run(scenario())
