@@ -1,12 +1,14 @@
 """What the commands share: the -f and --nodes options, reading the cluster file, probing
-the nodes with a progress bar, and the console the results go to."""
+the nodes with a progress bar, the gateway's store, and the console the results go to."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -17,6 +19,11 @@ from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError, UsageError
 from llmgw_cli.remote.connect import Session
 from llmgw_cli.remote.probe import Snapshot, gather
+
+if TYPE_CHECKING:
+    from llmgw_cli.gateway.store import Store
+
+T = TypeVar("T")
 
 ClusterFile = Annotated[
     Path,
@@ -102,3 +109,17 @@ def stdout_console() -> Console:
     output is piped (a log, a pager) and $COLUMNS does not say, instead of rich's 80."""
     width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
     return Console(width=width)
+
+
+def with_store(spec: ClusterSpec, call: Callable[[Store], Awaitable[T]]) -> T:
+    """``call`` on the store the cluster file names, opened and closed around it."""
+    from llmgw_cli.gateway.store import open_store  # noqa: PLC0415 (the commands that use it only)
+
+    async def run() -> T:
+        store = open_store(spec)
+        try:
+            return await call(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())

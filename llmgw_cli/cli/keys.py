@@ -1,4 +1,5 @@
-"""`llmgw keys create|list|revoke`: the gateway's API keys, in its state directory."""
+"""`llmgw keys create|list|revoke`: the gateway's API keys, in the store the cluster file
+names (SQLite in the gateway's state directory, or PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
+from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster, with_store
 from llmgw_cli.cli.views import keys_view
 from llmgw_cli.core.keys import TOKEN_PREFIX, ApiKey, hash_token, parse_expiry
 from llmgw_cli.errors import InputError, UsageError
-from llmgw_cli.gateway.store import SqliteStore
 
 app = typer.Typer(help="API keys of the gateway.", no_args_is_help=True)
 out = Console()
@@ -44,7 +44,7 @@ def create(
         raise UsageError(f"--expires {expires!r}: give a date (2027-01-31) or an ISO time") from None
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     key = ApiKey(name, hash_token(token), chosen, expiry, datetime.now(UTC), admin=admin)
-    SqliteStore(spec.gateway.state_dir).add_key(key)
+    with_store(spec, lambda store: store.add_key(key))
     print(token)
 
 
@@ -52,7 +52,7 @@ def create(
 def list_keys(file: ClusterFile = DEFAULT_FILE) -> None:
     """Keys with their models, expiry and state (never the key itself)."""
     spec = read_cluster(file)
-    out.print(keys_view(SqliteStore(spec.gateway.state_dir).api_keys(), datetime.now(UTC)))
+    out.print(keys_view(with_store(spec, lambda store: store.api_keys()), datetime.now(UTC)))
 
 
 @app.command()
@@ -61,6 +61,6 @@ def revoke(
 ) -> None:
     """Revoke a key; a running gateway refuses it within a few seconds."""
     spec = read_cluster(file)
-    if not SqliteStore(spec.gateway.state_dir).revoke(name):
+    if not with_store(spec, lambda store: store.revoke(name)):
         raise InputError(f"no key named {name!r}")
     out.print(Text(f"revoked {name}"))

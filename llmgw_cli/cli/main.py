@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from llmgw_cli import __version__
-from llmgw_cli.cli import gateway, keys, lab, render
+from llmgw_cli.cli import gateway, keys, lab, render, store
 from llmgw_cli.cli.apply import apply, plan
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.doctor import doctor
@@ -38,6 +38,7 @@ app.command()(fetch)
 app.add_typer(lab.app, name="lab")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(keys.app, name="keys")
+app.add_typer(store.app, name="store")
 
 out = Console()
 err = Console(stderr=True)
