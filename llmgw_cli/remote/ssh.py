@@ -175,7 +175,12 @@ class SshTransport:
         """A session running ``command``; ``_Dropped`` when the connection cannot open one."""
         limit = self._target.settings.connect_timeout
         try:
-            return await asyncio.wait_for(conn.create_process(command, input=stdin), limit)
+            proc = await asyncio.wait_for(conn.create_process(command, input=stdin), limit)
+            if stdin == "":
+                # asyncssh feeds `input` and ends it only when it is non-empty: an empty one
+                # would leave the command waiting for an end of input that never comes
+                proc.stdin.write_eof()
+            return proc
         except (TimeoutError, asyncssh.TimeoutError):
             raise _Dropped("timeout", f"{self._target.host} opened no session within {limit:g}s") from None
         except (OSError, asyncssh.Error) as exc:

@@ -76,6 +76,23 @@ def test_one_connection_runs_many_commands_and_writes_atomically(sshd: Sshd, tmp
     assert not list(target.parent.glob("*.llmgw-tmp"))
 
 
+def test_an_empty_file_is_written_too(sshd: Sshd, tmp_path: Path) -> None:
+    """Empty input ends at once (asyncssh sends no end of input for an empty one itself):
+    an empty file, an authorized_keys with no key, is written, not waited on forever."""
+    target = tmp_path / "empty"
+    target.write_text("old\n")
+
+    async def scenario() -> None:
+        t = transport(sshd, command_timeout="10s")
+        try:
+            await t.write_file(str(target), "")
+        finally:
+            await t.close()
+
+    asyncio.run(scenario())
+    assert target.read_text() == ""
+
+
 def test_changed_host_key_is_refused_and_explained(sshd: Sshd) -> None:
     sshd.rotate_host_key()
     err = error_of(transport(sshd, accept_unknown_hosts=True))  # never bypassed, even so
