@@ -16,7 +16,6 @@ from rich.text import Text
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, probe_with_progress, read_cluster
 from llmgw_cli.cli.views import plan_view, progress_view
 from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.gateway_install import GatewayChange
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan, running_replicas
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, UsageError
@@ -31,7 +30,7 @@ from llmgw_cli.remote.engine_keys import (
 )
 from llmgw_cli.remote.execute import Outcome
 from llmgw_cli.remote.fetch import ensure_for_plan
-from llmgw_cli.remote.gateway_install import GatewayPreview, install, preview
+from llmgw_cli.remote.gateway_install import GatewayPreviews, install, preview
 from llmgw_cli.remote.node_setup import prepare, stale_nodes
 from llmgw_cli.remote.probe import Snapshot
 from llmgw_cli.remote.rollout import TakeLock, carry_out
@@ -48,7 +47,7 @@ async def _execute_with_progress(
     chosen: Plan,
     *,
     wait: bool,
-    gateway: GatewayPreview,
+    gateway: GatewayPreviews,
     unreachable: set[str],
     facts: dict[str, NodeFacts],
     rotate: bool = False,
@@ -89,7 +88,7 @@ async def _execute_with_progress(
                 fetch=fetched is None,
                 wait=wait,
             )
-        outcomes.append(await install(spec, conns, gateway, {n: (k,) for n, k in keys.items()}, report))
+        outcomes += await install(spec, conns, gateway, {n: (k,) for n, k in keys.items()}, report)
         if rotate:
             outcomes += await _rotate(
                 spec,
@@ -142,19 +141,25 @@ async def _rotate(
     spec: ClusterSpec,
     conns: Connections,
     *,
-    gateway: GatewayPreview,
+    gateway: GatewayPreviews,
     facts: dict[str, NodeFacts],
     transports: list[Transport],
     report: Report,
     take_lock: TakeLock | None,
     allow_downtime: bool,
 ) -> list[Outcome]:
-    """New engine keys on every reachable node, the installed gateway holding both meanwhile."""
-    # The gateway's files were installed just before: only its key map changes now.
-    settled = gateway if gateway.change is None else GatewayPreview(gateway.host, GatewayChange((), "none"))
+    """New engine keys on every reachable node, every installed gateway holding both meanwhile."""
+    # The gateways' files were installed just before: only their key maps change now.
+    settled = gateway.settled()
 
     async def give_gateway(keys: dict[str, tuple[str, ...]]) -> Outcome:
-        return await install(spec, conns, settled, keys, report)
+        given = await install(spec, conns, settled, keys, report)
+        failed = [o for o in given if not o.ok]
+        if len(given) == 1 or not failed:
+            return (
+                given[0] if len(given) == 1 else Outcome("gateway", True, "every gateway host has the keys")
+            )
+        return Outcome("gateway", False, "; ".join(f"{o.subject}: {o.message}" for o in failed))
 
     return await rotate_engine_keys(
         spec,
@@ -271,7 +276,6 @@ def _locked(
     ``how.yes``, go on with it; otherwise release the lock and ask again). A plan made
     again that leaves a model with no serving replica is refused unless
     ``how.allow_downtime``."""
-    host = spec.gateway.host
     saved = how.saved
     while True:
         try:
@@ -287,9 +291,11 @@ def _locked(
         except LockTimeout as exc:
             raise ApplyFailed(f"{exc}; nothing was changed, run apply again later") from None
         except NodeError as exc:
+            # several hosts: the lock names the one it failed on
+            host = spec.gateway.host if len(spec.gateway.all_hosts) == 1 else exc.node
             raise ApplyFailed(
-                f"cannot take the cluster lock on the gateway host {host}: {exc.reason}. Fix that, or "
-                "pass --no-lock when no gateway starts replicas meanwhile"
+                f"cannot take the cluster lock on the gateway host {host}: {exc.reason}. Fix that, "
+                "or pass --no-lock when no gateway starts replicas meanwhile"
             ) from None
         try:
             snapshot = probe_with_progress(spec, file, None, err, session)
@@ -357,15 +363,16 @@ def _choose(
 
 
 def _show_host_changes(
-    spec: ClusterSpec, session: Session, snapshot: Snapshot, gateway: GatewayPreview
+    spec: ClusterSpec, session: Session, snapshot: Snapshot, gateway: GatewayPreviews
 ) -> list[str]:
     """Print what plan and apply change beside the replicas (the gateway, the node helper);
     return the reachable nodes whose node helper is missing or out of date."""
-    out.print(
-        Text(gateway.describe(), style="yellow" if gateway.changes else "dim"),
-        highlight=False,
-        soft_wrap=True,
-    )
+    for host in gateway.hosts:
+        out.print(
+            Text(host.describe(), style="yellow" if host.changes else "dim"),
+            highlight=False,
+            soft_wrap=True,
+        )
     reachable = [f.node for f in snapshot.nodes if f.reachable]
     facts = {f.node: f for f in snapshot.nodes}
     helper_nodes = session.run(stale_nodes(spec, session.conns, reachable, facts))
@@ -426,11 +433,11 @@ def apply(
     no free cards beside it, it is replaced in place; when that leaves its model with no
     serving replica the plan says so and apply refuses unless --allow-downtime is given.
 
-    One writer at a time: after the confirmation, apply takes the cluster lock on
-    `gateway.host` (in `gateway.state_dir`, also with `gateway.install: false`), probes
-    again under it and shows the plan again if the nodes changed meanwhile. It holds the
-    lock until its units are started, not during the readiness wait. A gateway host that
-    cannot be reached is an error unless --no-lock is given.
+    One writer at a time: after the confirmation, apply takes the cluster lock on every
+    gateway host, in sorted order (in `gateway.state_dir`, also with `gateway.install:
+    false`), probes again under it and shows the plan again if the nodes changed meanwhile.
+    It holds the lock until its units are started, not during the readiness wait. A
+    gateway host that cannot be reached is an error unless --no-lock is given.
     """
     spec = read_cluster(file)
     # One session for every step: each node is connected to once, from the probe to the
@@ -500,7 +507,11 @@ def apply(
         raise ApplyFailed(f"{len(failed)} of {len(outcomes)} steps failed; fix them and run apply again")
     _unplaced_is_failure(chosen)
     done = f"Applied: {len(chosen.changes)} change(s), every started replica is ready."
-    gateway_outcome = next((o for o in outcomes if o.subject == "gateway"), None)
-    if gateway_outcome is not None:
-        done += f" Gateway: {gateway_outcome.message}."
-    out.print(Text(done, style="green"), soft_wrap=True)
+    out.print(Text(done + _gateways_said(outcomes), style="green"), soft_wrap=True)
+
+
+def _gateways_said(outcomes: list[Outcome]) -> str:
+    """What apply's last line says of the gateway hosts: " Gateway: ready at ..." for
+    one, " Gateway HOST: ..." for each of several."""
+    gateways = [o for o in outcomes if o.subject == "gateway" or o.subject.startswith("gateway ")]
+    return "".join(f" {o.subject.capitalize()}: {o.message}." for o in gateways)

@@ -5,7 +5,7 @@ Three things keep an engine answering only the gateway:
 - it listens on the node's engine address (``nodes[].engine_address``, else ``address``),
   never on every interface;
 - its unit carries a firewall for its own cgroup (systemd ``IPAddressDeny=any`` plus
-  ``IPAddressAllow=``: localhost, its own node, its peer nodes, the gateway's addresses),
+  ``IPAddressAllow=``: localhost, its own node, its peer nodes, every gateway host's addresses),
   so paths an engine serves without its key (vLLM checks the key only under ``/v1``:
   ``/invocations``, ``/pooling``, ``/score``, ``/tokenize`` answer anyone) and the
   control ports of multi-node replicas are closed to everyone else;
@@ -127,16 +127,19 @@ def _ip(text: str) -> str | None:
 
 
 def gateway_sources(spec: ClusterSpec) -> list[str]:
-    """Where the gateway connects to engines from: ``gateway.host`` when it is a node (its
-    engine and SSH addresses) or an IP address, plus ``gateway.engine_clients``."""
-    host = spec.gateway.host
+    """Where the gateways connect to engines from: each gateway host (``gateway.all_hosts``)
+    that is a node (its engine and SSH addresses) or an IP address, plus
+    ``gateway.engine_clients``. A host known only by a DNS name is left out (systemd takes
+    no names): list its address in ``engine_clients``."""
     found: list[str] = []
-    node = next((n for n in spec.nodes if n.name == host), None)
-    candidates = [node.engine_host, node.address] if node else [host]
-    for text in candidates:
-        ip = _ip(text)
-        if ip:
-            found.append(ip)
+    nodes = {n.name: n for n in spec.nodes}
+    for host in spec.gateway.all_hosts:
+        node = nodes.get(host)
+        candidates = [node.engine_host, node.address] if node else [host]
+        for text in candidates:
+            ip = _ip(text)
+            if ip:
+                found.append(ip)
     found += spec.gateway.engine_clients
     return list(dict.fromkeys(found))
 

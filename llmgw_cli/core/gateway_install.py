@@ -15,7 +15,14 @@ The gateway runs as ``llmgw-gateway.service`` under its own account, ``llmgw-gat
 
 - ``engine-keys.json``: the engine key of every node (keys are per node), written by
   ``apply`` beside these (``remote/gateway_install.py``), readable by the gateway's account
-  only; the gateway reads it again on SIGHUP.
+  only; the gateway reads it again on SIGHUP;
+- the PostgreSQL password file (``gateway.store_password_file``), root:llmgw-gateway
+  0640, when the machine that runs ``apply`` has that file: apply copies it to the same
+  path on every gateway host and never prints it. Without it there, the file is the
+  operator's to put on each gateway host.
+
+With several gateway hosts (``gateway.hosts``) every host gets the same files, each its
+own SSH key (every node's ``authorized_keys`` lets each of them in).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from llmgw_cli.core.units import (
     gateway_socket_unit,
     gateway_unit,
 )
+from llmgw_cli.errors import InputError
 
 GATEWAY_DIR = "/etc/llmgw/gateway"
 CLUSTER_FILE = f"{GATEWAY_DIR}/cluster.yaml"
@@ -56,6 +64,7 @@ class GatewayFile:
     text: str
     mode: int
     secret: bool = False  # never printed
+    group: str = ""  # set as the file's group (root owns it) when not ""
 
     @property
     def digest(self) -> str:
@@ -63,8 +72,15 @@ class GatewayFile:
 
 
 def gateway_files(
-    spec: ClusterSpec, *, cluster_text: str, llmgw_bin: str, known_hosts: str
+    spec: ClusterSpec,
+    *,
+    cluster_text: str,
+    llmgw_bin: str,
+    known_hosts: str,
+    store_password: str | None = None,
 ) -> tuple[GatewayFile, ...]:
+    """The files of one gateway host. ``store_password``: the text of the store's password
+    file as the machine running apply has it (None: not there, not copied)."""
     units = {
         handover: gateway_unit(
             spec,
@@ -77,13 +93,22 @@ def gateway_files(
         )
         for handover in (False, True)
     }
-    return (
+    files = [
         GatewayFile(CLUSTER_FILE, cluster_text, 0o644),
         GatewayFile(KNOWN_HOSTS, known_hosts, 0o644),
         GatewayFile(SOCKET_FILE, gateway_socket_unit(spec), 0o644),
         GatewayFile(UNIT_FILE, units[False], 0o644),
         GatewayFile(HANDOVER_FILE, units[True], 0o644),
-    )
+    ]
+    password_file = spec.gateway.store_password_file
+    if password_file in (*(f.path for f in files), ENGINE_KEYS_FILE, GATEWAY_KEY, GATEWAY_KEY + ".pub"):
+        raise InputError(
+            f"gateway.store_password_file {password_file}: one of the gateway's own files; "
+            "put the password in a file of its own (e.g. /etc/llmgw/store-password)"
+        )
+    if password_file and store_password is not None:
+        files.append(GatewayFile(password_file, store_password, 0o640, secret=True, group=GATEWAY_ACCOUNT))
+    return tuple(files)
 
 
 @dataclass(frozen=True)

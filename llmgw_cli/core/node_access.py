@@ -8,19 +8,20 @@ On each node, as root over the operator's own transport:
 - ``/etc/llmgw/node-helper.json`` (root, 0644): what the helper lets the gateway start:
   the cluster's engine programs and engine accounts, and the node's weights folders;
 - the account ``llmgw-gateway`` (system, no password) whose ``authorized_keys`` (root,
-  0644, in a root-owned home) holds exactly one line, the gateway's public key restricted
-  to the helper;
+  0644, in a root-owned home) holds one line per gateway host (``gateway.hosts``): that
+  host's public key, restricted to the helper;
 - ``/etc/sudoers.d/llmgw-gateway`` (0440, checked with ``visudo -cf``): that account
   may run the helper, and nothing else, as root.
 
-The gateway's key pair is made on the gateway host (``remote/gateway_install.py``); only
-its public half is ever read back.
+Each gateway host makes its own key pair (``remote/gateway_install.py``); only the
+public halves are ever read back.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmgw_cli.core.engines import ray_program
@@ -78,6 +79,13 @@ def authorized_key_line(public_key: str) -> str:
     return f'restrict,command="{HELPER}" {key}\n'
 
 
+def authorized_keys_text(public_keys: Sequence[str]) -> str:
+    """Every gateway host's key line, in the order given (``gateway.all_hosts``), each key
+    once: the same text on every node, so its digest says whether a node is up to date."""
+    lines = dict.fromkeys(authorized_key_line(k) for k in public_keys)
+    return "".join(lines)
+
+
 def sudoers_rule() -> str:
     # A command without arguments in sudoers allows any arguments: the helper checks them.
     return f"{GATEWAY_USER} ALL=(root) NOPASSWD: {HELPER}\n"
@@ -90,17 +98,18 @@ def node_files(
     helper_source: str,
     nodefetch_source: str,
     probe_source: str,
-    public_key: str | None,
+    public_keys: Sequence[str],
 ) -> tuple[NodeFile, ...]:
     """Every file ``apply`` keeps on ``node`` for the helper (the sudoers rule apart: it is
     checked with ``visudo`` before it takes effect). ``probe_source``: the node's probe
-    script (``core/parse/probe.py``, which reads these files' digests back)."""
+    script (``core/parse/probe.py``, which reads these files' digests back);
+    ``public_keys``: every gateway host's key (none yet: an empty ``authorized_keys``)."""
     files = [
         NodeFile(HELPER, SHEBANG + helper_source, 0o755),
         NodeFile(PROBE, probe_source, 0o644),
         NodeFile(NODEFETCH, nodefetch_source, 0o644),
         NodeFile(HELPER_CONFIG, helper_config(spec, node), 0o644),
-        NodeFile(AUTHORIZED_KEYS, authorized_key_line(public_key) if public_key else "", 0o644),
+        NodeFile(AUTHORIZED_KEYS, authorized_keys_text(public_keys), 0o644),
     ]
     return tuple(files)
 

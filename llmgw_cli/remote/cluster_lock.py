@@ -8,10 +8,12 @@ during a readiness wait.
 - ``FileLock``: the gateway's, in its own process (it runs on that host). A non-blocking
   retry loop on the event loop, never a blocking call; the file is opened without
   following a link and must be a regular file. One holder at a time in the process too.
-- ``take_for_apply``: `apply`'s, through the gateway host's transport (SSH, or this
+- ``take_for_apply``: `apply`'s, through each gateway host's transport (SSH, or this
   machine's). A shell there takes the lock and holds it while its stdin is open: closing
   it (``ApplyHold.release``), or apply dying and its channel closing, frees the lock, so a
-  killed apply never leaves it held.
+  killed apply never leaves it held. With several gateway hosts, apply takes the lock of
+  every one of them, in sorted order (two applies never hold one each and wait for the
+  other's), since the leading gateway may run on any of them and takes its own host's.
 - ``LocalLock``: an in-process lock with the same ``hold`` (a gateway without the file,
   tests).
 
@@ -172,17 +174,19 @@ class _Spawns(Protocol):
 
 @dataclass
 class ApplyHold:
-    """The lock as apply holds it: the shell on the gateway host that holds it."""
+    """The lock as apply holds it: the shell on each gateway host that holds it there."""
 
-    host: str
-    proc: Spawned
+    hosts: list[str]
+    procs: list[Spawned]
     released: bool = False
 
     async def release(self) -> None:
-        """Free the lock (once; a second call does nothing)."""
+        """Free the locks (once; a second call does nothing), the last taken first."""
         if not self.released:
             self.released = True
-            await self.proc.close()
+            for proc in reversed(self.procs):
+                with contextlib.suppress(Exception):
+                    await proc.close()
 
 
 async def _rest(proc: Spawned, first: str, most: int = 10) -> str:
@@ -197,6 +201,11 @@ async def _rest(proc: Spawned, first: str, most: int = 10) -> str:
     return "; ".join(said) or "the command ended"
 
 
+def lock_order(hosts: list[str]) -> list[str]:
+    """The order apply takes the gateway hosts' locks in: sorted, the same for every apply."""
+    return sorted(set(hosts))
+
+
 async def take_for_apply(
     spec: ClusterSpec,
     conns: Connections,
@@ -205,12 +214,34 @@ async def take_for_apply(
     why: str,
     on_wait: Callable[[str], None],
 ) -> ApplyHold:
-    """Take the cluster lock on ``gateway.host`` for apply, waiting up to ``wait`` seconds;
-    ``on_wait`` gets the waiting message once when it is held by someone else.
-    ``LockTimeout`` when it stays held; ``NodeError`` when the host cannot be reached or
-    the lock cannot be taken there."""
-    host = spec.gateway.host
-    t = gateway_transport(conns)
+    """Take the cluster lock on every gateway host (``gateway.all_hosts``, in sorted order)
+    for apply, waiting up to ``wait`` seconds in all; ``on_wait`` gets the waiting message
+    once for each host where it is held by someone else. ``LockTimeout`` when one stays
+    held; ``NodeError`` when a host cannot be reached or the lock cannot be taken there.
+    On any failure the locks taken already are released."""
+    deadline = time.monotonic() + wait
+    held = ApplyHold([], [])
+    try:
+        for host in lock_order(spec.gateway.all_hosts):
+            left = max(0.0, deadline - time.monotonic())
+            held.procs.append(await _take_one(spec, conns, host, wait=left, why=why, on_wait=on_wait))
+            held.hosts.append(host)
+    except BaseException:
+        await held.release()
+        raise
+    return held
+
+
+async def _take_one(
+    spec: ClusterSpec,
+    conns: Connections,
+    host: str,
+    *,
+    wait: float,
+    why: str,
+    on_wait: Callable[[str], None],
+) -> Spawned:
+    t = gateway_transport(conns, host)
     if not isinstance(t, _Spawns):
         raise NodeError(host, "failed", "this connection cannot hold the cluster lock")
     record = holder_record(apply_holder(), why, time.time())
@@ -220,7 +251,11 @@ async def take_for_apply(
         record,
         created_owner=GATEWAY_ACCOUNT if spec.gateway.install else None,
     )
-    proc = await t.spawn(script, root=True)
+    several = len(spec.gateway.all_hosts) > 1
+    try:
+        proc = await t.spawn(script, root=True)
+    except NodeError as exc:
+        raise NodeError(host, exc.kind, exc.reason) from None
     try:
         while True:
             try:
@@ -229,9 +264,10 @@ async def take_for_apply(
                 raise LockTimeout(f"the cluster lock on {host} did not answer within {wait:g}s") from None
             word, _, rest = line.strip().partition(" ")
             if word == HELD:
-                return ApplyHold(host, proc)
+                return proc
             if word == BUSY:
-                on_wait(waiting_message(shown_holder(rest)))
+                message = waiting_message(shown_holder(rest))
+                on_wait(f"{message} (on {host})" if several else message)
             elif word == TIMEOUT:
                 raise LockTimeout(
                     f"the cluster lock on {host} ({lock_path(spec.gateway.state_dir)}) "

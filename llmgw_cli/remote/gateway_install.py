@@ -1,4 +1,4 @@
-"""Install or update ``llmgw-gateway.service`` on the gateway host (``gateway.host``).
+"""Install or update ``llmgw-gateway.service`` on every gateway host (``gateway.all_hosts``).
 
 Two steps, so that `apply` can show the change before it asks: ``preview`` reads what is
 on the host (file digests, whether the units run) and says what would change;
@@ -16,13 +16,19 @@ addresses, or a host whose gateway bound its ports itself, before the socket uni
 gateway stops, the socket unit (re)starts and the gateway starts: a brief interruption,
 which the preview says.
 
-The host is a node of the cluster file, ``localhost`` (this machine), or an address
+Each host is a node of the cluster file, ``localhost`` (this machine), or an address
 reached with the top-level ``ssh`` settings. A host without systemd as init (a container,
 the lab's own host) gets nothing, with a note saying how to run the gateway by hand.
+
+Several hosts (``gateway.hosts``): each is previewed on its own (one plan line each) and
+installed one after the other, in the order of the cluster file, so that a change that
+restarts a gateway (its listeners moved) never refuses connections on every host at once;
+each host makes its own SSH key.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import shlex
@@ -93,19 +99,32 @@ class GatewayPreview:
         return f"gateway on {self.host}: {verb} ({written})"
 
 
-def gateway_transport(conns: Connections) -> Transport:
-    """The gateway host's transport: a node's own (the same connection), this machine's,
-    or one to an address reached with the top-level ``ssh`` settings, held by ``conns``."""
+def host_subject(spec: ClusterSpec, host: str) -> str:
+    """What progress lines and outcomes call a gateway host: ``gateway`` when there is one,
+    ``gateway HOST`` among several."""
+    return SUBJECT if len(spec.gateway.all_hosts) == 1 else f"{SUBJECT} {host}"
+
+
+def gateway_transport(conns: Connections, host: str | None = None) -> Transport:
+    """A gateway host's transport (``host``; None: ``gateway.host``, the first): a node's
+    own (the same connection), this machine's, or one to an address reached with the
+    top-level ``ssh`` settings, held by ``conns``."""
     spec = conns.spec
-    host = spec.gateway.host
+    host = host or spec.gateway.host
     for node in spec.nodes:
         if node.name == host:
             return conns.to(node)
     if host in LOCAL_NAMES:
         return LocalTransport(
-            SUBJECT, command_timeout=spec.ssh.command_timeout, sudo=spec.ssh.become is Become.sudo
+            host_subject(spec, host),
+            command_timeout=spec.ssh.command_timeout,
+            sudo=spec.ssh.become is Become.sudo,
         )
-    return conns.to(Node(name=SUBJECT, address=host))
+    if host == spec.gateway.all_hosts[0]:
+        return conns.to(Node(name=SUBJECT, address=host))
+    # Not a node: named for the connections' cache and for messages, never validated as a
+    # node name (``host`` was validated as a host name or address).
+    return conns.to(Node.model_construct(name=f"{SUBJECT} {host}", address=host))
 
 
 def _read_local(path: Path, what: str) -> str:
@@ -149,12 +168,62 @@ def _listeners(text: str) -> tuple[str, str, str | None] | None:
     return (g.listen, g.admin_listen, g.metrics_listen)
 
 
-async def preview(spec: ClusterSpec, conns: Connections, cluster_text: str) -> GatewayPreview:
-    """What installing the gateway would change; contacts the gateway host only."""
-    host = spec.gateway.host
+@dataclass(frozen=True)
+class GatewayPreviews:
+    """What installing the gateway would change on each gateway host, in the order of
+    ``gateway.all_hosts``."""
+
+    hosts: tuple[GatewayPreview, ...]
+
+    @property
+    def changes(self) -> bool:
+        return any(p.changes for p in self.hosts)
+
+    def describe(self) -> str:
+        return "\n".join(p.describe() for p in self.hosts)
+
+    def settled(self) -> GatewayPreviews:
+        """The same hosts once installed: only their engine key maps may change."""
+        return GatewayPreviews(
+            tuple(
+                p if p.change is None else GatewayPreview(p.host, GatewayChange((), "none"))
+                for p in self.hosts
+            )
+        )
+
+
+def store_password(spec: ClusterSpec) -> str | None:
+    """The store's password file as this machine has it, for apply to copy to every gateway
+    host (None: no such file here; the operator puts it on each host)."""
+    path = spec.gateway.store_password_file
+    if path is None or not Path(path).exists():
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise LlmgwError(
+            f"gateway.store_password_file {path}: {why}; apply copies it to every gateway host "
+            "from here: make it readable to the account that runs apply"
+        ) from None
+
+
+async def preview(spec: ClusterSpec, conns: Connections, cluster_text: str) -> GatewayPreviews:
+    """What installing the gateway would change on every gateway host; contacts those hosts only."""
+    password = store_password(spec) if spec.gateway.install else None
+    found = await asyncio.gather(
+        *(preview_host(spec, conns, cluster_text, host, password) for host in spec.gateway.all_hosts)
+    )
+    return GatewayPreviews(tuple(found))
+
+
+async def preview_host(
+    spec: ClusterSpec, conns: Connections, cluster_text: str, host: str, password: str | None = None
+) -> GatewayPreview:
+    """What installing the gateway would change on ``host``."""
     if not spec.gateway.install:
         return GatewayPreview(host, None, "gateway.install is off")
-    t = gateway_transport(conns)
+    t = gateway_transport(conns, host)
     if not (await t.run("test -d /run/systemd/system")).ok:
         return GatewayPreview(
             host,
@@ -179,6 +248,7 @@ async def preview(spec: ClusterSpec, conns: Connections, cluster_text: str) -> G
         cluster_text=cluster_text,
         llmgw_bin=llmgw_bin,
         known_hosts=_read_local(resolve_path(spec.ssh.known_hosts, conns.base), "ssh.known_hosts"),
+        store_password=password,
     )
     on_host = await _host_state(t, [f.path for f in files])
     wanted = (spec.gateway.listen, spec.gateway.admin_listen, spec.gateway.metrics_listen)
@@ -195,28 +265,41 @@ async def preview(spec: ClusterSpec, conns: Connections, cluster_text: str) -> G
 async def install(
     spec: ClusterSpec,
     conns: Connections,
+    planned: GatewayPreviews,
+    engine_keys: dict[str, tuple[str, ...]],
+    report: Report,
+) -> list[Outcome]:
+    """Carry out ``planned`` (from ``preview``) on every gateway host, one host after the
+    other, and bring each host's engine key map up to date; one Outcome per host, never
+    raises for a host's failure."""
+    return [await install_host(spec, conns, p, engine_keys, report) for p in planned.hosts]
+
+
+async def install_host(
+    spec: ClusterSpec,
+    conns: Connections,
     planned: GatewayPreview,
     engine_keys: dict[str, tuple[str, ...]],
     report: Report,
 ) -> Outcome:
-    """Carry out ``planned`` (from ``preview``) and bring the engine key map up to date;
-    never raises for a node failure."""
+    """Carry out one host's ``planned`` change and bring its engine key map up to date."""
     change = planned.change
+    who = host_subject(spec, planned.host)
     if change is None:
         return await _keys_for_own_gateway(spec, conns, planned, engine_keys)
-    t = gateway_transport(conns)
+    t = gateway_transport(conns, planned.host)
     try:
         keys_changed = await sync_engine_keys(t, engine_keys)
         if change.how == "none":
             if keys_changed and (await t.run(f"systemctl is-active {GATEWAY_UNIT}")).ok:
                 await must(t, f"systemctl reload {GATEWAY_UNIT}", "reload the gateway (new engine keys)")
-                report(SUBJECT, "reloaded (engine keys)")
-            return Outcome(SUBJECT, True, planned.describe())
-        await _install(t, spec, change, report)
-        return await _wait(t, spec, planned.host, report)
+                report(who, "reloaded (engine keys)")
+            return Outcome(who, True, planned.describe())
+        await _install(t, spec, change, report, who)
+        return await _wait(t, spec, planned.host, report, who)
     except NodeError as exc:
-        report(SUBJECT, f"failed: {exc.reason}")
-        return Outcome(SUBJECT, False, exc.reason)
+        report(who, f"failed: {exc.reason}")
+        return Outcome(who, False, exc.reason)
 
 
 async def _keys_for_own_gateway(
@@ -225,16 +308,17 @@ async def _keys_for_own_gateway(
     """A gateway apply does not install (no systemd there) still needs the keys: the map
     goes to its state folder on its host (owned by that folder's owner, 0600), where
     `llmgw gateway run` finds it; the gateway re-reads it when it changes."""
+    who = host_subject(spec, planned.host)
     if not spec.gateway.install:
-        return Outcome(SUBJECT, True, planned.describe())
-    t = gateway_transport(conns)
+        return Outcome(who, True, planned.describe())
+    t = gateway_transport(conns, planned.host)
     try:
         path = engine_keys_path(spec, installed=False)
         owner = await t.run(f"stat -c %U {shlex.quote(spec.gateway.state_dir)} 2>/dev/null")
         await sync_engine_keys(t, engine_keys, path=path, group=None, owner=owner.stdout.strip() or "root")
-        return Outcome(SUBJECT, True, f"{planned.describe()}; engine keys in {path}")
+        return Outcome(who, True, f"{planned.describe()}; engine keys in {path}")
     except NodeError as exc:
-        return Outcome(SUBJECT, False, f"engine keys for the gateway: {exc.reason}")
+        return Outcome(who, False, f"engine keys for the gateway: {exc.reason}")
 
 
 def engine_keys_path(spec: ClusterSpec, *, installed: bool) -> str:
@@ -276,7 +360,7 @@ async def sync_engine_keys(
     return True
 
 
-async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, report: Report) -> None:
+async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, report: Report, who: str) -> None:
     await ensure_gateway_account(t)
     # /etc/llmgw may exist already as 0700 (written by an older llmgw): the account must
     # traverse it to read its files (engine.env in it stays 0600).
@@ -286,16 +370,27 @@ async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, repor
         f"create {GATEWAY_DIR}",
     )
     for f in change.write:
-        await t.write_file(f.path, f.text, mode=f.mode, root=True)
-    report(SUBJECT, "files in place")
+        if f.group:
+            # a secret: root's alone until the gateway's group is set
+            await must(
+                t, f"mkdir -p {shlex.quote(str(Path(f.path).parent))}", f"create {Path(f.path).parent}"
+            )
+            await t.write_file(f.path, f.text, mode=0o600, root=True)
+            q = shlex.quote(f.path)
+            await must(
+                t, f"chgrp {shlex.quote(f.group)} {q} && chmod {f.mode:o} {q}", f"give {f.group} {f.path}"
+            )
+        else:
+            await t.write_file(f.path, f.text, mode=f.mode, root=True)
+    report(who, "files in place")
     if any(f.path in UNIT_FILES for f in change.write):
         await must(t, "systemctl daemon-reload", "systemctl daemon-reload")
     await must(t, f"systemctl enable {GATEWAY_SOCKET} {GATEWAY_UNIT} 2>&1", "enable the gateway")
     if change.how == "reload":
         await must(t, f"systemctl reload {GATEWAY_UNIT}", "reload the gateway")
-        report(SUBJECT, "reloaded")
+        report(who, "reloaded")
     elif change.how == "handover":
-        await _hand_over(t, spec, report)
+        await _hand_over(t, spec, report, who)
     elif change.rebind:
         # The sockets change (or the gateway bound its ports itself, before the socket
         # unit): nothing may hold them while the socket unit binds them again. The socket
@@ -306,14 +401,14 @@ async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, repor
             "stop the gateway",
         )
         await must(t, f"systemctl start {GATEWAY_SOCKET} {GATEWAY_UNIT}", "start the gateway")
-        report(SUBJECT, "restarted" if change.active else "started")
+        report(who, "restarted" if change.active else "started")
     else:
         # down, under a socket unit that runs unchanged: its queued connections wait
         await must(t, f"systemctl restart {GATEWAY_UNIT}", "start the gateway")
-        report(SUBJECT, "started")
+        report(who, "started")
 
 
-async def _hand_over(t: Transport, spec: ClusterSpec, report: Report) -> None:
+async def _hand_over(t: Transport, spec: ClusterSpec, report: Report, who: str = SUBJECT) -> None:
     """The running gateway is replaced with no connection refused: a second process
     serves from the same sockets while the first restarts. A hand-over that does not
     start leaves the running gateway as it is. Each step is queued (``--no-block``) and
@@ -325,7 +420,7 @@ async def _hand_over(t: Transport, spec: ClusterSpec, report: Report) -> None:
     starting = 120.0
     before = await ops.show(GATEWAY_HANDOVER_UNIT)
     since = await ops.date()
-    report(SUBJECT, "starting the hand-over gateway")
+    report(who, "starting the hand-over gateway")
     await must(t, f"systemctl start --no-block {GATEWAY_HANDOVER_UNIT}", "start the hand-over gateway")
     failed = await _until(
         ops,
@@ -346,7 +441,7 @@ async def _hand_over(t: Transport, spec: ClusterSpec, report: Report) -> None:
     primary = await ops.show(GATEWAY_UNIT)
     old_pid = primary.main_pid if primary else 0
     since = await ops.date()
-    report(SUBJECT, "hand-over serving; restarting the gateway (it drains)")
+    report(who, "hand-over serving; restarting the gateway (it drains)")
     await must(t, f"systemctl restart --no-block {GATEWAY_UNIT}", "restart the gateway")
     failed = await _until(
         ops,
@@ -359,12 +454,12 @@ async def _hand_over(t: Transport, spec: ClusterSpec, report: Report) -> None:
     if failed:
         # The hand-over keeps serving: leave it running rather than refuse every request.
         raise NodeError(t.node, "failed", f"{failed}\n{GATEWAY_HANDOVER_UNIT} keeps serving meanwhile")
-    report(SUBJECT, "restarted; stopping the hand-over gateway (it drains)")
+    report(who, "restarted; stopping the hand-over gateway (it drains)")
     await must(t, f"systemctl stop --no-block {GATEWAY_HANDOVER_UNIT}", "stop the hand-over gateway")
     stopped = await poll_until(lambda: _stopped(ops, GATEWAY_HANDOVER_UNIT), timeout=stopping, interval=0.5)
     if stopped is None:
         raise NodeError(t.node, "failed", f"{GATEWAY_HANDOVER_UNIT} did not stop within {stopping:g}s")
-    report(SUBJECT, "handed over")
+    report(who, "handed over")
 
 
 async def _stopped(ops: ShellOps, unit: str) -> bool | None:
@@ -414,7 +509,9 @@ def _health_url(spec: ClusterSpec, host: str) -> str:
     return f"http://{listen_host}:{port}/health"
 
 
-async def _wait(t: Transport, spec: ClusterSpec, host: str, report: Report, timeout: float = 30) -> Outcome:
+async def _wait(
+    t: Transport, spec: ClusterSpec, host: str, report: Report, who: str, *, timeout: float = 30
+) -> Outcome:
     """Ready when ``/health`` answers 200; when it cannot be reached from here, when the
     unit has stayed active for a few seconds. A unit that fails is reported with its journal."""
     watch = await UnitWatch.start(ShellOps(t), GATEWAY_UNIT)
@@ -424,11 +521,11 @@ async def _wait(t: Transport, spec: ClusterSpec, host: str, report: Report, time
         async def step() -> Outcome | None:
             failed = await watch.failure(lines=40)  # a Python traceback is long
             if failed:
-                return Outcome(SUBJECT, False, failed)
+                return Outcome(who, False, failed)
             try:
                 if (await client.get(url)).status_code == 200:
-                    report(SUBJECT, "ready")
-                    return Outcome(SUBJECT, True, f"ready at {url.removesuffix('/health')}")
+                    report(who, "ready")
+                    return Outcome(who, True, f"ready at {url.removesuffix('/health')}")
             except httpx.TransportError:
                 pass
             return None
@@ -438,8 +535,8 @@ async def _wait(t: Transport, spec: ClusterSpec, host: str, report: Report, time
         return done
     active = await t.run(f"systemctl is-active {GATEWAY_UNIT}")
     if active.stdout.strip() == "active":
-        return Outcome(SUBJECT, True, f"unit active; {url} did not answer from here")
-    return Outcome(SUBJECT, False, f"{GATEWAY_UNIT} is {active.stdout.strip() or 'unknown'}")
+        return Outcome(who, True, f"unit active; {url} did not answer from here")
+    return Outcome(who, False, f"{GATEWAY_UNIT} is {active.stdout.strip() or 'unknown'}")
 
 
 def gateway_key_path(spec: ClusterSpec, *, systemd: bool) -> str:
@@ -449,18 +546,20 @@ def gateway_key_path(spec: ClusterSpec, *, systemd: bool) -> str:
 
 
 async def gateway_public_key(
-    spec: ClusterSpec, conns: Connections, *, create: bool
+    spec: ClusterSpec, conns: Connections, *, create: bool, host: str | None = None
 ) -> tuple[str | None, str]:
-    """The public half of the gateway's own key and the path of its private half on the
-    gateway host; with ``create``, the pair is made there first when missing (``ssh-keygen``
-    on that host: the private half never travels). ``(None, "")`` with gateway.install off.
+    """The public half of a gateway host's own key (``host``; None: ``gateway.host``) and
+    the path of its private half there; with ``create``, the pair is made there first when
+    missing (``ssh-keygen`` on that host: the private half never travels). ``(None, "")``
+    with gateway.install off.
 
     An installed gateway's key belongs to ``llmgw-gateway`` (0600); a gateway run by hand
     (no systemd on its host) gets it in its state folder, owned by whoever runs apply
     there. A copy of the operator's key left by an older llmgw is deleted."""
     if not spec.gateway.install:
         return None, ""
-    t = gateway_transport(conns)
+    host = host or spec.gateway.host
+    t = gateway_transport(conns, host)
     systemd = (await t.run("test -d /run/systemd/system")).ok
     path = gateway_key_path(spec, systemd=systemd)
     q, pub = shlex.quote(path), shlex.quote(path + ".pub")
@@ -475,7 +574,7 @@ async def gateway_public_key(
         await must_as(
             t,
             f"{folder} && {old}{{ [ -s {q} ] && [ -s {pub} ] || {{ rm -f {q} {pub} && "
-            f"ssh-keygen -q -t ed25519 -N '' -C {GATEWAY_ACCOUNT}@{shlex.quote(spec.gateway.host)} "
+            f"ssh-keygen -q -t ed25519 -N '' -C {GATEWAY_ACCOUNT}@{shlex.quote(host)} "
             f"-f {q} </dev/null >/dev/null; }}; }} && {owner}chmod 600 {q} && chmod 644 {pub}",
             "make the gateway's SSH key",
             root=systemd,
@@ -485,8 +584,17 @@ async def gateway_public_key(
     if not text:
         return None, path
     if not valid_public_key(text):
-        raise NodeError(SUBJECT, "failed", f"{path}.pub on {spec.gateway.host} is not an SSH public key")
+        raise NodeError(host_subject(spec, host), "failed", f"{path}.pub on {host} is not an SSH public key")
     return text, path
+
+
+async def gateway_public_keys(
+    spec: ClusterSpec, conns: Connections, *, create: bool
+) -> dict[str, tuple[str | None, str]]:
+    """``gateway_public_key`` of every gateway host, by host (in ``gateway.all_hosts``'s order)."""
+    hosts = spec.gateway.all_hosts
+    found = await asyncio.gather(*(gateway_public_key(spec, conns, create=create, host=h) for h in hosts))
+    return dict(zip(hosts, found, strict=True))
 
 
 async def must_as(t: Transport, command: str, what: str, *, root: bool) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import resources
 
 from llmgw_cli.core.facts import NodeAccess, NodeFacts
@@ -41,14 +41,14 @@ SUBJECT = "node access"
 NODE_ACCESS = "node-access"  # the probe's section
 
 
-def wanted(spec: ClusterSpec, node: Node, public_key: str | None) -> tuple[NodeFile, ...]:
+def wanted(spec: ClusterSpec, node: Node, public_keys: Sequence[str]) -> tuple[NodeFile, ...]:
     return node_files(
         spec,
         node,
         helper_source=HELPER_SOURCE,
         nodefetch_source=NODEFETCH_SOURCE,
         probe_source=probe_script(spec, node),
-        public_key=public_key,
+        public_keys=public_keys,
     )
 
 
@@ -78,7 +78,7 @@ async def check(
     spec: ClusterSpec,
     conns: Connections,
     nodes: list[str],
-    public_key: str | None,
+    public_keys: Sequence[str],
     facts: Mapping[str, NodeFacts] | None = None,
 ) -> list[str]:
     """The nodes (of ``nodes``) whose helper, account, rule or key line is not as wanted,
@@ -92,7 +92,7 @@ async def check(
             found = known or await _read_access(spec, conns, node)
         except NodeError:
             return True
-        return found is None or helper_stale(wanted(spec, node, public_key), found)
+        return found is None or helper_stale(wanted(spec, node, public_keys), found)
 
     needs = await asyncio.gather(*(one(n) for n in nodes))
     return [n for n, need in zip(nodes, needs, strict=True) if need]
@@ -121,14 +121,15 @@ async def _install_one(t: Transport, files: tuple[NodeFile, ...], users: list[st
 
 
 async def install(
-    spec: ClusterSpec, conns: Connections, nodes: list[str], public_key: str | None, report: Report
+    spec: ClusterSpec, conns: Connections, nodes: list[str], public_keys: Sequence[str], report: Report
 ) -> list[Outcome]:
-    """Put the helper and the gateway's restricted key line on ``nodes``; one Outcome each."""
+    """Put the helper and every gateway host's restricted key line on ``nodes``; one
+    Outcome each."""
     users = engine_users(spec)
 
     async def one(node: Node, t: Transport) -> Outcome:
         try:
-            await _install_one(t, wanted(spec, node, public_key), users)
+            await _install_one(t, wanted(spec, node, public_keys), users)
         except NodeError as exc:
             report(node.name, f"failed: {exc.reason}")
             return Outcome(node.name, False, exc.reason)

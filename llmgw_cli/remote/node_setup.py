@@ -1,11 +1,13 @@
-"""The step of ``apply`` that gives the gateway its own, restricted way into the nodes:
-the gateway's key pair on the gateway host, then the node helper, its account, its sudo
-rule and the key's restricted ``authorized_keys`` line on every reachable node that
-lacks them (``node_access.py``). The operator's key stays on the operator's machine.
+"""The step of ``apply`` that gives the gateways their own, restricted way into the nodes:
+a key pair on every gateway host (``gateway.all_hosts``), then the node helper, its
+account, its sudo rule and one restricted ``authorized_keys`` line per gateway host on
+every reachable node that lacks them (``node_access.py``). The operator's key stays on
+the operator's machine.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 
 from llmgw_cli.core.facts import NodeFacts
@@ -15,7 +17,7 @@ from llmgw_cli.progress import Report
 from llmgw_cli.remote import node_access
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome
-from llmgw_cli.remote.gateway_install import SUBJECT, gateway_public_key
+from llmgw_cli.remote.gateway_install import gateway_public_key, gateway_public_keys, host_subject
 
 
 async def stale_nodes(
@@ -24,12 +26,13 @@ async def stale_nodes(
     """The nodes (of ``nodes``) that ``prepare`` would change, from the probe's ``facts``
     where it read them; changes nothing."""
     try:
-        public_key, _ = await gateway_public_key(spec, conns, create=False)
+        found = await gateway_public_keys(spec, conns, create=False)
     except NodeError:
-        public_key = None
-    if spec.gateway.install and public_key is None:
-        return list(nodes)  # the key is made first: every node gets its line
-    return await node_access.check(spec, conns, nodes, public_key, facts)
+        found = {}
+    keys = [key for key, _ in found.values() if key is not None]
+    if spec.gateway.install and len(keys) < len(spec.gateway.all_hosts):
+        return list(nodes)  # a host's key is made first: every node gets its line
+    return await node_access.check(spec, conns, nodes, keys, facts)
 
 
 async def prepare(
@@ -39,14 +42,31 @@ async def prepare(
     report: Report,
     facts: Mapping[str, NodeFacts] | None = None,
 ) -> list[Outcome]:
-    """Make the gateway's key (when missing), then bring the helper to the stale nodes
-    (judged from the probe's ``facts`` where it read them)."""
-    try:
-        public_key, path = await gateway_public_key(spec, conns, create=True)
-    except NodeError as exc:
-        report(SUBJECT, f"failed: {exc.reason}")
-        return [Outcome(SUBJECT, False, exc.reason)]
-    if public_key is not None:
-        report(SUBJECT, f"its SSH key: {path} on {spec.gateway.host}")
-    stale = await node_access.check(spec, conns, nodes, public_key, facts)
-    return await node_access.install(spec, conns, stale, public_key, report) if stale else []
+    """Make each gateway host's key (when missing), then bring the helper and every host's
+    key line to the stale nodes (judged from the probe's ``facts`` where it read them).
+    When a host's key cannot be made or read, the nodes are left as they are: writing the
+    others' keys alone would lock that host's running gateway out."""
+
+    async def one(host: str) -> tuple[str | None, str] | NodeError:
+        try:
+            return await gateway_public_key(spec, conns, create=True, host=host)
+        except NodeError as exc:
+            return exc
+
+    hosts = spec.gateway.all_hosts
+    outcomes: list[Outcome] = []
+    keys: list[str] = []
+    for host, found in zip(hosts, await asyncio.gather(*(one(h) for h in hosts)), strict=True):
+        who = host_subject(spec, host)
+        if isinstance(found, NodeError):
+            report(who, f"failed: {found.reason}")
+            outcomes.append(Outcome(who, False, found.reason))
+            continue
+        public_key, path = found
+        if public_key is not None:
+            keys.append(public_key)
+            report(who, f"its SSH key: {path} on {host}")
+    if outcomes:
+        return outcomes
+    stale = await node_access.check(spec, conns, nodes, keys, facts)
+    return await node_access.install(spec, conns, stale, keys, report) if stale else []

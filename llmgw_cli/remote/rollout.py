@@ -8,7 +8,7 @@ A ``~`` action with ``retire`` set replaces a replica that may be serving. With 
    write and start its units (``execute`` on a one-action plan); release; wait until
    it is ready (``wait_started``);
 2. wait until every live gateway routes it (it is in ``ready[model]`` of each routes
-   file on the gateway host; each gateway is told to probe at once with
+   file on every gateway host; each gateway is told to probe at once with
    ``PROBE_NOW_SIGNAL``), at most ``ROUTED_BOUND`` seconds, then go on with a warning;
 3. under the lock: write the drain marker on every member node of the old replica (its
    deadline: the node's clock plus ``drain_seconds``); release; tell the gateways to
@@ -29,7 +29,7 @@ one frees), the models' at the same time. The other actions go through ``execute
 before; a ``+`` that takes cards or a port of a replica being replaced starts once the
 replacements are done (``carry_out``).
 
-Where no gateway writes a routing view (none runs on the gateway host, or an older one),
+Where no gateway writes a routing view (none runs on any gateway host, or an older one),
 apply says so once and goes by health checks only: a successor counts as routed two
 gateway health-check rounds after it is ready, an old replica as drained by its
 connection count alone.
@@ -152,45 +152,64 @@ def parse_views(text: str) -> list[Routes]:
 
 @dataclass
 class Gateways:
-    """Every live gateway process's routing view, read as root on the gateway host, and
-    the probe-now signal sent to each. ``transport`` None: no gateway host to ask."""
+    """Every live gateway process's routing view, read as root on every gateway host
+    (``gateway.all_hosts``), and the probe-now signal sent to each process on its own
+    host. ``transports``: (host, transport) for each host that can be asked."""
 
-    transport: Transport | None
-    host: str
+    transports: list[tuple[str, Transport]]
+    hosts: list[str]
     directory: str
     report: Report
     said: bool = False
+    # where each view last read came from (``id`` of the Routes -> its host's transport)
+    _from: dict[int, Transport] = field(default_factory=dict)
 
     @classmethod
     def of(cls, spec: ClusterSpec, conns: Connections, report: Report) -> Gateways:
-        try:
-            t: Transport | None = gateway_transport(conns)
-        except LlmgwError:
-            t = None
-        return cls(t, spec.gateway.host, routes_dir(spec.gateway.state_dir), report)
+        found: list[tuple[str, Transport]] = []
+        for host in spec.gateway.all_hosts:
+            try:
+                found.append((host, gateway_transport(conns, host)))
+            except LlmgwError:
+                continue
+        return cls(found, spec.gateway.all_hosts, routes_dir(spec.gateway.state_dir), report)
 
     async def views(self) -> list[Routes]:
-        """The live gateways' views; none when there is none or the host cannot be read."""
-        if self.transport is None:
-            return []
-        try:
-            result = await self.transport.run(_views_script(self.directory), root=True)
-        except NodeError:
-            return []
-        return parse_views(result.stdout) if result.ok else []
+        """The live gateways' views on every host; none from a host that cannot be read."""
+
+        async def one(t: Transport) -> list[Routes]:
+            try:
+                result = await t.run(_views_script(self.directory), root=True)
+            except NodeError:
+                return []
+            return parse_views(result.stdout) if result.ok else []
+
+        found = await asyncio.gather(*(one(t) for _, t in self.transports))
+        self._from = {id(v): t for (_, t), views in zip(self.transports, found, strict=True) for v in views}
+        return [v for views in found for v in views]
 
     async def probe_now(self, views: Sequence[Routes]) -> None:
-        """Tell each gateway to probe the nodes at once (not at its next round)."""
-        if self.transport is None or not views:
-            return
-        pids = " ".join(str(v.pid) for v in views)
-        with contextlib.suppress(NodeError):
-            await self.transport.run(f"kill -{PROBE_NOW_SIGNAL} {pids} 2>/dev/null; true", root=True)
+        """Tell each gateway process to probe the nodes at once (not at its next round),
+        on the host its view was read from."""
+        by_host: dict[int, tuple[Transport, list[int]]] = {}
+        for v in views:
+            t = self._from.get(id(v))
+            if t is not None:
+                by_host.setdefault(id(t), (t, []))[1].append(v.pid)
+
+        async def one(t: Transport, pids: list[int]) -> None:
+            with contextlib.suppress(NodeError):
+                await t.run(
+                    f"kill -{PROBE_NOW_SIGNAL} {' '.join(map(str, pids))} 2>/dev/null; true", root=True
+                )
+
+        await asyncio.gather(*(one(t, pids) for t, pids in by_host.values()))
 
     def none_seen(self) -> None:
         if not self.said:
             self.said = True
-            self.report("gateway", f"no gateway's routing view on {self.host}; going by health checks only")
+            where = ", ".join(self.hosts)
+            self.report("gateway", f"no gateway's routing view on {where}; going by health checks only")
 
     async def until(self, holds: Callable[[Routes], bool], *, timeout: float) -> bool | None:
         """Wait until ``holds`` is true of every live gateway's view: True when it came

@@ -25,7 +25,7 @@ from llmgw_cli.core.plan import Plan, make_plan
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import DowntimeRefused, InputError, UsageError
 from llmgw_cli.remote.execute import Outcome
-from llmgw_cli.remote.gateway_install import GatewayPreview
+from llmgw_cli.remote.gateway_install import GatewayPreview, GatewayPreviews
 from llmgw_cli.remote.probe import Snapshot
 from tests.security.hostile_values import HOSTILE_ARGS
 
@@ -135,8 +135,8 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     def probe(spec: ClusterSpec, file: Path, nodes: Any, console: Any, session: Any) -> Snapshot:
         return Snapshot(tuple(w.facts.values()), 0.0)
 
-    async def preview(spec: ClusterSpec, conns: Any, text: str) -> GatewayPreview:
-        return GatewayPreview("gw.example", GatewayChange((), "none"))
+    async def preview(spec: ClusterSpec, conns: Any, text: str) -> GatewayPreviews:
+        return GatewayPreviews((GatewayPreview("gw.example", GatewayChange((), "none")),))
 
     async def no_nodes(*args: Any) -> list[str]:
         return []

@@ -77,13 +77,13 @@ def test_engine_key_presence(body: str, present: bool | None) -> None:
 
 
 def test_managed_paths_are_the_files_apply_keeps_and_the_sudo_rule() -> None:
-    files = remote_node_access.wanted(SPEC, NODE, None)
+    files = remote_node_access.wanted(SPEC, NODE, [])
     assert set(node_access.MANAGED_PATHS) == {f.path for f in files} | {node_access.SUDOERS}
     assert f"sha256sum {' '.join(node_access.MANAGED_PATHS)}" in probe_script(SPEC, NODE)
 
 
 def test_helper_stale_compares_every_digest_and_account() -> None:
-    files = remote_node_access.wanted(SPEC, NODE, "ssh-ed25519 AAAA")
+    files = remote_node_access.wanted(SPEC, NODE, ["ssh-ed25519 AAAA"])
     want = {f.path: f.digest for f in files}
     want[node_access.SUDOERS] = node_access.NodeFile(
         node_access.SUDOERS, node_access.sudoers_rule(), 0o440
@@ -97,7 +97,7 @@ def test_helper_stale_compares_every_digest_and_account() -> None:
         rest = {p: d for p, d in want.items() if p != path}
         assert node_access.helper_stale(files, NodeAccess(digests=rest, missing_accounts=()))
     # another gateway key: the authorized_keys line differs
-    other = remote_node_access.wanted(SPEC, NODE, "ssh-ed25519 BBBB")
+    other = remote_node_access.wanted(SPEC, NODE, ["ssh-ed25519 BBBB"])
     assert node_access.helper_stale(other, NodeAccess(digests=want, missing_accounts=()))
 
 
@@ -119,7 +119,7 @@ def no_transport(*_args: object) -> Transport:
 
 def test_plan_uses_the_probes_facts_without_another_round_trip(tmp_path: Path) -> None:
     conns = Connections(SPEC, tmp_path, opener=no_transport)
-    files = remote_node_access.wanted(SPEC, NODE, None)
+    files = remote_node_access.wanted(SPEC, NODE, [])
     current = {f.path: f.digest for f in files}
     current[node_access.SUDOERS] = node_access.NodeFile(
         node_access.SUDOERS, node_access.sudoers_rule(), 0o440
@@ -135,7 +135,7 @@ def test_plan_uses_the_probes_facts_without_another_round_trip(tmp_path: Path) -
         ),
     }
     assert asyncio.run(engine_keys.nodes_without_key(SPEC, conns, ["a", "b"], facts)) == ["b"]
-    assert asyncio.run(remote_node_access.check(SPEC, conns, ["a", "b"], None, facts)) == ["b"]
+    assert asyncio.run(remote_node_access.check(SPEC, conns, ["a", "b"], [], facts)) == ["b"]
 
 
 def test_a_node_the_probe_could_not_read_is_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -147,7 +147,7 @@ def test_a_node_the_probe_could_not_read_is_asked(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(remote_node_access, "_read_access", read_access)
     facts = {"a": NodeFacts(node="a"), "b": NodeFacts(node="b")}
     conns = Connections(SPEC, tmp_path, opener=no_transport)
-    assert asyncio.run(remote_node_access.check(SPEC, conns, ["a", "b"], None, facts)) == ["a", "b"]
+    assert asyncio.run(remote_node_access.check(SPEC, conns, ["a", "b"], [], facts)) == ["a", "b"]
     assert asked == ["a", "b"]
 
 
