@@ -28,7 +28,7 @@ own SSH key (every node's ``authorized_keys`` lets each of them in).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmgw_cli.core.engines import UNIT_DIR
 from llmgw_cli.core.spec import ClusterSpec
@@ -61,7 +61,7 @@ UNIT_FILES = (SOCKET_FILE, UNIT_FILE, HANDOVER_FILE)
 @dataclass(frozen=True)
 class GatewayFile:
     path: str
-    text: str
+    text: str = field(repr=False)  # a secret file's text is never shown, not even in a traceback
     mode: int
     secret: bool = False  # never printed
     group: str = ""  # set as the file's group (root owns it) when not ""
