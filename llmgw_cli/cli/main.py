@@ -17,6 +17,7 @@ from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.doctor import doctor
 from llmgw_cli.cli.fetch import fetch
 from llmgw_cli.cli.status import status
+from llmgw_cli.cli.usage import usage
 from llmgw_cli.cli.views import problems_view, spec_summary
 from llmgw_cli.core.docgen import json_schema
 from llmgw_cli.errors import LlmgwError, SpecError
@@ -39,6 +40,7 @@ app.add_typer(lab.app, name="lab")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(keys.app, name="keys")
 app.add_typer(store.app, name="store")
+app.command()(usage)
 
 out = Console()
 err = Console(stderr=True)

@@ -25,6 +25,7 @@ from llmgw_cli.errors import Problem
 from llmgw_cli.remote.fetch import FetchResult
 
 if TYPE_CHECKING:  # the lab is imported only by the commands that drive it
+    from llmgw_cli.gateway.store import Usage
     from llmgw_cli.lab.status import NodeStatus
 
 
@@ -293,5 +294,39 @@ def keys_view(keys: list[ApiKey], now: datetime) -> Table:
             k.created.strftime("%Y-%m-%d %H:%M") if k.created else "",
             state,
             "yes" if k.admin else "",
+        )
+    return table
+
+
+def usage_view(rows: list[Usage]) -> Table:
+    """``llmgw usage``: one row per day, key and model, then the totals."""
+    table = Table(
+        "day", "key", "model", "requests", "prompt tokens", "completion tokens", "errors", "mean ms"
+    )
+    for u in rows:  # key and model names come from the store: not markup
+        mean = u.latency_ms / u.requests if u.requests else 0.0
+        table.add_row(
+            u.day,
+            Text(u.key),
+            Text(u.model),
+            str(u.requests),
+            str(u.prompt_tokens),
+            str(u.completion_tokens),
+            str(u.errors),
+            f"{mean:.0f}",
+        )
+    if len(rows) > 1:
+        requests = sum(u.requests for u in rows)
+        mean = sum(u.latency_ms for u in rows) / requests if requests else 0.0
+        table.add_row(
+            "total",
+            "",
+            "",
+            str(requests),
+            str(sum(u.prompt_tokens for u in rows)),
+            str(sum(u.completion_tokens for u in rows)),
+            str(sum(u.errors for u in rows)),
+            f"{mean:.0f}",
+            style="bold",
         )
     return table

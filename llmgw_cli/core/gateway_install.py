@@ -70,6 +70,13 @@ class GatewayFile:
     def digest(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
+    @property
+    def state(self) -> str:
+        """What the host must show for this file to count as in place: its digest, and for
+        a file given to a group its mode and group too (the same text as root's alone
+        would lock the gateway out)."""
+        return f"{self.digest} {self.mode:o} {self.group}" if self.group else self.digest
+
 
 def gateway_files(
     spec: ClusterSpec,
@@ -143,13 +150,14 @@ def gateway_change(
     listeners_changed: bool,
     socket_active: bool = True,
 ) -> GatewayChange:
-    """Compare the wanted files with the digests found on the host (``current``, by path).
+    """Compare the wanted files with what was found on the host (``current``, by path: each
+    file's ``GatewayFile.state``).
     A changed cluster file of a running gateway is a reload (SIGHUP keeps connections),
     unless its listener addresses changed; anything else (a new key, unit) is a hand-over
     to a new gateway process on the same sockets, unless the sockets themselves change
     (new listener addresses, or no socket unit running yet: the gateway bound its ports
     itself), which needs a restart; a gateway that is not running is started."""
-    write = tuple(f for f in files if current.get(f.path) != f.digest)
+    write = tuple(f for f in files if current.get(f.path) != f.state)
     # A socket unit that runs unchanged keeps its sockets (and the connections queued on
     # them) when a gateway that is down is started.
     rebind = not socket_active or any(f.path == SOCKET_FILE for f in write)

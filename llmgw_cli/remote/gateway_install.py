@@ -48,6 +48,7 @@ from llmgw_cli.core.gateway_install import (
     OLD_OPERATOR_KEY,
     UNIT_FILES,
     GatewayChange,
+    GatewayFile,
     gateway_change,
     gateway_files,
 )
@@ -136,26 +137,36 @@ def _read_local(path: Path, what: str) -> str:
 
 @dataclass(frozen=True)
 class HostState:
-    digests: dict[str, str]  # path -> sha256 of the files found
+    digests: dict[str, str]  # path -> sha256 of the files found (``GatewayFile.state``)
     active: bool  # llmgw-gateway.service
     socket_active: bool  # llmgw-gateway.socket
     cluster: str  # the cluster file the gateway runs with now ("" when none)
 
 
-async def _host_state(t: Transport, paths: list[str]) -> HostState:
-    q = " ".join(shlex.quote(p) for p in paths)
+async def _host_state(t: Transport, files: tuple[GatewayFile, ...]) -> HostState:
+    q = " ".join(shlex.quote(f.path) for f in files)
+    grouped = " ".join(shlex.quote(f.path) for f in files if f.group)
+    owners = f"stat -c 'mode %a %G %n' {grouped} 2>/dev/null; " if grouped else ""
     marker = "--llmgw-cluster--"
     result = await t.run(
-        f"sha256sum {q} 2>/dev/null; echo {marker}; systemctl is-active {GATEWAY_UNIT} {GATEWAY_SOCKET} "
-        f"2>/dev/null; echo {marker}; cat {shlex.quote(CLUSTER_FILE)} 2>/dev/null; true",
+        f"sha256sum {q} 2>/dev/null; {owners}echo {marker}; systemctl is-active {GATEWAY_UNIT} "
+        f"{GATEWAY_SOCKET} 2>/dev/null; echo {marker}; cat {shlex.quote(CLUSTER_FILE)} 2>/dev/null; true",
         root=True,
     )
     digests_text, _, rest = result.stdout.partition(marker + "\n")
     active_text, _, cluster = rest.partition(marker + "\n")
-    digests = {}
+    digests: dict[str, str] = {}
+    modes: dict[str, str] = {}
     for line in digests_text.splitlines():
+        if line.startswith("mode "):
+            _, mode, group, path = ([*line.split(" ", 3), "", "", ""])[:4]
+            modes[path.strip()] = f"{mode} {group}"
+            continue
         digest, _, path = line.partition("  ")
         digests[path.strip()] = digest
+    for path, mode in modes.items():
+        if path in digests:
+            digests[path] += f" {mode}"
     states = [*active_text.split(), "", ""]
     return HostState(digests, states[0] == "active", states[1] == "active", cluster)
 
@@ -250,7 +261,7 @@ async def preview_host(
         known_hosts=_read_local(resolve_path(spec.ssh.known_hosts, conns.base), "ssh.known_hosts"),
         store_password=password,
     )
-    on_host = await _host_state(t, [f.path for f in files])
+    on_host = await _host_state(t, files)
     wanted = (spec.gateway.listen, spec.gateway.admin_listen, spec.gateway.metrics_listen)
     change = gateway_change(
         files,

@@ -15,7 +15,13 @@ import pytest
 
 from llmgw_cli.core.drain import Routes, routes_text
 from llmgw_cli.core.engine_access import allowed_addresses, gateway_sources
-from llmgw_cli.core.gateway_install import CLUSTER_FILE, GATEWAY_ACCOUNT, GatewayChange, gateway_files
+from llmgw_cli.core.gateway_install import (
+    CLUSTER_FILE,
+    GATEWAY_ACCOUNT,
+    GatewayChange,
+    gateway_change,
+    gateway_files,
+)
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.node_access import AUTHORIZED_KEYS, HELPER, authorized_keys_text, node_files
 from llmgw_cli.core.spec import ClusterSpec, Node
@@ -117,6 +123,11 @@ def test_the_store_password_is_copied_as_a_secret_of_the_gateways_group() -> Non
         "gateway on gw1: unchanged",
     ]
     assert "hunter2" not in said and "hunter2" not in repr(GatewayPreview("gw2", change))
+    # the same text, but root's alone (put there by hand): not in place for the gateway
+    found = {f.path: f.state for f in files}
+    assert gateway_change(files, found, active=True, listeners_changed=False).how == "none"
+    found[password.path] = f"{password.digest} 600 root"
+    assert gateway_change(files, found, active=True, listeners_changed=False).write == (password,)
     clash = parse_cluster(CLUSTER.replace("/etc/llmgw/store-password", CLUSTER_FILE))
     with pytest.raises(InputError, match="one of the gateway's own files"):
         gateway_files(clash, cluster_text="x", llmgw_bin="/usr/bin/llmgw", known_hosts="", store_password="p")
