@@ -41,33 +41,41 @@ def _duration(seconds: float) -> str:
     return f"{s // 60}m" if s % 60 == 0 and s >= 60 else f"{s}s"
 
 
-def scrape_target(spec: ClusterSpec) -> tuple[str, bool]:
-    """``host:port`` Prometheus scrapes, and whether it is the admin listener (needs a key).
+def scrape_target(spec: ClusterSpec, gateway_host: str | None = None) -> tuple[str, bool]:
+    """``host:port`` Prometheus scrapes on ``gateway_host`` (None: ``gateway.host``), and
+    whether it is the admin listener (needs a key).
 
     ``metrics_listen`` when set, else the admin listener. A wildcard listen address is
-    reached at ``gateway.host`` (a node's address when it names a node)."""
+    reached at the gateway host (a node's address when it names a node)."""
     settings = spec.gateway
+    gateway_host = gateway_host or settings.host
     listen, admin = (
         (settings.metrics_listen, False) if settings.metrics_listen else (settings.admin_listen, True)
     )
     host, _, port = listen.rpartition(":")
     if host in WILDCARD_HOSTS:
-        node = next((n for n in spec.nodes if n.name == settings.host), None)
-        host = node.address if node else settings.host
+        node = next((n for n in spec.nodes if n.name == gateway_host), None)
+        host = node.address if node else gateway_host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
     return f"{host}:{port}", admin
 
 
+def scrape_targets(spec: ClusterSpec) -> list[str]:
+    """``scrape_target`` of every gateway host (``gateway.all_hosts``), each once."""
+    return list(dict.fromkeys(scrape_target(spec, h)[0] for h in spec.gateway.all_hosts))
+
+
 def prometheus_config(
     spec: ClusterSpec, admin_key_file: str, thresholds: Thresholds = Thresholds()
 ) -> dict[str, object]:
-    """``prometheus.yml``: scrape the gateway, load the alert rules beside it."""
-    target, admin = scrape_target(spec)
+    """``prometheus.yml``: scrape the gateway on every gateway host, load the alert rules
+    beside it."""
+    _, admin = scrape_target(spec)
     job: dict[str, object] = {
         "job_name": JOB,
         "metrics_path": "/metrics",
-        "static_configs": [{"targets": [target]}],
+        "static_configs": [{"targets": scrape_targets(spec)}],
     }
     if admin:
         # No metrics_listen: the admin listener serves /metrics, behind an admin key.

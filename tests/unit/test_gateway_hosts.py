@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from llmgw_cli.core.drain import Routes, routes_text
 from llmgw_cli.core.engine_access import allowed_addresses, gateway_sources
@@ -23,6 +24,7 @@ from llmgw_cli.core.gateway_install import (
     gateway_files,
 )
 from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.monitoring import PROMETHEUS_FILE, monitoring_files, scrape_targets
 from llmgw_cli.core.node_access import AUTHORIZED_KEYS, HELPER, authorized_keys_text, node_files
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import InputError, NodeError
@@ -314,3 +316,12 @@ def test_a_plan_line_per_host() -> None:
     settled = previews.settled()
     assert settled.hosts[0] is previews.hosts[0] and settled.hosts[1].change == GatewayChange((), "none")
     assert not settled.changes
+
+
+def test_prometheus_scrapes_every_gateway_host() -> None:
+    s = parse_cluster(
+        CLUSTER.replace("  state_dir: /var/lib/llmgw-gw\n", '  metrics_listen: "0.0.0.0:9100"\n')
+    )
+    assert scrape_targets(s) == ["10.0.0.12:9100", "10.0.0.11:9100", "192.0.2.7:9100", "gw.example.net:9100"]
+    job = yaml.safe_load(monitoring_files(s, "/k")[PROMETHEUS_FILE])["scrape_configs"][0]
+    assert job["static_configs"] == [{"targets": scrape_targets(s)}]
