@@ -514,4 +514,4 @@ def _gateways_said(outcomes: list[Outcome]) -> str:
     """What apply's last line says of the gateway hosts: " Gateway: ready at ..." for
     one, " Gateway HOST: ..." for each of several."""
     gateways = [o for o in outcomes if o.subject == "gateway" or o.subject.startswith("gateway ")]
-    return "".join(f" {o.subject.capitalize()}: {o.message}." for o in gateways)
+    return "".join(f" G{o.subject[1:]}: {o.message}." for o in gateways)
