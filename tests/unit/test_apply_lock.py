@@ -234,8 +234,8 @@ def test_units_go_only_where_the_weights_are_and_the_lock_goes_before_the_wait(
         assert hold.released == 1, "waited for readiness under the lock"
         return []
 
-    async def install(*args: Any) -> Outcome:
-        return Outcome("gateway", True, "unchanged")
+    async def install(*args: Any) -> list[Outcome]:
+        return [Outcome("gateway", True, "unchanged")]
 
     for name, fake in (
         ("prepare", nothing),

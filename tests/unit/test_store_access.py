@@ -20,8 +20,8 @@ BASE = """\
 cluster: {name: t}
 nodes:
   - {name: here, address: 127.0.0.1}
-  - {name: self, address: 192.0.2.1, connection: local}
-  - {name: far, address: 192.0.2.2}
+  - {name: self, address: 198.51.100.1, connection: local}
+  - {name: far, address: 198.51.100.2}
 """
 
 
@@ -35,20 +35,20 @@ def test_the_store_is_reached_from_here_unless_it_is_sqlite_on_another_host() ->
         assert this_machine(spec, host) and store_host(spec) is None, host
     far = parse_cluster(cluster("{host: far}"))
     assert not this_machine(far, "far") and store_host(far) == "far"
-    assert store_host(parse_cluster(cluster("{host: 192.0.2.9}"))) == "192.0.2.9"
-    shared = parse_cluster(cluster("{hosts: [far, 192.0.2.9], store: 'postgresql://u@db.example/llmgw'}"))
+    assert store_host(parse_cluster(cluster("{host: 198.51.100.9}"))) == "198.51.100.9"
+    shared = parse_cluster(cluster("{hosts: [far, 198.51.100.9], store: 'postgresql://u@db.example/llmgw'}"))
     assert store_host(shared) is None  # PostgreSQL: directly, from anywhere
 
 
 def test_the_gateway_hosts_command_runs_as_the_folders_owner_with_every_word_quoted() -> None:
     spec = parse_cluster(
-        cluster("{host: far, state_dir: /var/lib/llmgw gw, llmgw_bin: /opt/llmgw/bin/llmgw}")
+        cluster("{host: far, state_dir: /var/lib/llmgw-gw/, llmgw_bin: /opt/llmgw/bin/llmgw}")
     )
     command = remote_command(spec, ["keys", "revoke"], ["--", "$(touch /tmp/pwned); x"])
     assert command.endswith(
-        "exec runuser -u \"$o\" -- \"$b\" keys revoke --store-dir '/var/lib/llmgw gw' -- '$(touch /tmp/pwned); x'"
+        "exec runuser -u \"$o\" -- \"$b\" keys revoke --store-dir /var/lib/llmgw-gw -- '$(touch /tmp/pwned); x'"
     )
-    assert "d='/var/lib/llmgw gw'; b=/opt/llmgw/bin/llmgw;" in command
+    assert "d=/var/lib/llmgw-gw; b=/opt/llmgw/bin/llmgw;" in command
     on_path = remote_command(parse_cluster(cluster("{host: far}")), ["usage"], ["--json"])
     assert 'b="$(command -v llmgw)"' in on_path and "usage --store-dir /var/lib/llmgw --json" in on_path
 
