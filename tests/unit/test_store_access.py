@@ -46,7 +46,7 @@ def test_the_gateway_hosts_command_runs_as_the_folders_owner_with_every_word_quo
     )
     command = remote_command(spec, ["keys", "revoke"], ["--", "$(touch /tmp/pwned); x"])
     assert command.endswith(
-        "exec runuser -u \"$o\" -- \"$b\" keys revoke --store-dir /var/lib/llmgw-gw -- '$(touch /tmp/pwned); x'"
+        'exec runuser -u "$o" -- "$b" keys revoke --store-dir /var/lib/llmgw-gw -- \'$(touch /tmp/pwned); x\''
     )
     assert "d=/var/lib/llmgw-gw; b=/opt/llmgw/bin/llmgw;" in command
     on_path = remote_command(parse_cluster(cluster("{host: far}")), ["usage"], ["--json"])
