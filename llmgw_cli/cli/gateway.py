@@ -24,6 +24,7 @@ from llmgw_cli.gateway.server import serve
 from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource, StaticSource
 from llmgw_cli.gateway.state import Gateway, read_engine_key, read_engine_keys
 from llmgw_cli.gateway.store import open_store
+from llmgw_cli.gateway.workers import default_count, supervise
 from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.connect import GatewayAccess
 
@@ -84,6 +85,22 @@ def run(
     health_every: Annotated[float, typer.Option(help="Seconds between health checks of replicas.")] = 2.0,
     flush_every: Annotated[float, typer.Option(help="Seconds between writes of usage totals.")] = 5.0,
     access_log: Annotated[bool, typer.Option(help="One JSON line per request on stderr.")] = True,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            min=1,
+            max=64,
+            help="Gateway processes accepting on the same listeners (overrides "
+            "gateway.workers; unset there: one per core, at most 8). 1: this process serves.",
+        ),
+    ] = None,
+    worker: Annotated[
+        int | None,
+        typer.Option(
+            "--worker", min=0, hidden=True, help="Set by the supervisor: this process is that worker."
+        ),
+    ] = None,
     event_loop: Annotated[
         EventLoop,
         typer.Option(
@@ -96,6 +113,7 @@ def run(
     """Serve the OpenAI API on `gateway.listen`, routing to the cluster's replicas.
 
     SIGHUP reloads the cluster file; SIGTERM drains requests in flight, then exits.
+    With several workers this process supervises them and passes those signals on.
     """
 
     runner = _runner(event_loop)
@@ -106,6 +124,15 @@ def run(
         return spec.model_copy(update={"ssh": spec.ssh.model_copy(update=ssh)}) if ssh else spec
 
     spec = load()
+    count = workers or spec.gateway.workers or default_count()
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format="%(message)s" if worker is None else f"[worker {worker}] %(message)s",
+    )
+    if worker is None and count > 1:
+        # This process supervises; each worker runs this command line with --worker I.
+        raise typer.Exit(supervise([sys.executable, *sys.orig_argv[1:]], count))
     # $LLMGW_ENGINE_KEY first: a systemd unit can pass the root-only engine.env with
     # EnvironmentFile= to a gateway that runs unprivileged and cannot read the file itself.
     keys_file = engine_keys_file
@@ -126,8 +153,9 @@ def run(
     probe = ProbeSource(file.parent, access) if replicas is None else None
     source: ReplicaSource = probe if probe is not None else StaticSource.from_file(replicas or Path())
     store = open_store(spec)
-    manages = probe is not None and spec.gateway.manage_replicas
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
+    # Of several workers only worker 0 starts and stops replicas (the others probe and
+    # route): two controllers deciding for the same nodes would start a replica twice.
+    manages = probe is not None and spec.gateway.manage_replicas and not worker
     # asyncssh says "Opening SSH connection", "Requesting new SSH session"... at INFO for
     # every probe: most of the journal. Its warnings and errors still show.
     logging.getLogger("asyncssh").setLevel(logging.WARNING)
@@ -150,7 +178,7 @@ def run(
         # what it routes, for apply (core/drain.py): <state_dir>/routes/<pid>.json
         routes=Path(routes_dir(spec.gateway.state_dir)),
     )
-    runner(serve(gateway))
+    runner(serve(gateway, worker=worker))
 
 
 def _runner(loop: EventLoop) -> Callable[[Coroutine[Any, Any, None]], None]:

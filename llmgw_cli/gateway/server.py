@@ -221,13 +221,21 @@ def split_listen(listen: str) -> tuple[str, int]:
 
 
 async def _start_site(
-    runner: web.AppRunner, listen: str, sockets: list[socket.socket] | None, context: ssl.SSLContext | None
+    runner: web.AppRunner,
+    listen: str,
+    sockets: list[socket.socket] | None,
+    context: ssl.SSLContext | None,
+    shared: bool = False,
 ) -> None:
-    """Accept on ``sockets`` (inherited from systemd) or, when None, on ``listen`` bound here."""
+    """Accept on ``sockets`` (inherited from systemd) or, when None, on ``listen`` bound
+    here (with ``SO_REUSEPORT`` when ``shared``: the other workers bind it too)."""
     try:
         if sockets is None:
             host, port = split_listen(listen)
-            await web.TCPSite(runner, host, port, backlog=2048, ssl_context=context).start()
+            site = web.TCPSite(
+                runner, host, port, backlog=2048, ssl_context=context, reuse_port=shared or None
+            )
+            await site.start()
         else:
             for sock in sockets:
                 await web.SockSite(runner, sock, backlog=2048, ssl_context=context).start()
@@ -327,14 +335,30 @@ async def _lame_duck(
         conn.force_close()  # its handler is cancelled: the engine's request with it
 
 
+def _listeners(gw: Gateway, worker: int | None) -> list[tuple[web.Application, str, ssl.SSLContext | None]]:
+    """The apps this process serves, each with its listener's name and TLS context: all
+    three for one process or worker 0 of several; the public one only for other workers
+    (the admin and metrics pages describe the process that answers: one, always the same)."""
+    settings = gw.spec.gateway
+    public_tls = tls_context(settings.tls) if settings.tls is not None else None
+    listeners = [(public_app(gw), "listen", public_tls)]
+    if not worker:
+        listeners.append((admin_app(gw), "admin_listen", None))
+        if settings.metrics_listen:
+            listeners.append((metrics_app(gw), "metrics_listen", None))
+    return listeners
+
+
 def _inherited(addresses: dict[str, str]) -> dict[str, list[socket.socket]] | None:
     """The sockets systemd passed, by listener; None when it passed none."""
     inherited = systemd.inherited_sockets()
     return systemd.assign(inherited, addresses) if inherited else None
 
 
-async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGTERM or SIGINT; the caller owns the loop."""
+async def serve(gw: Gateway, ready: asyncio.Event | None = None, worker: int | None = None) -> None:
+    """Run until SIGTERM or SIGINT; the caller owns the loop. ``worker``: this process is
+    that worker of several (``gateway/workers.py``): it binds the public listener with
+    ``SO_REUSEPORT``, and only worker 0 serves the admin and metrics listeners."""
     settings = gw.spec.gateway
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, ClientMistakes) for f in server_log.filters):
@@ -350,13 +374,7 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
     # answers 503 (the listeners below open after this today; the 503 keeps it so if
     # they ever open first).
     gw.metrics.build(FleetCollector(gw))
-    public_tls = tls_context(settings.tls) if settings.tls is not None else None
-    listeners = [
-        (public_app(gw), "listen", public_tls),
-        (admin_app(gw), "admin_listen", None),
-    ]
-    if settings.metrics_listen:
-        listeners.append((metrics_app(gw), "metrics_listen", None))
+    listeners = _listeners(gw, worker)
     runners: list[web.AppRunner] = []
     conns = Connections()
     clients = settings.client_timeouts
@@ -379,7 +397,8 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None) -> None:
             await runner.setup()
             runners.append(runner)
             listen = addresses[name]
-            await _start_site(runner, listen, passed[name] if passed is not None else None, context)
+            shared = worker is not None and name == "listen"
+            await _start_site(runner, listen, passed[name] if passed is not None else None, context, shared)
             log.info(
                 "listening on %s%s%s",
                 listen,

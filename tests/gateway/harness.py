@@ -105,8 +105,12 @@ def start_gateway(
 ) -> subprocess.Popen[bytes]:
     """`llmgw gateway run -f cluster *options`, its output added to ``log``, returned once
     its /health on ``port`` answers 200 (over HTTPS trusting ``tls`` when given). A gateway
-    that never answers is stopped, and the wait fails with the log's tail."""
+    that never answers is stopped, and the wait fails with the log's tail. One process
+    unless ``options`` name ``--workers``: the tests count what that process did (its
+    /metrics, its admin view, its routes file)."""
     argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(cluster), *options]
+    if "--workers" not in options:
+        argv += ["--workers", "1"]
     with log.open("ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     scheme = "http" if tls is None else "https"
@@ -163,6 +167,7 @@ class Gateway:
             "metrics_listen": f"127.0.0.1:{self.metrics_port}",
             "state_dir": str(directory / "state"),
             "load_wait": "1s",
+            "workers": 1,  # one process: tests/gateway/test_workers.py runs several
             **gateway,
         }
         self.cluster = directory / "cluster.yaml"

@@ -138,12 +138,12 @@ os.execv(sys.argv[i + 1], sys.argv[i + 1:])
 
 
 def run_on_sockets(
-    gw: Gateway, passed: list[socket.socket], notify: Path | None, log: Path
+    gw: Gateway, passed: list[socket.socket], notify: Path | None, log: Path, *options: str
 ) -> subprocess.Popen[bytes]:
-    """`llmgw gateway run` as systemd starts it: ``passed`` on fds 3, 4, ... with
+    """`llmgw gateway run *options` as systemd starts it: ``passed`` on fds 3, 4, ... with
     LISTEN_PID its own pid (the process that execs keeps its pid) and LISTEN_FDS."""
     argv = [sys.executable, "-m", "llmgw_cli", "gateway", "run", "-f", str(gw.cluster)]
-    argv += ["--replicas", str(gw.replicas), "--engine-key-file", str(gw.dir / "engine.env")]
+    argv += ["--replicas", str(gw.replicas), "--engine-key-file", str(gw.dir / "engine.env"), *options]
     env = {**os.environ, "LISTEN_FDS": str(len(passed)), "LISTEN_FDNAMES": "x"}
     env.pop("NOTIFY_SOCKET", None)
     if notify is not None:

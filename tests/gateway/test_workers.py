@@ -1,0 +1,221 @@
+"""Several gateway processes on one host (gateway/workers.py): real `llmgw gateway run
+--workers N` supervisors with their real worker processes, a simulated engine, and the
+sockets either bound by each worker (SO_REUSEPORT) or inherited the way systemd passes
+them (fds 3, 4, ..., LISTEN_PID)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway.harness import Engine, Gateway, start_gateway, stop
+from tests.gateway.test_systemd_sockets import gateway_sockets, listening, run_on_sockets
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+MODELS: list[dict[str, object]] = [{"name": "m", "source": "org/m", "profile": "sim"}]
+STARTED = re.compile(r"^worker (\d+) started \(pid (\d+)\)$", re.M)
+
+
+def start(gw: Gateway, workers: int) -> subprocess.Popen[bytes]:
+    options = ["--replicas", str(gw.replicas), "--engine-key-file", str(gw.dir / "engine.env")]
+    options += ["--health-every", "0.3", "--flush-every", "0.3", "--workers", str(workers)]
+    proc = start_gateway(gw.cluster, gw.log, *options, port=gw.port)
+    gw.proc = proc
+    wait_until(
+        lambda: f"all {workers} workers ready" in gw.log.read_text(),
+        timeout=60,
+        what=lambda: f"every worker ready:\n{gw.log.read_text()[-3000:]}",
+    )
+    return proc
+
+
+def worker_pids(log: Path) -> dict[int, int]:
+    """Worker index -> pid of its latest start, from the supervisor's log."""
+    return {int(index): int(pid) for index, pid in STARTED.findall(log.read_text())}
+
+
+def routes_pids(gw: Gateway) -> set[int]:
+    return {int(p.stem) for p in (gw.dir / "state" / "routes").glob("*.json")}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def ask(gw: Gateway, key: str, times: int) -> list[int]:
+    """``times`` chat completions, each on a new connection (the kernel picks a worker
+    per connection); their statuses."""
+    statuses = []
+    for _ in range(times):
+        with httpx.Client(timeout=30) as client:
+            answer = client.post(
+                f"http://127.0.0.1:{gw.port}/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+        statuses.append(answer.status_code)
+    return statuses
+
+
+def answered_by_worker_0(gw: Gateway) -> float:
+    """Requests answered 200, as worker 0's /metrics counts them (its own only)."""
+    text = httpx.get(f"http://127.0.0.1:{gw.metrics_port}/metrics", timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "llmgw_requests_total" and s.labels.get("status") == "200"
+    )
+
+
+def stored_requests(gw: Gateway, admin_key: str) -> int:
+    usage = gw.admin("/admin/api/usage", admin_key).json()["usage"]
+    return sum(int(u["requests"]) for u in usage if u["model"] == "m")
+
+
+def test_several_workers_answer_on_one_port_and_share_the_store(tmp_path: Path) -> None:
+    engine = Engine(tmp_path, "m")
+    gw = Gateway(tmp_path, MODELS, {"m": [engine.address]})
+    key = gw.cli("keys", "create", "--name", "client")
+    admin_key = gw.cli("keys", "create", "--name", "ops", "--admin")
+    proc = start(gw, 3)
+    try:
+        pids = worker_pids(gw.log)
+        assert sorted(pids) == [0, 1, 2] and proc.pid not in pids.values()
+        # Each worker is a whole gateway: it writes its own routes file (apply reads them all).
+        wait_until(lambda: routes_pids(gw) == set(pids.values()), timeout=30, what="a routes file per worker")
+        assert ask(gw, key, 60) == [200] * 60
+        # Worker 0 counts its own requests only: the others answered the rest.
+        by_zero = answered_by_worker_0(gw)
+        assert 0 < by_zero < 60, by_zero
+        # Usage goes to the one store of the host: every worker's requests are counted once.
+        wait_until(
+            lambda: stored_requests(gw, admin_key), until=lambda n: n == 60, timeout=30, what="usage of 60"
+        )
+        # SIGHUP reaches every worker: each reads the cluster file again.
+        proc.send_signal(signal.SIGHUP)
+        wait_until(
+            lambda: gw.log.read_text().count("reloaded the cluster file"),
+            until=lambda n: n == 3,
+            timeout=30,
+            what="three reloads",
+        )
+        assert stop(proc, wait=60) == 0
+        log = gw.log.read_text()
+        assert "stopping: SIGTERM passed to every worker" in log
+        assert all(f"worker {i} exited (status 0)" in log for i in range(3)), log[-3000:]
+        assert not any(alive(pid) for pid in pids.values())
+        assert routes_pids(gw) == set()  # each removed its own on the way out
+    finally:
+        if proc.poll() is None:
+            stop(proc, signal.SIGKILL)
+        engine.stop()
+
+
+def test_a_killed_worker_is_started_again_while_the_others_serve(tmp_path: Path) -> None:
+    engine = Engine(tmp_path, "m")
+    gw = Gateway(tmp_path, MODELS, {"m": [engine.address]})
+    key = gw.cli("keys", "create", "--name", "client")
+    proc = start(gw, 2)
+    try:
+        first = worker_pids(gw.log)
+        os.kill(first[1], signal.SIGKILL)
+        wait_until(
+            lambda: "worker 1 exited (killed by SIGKILL)" in gw.log.read_text(),
+            timeout=30,
+            what=lambda: f"the supervisor to see the death:\n{gw.log.read_text()[-3000:]}",
+        )
+        # Its socket closed with it: every new connection goes to worker 0 meanwhile.
+        assert ask(gw, key, 10) == [200] * 10
+        again = wait_until(
+            lambda: worker_pids(gw.log)[1],
+            until=lambda pid: pid != first[1],
+            timeout=30,
+            what=lambda: f"worker 1 started again:\n{gw.log.read_text()[-3000:]}",
+        )
+        assert "worker 1 exited (killed by SIGKILL) after" in gw.log.read_text()
+        assert "starting it again in 1s" in gw.log.read_text()
+        wait_until(lambda: again in routes_pids(gw), timeout=60, what="the new worker's routes file")
+        assert alive(first[0]) and worker_pids(gw.log)[0] == first[0]  # worker 0 was left alone
+        # The new worker 1 takes its share of new connections.
+        before = answered_by_worker_0(gw)
+        assert ask(gw, key, 40) == [200] * 40
+        assert answered_by_worker_0(gw) - before < 40
+        assert stop(proc, wait=60) == 0
+        assert not alive(again) and not alive(first[0])
+    finally:
+        if proc.poll() is None:
+            stop(proc, signal.SIGKILL)
+        engine.stop()
+
+
+def test_workers_share_the_sockets_systemd_passed_and_the_supervisor_alone_tells_systemd(
+    tmp_path: Path,
+) -> None:
+    engine = Engine(tmp_path, "m")
+    gw = Gateway(tmp_path, MODELS, {"m": [engine.address]})
+    key = gw.cli("keys", "create", "--name", "client")
+    sockets = gateway_sockets(gw)
+    path = tmp_path / "notify"
+    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sink.bind(str(path))
+    sink.settimeout(60)
+    log = tmp_path / "supervisor.log"
+    proc = run_on_sockets(gw, sockets, path, log, "--workers", "2")
+    try:
+        # READY=1 once, from the supervisor, after both workers said it to the supervisor.
+        assert sink.recv(4096) == b"READY=1", log.read_text()[-3000:]
+        text = log.read_text()
+        assert "supervising 2 gateway workers on 3 sockets from llmgw-gateway.socket" in text
+        assert "all 2 workers ready" in text
+        for i in (0, 1):
+            assert f"[worker {i}] listening on 127.0.0.1:{gw.port} (from llmgw-gateway.socket)" in text
+        # Only worker 0 serves the admin and metrics sockets.
+        assert f"[worker 1] listening on 127.0.0.1:{gw.admin_port}" not in text
+        assert f"[worker 0] listening on 127.0.0.1:{gw.admin_port} (from llmgw-gateway.socket)" in text
+        assert ask(gw, key, 10) == [200] * 10
+        assert httpx.get(f"http://127.0.0.1:{gw.admin_port}/admin/api/usage", timeout=5).status_code == 401
+        assert stop(proc, wait=60) == 0
+        # The next datagram is STOPPING=1: no worker sent its own READY=1 to systemd.
+        assert sink.recv(4096) == b"STOPPING=1"
+        sink.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            sink.recv(4096)
+    finally:
+        if proc.poll() is None:
+            stop(proc, signal.SIGKILL)
+        sink.close()
+        engine.stop()
+        for s in sockets:
+            s.close()
+
+
+def test_a_worker_that_cannot_start_fails_the_supervisor(tmp_path: Path) -> None:
+    gw = Gateway(tmp_path, MODELS, {"m": []})
+    sockets = [listening(port=gw.port)]  # the socket unit and the cluster file disagree
+    log = tmp_path / "supervisor.log"
+    proc = run_on_sockets(gw, sockets, None, log, "--workers", "2")
+    try:
+        assert proc.wait(60) == 1
+        text = log.read_text()
+        assert f"passed no socket for gateway.admin_listen 127.0.0.1:{gw.admin_port}" in text
+        assert "before it was ready" in text and "all 2 workers ready" not in text
+    finally:
+        if proc.poll() is None:
+            stop(proc, signal.SIGKILL)
+        for s in sockets:
+            s.close()
