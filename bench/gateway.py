@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -273,11 +274,21 @@ async def latency(port: int, stream: bool, key: str, count: int) -> tuple[list[f
 
 
 async def throughput(
-    port: int, stream: bool, key: str, concurrency: int, seconds: float, *, pid: int | None = None
+    port: int,
+    stream: bool,
+    key: str,
+    concurrency: int,
+    seconds: float,
+    *,
+    pid: int | None = None,
+    cpu_time: Callable[[], float] | None = None,
 ) -> tuple[float, float]:
     """Requests per second over ``seconds`` (after a warm-up second), and the CPU time the
-    process ``pid`` used per request meanwhile, in microseconds (0 without a pid): less
-    sensitive than the rate to other work on a shared machine."""
+    process ``pid`` (or ``cpu_time()``, CPU seconds so far of whatever it sums) used per
+    request meanwhile, in microseconds (0 without either): less sensitive than the rate to
+    other work on a shared machine."""
+    if cpu_time is None and pid:
+        cpu_time = lambda: cpu_seconds(pid)  # noqa: E731
     clients = [await _connect(port, _request(port, stream, key)) for _ in range(concurrency)]
     counts = [0] * concurrency
     stop_at = 0.0
@@ -290,12 +301,12 @@ async def throughput(
     stop_at = time.perf_counter() + 1.0  # warm-up second, not counted
     await asyncio.gather(*(loop(i) for i in range(concurrency)))
     counts = [0] * concurrency
-    cpu = cpu_seconds(pid) if pid else 0.0
+    cpu = cpu_time() if cpu_time else 0.0
     started = time.perf_counter()
     stop_at = started + seconds
     await asyncio.gather(*(loop(i) for i in range(concurrency)))
     elapsed = time.perf_counter() - started
-    cpu = cpu_seconds(pid) - cpu if pid else 0.0
+    cpu = cpu_time() - cpu if cpu_time else 0.0
     for c in clients:
         c.transport.close()
     return sum(counts) / elapsed, cpu / max(1, sum(counts)) * 1e6

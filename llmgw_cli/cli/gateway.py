@@ -6,6 +6,7 @@ import asyncio
 import importlib
 import logging
 import os
+import select
 import sys
 from collections.abc import Callable, Coroutine
 from enum import StrEnum
@@ -19,7 +20,7 @@ from llmgw_cli.core.drain import routes_dir
 from llmgw_cli.core.engines import ENGINE_ENV_FILE, ENGINE_KEY_VAR
 from llmgw_cli.core.gateway_install import ENGINE_KEYS_FILE
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.gateway.accesslog import AccessLog
+from llmgw_cli.gateway.accesslog import LIMIT, AccessLog
 from llmgw_cli.gateway.server import serve
 from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource, StaticSource
 from llmgw_cli.gateway.state import Gateway, read_engine_key, read_engine_keys
@@ -132,7 +133,7 @@ def run(
     )
     if worker is None and count > 1:
         # This process supervises; each worker runs this command line with --worker I.
-        raise typer.Exit(supervise([sys.executable, *sys.orig_argv[1:]], count))
+        raise typer.Exit(supervise([sys.executable, *sys.orig_argv[1:]], count, spec.gateway.state_dir))
     # $LLMGW_ENGINE_KEY first: a systemd unit can pass the root-only engine.env with
     # EnvironmentFile= to a gateway that runs unprivileged and cannot read the file itself.
     keys_file = engine_keys_file
@@ -169,7 +170,10 @@ def run(
         discover_every=discover_every if replicas is None else 3600.0,
         health_every=health_every,
         flush_every=flush_every,
-        access_log=AccessLog(sys.stderr.buffer) if access_log else None,
+        # several workers share stderr: whole lines in writes no other process can cut
+        access_log=AccessLog(sys.stderr.buffer, LIMIT if worker is None else select.PIPE_BUF)
+        if access_log
+        else None,
         # Starts, stops and replacements need the nodes: only with a probed cluster, not
         # with a fixed replica list (the controller then only observes).
         manage_replicas=manages,

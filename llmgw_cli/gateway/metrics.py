@@ -7,6 +7,10 @@ Two kinds:
 - read when scraped (in flight, queue, replica health, the fleet from the one Summary):
   a collector registered by ``build``, so the request path pays nothing for them.
 
+Several workers (``gateway/workers.py``): each counts in files of its own, and the one
+that serves ``/metrics`` (worker 0) sums every worker's counters and histograms; the
+scrape-time figures (in flight, queue) are its own.
+
 Until ``build`` has run (the gateway has not finished starting: first discovery and, with
 probing, the first probe of the nodes), ``render`` returns None and the endpoints answer
 503: a half-empty page would look like a working target with nothing in it.
@@ -24,11 +28,13 @@ unless a new (model, status, key) appears.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 # Seconds. Non-streamed answers and whole streams: from milliseconds to minutes.
@@ -37,6 +43,10 @@ FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 # Model loads: a small GGUF in seconds, a 400B model over several nodes in tens of minutes.
 LOAD_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 MAX_CHILDREN = 10_000  # cached label sets; keys and models are bounded, this is a backstop
+# Set by the workers' supervisor (gateway/workers.py): prometheus_client then keeps every
+# counter and histogram in a file per process there (read when it is imported, so only
+# ever in a fresh worker process), and a scrape sums the files of every worker.
+MULTIPROC_VAR = "PROMETHEUS_MULTIPROC_DIR"
 WINDOW = 3600.0  # seconds of per-key use kept in memory (the dashboard's "last hour")
 
 
@@ -223,9 +233,15 @@ class Metrics:
         )
 
     def build(self, *collectors: Collector) -> None:
-        """Make the registry: the counters above plus scrape-time ``collectors``."""
+        """Make the registry: the counters above plus scrape-time ``collectors``. A worker
+        of several (``$PROMETHEUS_MULTIPROC_DIR`` set by the supervisor) reports the
+        counters of every worker, summed from their files there, instead of its own."""
         registry = CollectorRegistry(auto_describe=False)
-        for c in (*self._own(), *collectors):
+        shared = os.environ.get(MULTIPROC_VAR)
+        counters: Iterable[Collector] = self._own()
+        if shared:
+            counters = (MultiProcessCollector(None, shared),)  # type: ignore[no-untyped-call]
+        for c in (*counters, *collectors):
             registry.register(c)
         self.registry = registry
 

@@ -16,10 +16,15 @@ Listeners:
   passes the inherited sockets to every worker as fds 3, 4, ... and sets ``LISTEN_PID``
   to the worker's own pid in the child before it execs: all of them accept from the same
   kernel sockets, as the hand-over instance does during an upgrade;
-- the admin and metrics listeners are served by worker 0 only: their answers (the
-  dashboard, ``/metrics``) describe one process, and a scrape that landed on a different
-  process each time would see counters jump back and forth. A restarted worker 0 takes
-  them again.
+- the admin and metrics listeners are served by worker 0 only: a scrape or a dashboard
+  that landed on a different process each time would see its figures jump back and
+  forth. ``/metrics`` still counts every worker's requests: the supervisor gives its
+  workers a folder (``$PROMETHEUS_MULTIPROC_DIR``, ``<state_dir>/metrics/<its pid>``)
+  where each keeps its counters and histograms in files, which worker 0 sums when
+  scraped (a dead worker's counts stay in the sums: counters never go back). What is
+  read at scrape time (requests in flight, queued) and the admin pages (the last hour
+  of use, the controller's actions) are worker 0's own. A restarted worker 0 takes
+  these listeners again.
 
 Readiness: the workers' ``$NOTIFY_SOCKET`` is the supervisor's own datagram socket (an
 abstract name; a datagram is believed only from a worker's pid, read from the kernel's
@@ -45,6 +50,7 @@ import logging
 import os
 import secrets
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,9 +58,11 @@ import sys
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 from llmgw_cli.gateway import systemd
+from llmgw_cli.gateway.metrics import MULTIPROC_VAR
 
 log = logging.getLogger("llmgw.gateway.workers")
 
@@ -64,6 +72,7 @@ MAX_DELAY = 30.0
 STEADY = 60.0  # a worker that served this long before dying starts again after FIRST_DELAY
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1
+METRICS_DIR_NAME = "metrics"  # in state_dir: a folder per supervisor, a file per worker in it
 
 
 def default_count() -> int:
@@ -102,10 +111,12 @@ class Supervisor:
         self,
         argv: list[str],
         count: int,
+        metrics_dir: Path | None = None,
         environ: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.argv = argv
+        self.metrics_dir = metrics_dir
         self.workers = [Worker(i) for i in range(count)]
         env = dict(os.environ if environ is None else environ)
         self.fds = listen_fds(env)  # inherited from systemd: passed to every worker
@@ -144,6 +155,8 @@ class Supervisor:
 
     def _start(self, worker: Worker) -> None:
         env = {**self.env, "NOTIFY_SOCKET": self._notify_name}
+        if self.metrics_dir is not None:
+            env[MULTIPROC_VAR] = str(self.metrics_dir)
         if self.fds:
             env["LISTEN_FDS"] = str(self.fds)
             if self.fdnames is not None:
@@ -202,6 +215,8 @@ class Supervisor:
             self._libc = ctypes.CDLL(None, use_errno=True)
         except OSError:
             self._libc = None
+        if self.metrics_dir is not None:
+            self.metrics_dir.mkdir(mode=0o700, parents=True)
         self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._notify.bind("\0" + self._notify_name[1:])
         self._notify.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
@@ -228,6 +243,8 @@ class Supervisor:
                 if worker.proc is not None and worker.proc.poll() is None:
                     worker.proc.kill()
                     worker.proc.wait()
+            if self.metrics_dir is not None:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     def _loop(self, wake: int) -> int:
         assert self._notify is not None
@@ -326,11 +343,35 @@ def _status(code: int) -> str:
     return f"status {code}"
 
 
-def supervise(argv: list[str], count: int) -> int:
+def metrics_dir(state_dir: str) -> Path:
+    """This supervisor's folder for its workers' metric files,
+    ``<state_dir>/metrics/<pid>``, after removing those of supervisors that are gone
+    (a SIGKILL leaves its folder behind)."""
+    parent = Path(state_dir) / METRICS_DIR_NAME
+    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for entry in parent.iterdir():
+        if entry.name.isdigit() and entry.is_dir() and not entry.is_symlink() and not _alive(int(entry.name)):
+            shutil.rmtree(entry, ignore_errors=True)
+    own = parent / str(os.getpid())
+    shutil.rmtree(own, ignore_errors=True)  # a folder of a process that had this pid before
+    return own
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def supervise(argv: list[str], count: int, state_dir: str) -> int:
     """``Supervisor(argv, count).run()``, the exit status; an error starting a worker
     (the program cannot be executed) is the supervisor's own."""
     try:
-        return Supervisor(argv, count).run()
+        return Supervisor(argv, count, metrics_dir(state_dir)).run()
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.EACCES):
             log.error("cannot start a gateway worker: %s", exc)
