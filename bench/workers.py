@@ -66,12 +66,19 @@ def wait_ready(log: Path, workers: int, seconds: float = 120) -> None:
 
 
 async def measure(
-    port: int, key: str, stream: bool, *, concurrency: int, seconds: float, pids: list[int]
+    port: int, key: str, stream: bool, *, concurrency: int, seconds: float, pids: list[int], load: list[int]
 ) -> dict[str, float]:
-    rate, cpu_us = await one.throughput(
-        port, stream, key, concurrency, seconds, cpu_time=lambda: cpu_of(pids)
-    )
-    return {"rps": rate, "cpu_us": cpu_us}
+    """Requests/s, and the CPU time per request of the gateway's processes (``pids``) and
+    of the load (``load``: this client and the upstream) over the same measured window."""
+    marks: list[tuple[float, float]] = []
+
+    def sample() -> float:  # throughput() calls it at the start and the end of the window
+        marks.append((cpu_of(pids), cpu_of(load)))
+        return marks[-1][0]
+
+    rate, cpu_us = await one.throughput(port, stream, key, concurrency, seconds, cpu_time=sample)
+    (gw0, load0), (gw1, load1) = marks
+    return {"rps": rate, "cpu_us": cpu_us, "load_us": cpu_us * (load1 - load0) / max(gw1 - gw0, 1e-9)}
 
 
 def main() -> None:
@@ -122,11 +129,13 @@ def main() -> None:
                             concurrency=args.concurrency,
                             seconds=args.seconds,
                             pids=pids[n],
+                            load=[os.getpid(), procs[0].pid],
                         )
                     )
                     rows.setdefault((mode, n), []).append(result)
                     print(
-                        f"round {r + 1} {mode} workers={n}: {result['rps']:,.0f} req/s, {result['cpu_us']:.0f} us CPU/req",
+                        f"round {r + 1} {mode} workers={n}: {result['rps']:,.0f} req/s, gateway {result['cpu_us']:.0f} "
+                        f"us CPU/req, client+upstream {result['load_us']:.0f} us CPU/req",
                         flush=True,
                     )
     finally:
@@ -137,17 +146,21 @@ def main() -> None:
             g.log.close()
         shutil.rmtree(work)
 
-    load = os.getloadavg()
-    print(f"\nCPUs {cpus}; load average after the run {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-    print("| mode | workers | req/s per round | median req/s | median gateway CPU us/req |")
-    print("|---|---|---|---|---|")
+    average = os.getloadavg()
+    print(f"\nCPUs {cpus}; load average after the run {average[0]:.1f} {average[1]:.1f} {average[2]:.1f}")
+    print(
+        "| mode | workers | req/s per round | median req/s | median gateway CPU us/req "
+        "| median client+upstream CPU us/req |"
+    )
+    print("|---|---|---|---|---|---|")
     medians: dict[tuple[str, int], tuple[float, float]] = {}
     for (mode, n), results in rows.items():
         rps = statistics.median(x["rps"] for x in results)
         cpu = statistics.median(x["cpu_us"] for x in results)
+        load = statistics.median(x["load_us"] for x in results)
         medians[(mode, n)] = (rps, cpu)
         each = ", ".join(f"{x['rps']:,.0f}" for x in results)
-        print(f"| {mode} | {n} | {each} | {rps:,.0f} | {cpu:.0f} |")
+        print(f"| {mode} | {n} | {each} | {rps:,.0f} | {cpu:.0f} | {load:.0f} |")
     for mode in ("plain", "stream50"):
         (r1, c1), (r2, c2) = medians[(mode, 1)], medians[(mode, 2)]
         pairs = [b["rps"] / a["rps"] for a, b in zip(rows[(mode, 1)], rows[(mode, 2)], strict=True)]

@@ -17,6 +17,10 @@ Started by systemd, the gateway takes its listeners from ``llmgw-gateway.socket`
 (``gateway/systemd.py``) instead of binding them, and reports ``READY=1`` once it serves:
 two gateway processes can then accept from the same sockets, which is how an upgrade hands
 over without refusing a connection. Started by hand, it binds its listeners itself.
+One of several workers (``gateway/workers.py``), it binds the public listener with
+``SO_REUSEPORT`` (the others bind it too) and serves the admin and metrics listeners only
+when it is worker 0; its ``READY=1`` goes to the supervisor, which tells systemd once
+every worker serves.
 
 SIGHUP reloads the cluster file (listeners and connections stay); SIGTERM/SIGINT stop the
 replica controller first (a gateway that is leaving starts and stops no replica), then

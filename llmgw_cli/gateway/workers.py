@@ -313,7 +313,9 @@ class Supervisor:
             worker.ready = False
             if self.stopping:
                 log.info("worker %d exited (%s)", worker.index, _status(code))
-                worst = max(worst, 0 if code == 0 else 1)
+                # killed by the signal passed on (it came before its handler was set): clean
+                clean = code in (0, -signal.SIGTERM, -signal.SIGINT)
+                worst = max(worst, 0 if clean else 1)
                 continue
             if not self.all_ready:
                 log.error("worker %d exited (%s) before it was ready", worker.index, _status(code))
