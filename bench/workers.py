@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/workers.py                  # 3 rounds of 5 s per configuration
     .venv/bin/python bench/workers.py --rounds 5 --seconds 10 --cpus 0,1
+    .venv/bin/python bench/workers.py --cpus 0,1 --load-cpus 2,3   # 4 cores: the load apart
 
 Both gateways run at once (each idle while the other is measured), in front of the same
 fake upstream of bench/gateway.py (a raw asyncio protocol), loaded by the same raw
@@ -12,7 +13,8 @@ medians over the rounds, and the ratio of the medians (2 workers / 1).
 
 Fairness on a small machine: every process (both gateways with their workers, the
 upstream, this client) may run on the same CPUs (``--cpus``, all of this process's by
-default), so the only difference between the two is the number of gateway processes.
+default), so the only difference between the two is the number of gateway processes;
+``--load-cpus`` puts the client and the upstream on CPUs of their own instead.
 The client and the upstream use CPU too: on 2 cores they take part of the second core the
 second worker would use, so 2x is out of reach there; the gateways' CPU time per request
 (summed over the supervisor and its workers, from ``/proc``) shows whether a worker costs
@@ -81,7 +83,7 @@ async def measure(
     return {"rps": rate, "cpu_us": cpu_us, "load_us": cpu_us * (load1 - load0) / max(gw1 - gw0, 1e-9)}
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915 (one linear script)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -89,14 +91,19 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="Duration of each throughput run.")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--cpus", default="", help="CPUs for every process (taskset list); default: all.")
+    parser.add_argument(
+        "--load-cpus", default="", help="CPUs for the client and the upstream; default: --cpus."
+    )
     args = parser.parse_args()
 
     cpus = args.cpus or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    load_cpus = args.load_cpus or cpus
+    os.sched_setaffinity(0, {int(c) for c in load_cpus.split(",")})
     pin = ["taskset", "-c", cpus]
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-workers-"))
     up_port = one.free_port()
-    procs = [subprocess.Popen([*pin, sys.executable, one.__file__, "--upstream", str(up_port)])]
+    upstream = ["taskset", "-c", load_cpus, sys.executable, one.__file__, "--upstream", str(up_port)]
+    procs = [subprocess.Popen(upstream)]
     configs = {
         1: one.Gateway(work, "workers-1", "auto", up_port),
         2: one.Gateway(work, "workers-2", "auto", up_port),
@@ -147,7 +154,9 @@ def main() -> None:
         shutil.rmtree(work)
 
     average = os.getloadavg()
-    print(f"\nCPUs {cpus}; load average after the run {average[0]:.1f} {average[1]:.1f} {average[2]:.1f}")
+    print(
+        f"\nCPUs {cpus} (load {load_cpus}); load average after the run {average[0]:.1f} {average[1]:.1f} {average[2]:.1f}"
+    )
     print(
         "| mode | workers | req/s per round | median req/s | median gateway CPU us/req "
         "| median client+upstream CPU us/req |"
