@@ -57,7 +57,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -101,7 +101,6 @@ class Worker:
     started: float = 0.0  # monotonic
     delay: float = FIRST_DELAY  # before the next start after a death
     due: float | None = None  # monotonic time of a pending restart
-    exits: list[int] = field(default_factory=list)  # exit codes seen, for the log and tests
 
 
 class Supervisor:
@@ -119,8 +118,9 @@ class Supervisor:
         self.metrics_dir = metrics_dir
         self.workers = [Worker(i) for i in range(count)]
         env = dict(os.environ if environ is None else environ)
+        names = env.get("LISTEN_FDNAMES")
         self.fds = listen_fds(env)  # inherited from systemd: passed to every worker
-        self.fdnames = env.pop("LISTEN_FDNAMES", None)
+        self.fdnames = names if self.fds else None
         self.systemd_notify = env.pop("NOTIFY_SOCKET", None)
         self.env = env
         self.clock = clock
@@ -309,7 +309,6 @@ class Supervisor:
             if code is None:
                 continue
             worker.proc = None
-            worker.exits.append(code)
             worker.ready = False
             if self.stopping:
                 log.info("worker %d exited (%s)", worker.index, _status(code))

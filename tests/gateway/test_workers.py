@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.harness import Engine, Gateway, start_gateway, stop
 from tests.gateway.test_systemd_sockets import gateway_sockets, listening, run_on_sockets
+from tests.integration.load import running_load
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -219,6 +220,50 @@ def test_workers_share_the_sockets_systemd_passed_and_the_supervisor_alone_tells
         if proc.poll() is None:
             stop(proc, signal.SIGKILL)
         sink.close()
+        engine.stop()
+        for s in sockets:
+            s.close()
+
+
+def test_an_upgrade_hands_over_between_two_supervisors_without_a_refusal(tmp_path: Path) -> None:
+    """What apply does with llmgw-gateway-handover.service, with two workers on each side:
+    a second supervisor starts on the same sockets, the first stops (its workers drain).
+    Streams flow throughout: none is cut, none refused beyond the rare reset of the
+    one-process hand-over test."""
+    engine = Engine(tmp_path, "m", tokens_per_second=40)
+    gw = Gateway(tmp_path, MODELS, {"m": [engine.address]}, drain_timeout="10s")
+    key = gw.cli("keys", "create", "--name", "load")
+    sockets = gateway_sockets(gw)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start_on_sockets(n: int) -> subprocess.Popen[bytes]:
+        path = tmp_path / f"notify-{n}"
+        log = tmp_path / f"supervisor-{n}.log"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sink:
+            sink.bind(str(path))
+            sink.settimeout(90)
+            proc = run_on_sockets(gw, sockets, path, log, "--workers", "2")
+            procs.append(proc)
+            assert sink.recv(4096) == b"READY=1", log.read_text()[-3000:]
+        return proc
+
+    try:
+        first = start_on_sockets(1)
+        with running_load(f"http://127.0.0.1:{gw.port}/v1", key, "m", concurrency=4, max_tokens=8) as load:
+            second = start_on_sockets(2)
+            assert stop(first, wait=60) == 0
+            flowing = len(load.completed)
+            wait_until(lambda: len(load.completed) >= flowing + 8, timeout=60, what="the load on the second")
+        print(f"hand-over under load: {load.failures()}")
+        assert not load.cut, load.failures()
+        assert len(load.refused) <= 2, load.failures()
+        assert all(r.status is None for r in load.refused), load.failures()
+        assert "all 2 workers ready" in (tmp_path / "supervisor-2.log").read_text()
+        assert stop(second, wait=60) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                stop(proc, signal.SIGKILL)
         engine.stop()
         for s in sockets:
             s.close()

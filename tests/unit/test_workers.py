@@ -10,7 +10,7 @@ import os
 import select
 
 from llmgw_cli.gateway.accesslog import LIMIT, AccessLog
-from llmgw_cli.gateway.workers import MAX_DEFAULT, default_count, listen_fds
+from llmgw_cli.gateway.workers import MAX_DEFAULT, Supervisor, default_count, listen_fds
 
 
 def test_the_supervisor_takes_the_count_of_sockets_passed_to_it_only() -> None:
@@ -64,3 +64,17 @@ def test_one_process_writes_its_batch_at_once() -> None:
     log.flush()
     assert len(stream.writes) == 1 and stream.writes[0].count(b"\n") == 100
     assert log.chunk == LIMIT
+
+
+def test_the_supervisor_passes_on_what_systemd_passed_it_and_nothing_else() -> None:
+    env = {"LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "3", "LISTEN_FDNAMES": "a:b:c", "HOME": "/h"}
+    env["NOTIFY_SOCKET"] = "/run/systemd/notify"
+    supervisor = Supervisor(["llmgw"], 2, environ=env)
+    assert (supervisor.fds, supervisor.fdnames, supervisor.systemd_notify) == (
+        3,
+        "a:b:c",
+        "/run/systemd/notify",
+    )
+    assert supervisor.env == {"HOME": "/h"}  # the workers get their own LISTEN_* and NOTIFY_SOCKET
+    other = Supervisor(["llmgw"], 2, environ={**env, "LISTEN_PID": "1"})
+    assert (other.fds, other.fdnames) == (0, None)
