@@ -218,10 +218,15 @@ class SqliteStore:
         self.path = directory / "gateway.sqlite3"
         self._seen: tuple[int, int] | None = None  # the change counters wait_change last saw
         try:
+            # Made 0600 before SQLite opens it: its -wal and -shm files take the database
+            # file's mode, and they hold key digests too.
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            self.path.chmod(0o600)
             self._migrate()
+        except OSError as exc:
+            raise InputError(f"gateway store {self.path}: {exc.strerror}") from None
         except sqlite3.Error as exc:
             raise InputError(f"gateway store {self.path}: {exc}") from None
-        self.path.chmod(0o600)
 
     @contextmanager
     def _db(self, write: bool = False) -> Iterator[sqlite3.Connection]:
