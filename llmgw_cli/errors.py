@@ -25,6 +25,8 @@ Errors handled where they arise, which never reach the command line (so they are
 ``LlmgwError``: one escaping is a bug and keeps its traceback)::
 
     StartFailed                the gateway's controller could not start a replica
+    NotLeader                  a gateway process that no longer leads was about to act on
+                               the nodes (the fence check failed): the action is refused
     UpstreamError              the gateway could not ask an engine, or got no proper answer
     ├── ConnectFailed          no connection: nothing was sent; another replica may be tried
     ├── Disconnected           closed before any byte of the answer; ``reused``: a pooled
@@ -130,6 +132,11 @@ class LabUnavailable(LabError):
 class StartFailed(Exception):
     """The controller's start of a replica could not happen (no room, a node refused) or
     never became ready."""
+
+
+class NotLeader(Exception):
+    """This gateway process is not (or no longer) the cluster's leader: it must not touch
+    the nodes. Raised by the fence check before a node action or under the cluster lock."""
 
 
 class UpstreamError(Exception):

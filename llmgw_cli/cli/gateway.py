@@ -22,7 +22,7 @@ from llmgw_cli.core.gateway_install import ENGINE_KEYS_FILE
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.gateway.accesslog import LIMIT, AccessLog
 from llmgw_cli.gateway.server import serve
-from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource, StaticSource
+from llmgw_cli.gateway.sources import ProbeSource, PublishedSource, ReplicaSource, StaticSource
 from llmgw_cli.gateway.state import Gateway, read_engine_key, read_engine_keys
 from llmgw_cli.gateway.store import open_store
 from llmgw_cli.gateway.workers import default_count, supervise
@@ -50,6 +50,14 @@ def run(
             "probing the nodes (engines outside llmgw, tests, benchmarks).",
         ),
     ] = None,
+    follow: Annotated[
+        bool,
+        typer.Option(
+            "--follow",
+            help="Never lead: route to the replica set the leading gateway process publishes in "
+            "the store, and ask it for on-demand starts. Needs no SSH key (no access to the nodes).",
+        ),
+    ] = False,
     engine_keys_file: Annotated[
         Path | None,
         typer.Option(
@@ -115,7 +123,11 @@ def run(
 
     SIGHUP reloads the cluster file; SIGTERM drains requests in flight, then exits.
     With several workers this process supervises them and passes those signals on.
+    Several processes share the cluster through its store: one leads (probes the nodes,
+    starts and stops replicas), the others follow.
     """
+    if follow and replicas is not None:
+        raise typer.BadParameter("--follow reads the published replica set: not with --replicas")
 
     runner = _runner(event_loop)
 
@@ -151,12 +163,18 @@ def run(
         if identity_file is not None
         else None
     )
-    probe = ProbeSource(file.parent, access) if replicas is None else None
-    source: ReplicaSource = probe if probe is not None else StaticSource.from_file(replicas or Path())
     store = open_store(spec)
-    # Of several workers only worker 0 starts and stops replicas (the others probe and
-    # route): two controllers deciding for the same nodes would start a replica twice.
-    manages = probe is not None and spec.gateway.manage_replicas and not worker
+    probe = ProbeSource(file.parent, access) if replicas is None and not follow else None
+    source: ReplicaSource
+    if follow:
+        source = PublishedSource(store)
+    elif probe is not None:
+        source = probe
+    else:
+        source = StaticSource.from_file(replicas or Path())
+    # Every worker (and every host) with node access may lead; the one that leads alone
+    # starts and stops replicas (gateway/coordination.py): the others route.
+    manages = probe is not None and spec.gateway.manage_replicas
     # asyncssh says "Opening SSH connection", "Requesting new SSH session"... at INFO for
     # every probe: most of the journal. Its warnings and errors still show.
     logging.getLogger("asyncssh").setLevel(logging.WARNING)

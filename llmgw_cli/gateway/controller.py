@@ -50,6 +50,15 @@ replica loads.
 
 Last use is wall-clock time (it is persisted, so a restart keeps it); a replica found
 running without a saved time is "unknown" until watched unused for its idle_timeout.
+Before it stops a replica for idleness, the controller reads the stored last use again:
+another gateway process may have used it since (``saved``).
+
+Many gateway processes (``gateway/coordination.py``): only the leader's controller manages
+(``manages``); the others follow (``following``): their phases, progress and unavailable
+answers come from the leader's published ``ModelState``s, and ``_want`` asks the leader for
+an on-demand start (``Following.request``) instead of beginning one. Each process forwards
+at most ``ceil(model_concurrency / members)`` requests at once per ready replica, so the
+processes together keep to the engine's concurrency.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -74,6 +84,7 @@ from llmgw_cli.core.controller import (
     StopCause,
     Unavailable,
     UnitCondition,
+    backoff,
     reconcile,
     unavailable,
 )
@@ -85,11 +96,11 @@ from llmgw_cli.core.lifecycle import eviction_candidate, known_last_use
 from llmgw_cli.core.plan import Action, Plan, Running, conflicts, grow_plan, running_replicas, stop_plan
 from llmgw_cli.core.routing import Health, Pool, RoutedReplica, serving_address
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
-from llmgw_cli.errors import NodeError, StartFailed
+from llmgw_cli.errors import NodeError, NotLeader, StartFailed
 from llmgw_cli.gateway.admission import Admission
 from llmgw_cli.gateway.metrics import Metrics
 from llmgw_cli.gateway.sources import ProbeSource
-from llmgw_cli.gateway.store import Store
+from llmgw_cli.gateway.store import ModelState, Store
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.cluster_lock import Hold, LocalLock
 from llmgw_cli.remote.execute import Outcome, UnitWatch, execute
@@ -101,6 +112,11 @@ log = logging.getLogger("llmgw.controller")
 WATCH_EVERY = 0.25  # seconds between health checks of a replica that is loading
 UNIT_EVERY = 1.0  # seconds between looks at the unit of a replica that is loading
 ACTIONS_KEPT = 200  # recent actions kept for the dashboard
+REQUEST_EVERY = 1.0  # seconds: a follower asks the leader to start a model at most this often
+# Seconds a follower's request waits for the leader's publication to say a start it asked
+# for began (the leader takes requests every 0.5 s and publishes within a second).
+REQUEST_PATIENCE = 5.0
+FOLLOWER_LOOK = 1.0  # seconds between a waiting follower request's looks at the published state
 
 
 def replica_key(model: str, address: str) -> str:
@@ -262,6 +278,18 @@ class _Sink:
         self.model.progress = f"{subject}: {message}"
 
 
+@dataclass
+class Following:
+    """What the controller of a process that does not lead knows: the leader's latest
+    publication (each model's state, the addresses being drained), and how to ask the
+    leader for an on-demand start."""
+
+    request: Callable[[str], None]  # ask the leader to start this model (never blocks)
+    models: dict[str, ModelState] = field(default_factory=dict)
+    draining: frozenset[str] = frozenset()
+    asked: dict[str, float] = field(default_factory=dict)  # model -> monotonic time last asked
+
+
 # --- the controller ---------------------------------------------------------------------
 
 
@@ -303,6 +331,8 @@ class Controller:
         self._clocks: dict[str, tuple[float, float]] = {}
         self.changed: Callable[[], None] | None = None  # called by every ``observe``
         self._tasks: set[asyncio.Task[object]] = set()
+        self.members = 1  # live gateway processes sharing every replica's concurrency
+        self.following: Following | None = None  # set while another process leads
 
     def model(self, name: str) -> ModelController:
         found = self.models.get(name)
@@ -316,12 +346,12 @@ class Controller:
         return self.phases().get(name, Phase.stopped)
 
     def phases(self) -> dict[str, Phase]:
-        """Every catalog model's phase now."""
+        """Every catalog model's phase now (a follower's: as the leader published it)."""
         spec, now = self.spec(), self.clock()
         by_model: dict[str, list[Seen]] = {}
         for s in self._seen(spec, now):
             by_model.setdefault(s.model, []).append(s)
-        return {
+        phases = {
             m.name: model_phase(
                 m,
                 by_model.get(m.name, []),
@@ -332,10 +362,32 @@ class Controller:
             )
             for m in spec.models
         }
+        if self.following is not None:
+            for name in phases:
+                state = self.following.models.get(name)
+                if state is not None:
+                    phases[name] = _published_phase(state, spec.model(name).mode, now)
+        return phases
 
     def progress(self, name: str) -> str:
+        if self.following is not None and name in self.following.models:
+            return self.following.models[name].progress
         found = self.models.get(name)
         return found.progress if found is not None else ""
+
+    def model_state(self, name: str, phase: Phase | None = None) -> ModelState:
+        """The model as this process knows it: what the leader publishes, what a follower
+        got from the leader's publication."""
+        if self.following is not None and name in self.following.models:
+            return self.following.models[name]
+        mc = self.model(name)
+        return ModelState(
+            phase=(phase or self.phase(name)).value,
+            progress=mc.progress,
+            failures=mc.attempts.failures,
+            last_failure=mc.attempts.reason,
+            retry_at=mc.attempts.retry_at(self.spec().gateway.start_backoff),
+        )
 
     def last_use_rows(self) -> dict[str, float]:
         """Last use of every replica in the pool, to persist."""
@@ -359,33 +411,73 @@ class Controller:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            await mc.changed(left)
+            # A follower also looks again every FOLLOWER_LOOK: the leader's publication
+            # wakes it (``Coordinator``), but a start it asked for may never be taken.
+            await mc.changed(min(left, FOLLOWER_LOOK) if self.following is not None else left)
         return self.unavailable(name)
 
     def unavailable(self, name: str) -> Unavailable:
         spec = self.spec()
         mc = self.model(name)
+        following = self.following
+        state = following.models.get(name) if following is not None else None
+        if state is not None:
+            # The leader's view: its start history and what its start does now.
+            failed_at = (
+                state.retry_at - backoff(state.failures, spec.gateway.start_backoff)
+                if state.retry_at is not None and state.failures
+                else None
+            )
+            return unavailable(
+                spec.model(name),
+                self.phase(name),
+                Attempts(state.failures, failed_at, state.last_failure),
+                progress=state.progress,
+                manages=spec.gateway.manage_replicas,
+                now=self.clock(),
+                backoff_first=spec.gateway.start_backoff,
+            )
         return unavailable(
             spec.model(name),
             self.phase(name),
             mc.attempts,
             progress=mc.progress,
-            manages=self.manages,
+            manages=self.manages or (following is not None and spec.gateway.manage_replicas),
             now=self.clock(),
             backoff_first=spec.gateway.start_backoff,
         )
 
     def _on_its_way(self, name: str) -> bool:
-        return self.model(name).starting or any(
-            r.health in (Health.loading, Health.unknown) for r in self.pool.of(name)
-        )
+        if any(r.health in (Health.loading, Health.unknown) for r in self.pool.of(name)):
+            return True
+        following = self.following
+        if following is None:
+            return self.model(name).starting
+        state = following.models.get(name)
+        mode = self.spec().model(name).mode
+        phase = _published_phase(state, mode, self.clock()) if state is not None else None
+        if phase is Phase.starting:
+            return True
+        asked = following.asked.get(name)
+        return phase is not Phase.failed and asked is not None and time.monotonic() - asked < REQUEST_PATIENCE
+
+    def want(self, name: str) -> None:
+        """A start asked for by another gateway process (through the store): begun as one
+        asked for by a request here, when it may."""
+        self._want(name)
 
     def _want(self, name: str) -> None:
         """Begin an on-demand start of ``name`` when it may: it runs on demand, this gateway
-        manages replicas, none is starting or loading, and its back-off is over."""
+        manages replicas, none is starting or loading, and its back-off is over. A follower
+        asks the leader instead (at most once per ``REQUEST_EVERY``)."""
         spec = self.spec()
         found = next((m for m in spec.models if m.name == name), None)
-        if not self.manages or found is None or found.mode is not ScalingMode.on_demand:
+        if found is None or found.mode is not ScalingMode.on_demand:
+            return
+        if self.following is not None:
+            self._ask(name)
+            return
+        if not self.manages:
             return
         mc = self.model(name)
         if mc.starting or self._on_its_way(name):
@@ -394,6 +486,27 @@ class Controller:
         if retry_at is not None and retry_at > self.clock():
             return
         self._begin(Start(name, "requested"))
+
+    def _ask(self, name: str) -> None:
+        """A follower's on-demand start: the leader is asked, unless a start is on its way,
+        the published back-off runs, or it was asked within ``REQUEST_EVERY``."""
+        following = self.following
+        assert following is not None
+        if not self.spec().gateway.manage_replicas:
+            return  # the leader starts nothing either
+        if any(r.health in (Health.loading, Health.unknown) for r in self.pool.of(name)):
+            return
+        state = following.models.get(name)
+        if state is not None:
+            phase = _published_phase(state, ScalingMode.on_demand, self.clock())
+            if phase in (Phase.starting, Phase.failed, Phase.ready, Phase.degraded):
+                return
+        now = time.monotonic()
+        asked = following.asked.get(name)
+        if asked is not None and now - asked < REQUEST_EVERY:
+            return
+        following.asked[name] = now
+        following.request(name)
 
     # --- what discovery and health checks tell --------------------------------------
 
@@ -417,7 +530,8 @@ class Controller:
         """After discovery, a health check or a start or stop: admission follows the ready
         count, and the waiters of a model whose readiness changed are woken."""
         spec = self.spec()
-        per_replica = spec.gateway.model_concurrency
+        # This process's share: the processes together forward model_concurrency per replica.
+        per_replica = math.ceil(spec.gateway.model_concurrency / max(1, self.members))
         for m in spec.models:
             replicas = self.pool.of(m.name)
             ready = sum(r.health is Health.ready for r in replicas)
@@ -433,7 +547,10 @@ class Controller:
             self.changed()
 
     def draining(self) -> frozenset[str]:
-        """The addresses of the replicas this gateway knows are being drained."""
+        """The addresses of the replicas this gateway knows are being drained (a
+        follower: those the leader published)."""
+        if self.following is not None:
+            return self.following.draining
         return frozenset(k.address for k in self.known.values() if k.draining is not None)
 
     # --- the reconcile tick -----------------------------------------------------------
@@ -559,7 +676,8 @@ class Controller:
     def _seen(self, spec: ClusterSpec, now: float) -> list[Seen]:
         """Every replica as the controller sees it now: from the last probe, the pool and
         memory (a replica on a node that stopped answering is not in the probe)."""
-        facts = self.nodes.facts if self.nodes is not None else {}
+        # A follower does not probe: facts kept from a time it led are stale.
+        facts = self.nodes.facts if self.nodes is not None and self.following is None else {}
         catalog = {m.name: m for m in spec.models}
         in_pool = {(r.model, r.address): r for r in self.pool.all()}
         seen: list[Seen] = []
@@ -684,6 +802,7 @@ class Controller:
         task = asyncio.create_task(job)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_deposed)
 
     async def stop(self) -> None:
         """The gateway is stopping: cancel what is under way."""
@@ -724,6 +843,9 @@ class Controller:
             mc.attempts = mc.attempts.succeeded()
             mc.evicted = False
             return address
+        except NotLeader as exc:  # not a failure of the model: another process leads now
+            log.warning("%s: start abandoned: %s", start.model, exc)
+            return None
         except Exception as exc:  # an unexpected failure must still end the start
             if isinstance(exc, _Broken):
                 address = exc.address
@@ -949,8 +1071,10 @@ class Controller:
                     self.known.pop((model, replica), None)  # gone already
                 return False
             address = serving_address(spec.node(found.members[0]).engine_host, found.port)
-            if cause == StopCause.idle.value and not self._still_idle(spec, model, address):
-                return False  # used meanwhile
+            if cause == StopCause.idle.value:
+                await self._read_last_use()
+                if not self._still_idle(spec, model, address):
+                    return False  # used meanwhile, here or through another gateway process
             stopped = await self._stop_found(
                 spec, facts, found, address, reason, force=cause != StopCause.idle.value, label=cause
             )
@@ -959,15 +1083,19 @@ class Controller:
             return stopped
 
     def _still_idle(self, spec: ClusterSpec, model: str, address: str) -> bool:
-        """Nothing used the replica since the tick found it idle."""
+        """Nothing used the replica since the tick found it idle: not this process (its
+        pool), nor another one (the last use it stored, read again just before)."""
+        found = spec.model(model)
+        idle_timeout = found.scaling.idle_timeout if found.scaling else None
+        if idle_timeout is None:
+            return False
+        saved = self.saved.get(replica_key(model, address))
+        if saved is not None and self.clock() - saved < idle_timeout:
+            return False
         routed = next((r for r in self.pool.of(model) if r.address == address), None)
         if routed is None:
             return True
         if routed.outstanding:
-            return False
-        found = spec.model(model)
-        idle_timeout = found.scaling.idle_timeout if found.scaling else None
-        if idle_timeout is None:
             return False
         return routed.last_used is None or self.clock() - routed.last_used >= idle_timeout
 
@@ -1012,6 +1140,41 @@ class Controller:
             await self.store.forget_last_use([key])
         self.observe()
         return all(o.ok for o in outcomes)
+
+    async def _read_last_use(self) -> None:
+        """The stored last use again (every gateway process saves its own), before an idle
+        stop; a store that cannot be read keeps what was read before."""
+        if self.store is None:
+            return
+        try:
+            self.saved = await self.store.last_use()
+        except Exception as exc:
+            log.warning("cannot read the stored last use of the replicas: %s", exc)
+
+
+def _deposed(task: asyncio.Task[object]) -> None:
+    """A start or stop that met the fence check (this process leads no more) ends with a
+    line in the log, not a traceback: the new leader decides from here."""
+    if not task.cancelled() and isinstance(task.exception(), NotLeader):
+        log.warning("controller work abandoned: %s", task.exception())
+
+
+def _published_phase(state: ModelState, mode: ScalingMode, now: float) -> Phase:
+    """A phase from the leader's publication (hostile data: an unknown value is
+    "stopped"); an on-demand model "failed" only while its back-off runs, as the leader
+    would say now."""
+    try:
+        phase = Phase(state.phase)
+    except ValueError:
+        return Phase.stopped
+    if (
+        phase is Phase.failed
+        and mode is ScalingMode.on_demand
+        and state.retry_at is not None
+        and state.retry_at <= now
+    ):
+        return Phase.stopped
+    return phase
 
 
 class _Broken(StartFailed):

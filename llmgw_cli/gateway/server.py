@@ -52,6 +52,7 @@ from llmgw_cli.gateway.fleet import FleetCollector
 from llmgw_cli.gateway.openai_error import error
 from llmgw_cli.gateway.proxy import GATEWAY, forward
 from llmgw_cli.gateway.state import Gateway, log
+from llmgw_cli.gateway.store import ModelState
 from llmgw_cli.gateway.usage import merged
 
 
@@ -119,17 +120,22 @@ async def admin_replicas(request: web.Request) -> web.Response:
             "replicas": [r.as_dict() for r in gw.pool.all()],
             "queued": gw.admission.queued(),
             "models": {
-                name: {
-                    "phase": phase.value,
-                    "progress": controller.progress(name),
-                    "failures": controller.model(name).attempts.failures,
-                    "last_failure": controller.model(name).attempts.reason,
-                }
-                for name, phase in phases.items()
+                name: _model_row(controller.model_state(name, phase)) for name, phase in phases.items()
             },
+            "leader": gw.coordinator.leading,  # this process leads the cluster
             "actions": [a.as_dict() for a in controller.actions],
         }
     )
+
+
+def _model_row(state: ModelState) -> dict[str, object]:
+    """A model on the dashboard (a follower's: the leader's, as published)."""
+    return {
+        "phase": state.phase,
+        "progress": state.progress,
+        "failures": state.failures,
+        "last_failure": state.last_failure,
+    }
 
 
 def admin_app(gw: Gateway) -> web.Application:

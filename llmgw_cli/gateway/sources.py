@@ -1,8 +1,10 @@
 """Where the gateway learns which replicas exist: a ``ReplicaSource``.
 
 ``ProbeSource`` reads the truth from the nodes (units and their labels, like ``llmgw
-status``); ``StaticSource`` is a fixed list (tests, benchmarks, an engine outside llmgw).
-Health is not their business: the gateway checks every replica they name.
+status``); ``StaticSource`` is a fixed list (tests, benchmarks, an engine outside llmgw);
+``PublishedSource`` reads what the leading gateway process published in the store (a
+follower: it needs no access to the nodes). Health is not their business: the gateway
+checks every replica they name.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import yaml
 
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.plan import running_replicas
-from llmgw_cli.core.routing import endpoints
+from llmgw_cli.core.routing import endpoints, serving_address
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError
+from llmgw_cli.gateway.store import Published, Store
 from llmgw_cli.remote.connect import Connections, GatewayAccess, Opener, transport_for
 from llmgw_cli.remote.probe import gather
 
@@ -143,3 +146,46 @@ class ProbeSource:
                     found.setdefault(model, []).append(address)
         self.last = found
         return found
+
+
+class PublishedSource:
+    """The replica set the leader published (``Store.published``). What is read is hostile
+    data: only the catalog's models are taken, and only addresses on one of the cluster
+    file's nodes (``engine_host:port``), so a store written by someone else cannot send
+    requests (and the engine keys with them) anywhere else. The publication read last stays
+    in ``latest`` (its models' states, the addresses being drained)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.latest: Published | None = None
+
+    async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
+        published = await self.store.published()
+        if published is None:
+            self.latest = None
+            return {}
+        hosts = {n.engine_host for n in spec.nodes}
+        catalog = {m.name for m in spec.models}
+        found: dict[str, list[str]] = {}
+        for model, addresses in published.replicas.items():
+            if model not in catalog:
+                continue
+            kept = [a for a in addresses if _on_a_node(a, hosts)]
+            if kept:
+                found[model] = sorted(set(kept))
+        self.latest = published
+        return found
+
+    async def close(self) -> None:
+        return None
+
+
+def _on_a_node(address: object, hosts: set[str]) -> bool:
+    """``address`` is ``host:port`` with a node's engine host and a port."""
+    if not isinstance(address, str) or len(address) > 300:
+        return False
+    host, _, port = address.rpartition(":")
+    if not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        return False
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return bare in hosts and serving_address(bare, int(port)) == address

@@ -9,6 +9,11 @@ every gateway routes a new replica and none routes one it drains; it sends SIGUS
 connections follow the pool: an address that leaves it keeps no connection
 (``Upstreams.retain``).
 
+Every gateway process is a member of the cluster's store (``coordination.py``): one leads
+(probes the nodes, runs the controllers, publishes the replica set), the others follow
+(route to the published replicas); ``Coordinator`` decides, and switches ``source``
+between the process's own (``probe_source``) and the publication.
+
 Contract (concurrency): everything here runs on one asyncio loop. Request handlers read
 ``keys``, ``catalog`` and the pool and bump counters without awaiting in between, so they
 need no lock. Background tasks replace ``keys`` and ``catalog`` wholesale (one assignment),
@@ -40,13 +45,14 @@ from llmgw_cli.core.spec import ClusterSpec, Model
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.accesslog import AccessLog
 from llmgw_cli.gateway.admission import Admission
-from llmgw_cli.gateway.controller import Controller, RemoteNodes
+from llmgw_cli.gateway.controller import Controller, Nodes, RemoteNodes
+from llmgw_cli.gateway.coordination import Coordinator, FencedHold, FencedNodes
 from llmgw_cli.gateway.metrics import Metrics
-from llmgw_cli.gateway.sources import ProbeSource, ReplicaSource
+from llmgw_cli.gateway.sources import ProbeSource, PublishedSource, ReplicaSource
 from llmgw_cli.gateway.store import Store
 from llmgw_cli.gateway.upstream import Upstreams
 from llmgw_cli.gateway.usage import Meter
-from llmgw_cli.remote.cluster_lock import Hold
+from llmgw_cli.remote.cluster_lock import Hold, LocalLock
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -101,10 +107,17 @@ class Gateway:
         manage_replicas: bool = False,
         lock: Hold | None = None,
         routes: Path | None = None,
+        nodes: Nodes | None = None,
+        can_lead: bool | None = None,
+        member: str | None = None,
     ) -> None:
+        """``source``: a ``ProbeSource`` makes a process that may lead (``can_lead``
+        overrides that: tests give fake ``nodes``); a ``PublishedSource`` one that always
+        follows; any other (a fixed list) one that neither leads nor follows."""
         self.spec = spec
         self.catalog: dict[str, Model] = {m.name: m for m in spec.models}
-        self.source = source
+        self.source = source  # where discovery reads now: probe_source, or the publication
+        self.probe_source = source  # this process's own source
         self.store = store
         self.engine_key = engine_key  # one key for every engine: the fallback without a map
         self.read_engine_keys = engine_keys  # the per-node map, read again on every reload
@@ -133,18 +146,31 @@ class Gateway:
         self._routed: tuple[dict[str, frozenset[str]], frozenset[str]] | None = None
         self._signals = False  # whether start installed the SIGUSR1 handler
         self._routes_error: str | None = None  # why the last write of the routes file failed
-        # The one owner of the models' replicas. It starts and stops them only when the
-        # gateway manages replicas (a probed cluster with manage_replicas); else it observes.
-        manages = manage_replicas and isinstance(source, ProbeSource)
+        self._saved_use: dict[str, float] = {}  # the last use rows this process saved last
+        # Who leads: one process of the cluster, the one whose coordinator holds the lead.
+        self.follows = isinstance(source, PublishedSource)
+        if can_lead is None:
+            can_lead = isinstance(source, ProbeSource)
+        can_lead = can_lead and not self.follows
+        self.coordinator = Coordinator(store, member, can_lead=can_lead)
+        if nodes is None and isinstance(source, ProbeSource):
+            nodes = RemoteNodes(source)
+        if can_lead and nodes is not None:  # every node action and lock hold: fence-checked
+            nodes = FencedNodes(nodes, self.coordinator.check)
+            lock = FencedHold(lock if lock is not None else LocalLock(), self.coordinator.check)
+        # The one owner of the models' replicas. It starts and stops them only while this
+        # process leads and manages replicas (a probed cluster with manage_replicas); else
+        # it observes.
+        self.manage_replicas = manage_replicas
         self.controller = Controller(
             lambda: self.spec,
             self.pool,
             self.admission,
             self.metrics,
             self.health_status,
-            nodes=RemoteNodes(source) if isinstance(source, ProbeSource) else None,
+            nodes=nodes if can_lead else None,
             store=store,
-            manages=manages,
+            manages=False,  # until the coordinator leads
             lock=lock,
         )
         self.controller.changed = self._routing_changed
@@ -179,6 +205,7 @@ class Gateway:
         self.health_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True), cookie_jar=aiohttp.DummyCookieJar()
         )
+        await self.coordinator.start(self, follows=self.follows)  # leads, follows, or neither
         await self.load_keys()
         if self.controller.manages:  # when each replica last served, from before a restart
             self.controller.saved = await self.store.last_use()
@@ -189,12 +216,14 @@ class Gateway:
             ("discover", self.discover),
             ("health", self.check_health),
             ("flush", self.flush),
-            ("keys", self.load_keys),
+            # the API keys: the coordinator reloads them when their version changed
+            ("keys", self.load_engine_keys),
             ("log", self.flush_log),
         ]
         jobs.append(("reconcile", self.controller.tick))
         for name, job in jobs:
             self._tasks.append(asyncio.create_task(self._every(name, job), name=f"gateway-{name}"))
+        self.coordinator.run()
 
     async def quiesce(self) -> None:
         """The first step of a stop: no new decision about replicas, and the starts and
@@ -204,6 +233,7 @@ class Gateway:
         for task in reconcile:
             task.cancel()
         await asyncio.gather(*reconcile, return_exceptions=True)
+        await self.coordinator.resign()  # another process may lead at once
         await self.controller.stop()
 
     async def stop(self) -> None:
@@ -215,6 +245,7 @@ class Gateway:
         if self._signals:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
             self._signals = False
+        await self.coordinator.stop()
         await self.controller.stop()
         try:
             await self.flush()
@@ -224,7 +255,7 @@ class Gateway:
         self.upstreams.close()
         if self.health_session is not None:
             await self.health_session.close()
-        await self.source.close()  # the connections discovery held to the nodes
+        await self.probe_source.close()  # the connections discovery held to the nodes
         await self.store.close()
 
     async def _every(self, name: str, job: Callable[[], object]) -> None:
@@ -305,7 +336,10 @@ class Gateway:
 
     async def discover(self) -> None:
         # A replica being started may not be active yet: the controller adds it.
-        found = self.controller.with_starts(await self.source.discover(self.spec))
+        source = self.source
+        found = self.controller.with_starts(await source.discover(self.spec))
+        if source is self.coordinator.follower_source:
+            self.coordinator.followed()  # the leader's model states, with its replica set
         self.pool.replace({m: a for m, a in found.items() if m in self.catalog}, time.monotonic())
         self.controller.observe()
         self.write_routes()  # once per round at least, so its age tells this process is alive
@@ -316,6 +350,7 @@ class Gateway:
         """After every look at the pool (``Controller.observe``): the upstream connections
         follow it, and the routes file is written when what it says changed."""
         self.upstreams.retain(r.address for r in self.pool.all())
+        self.coordinator.changed()  # the leader publishes what changed
         if self.routes_file is not None and self._routing() != self._routed:
             self.write_routes()
 
@@ -419,9 +454,7 @@ class Gateway:
             self.access_log.flush()
 
     async def flush(self) -> None:
-        last_use = self.controller.last_use_rows() if self.controller.manages else {}
-        if last_use:
-            await self.store.save_last_use(last_use)
+        await self.share_last_use()
         # A batch whose write failed goes first, unchanged (the store applies an id once),
         # then what was counted since: two writes at most, so a busy gateway never loops.
         for _ in range(2):
@@ -430,6 +463,18 @@ class Gateway:
                 return
             await self.store.add_usage(*batch)
             self.meter.sent(batch[0])
+
+    async def share_last_use(self) -> None:
+        """Every process saves when each replica last served a request through it (the
+        times that changed since its last save); the leader reads them all back, so a
+        replica busy through another process is not idle to its controller."""
+        rows = self.controller.last_use_rows()
+        fresh = {key: at for key, at in rows.items() if self._saved_use.get(key) != at}
+        if fresh:
+            await self.store.save_last_use(fresh)
+        self._saved_use = rows
+        if self.controller.manages:
+            self.controller.saved = await self.store.last_use()
 
     # --- per request --------------------------------------------------------------
 

@@ -1,0 +1,471 @@
+"""Many gateway processes over one real SqliteStore: two ``Gateway`` objects in one test, on
+one state folder, over fake nodes (a shared truth that executed plans change; an engine
+answers its health check as soon as its unit runs).
+
+One leads and the other follows; a follower's on-demand request is started by the leader
+(once); a leader whose lock goes is replaced and steps down; a stale leader's fenced nodes
+and lock refuse to act, and a refused publication steps it down; the admission share
+follows the member count; a revoked key is refused by every process; a follower's last use
+keeps the leader from an idle stop; the published set is hostile data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from llmgw_cli.core.controller import Phase
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.keys import ApiKey, hash_token
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.plan import Action, Plan, grow_plan, running_replicas
+from llmgw_cli.core.routing import serving_address
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.errors import NotLeader
+from llmgw_cli.gateway import controller as controller_module
+from llmgw_cli.gateway import coordination
+from llmgw_cli.gateway.sources import PublishedSource
+from llmgw_cli.gateway.state import Gateway
+from llmgw_cli.gateway.store import ModelState, SqliteStore
+from llmgw_cli.remote.cluster_lock import gateway_lock
+from llmgw_cli.remote.execute import Outcome
+from tests.gateway import harness
+from tests.unit.facts_factory import node_facts, with_units
+from tests.waiting import wait_until
+
+CLUSTER = """\
+cluster: {name: t}
+nodes:
+  - {name: a, address: 10.0.0.1}
+  - {name: b, address: 10.0.0.2}
+profiles:
+  vllm: {engine: vllm, ports: 8100-8199, readiness: {start_timeout: 10m}}
+gateway: {model_concurrency: 2, load_wait: 60s, state_dir: STATE}
+models:
+  - {name: lazy, source: org/lazy, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+"""
+
+WAIT = 20.0  # seconds a test waits for something that takes a fraction of one (a broken one ends)
+
+
+class Fleet:
+    """The nodes' truth, shared by every gateway of a test: units that executed plans
+    wrote, and the engines' health answers (one answers once its unit runs)."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.truth: dict[str, NodeFacts] = {n: node_facts(n, gpus=1) for n in "ab"}
+        self.health: dict[str, int] = {}
+        self.actions: list[tuple[str, Action]] = []  # (member that executed it, action)
+
+    def address(self, action: Action) -> str:
+        assert action.port is not None
+        return serving_address(self.spec.node(action.nodes[0]).engine_host, action.port)
+
+    def run(self, model: str, node: str) -> str:
+        """A replica of ``model`` running and ready on ``node``; its address."""
+        hidden = {
+            n: f if n == node else f.model_copy(update={"error": "hidden"}) for n, f in self.truth.items()
+        }
+        (action,) = grow_plan(self.spec, hidden, model).changes
+        self.truth = with_units(self.truth, [(w.node, w.name, w.text) for w in action.write])
+        self.health[self.address(action)] = 200
+        return self.address(action)
+
+    def discover(self) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        for r in running_replicas(self.truth):
+            if r.serving():
+                address = serving_address(self.spec.node(r.members[0]).engine_host, r.port)
+                found.setdefault(r.model, []).append(address)
+        return found
+
+
+class Watch:
+    async def failure(self) -> str | None:
+        return None
+
+
+class FakeNodes:
+    """One gateway's view of the fleet: its last probe, its executed plans."""
+
+    def __init__(self, fleet: Fleet, member: Callable[[], str]) -> None:
+        self.fleet = fleet
+        self.member = member
+        self.facts: dict[str, NodeFacts] = {}
+
+    async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
+        self.facts = dict(self.fleet.truth)
+        return self.facts
+
+    async def fetch(
+        self, spec: ClusterSpec, plan: Plan, report: Callable[[str, str], None]
+    ) -> dict[str, str]:
+        return {}
+
+    async def execute(
+        self, spec: ClusterSpec, plan: Plan, report: Callable[[str, str], None], *, fetch: bool = False
+    ) -> list[Outcome]:
+        for action in plan.changes:
+            self.fleet.actions.append((self.member(), action))
+            for node, name in action.remove:
+                f = self.fleet.truth[node]
+                self.fleet.truth[node] = f.model_copy(
+                    update={
+                        "units": tuple(u for u in f.units if u.name != name),
+                        "unit_labels": {k: v for k, v in f.unit_labels.items() if k != name},
+                    }
+                )
+            if action.remove:
+                self.fleet.health.pop(self.fleet.address(action), None)
+            if action.write:
+                self.fleet.truth = with_units(
+                    self.fleet.truth, [(w.node, w.name, w.text) for w in action.write]
+                )
+                self.fleet.health[self.fleet.address(action)] = 200
+        return [Outcome(n, True, "units in place") for a in plan.changes for n in a.nodes]
+
+    async def watch(self, spec: ClusterSpec, action: Action, since: str = "") -> Watch:
+        return Watch()
+
+
+class FleetSource:
+    """What a process that may lead discovers: the nodes' truth (its ProbeSource)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
+        return self.fleet.discover()
+
+    async def close(self) -> None:
+        return None
+
+
+def gateway(fleet: Fleet, state: Path, *, follow: bool = False) -> Gateway:
+    """One gateway process: its own store object on the shared state folder, fake nodes,
+    the real cluster lock (a file in the state folder), health from the fleet."""
+    spec = fleet.spec
+    store = SqliteStore(state)
+    holder: list[Gateway] = []
+    nodes = FakeNodes(fleet, lambda: holder[0].coordinator.member)
+    gw = Gateway(
+        spec,
+        PublishedSource(store) if follow else FleetSource(fleet),
+        store,
+        "k",
+        discover_every=0.2,
+        health_every=0.1,
+        flush_every=0.2,
+        manage_replicas=True,
+        lock=gateway_lock(spec),
+        nodes=nodes,
+        can_lead=not follow,
+    )
+    holder.append(gw)
+
+    async def health(address: str, model: str) -> int | None:
+        return fleet.health.get(address)
+
+    gw.health_status = health  # type: ignore[method-assign]
+    gw.controller.health = health
+    return gw
+
+
+@pytest.fixture(autouse=True)
+def fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loops that look often in real time (no test asserts on a duration)."""
+    for name, seconds in (
+        ("HEARTBEAT_EVERY", 0.05),
+        ("LEAD_EVERY", 0.05),
+        ("PUBLISH_EVERY", 0.3),
+        ("REQUESTS_EVERY", 0.05),
+        ("WATCH_EVERY", 0.05),
+    ):
+        monkeypatch.setattr(coordination, name, seconds)
+    monkeypatch.setattr(controller_module, "WATCH_EVERY", 0.01)
+    monkeypatch.setattr(controller_module, "UNIT_EVERY", 0.0)
+    monkeypatch.setattr(controller_module, "FOLLOWER_LOOK", 0.05)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Fleet:
+    return Fleet(parse_cluster(CLUSTER.replace("STATE", str(tmp_path / "state"))))
+
+
+async def until(condition: Callable[[], object], what: str) -> None:
+    end = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < end, f"never happened: {what}"
+        await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def started(*gws: Gateway) -> AsyncIterator[None]:
+    try:
+        for gw in gws:
+            await gw.start()
+        yield
+    finally:
+        for gw in reversed(gws):
+            await gw.stop()
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(scenario())
+
+
+def state_of(fleet: Fleet) -> Path:
+    return Path(fleet.spec.gateway.state_dir)
+
+
+def test_one_leads_the_other_follows_and_a_followers_request_is_started_by_the_leader(fleet: Fleet) -> None:
+    async def scenario() -> None:
+        leader, follower = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet))
+        async with started(leader, follower):
+            assert leader.coordinator.leading and leader.controller.manages
+            assert not follower.coordinator.leading and not follower.controller.manages
+            assert follower.controller.following is not None
+            assert isinstance(follower.source, PublishedSource)
+            # the follower's model state is the leader's publication
+            await until(
+                lambda: follower.controller.following is not None and follower.controller.following.models,
+                "a publication read",
+            )
+            assert follower.controller.phases()["lazy"] is Phase.stopped
+            found = await follower.controller.ensure_ready("lazy", time.monotonic() + WAIT)
+            assert not isinstance(found, controller_module.Unavailable), found
+            starts = [(who, a) for who, a in fleet.actions if a.op == "+"]
+            assert [(who, a.model) for who, a in starts] == [(leader.coordinator.member, "lazy")]
+            assert found.address == fleet.address(starts[0][1])
+            await until(lambda: follower.controller.phases()["lazy"] is Phase.ready, "ready published")
+            # asked again (another request): nothing more is started
+            again = await follower.controller.ensure_ready("lazy", time.monotonic() + WAIT)
+            assert not isinstance(again, controller_module.Unavailable)
+            await asyncio.sleep(0.3)
+            assert len([a for _, a in fleet.actions if a.op == "+"]) == 1
+
+    run(scenario)
+
+
+def test_a_follower_is_told_the_leaders_start_failure(fleet: Fleet) -> None:
+    async def scenario() -> None:
+        leader, follower = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet))
+        async with started(leader, follower):
+            fleet.truth = {n: f.model_copy(update={"gpus": ()}) for n, f in fleet.truth.items()}  # no room
+            found = await follower.controller.ensure_ready("lazy", time.monotonic() + WAIT)
+            assert isinstance(found, controller_module.Unavailable)
+            assert found.code == "model_start_failed", found
+            assert "could not be started" in found.message
+            assert float(found.headers["Retry-After"]) >= 1
+            assert follower.controller.phases()["lazy"] is Phase.failed
+
+    run(scenario)
+
+
+def test_the_follower_takes_over_when_the_leaders_lock_goes(fleet: Fleet) -> None:
+    async def scenario() -> None:
+        first, second = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet))
+        async with started(first, second):
+            old = first.coordinator.fence
+            assert old is not None and second.coordinator.fence is None
+            leadership = first.coordinator.leadership
+            assert leadership is not None
+            await leadership.release()  # what a dead process's lock does
+            await until(lambda: second.coordinator.leading, "the follower leads")
+            assert second.controller.following is None
+            await until(lambda: second.controller.manages, "the new leader manages, once it probed the nodes")
+            assert second.coordinator.fence is not None and second.coordinator.fence > old
+            await until(lambda: not first.coordinator.leading, "the old leader steps down")
+            assert not first.controller.manages and first.controller.following is not None
+            assert isinstance(first.source, PublishedSource)
+            # the new leader serves the followers' requests
+            found = await first.controller.ensure_ready("lazy", time.monotonic() + WAIT)
+            assert not isinstance(found, controller_module.Unavailable), found
+            assert [who for who, a in fleet.actions if a.op == "+"] == [second.coordinator.member]
+
+    run(scenario)
+
+
+def test_a_stale_leader_refuses_to_touch_the_nodes_and_steps_down(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(coordination, "LEAD_EVERY", 3600.0)  # the stale one must not notice by itself
+
+    async def scenario() -> None:
+        stale, other = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet))
+        async with started(stale, other):
+            assert stale.coordinator.leading
+            leadership, rival = stale.coordinator.leadership, other.coordinator.leadership
+            assert leadership is not None and rival is not None
+            await leadership.release()  # its lock went (the process does not know yet)
+            stale.coordinator.fence = leadership.fence = 1  # it still believes it leads
+            assert await rival.try_acquire() is not None  # another member took the lead
+            plan = grow_plan(fleet.spec, fleet.truth, "lazy")
+            nodes = stale.controller.nodes
+            assert nodes is not None
+            with pytest.raises(NotLeader):
+                await nodes.execute(fleet.spec, plan, lambda s, m: None)
+            assert fleet.actions == []
+            assert not stale.coordinator.leading and not stale.controller.manages  # stepped down
+            stale.coordinator.fence = 1  # believes it again
+            with pytest.raises(NotLeader):
+                async with stale.controller.lock.hold("place a replica"):
+                    raise AssertionError("held the lock without leading")
+            stale.coordinator.fence = 1
+            stale.controller.manages = True
+            stale.controller.following = None
+            stale.controller.want("lazy")  # a start begins, and meets the fence
+            await stale.controller.idle()
+            assert fleet.actions == []
+            # a publication under a stale fence is refused: it steps down
+            stale.coordinator.fence = 1
+            stale.coordinator._dirty.set()
+            await stale.coordinator.publish()
+            assert not stale.coordinator.leading and stale.controller.following is not None
+            await rival.release()
+
+    run(scenario)
+
+
+def test_each_process_takes_its_share_of_a_replicas_concurrency(fleet: Fleet) -> None:
+    fleet.run("lazy", "a")
+
+    async def scenario() -> None:
+        first = gateway(fleet, state_of(fleet))
+        async with started(first):
+            await until(lambda: first.pool.ready_count("lazy") == 1, "the replica ready")
+            assert first.admission.limit("lazy") == 2  # alone: model_concurrency
+            second = gateway(fleet, state_of(fleet))
+            async with started(second):
+                await until(lambda: first.admission.limit("lazy") == 1, "the first one's share halved")
+                await until(lambda: second.admission.limit("lazy") == 1, "the second one's share")
+            await until(lambda: first.admission.limit("lazy") == 2, "the whole again once alone")
+
+    run(scenario)
+
+
+def test_a_revoked_key_is_refused_by_every_process(fleet: Fleet) -> None:
+    async def scenario() -> None:
+        admin = SqliteStore(state_of(fleet))
+        await admin.add_key(ApiKey(name="k1", digest=hash_token("secret-1"), models=()))
+        one, two = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet), follow=True)
+        async with started(one, two):
+            assert one.authenticate("secret-1") is not None and two.authenticate("secret-1") is not None
+            await admin.revoke("k1")
+            await until(lambda: one.authenticate("secret-1") is None, "refused by the leader")
+            await until(lambda: two.authenticate("secret-1") is None, "refused by the follower")
+
+    run(scenario)
+
+
+def test_a_followers_last_use_keeps_the_leader_from_an_idle_stop(fleet: Fleet) -> None:
+    address = fleet.run("lazy", "a")
+
+    async def scenario() -> None:
+        leader, follower = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet), follow=True)
+        async with started(leader, follower):
+            await until(lambda: follower.pool.ready_count("lazy") == 1, "the follower routes it")
+            spec = leader.spec
+            stale = time.time() - 3600
+            for r in leader.pool.all():
+                r.last_used = stale  # unused here for an hour
+            leader.controller.saved = {}
+            assert leader.controller._still_idle(spec, "lazy", address)
+            (routed,) = follower.pool.of("lazy")
+            routed.last_used = time.time()  # used through the follower just now
+            await follower.flush()
+            await leader.controller._read_last_use()
+            assert not leader.controller._still_idle(spec, "lazy", address)
+
+    run(scenario)
+
+
+def test_the_published_set_is_hostile_data(tmp_path: Path) -> None:
+    spec = parse_cluster(CLUSTER.replace("STATE", str(tmp_path)))
+
+    async def scenario() -> None:
+        store = SqliteStore(tmp_path)
+        leadership = store.leadership("writer")
+        fence = await leadership.try_acquire()
+        assert fence is not None
+        good = serving_address(spec.node("a").engine_host, 8100)
+        replicas = {
+            "lazy": [good, "203.0.113.9:8100", "10.0.0.1:0", "10.0.0.1:99999", "10.0.0.1:+81", "x" * 400],
+            "not-in-the-catalog": [good],
+        }
+        weird = {"lazy": ModelState(phase="no-such-phase")}
+        assert await store.publish(fence, replicas, [], weird, "writer")
+        source = PublishedSource(store)
+        assert await source.discover(spec) == {"lazy": [good]}
+        await leadership.release()
+
+    run(scenario)
+
+
+def test_a_follow_process_routes_to_the_published_replicas_and_needs_no_ssh_key(tmp_path: Path) -> None:
+    """`llmgw gateway run --follow`, a real process with no SSH key and a node it could
+    not reach anyway: it routes to what the leader (here the test) publishes, and answers
+    from the published model states."""
+    engine = harness.Engine(tmp_path, "m")
+    model = {
+        "name": "m",
+        "source": "org/m",
+        "profile": "sim",
+        "scaling": {"min": 0, "max": 1, "idle_timeout": "5m"},
+    }
+    gw = harness.Gateway(tmp_path, [model], {})
+    key = gw.cli("keys", "create", "--name", "user")
+    state = tmp_path / "state"
+
+    async def publish(replicas: dict[str, list[str]], models: dict[str, ModelState]) -> None:
+        store = SqliteStore(state)
+        leadership = store.leadership("the-test")
+        fence = await leadership.try_acquire()
+        assert fence is not None
+        assert await store.publish(fence, replicas, [], models, "the-test")
+        await leadership.release()
+
+    asyncio.run(publish({"m": [engine.address]}, {"m": ModelState(phase="ready")}))
+    gw.proc = harness.start_gateway(
+        gw.cluster,
+        gw.log,
+        *("--follow", "--engine-key-file", str(tmp_path / "engine.env"), "--health-every", "0.2"),
+        port=gw.port,
+    )
+    try:
+        client = gw.client(key)
+        messages: list[Any] = [{"role": "user", "content": "hi"}]
+        wait_until(
+            lambda: client.chat.completions.create(model="m", messages=messages).choices,
+            timeout=WAIT,
+            retry_on=(openai.APIStatusError,),
+            what="an answer through the follower",
+        )
+        (listed,) = client.models.list().data
+        assert listed.model_dump()["state"] == "ready"
+        failed = ModelState(
+            phase="failed", failures=1, last_failure="no room on any node", retry_at=time.time() + 60
+        )
+        asyncio.run(publish({}, {"m": failed}))
+
+        def refused() -> bool:
+            try:
+                client.chat.completions.create(model="m", messages=messages)
+            except openai.APIStatusError as exc:
+                return exc.status_code == 503 and "no room on any node" in str(exc.body)
+            return False
+
+        wait_until(refused, timeout=WAIT, what="the leader's start failure through the follower")
+    finally:
+        assert gw.stop() == 0
+        engine.stop()
+    log = gw.log.read_text()
+    assert "ssh" not in log.lower(), log
