@@ -204,7 +204,7 @@ class PostgresStore:
     @contextlib.asynccontextmanager
     async def _tx(self) -> AsyncIterator[Db]:
         pool = await self._ready()
-        async with pool.acquire() as db, db.transaction():
+        async with pool.acquire(timeout=TIMEOUT) as db, db.transaction():
             yield db
 
     async def migrate(self) -> int:
@@ -356,15 +356,15 @@ class PostgresStore:
     # --- start requests
 
     async def request_start(self, model: str, member: str) -> None:
-        pool = await self._ready()
-        await pool.execute(
-            "INSERT INTO start_requests VALUES ($1, $2, $3) ON CONFLICT (model) DO UPDATE SET"
-            " member = excluded.member, at = excluded.at",
-            model,
-            member,
-            time.time(),
-        )
-        await pool.execute("SELECT pg_notify($1, 'start')", CHANNEL)
+        async with self._tx() as db:
+            await db.execute(
+                "INSERT INTO start_requests VALUES ($1, $2, $3) ON CONFLICT (model) DO UPDATE SET"
+                " member = excluded.member, at = excluded.at",
+                model,
+                member,
+                time.time(),
+            )
+            await db.execute("SELECT pg_notify($1, 'start')", CHANNEL)  # sent at the commit
 
     async def take_start_requests(self, fence: int) -> list[str]:
         if fence < 1:
