@@ -1,5 +1,5 @@
-"""Many gateway processes over one real SqliteStore: two ``Gateway`` objects in one test, on
-one state folder, over fake nodes (a shared truth that executed plans change; an engine
+"""Many gateway processes over one real store (SQLite, and PostgreSQL from the session's
+server): two ``Gateway`` objects in one test, each with its own store object, over fake nodes (a shared truth that executed plans change; an engine
 answers its health check as soon as its unit runs).
 
 One leads and the other follows; a follower's on-demand request is started by the leader
@@ -31,12 +31,14 @@ from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NotLeader
 from llmgw_cli.gateway import controller as controller_module
 from llmgw_cli.gateway import coordination
+from llmgw_cli.gateway.pgstore import PostgresStore
 from llmgw_cli.gateway.sources import PublishedSource
 from llmgw_cli.gateway.state import Gateway
-from llmgw_cli.gateway.store import ModelState, SqliteStore
+from llmgw_cli.gateway.store import ModelState, SqliteStore, Store
 from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.execute import Outcome
 from tests.gateway import harness
+from tests.pg import Postgres
 from tests.unit.facts_factory import node_facts, with_units
 from tests.waiting import wait_until
 
@@ -57,10 +59,12 @@ WAIT = 20.0  # seconds a test waits for something that takes a fraction of one (
 
 class Fleet:
     """The nodes' truth, shared by every gateway of a test: units that executed plans
-    wrote, and the engines' health answers (one answers once its unit runs)."""
+    wrote, and the engines' health answers (one answers once its unit runs); and how a
+    gateway of the test opens the store."""
 
-    def __init__(self, spec: ClusterSpec) -> None:
+    def __init__(self, spec: ClusterSpec, store: Callable[[], Store]) -> None:
         self.spec = spec
+        self.store = store
         self.truth: dict[str, NodeFacts] = {n: node_facts(n, gpus=1) for n in "ab"}
         self.health: dict[str, int] = {}
         self.actions: list[tuple[str, Action]] = []  # (member that executed it, action)
@@ -149,11 +153,11 @@ class FleetSource:
         return None
 
 
-def gateway(fleet: Fleet, state: Path, *, follow: bool = False) -> Gateway:
-    """One gateway process: its own store object on the shared state folder, fake nodes,
-    the real cluster lock (a file in the state folder), health from the fleet."""
+def gateway(fleet: Fleet, *, follow: bool = False) -> Gateway:
+    """One gateway process: its own store object, fake nodes, the real cluster lock (a file
+    in the state folder), health from the fleet."""
     spec = fleet.spec
-    store = SqliteStore(state)
+    store = fleet.store()
     holder: list[Gateway] = []
     nodes = FakeNodes(fleet, lambda: holder[0].coordinator.member)
     gw = Gateway(
@@ -195,9 +199,15 @@ def fast(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(controller_module, "FOLLOWER_LOOK", 0.05)
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Fleet:
-    return Fleet(parse_cluster(CLUSTER.replace("STATE", str(tmp_path / "state"))))
+@pytest.fixture(params=["sqlite", "postgres"])
+def fleet(request: pytest.FixtureRequest, tmp_path: Path) -> Fleet:
+    spec = parse_cluster(CLUSTER.replace("STATE", str(tmp_path / "state")))
+    (tmp_path / "state").mkdir(mode=0o700)  # where the cluster lock is, whatever the store
+    if request.param == "sqlite":
+        return Fleet(spec, lambda: SqliteStore(tmp_path / "state"))
+    server: Postgres = request.getfixturevalue("postgres")
+    url = server.new_database()
+    return Fleet(spec, lambda: PostgresStore(url, server.password))
 
 
 async def until(condition: Callable[[], object], what: str) -> None:
@@ -222,13 +232,9 @@ def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(scenario())
 
 
-def state_of(fleet: Fleet) -> Path:
-    return Path(fleet.spec.gateway.state_dir)
-
-
 def test_one_leads_the_other_follows_and_a_followers_request_is_started_by_the_leader(fleet: Fleet) -> None:
     async def scenario() -> None:
-        leader, follower = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet))
+        leader, follower = gateway(fleet), gateway(fleet)
         async with started(leader, follower):
             assert leader.coordinator.leading and leader.controller.manages
             assert not follower.coordinator.leading and not follower.controller.manages
@@ -257,7 +263,7 @@ def test_one_leads_the_other_follows_and_a_followers_request_is_started_by_the_l
 
 def test_a_follower_is_told_the_leaders_start_failure(fleet: Fleet) -> None:
     async def scenario() -> None:
-        leader, follower = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet))
+        leader, follower = gateway(fleet), gateway(fleet)
         async with started(leader, follower):
             fleet.truth = {n: f.model_copy(update={"gpus": ()}) for n, f in fleet.truth.items()}  # no room
             found = await follower.controller.ensure_ready("lazy", time.monotonic() + WAIT)
@@ -272,7 +278,7 @@ def test_a_follower_is_told_the_leaders_start_failure(fleet: Fleet) -> None:
 
 def test_the_follower_takes_over_when_the_leaders_lock_goes(fleet: Fleet) -> None:
     async def scenario() -> None:
-        first, second = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet))
+        first, second = gateway(fleet), gateway(fleet)
         async with started(first, second):
             old = first.coordinator.fence
             assert old is not None and second.coordinator.fence is None
@@ -300,13 +306,15 @@ def test_a_stale_leader_refuses_to_touch_the_nodes_and_steps_down(
     monkeypatch.setattr(coordination, "LEAD_EVERY", 3600.0)  # the stale one must not notice by itself
 
     async def scenario() -> None:
-        stale, other = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet))
+        stale, other = gateway(fleet), gateway(fleet)
         async with started(stale, other):
             assert stale.coordinator.leading
             leadership, rival = stale.coordinator.leadership, other.coordinator.leadership
             assert leadership is not None and rival is not None
+            old = stale.coordinator.fence
+            assert old is not None
             await leadership.release()  # its lock went (the process does not know yet)
-            stale.coordinator.fence = leadership.fence = 1  # it still believes it leads
+            stale.coordinator.fence = leadership.fence = old  # it still believes it leads
             assert await rival.try_acquire() is not None  # another member took the lead
             plan = grow_plan(fleet.spec, fleet.truth, "lazy")
             nodes = stale.controller.nodes
@@ -315,18 +323,18 @@ def test_a_stale_leader_refuses_to_touch_the_nodes_and_steps_down(
                 await nodes.execute(fleet.spec, plan, lambda s, m: None)
             assert fleet.actions == []
             assert not stale.coordinator.leading and not stale.controller.manages  # stepped down
-            stale.coordinator.fence = 1  # believes it again
+            stale.coordinator.fence = old  # believes it again
             with pytest.raises(NotLeader):
                 async with stale.controller.lock.hold("place a replica"):
                     raise AssertionError("held the lock without leading")
-            stale.coordinator.fence = 1
+            stale.coordinator.fence = old
             stale.controller.manages = True
             stale.controller.following = None
             stale.controller.want("lazy")  # a start begins, and meets the fence
             await stale.controller.idle()
             assert fleet.actions == []
             # a publication under a stale fence is refused: it steps down
-            stale.coordinator.fence = 1
+            stale.coordinator.fence = old
             stale.coordinator._dirty.set()
             await stale.coordinator.publish()
             assert not stale.coordinator.leading and stale.controller.following is not None
@@ -339,11 +347,11 @@ def test_each_process_takes_its_share_of_a_replicas_concurrency(fleet: Fleet) ->
     fleet.run("lazy", "a")
 
     async def scenario() -> None:
-        first = gateway(fleet, state_of(fleet))
+        first = gateway(fleet)
         async with started(first):
             await until(lambda: first.pool.ready_count("lazy") == 1, "the replica ready")
             assert first.admission.limit("lazy") == 2  # alone: model_concurrency
-            second = gateway(fleet, state_of(fleet))
+            second = gateway(fleet)
             async with started(second):
                 await until(lambda: first.admission.limit("lazy") == 1, "the first one's share halved")
                 await until(lambda: second.admission.limit("lazy") == 1, "the second one's share")
@@ -354,14 +362,15 @@ def test_each_process_takes_its_share_of_a_replicas_concurrency(fleet: Fleet) ->
 
 def test_a_revoked_key_is_refused_by_every_process(fleet: Fleet) -> None:
     async def scenario() -> None:
-        admin = SqliteStore(state_of(fleet))
+        admin = fleet.store()
         await admin.add_key(ApiKey(name="k1", digest=hash_token("secret-1"), models=()))
-        one, two = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet), follow=True)
+        one, two = gateway(fleet), gateway(fleet, follow=True)
         async with started(one, two):
             assert one.authenticate("secret-1") is not None and two.authenticate("secret-1") is not None
             await admin.revoke("k1")
             await until(lambda: one.authenticate("secret-1") is None, "refused by the leader")
             await until(lambda: two.authenticate("secret-1") is None, "refused by the follower")
+        await admin.close()
 
     run(scenario)
 
@@ -370,7 +379,7 @@ def test_a_followers_last_use_keeps_the_leader_from_an_idle_stop(fleet: Fleet) -
     address = fleet.run("lazy", "a")
 
     async def scenario() -> None:
-        leader, follower = gateway(fleet, state_of(fleet)), gateway(fleet, state_of(fleet), follow=True)
+        leader, follower = gateway(fleet), gateway(fleet, follow=True)
         async with started(leader, follower):
             await until(lambda: follower.pool.ready_count("lazy") == 1, "the follower routes it")
             spec = leader.spec
