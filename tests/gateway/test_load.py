@@ -15,7 +15,7 @@ from tests.gateway.harness import Engine, Gateway
 from tests.integration.load import access_log, running_load
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.any_loop]  # the tests' load generator
 
 MODELS: list[dict[str, object]] = [
     {"name": "m", "source": "org/m", "profile": "sim", "scaling": {"min": 1, "max": 1}}

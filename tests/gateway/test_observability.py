@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.harness import Engine, Gateway, free_port, start_gateway, stop
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.any_loop]  # page and metric contents
 
 CHROMIUM = "/usr/bin/chromium"
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]

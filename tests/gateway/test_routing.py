@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.routing import Health, Pool, endpoints
+
+pytestmark = pytest.mark.any_loop  # pure code
 
 CLUSTER = """
 cluster: {name: t}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +21,8 @@ from llmgw_cli.gateway.sse import (
     stream_usage,
     without_usage_event,
 )
+
+pytestmark = pytest.mark.any_loop  # pure code: bytes in, bytes and usage out
 
 CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'

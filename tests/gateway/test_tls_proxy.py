@@ -19,7 +19,7 @@ import pytest
 from tests.gateway.harness import Engine, Gateway, free_port, self_signed_cert
 from tests.waiting import connects, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.any_loop]  # the documented nginx configuration
 
 ROOT = Path(__file__).resolve().parents[2]
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
