@@ -5,7 +5,7 @@
     sudo .venv/bin/python bench/soak.py --concurrency 16 --seconds 120 --kill-every 20
 
 Boots the 4-node lab (`llmgw lab up`, root) and takes it down at the end: nothing else
-may use the lab meanwhile. The scenario is tests/integration/soak.py's (the two-minute
+may use the lab meanwhile. The scenario is tests/integration/soak.py's (the 70-second
 version is tests/integration/test_soak_lab.py): one always-on model with two replicas on
 two nodes (simulated vLLM, 8 tokens/s, a 16-token reply: a stream of about 2 s), the
 official ``openai`` client streaming at ``--concurrency``, and every ``--kill-every``

@@ -38,7 +38,7 @@ from .load import Load, Request, access_log
 
 MODEL = "soak"
 TOKENS_PER_SECOND = 8  # the simulator's 16-token reply: a stream of about 2 s
-SLACK = 1.0  # seconds around a kill that its SSH round trip may take
+SLACK = 1.0  # seconds around a kill: the access log's times and the node's are read apart
 
 
 @dataclass
@@ -119,8 +119,8 @@ def soak_gateway(lab: Lab, folder: Path) -> Iterator[SoakGateway]:
 
 @dataclass
 class Kill:
-    at: float  # wall time just before the kill was sent
-    done: float  # wall time once the node said it was done
+    at: float  # wall time on the node just before `systemctl kill` (the lab shares this clock)
+    done: float  # wall time on the node once `systemctl kill` returned
     address: str
     unit: str
 
@@ -200,14 +200,18 @@ async def _kill_loop(
         )
         waits.append(time.monotonic() - began)
         node, unit = gw.units[victim]
-        at = time.time()
         # reset-failed first: the soak kills more often than the unit's StartLimitBurst
-        # allows in StartLimitIntervalSec, and systemd would give up on it.
+        # allows in StartLimitIntervalSec, and systemd would give up on it. The node tells
+        # when the kill ran: an SSH round trip on a busy machine takes seconds, and streams
+        # that started on the victim meanwhile were still on it when it died.
         done = await asyncio.to_thread(
-            lab.ssh, node, f"systemctl reset-failed {unit}; systemctl kill -s KILL {unit}"
+            lab.ssh,
+            node,
+            f"systemctl reset-failed {unit}; date +%s.%N; systemctl kill -s KILL {unit}; date +%s.%N",
         )
         assert done.returncode == 0, done.stderr
-        kills.append(Kill(at, time.time(), victim, unit))
+        at, landed = (float(x) for x in done.stdout.split())
+        kills.append(Kill(at, landed, victim, unit))
         turn += 1
         next_at = max(next_at + every, time.monotonic() + 1)
 

@@ -1,6 +1,8 @@
-"""The soak (tests/integration/soak.py says what it does) for two minutes: streams at
+"""The soak (tests/integration/soak.py says what it does) for 70 s: streams at
 concurrency 16 through the real gateway while one of the two replicas' engines is
-SIGKILLed every 20 s. LLMGW_SOAK_SECONDS lengthens it."""
+SIGKILLed every 20 s, three kills: each replica once, and the first again after systemd
+restarted it and the gateway took it back. LLMGW_SOAK_SECONDS lengthens it (bench/soak.py
+is the ten-minute version)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,16 @@ from .soak import soak, soak_gateway
 
 pytestmark = pytest.mark.integration
 
-SECONDS = float(os.environ.get("LLMGW_SOAK_SECONDS", "120"))
+SECONDS = float(os.environ.get("LLMGW_SOAK_SECONDS", "70"))  # kills at 20, 40 and 60 s
 
 
 def test_streams_survive_replicas_killed_under_them(lab: Lab, tmp_path: Path) -> None:
     with soak_gateway(lab, tmp_path) as gw:
         result = soak(lab, gw, concurrency=16, seconds=SECONDS, kill_every=20)
     print(result.totals())
-    assert len(result.kills) >= int(SECONDS // 20) - 1, result.kills
+    # both replicas killed, and one killed again once it was back (a longer soak: one kill
+    # may come late, when a replica was slow to return)
+    assert len(result.kills) >= max(3, int(SECONDS // 20) - 1), result.kills
     assert len(result.log) == len(result.streams), result.totals()
     # Nothing fails before its first byte: a request that met the killed replica went to
     # the other one.
