@@ -365,7 +365,8 @@ class Coordinator:
 
     async def look(self) -> None:
         """Reload the keys when their version changed; a follower reads the publication
-        again when its version changed, and checks the new replicas' health at once."""
+        again when its version changed, and checks the new replicas' health at once; the
+        leader takes the start requests."""
         gw = self.gw
         keys = await self.store.keys_version()
         following = gw.controller.following is not None
@@ -377,6 +378,7 @@ class Coordinator:
             await gw.discover()
             await gw.check_health()
         self._versions = (keys, published if published is not None else seen_published)
+        await self.take_requests()  # a leader's: a request may be what changed
 
     def followed(self) -> None:
         """After a follower's discovery: the controller takes the publication's model
@@ -447,19 +449,24 @@ class Coordinator:
     async def _requests_loop(self) -> None:
         while True:
             await asyncio.sleep(REQUESTS_EVERY)
-            fence = self.fence
-            if fence is None:
-                continue
-            try:
-                models = await self.store.take_start_requests(fence)
-            except Exception as exc:
-                log.warning("gateway store: cannot read the start requests: %s", exc)
-                continue
-            catalog = {m.name for m in self.gw.spec.models}
-            for model in dict.fromkeys(models):
-                if model in catalog and self.fence == fence:
-                    log.info("%s: a start asked for by another gateway process", model)
-                    self.gw.controller.want(model)
+            await self.take_requests()
+
+    async def take_requests(self) -> None:
+        """The leader begins the on-demand starts the followers asked for (every
+        ``REQUESTS_EVERY``, and when the store says something changed: PostgreSQL tells)."""
+        fence = self.fence
+        if fence is None:
+            return
+        try:
+            models = await self.store.take_start_requests(fence)
+        except Exception as exc:
+            log.warning("gateway store: cannot read the start requests: %s", exc)
+            return
+        catalog = {m.name for m in self.gw.spec.models}
+        for model in dict.fromkeys(models):
+            if model in catalog and self.fence == fence:
+                log.info("%s: a start asked for by another gateway process", model)
+                self.gw.controller.want(model)
 
     # --- the follower's requests ----------------------------------------------------------
 
