@@ -63,7 +63,9 @@ def spec_summary(spec: ClusterSpec, path: str) -> RenderableType:
             f"{modes[ScalingMode.on_demand]} on demand, {modes[ScalingMode.off]} off"
         ),
     )
-    table.add_row("gateway", plain(f"{spec.gateway.host} listening on {spec.gateway.listen}"))
+    store = "PostgreSQL" if spec.gateway.store else "SQLite"
+    hosts = ", ".join(spec.gateway.all_hosts)
+    table.add_row("gateway", plain(f"{hosts} listening on {spec.gateway.listen}, {store} store"))
     return table
 
 
