@@ -4,9 +4,10 @@ workers of each, share one database.
 Driver: asyncpg (bench/store.py, bench/RESULTS.md "Store": about 3x psycopg 3's rate on
 the key-version look every process makes every second, 2x on a usage batch). Connections:
 a small pool per process (``POOL_SIZE``) for the store's statements, plus two of its own,
-opened when first needed: the leader's lock connection (a session advisory lock lives
-exactly as long as its session: a leader whose connection or process dies loses the lock
-at once) and the LISTEN connection ``wait_change`` waits on.
+opened when first needed: the lock connection of a process that may lead (the leader holds
+the session advisory lock on it, which lives exactly as long as the session: a leader
+whose connection or process dies loses the lock at once; the others keep theirs open to
+try again) and the LISTEN connection ``wait_change`` waits on.
 
 Fencing: taking the lock bumps ``leader.epoch`` (the fencing number); ``still_leader`` reads
 the epoch ON THE LOCK CONNECTION, so a dead connection answers False. ``publish`` and
@@ -134,6 +135,7 @@ class PostgresStore:
         self._opening = asyncio.Lock()
         self._listener: asyncpg.Connection | None = None
         self._changed = asyncio.Event()
+        self._leaderships: list[PostgresLeadership] = []  # closed with the store
 
     @classmethod
     def from_spec(cls, spec: ClusterSpec) -> PostgresStore:
@@ -397,7 +399,9 @@ class PostgresStore:
     # --- leadership, changes, lifetime
 
     def leadership(self, member: str) -> PostgresLeadership:
-        return PostgresLeadership(self, member)
+        made = PostgresLeadership(self, member)
+        self._leaderships.append(made)
+        return made
 
     def _on_notify(self, *_: object) -> None:
         self._changed.set()
@@ -434,6 +438,11 @@ class PostgresStore:
         self._changed.clear()
 
     async def close(self) -> None:
+        """Everything this object opened: the leaderships' connections (a lead held goes),
+        the LISTEN connection, the pool."""
+        leaderships, self._leaderships = self._leaderships, []
+        for leadership in leaderships:
+            await leadership.release()
         listener, self._listener = self._listener, None
         if listener is not None:
             await _close(listener)
@@ -456,14 +465,19 @@ class PostgresLeadership:
         self._using = asyncio.Lock()  # one statement at a time on the lock connection
 
     async def try_acquire(self) -> int | None:
+        """A member that does not get the lock keeps its connection for the next try:
+        the followers of a cluster ask every second, and a new session each time would
+        cost the server an authentication per follower per second."""
         async with self._using:
-            if self.fence is not None and self._db is not None and not self._db.is_closed():
+            if self._db is not None and self._db.is_closed():
+                await self._drop()
+            if self.fence is not None and self._db is not None:
                 return self.fence
-            await self._drop()
-            db = await self.store.connect()
+            if self._db is None:
+                self._db = await self.store.connect()
+            db = self._db
             try:
                 if not await db.fetchval("SELECT pg_try_advisory_lock($1)", LEADER_LOCK, timeout=TIMEOUT):
-                    await _close(db)
                     return None
                 epoch = await db.fetchval(
                     "UPDATE leader SET epoch = epoch + 1, member = $1, since = $2 WHERE id = 1 RETURNING epoch",
@@ -472,15 +486,17 @@ class PostgresLeadership:
                     timeout=TIMEOUT,
                 )
             except BaseException:
-                await _close(db)  # the lock goes with the session
+                await self._drop()  # the lock, if it was taken, goes with the session
                 raise
-            self._db, self.fence = db, int(epoch)
+            self.fence = int(epoch)
             return self.fence
 
     async def still_leader(self) -> bool:
         async with self._using:
             db, fence = self._db, self.fence
-            if db is None or fence is None or db.is_closed():
+            if fence is None:
+                return False
+            if db is None or db.is_closed():
                 await self._drop()
                 return False
             try:

@@ -150,7 +150,10 @@ class Store(Protocol):
         """Create or upgrade the schema; the schema version now."""
         ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Release what the object holds: its leaderships (a lead held goes to the next
+        member) and its connections."""
+        ...
 
 
 POLL_EVERY = 0.25  # seconds between two looks at SQLite's change counters in wait_change
@@ -217,6 +220,7 @@ class SqliteStore:
         self.directory = directory
         self.path = directory / "gateway.sqlite3"
         self._seen: tuple[int, int] | None = None  # the change counters wait_change last saw
+        self._leaderships: list[SqliteLeadership] = []  # released with the store
         try:
             # Made 0600 before SQLite opens it: its -wal and -shm files take the database
             # file's mode, and they hold key digests too.
@@ -521,7 +525,9 @@ class SqliteStore:
     # --- leadership, changes, lifetime
 
     def leadership(self, member: str) -> Leadership:
-        return SqliteLeadership(self, member)
+        made = SqliteLeadership(self, member)
+        self._leaderships.append(made)
+        return made
 
     def _counters(self) -> tuple[int, int]:
         with self._db() as db:
@@ -540,7 +546,10 @@ class SqliteStore:
             await asyncio.sleep(min(POLL_EVERY, max(0.0, deadline - time.monotonic())))
 
     async def close(self) -> None:
-        return None
+        """Lets go of the leader lock if one of its leaderships holds it."""
+        leaderships, self._leaderships = self._leaderships, []
+        for leadership in leaderships:
+            await leadership.release()
 
 
 class SqliteLeadership:
