@@ -18,7 +18,7 @@ from llmgw_cli.cli.doctor import doctor
 from llmgw_cli.cli.fetch import fetch
 from llmgw_cli.cli.status import status
 from llmgw_cli.cli.usage import usage
-from llmgw_cli.cli.views import problems_view, spec_summary
+from llmgw_cli.cli.views import problems_view, spec_headline, spec_summary
 from llmgw_cli.core.docgen import json_schema
 from llmgw_cli.errors import LlmgwError, SpecError
 
@@ -68,7 +68,8 @@ def validate(file: ClusterFile = DEFAULT_FILE) -> None:
     Exit code 0 when valid, 2 when it has problems.
     """
     spec = read_cluster(file)
-    out.print(spec_summary(spec, str(file)))
+    out.print(spec_headline(spec, str(file)), soft_wrap=True)
+    out.print(spec_summary(spec))
 
 
 @app.command()

@@ -42,12 +42,16 @@ def problems_view(problems: list[Problem]) -> RenderableType:
     return Group(*lines)
 
 
-def spec_summary(spec: ClusterSpec, path: str) -> RenderableType:
+def spec_headline(spec: ClusterSpec, path: str) -> Text:
+    """The line above the summary: which file, which cluster (printed unwrapped, so a long
+    path stays one line a script can match)."""
+    return plain(f"{path}: valid (cluster {spec.cluster.name})")
+
+
+def spec_summary(spec: ClusterSpec) -> RenderableType:
     """What a valid cluster file declares, in one table."""
     modes = Counter(m.mode for m in spec.models)
-    table = Table(
-        title=plain(f"{path}: valid (cluster {spec.cluster.name})"), title_justify="left", show_header=False
-    )
+    table = Table(show_header=False)
     table.add_column(style="bold")
     table.add_column()
     gpus = sum(n.gpus.count for n in spec.nodes if n.gpus)

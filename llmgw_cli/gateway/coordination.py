@@ -51,21 +51,41 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.plan import Action, Plan
+from llmgw_cli.core.routing import Pool
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NotLeader
-from llmgw_cli.gateway.controller import Following, Nodes, UnitFailure
-from llmgw_cli.gateway.sources import PublishedSource
+from llmgw_cli.gateway.controller import Controller, Following, Nodes, UnitFailure
+from llmgw_cli.gateway.sources import PublishedSource, ReplicaSource
 from llmgw_cli.gateway.store import Leadership, ModelState, Store
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.cluster_lock import Hold
 from llmgw_cli.remote.execute import Outcome
 
-if TYPE_CHECKING:
-    from llmgw_cli.gateway.state import Gateway
+
+class Member(Protocol):
+    """What the coordinator reads and switches of its gateway process (``state.Gateway``):
+    where discovery reads, the controller's role, and the looks it asks for. A protocol, so
+    that the gateway owns its coordinator and this module never imports the gateway."""
+
+    spec: ClusterSpec
+    source: ReplicaSource
+    probe_source: ReplicaSource
+    controller: Controller
+    pool: Pool
+    manage_replicas: bool
+
+    async def discover(self) -> None: ...
+
+    async def check_health(self) -> None: ...
+
+    async def load_keys(self) -> None: ...
+
+    def probe_now(self) -> None: ...
+
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -152,7 +172,7 @@ class Coordinator:
         self.fence: int | None = None  # our epoch while we lead
         self.live = 1  # live members at the last heartbeat
         self.resigned = False  # quiesced: never leads again
-        self._gw: Gateway | None = None
+        self._gw: Member | None = None
         self._dirty = asyncio.Event()  # the leader's view changed: publish
         self._published: Snapshot | None = None  # what the leader published last
         self._published_at = float("-inf")  # monotonic time of that publication
@@ -167,13 +187,13 @@ class Coordinator:
         return self.fence is not None
 
     @property
-    def gw(self) -> Gateway:
+    def gw(self) -> Member:
         assert self._gw is not None, "Coordinator.start first"
         return self._gw
 
     # --- lifetime ---------------------------------------------------------------------
 
-    async def start(self, gw: Gateway, *, follows: bool) -> None:
+    async def start(self, gw: Member, *, follows: bool) -> None:
         """Join: the first heartbeat, then lead if it may and nobody does; else follow
         (``follows``: a process whose routes come from the leader) or stand alone."""
         self._gw = gw

@@ -19,6 +19,7 @@ from llmgw_cli.cli.views import (
     fetch_results_view,
     problems_view,
     progress_view,
+    spec_headline,
     spec_summary,
     status_view,
 )
@@ -123,7 +124,8 @@ def test_problems_and_summary_show_file_text_literally() -> None:
     problem = Problem("c[/x].yaml", 1, 1, "models[0]", "unknown key '[/x]'")
     assert "c[/x].yaml:1:1: models[0]: unknown key '[/x]'" in rendered(problems_view([problem]))
     spec = parse_cluster((ROOT / "inventories/single-box.yaml").read_text())
-    assert "[/x]/c.yaml: valid" in rendered(spec_summary(spec, "[/x]/c.yaml"))
+    assert "[/x]/c.yaml: valid" in rendered(spec_headline(spec, "[/x]/c.yaml"))
+    assert "1 always on" in rendered(spec_summary(spec))
 
 
 @pytest.mark.parametrize("text", HOSTILE)

@@ -57,7 +57,17 @@ def test_cluster_file_from_environment(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
-    assert "cluster workstation" in result.stdout.replace("\n", " ")
+    assert f"{env_file}: valid (cluster workstation)" in result.stdout.splitlines()
+
+
+def test_validate_keeps_a_long_path_on_one_line(tmp_path: Path) -> None:
+    """Without a terminal rich wraps at 80 columns: the headline must not be cut in two."""
+    deep = tmp_path / ("d" * 70) / "cluster.yaml"
+    deep.parent.mkdir()
+    deep.write_text((ROOT / "inventories/single-box.yaml").read_text())
+    result = llmgw("validate", "-f", str(deep))
+    assert result.returncode == 0, result.stderr
+    assert f"{deep}: valid (cluster workstation)" in result.stdout.splitlines()
 
 
 def test_schema_prints_json_schema() -> None:
