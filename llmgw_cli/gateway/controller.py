@@ -117,6 +117,10 @@ REQUEST_EVERY = 1.0  # seconds: a follower asks the leader to start a model at m
 # for began (the leader takes requests every 0.5 s and publishes within a second).
 REQUEST_PATIENCE = 5.0
 FOLLOWER_LOOK = 1.0  # seconds between a waiting follower request's looks at the published state
+# Seconds a new follower's requests wait for the leader's first publication it reads: a
+# worker that starts beside its leader serves before the leader has published anything,
+# and without a publication it knows no replica of any model.
+FIRST_PUBLICATION_WAIT = 15.0
 
 
 def replica_key(model: str, address: str) -> str:
@@ -288,6 +292,12 @@ class Following:
     models: dict[str, ModelState] = field(default_factory=dict)
     draining: frozenset[str] = frozenset()
     asked: dict[str, float] = field(default_factory=dict)  # model -> monotonic time last asked
+    published: bool = False  # a publication of the leader was read since following began
+    since: float = field(default_factory=time.monotonic)  # when following began
+
+    def awaits_publication(self) -> bool:
+        """Nothing published read yet, and not for long: a request waits for it."""
+        return not self.published and time.monotonic() - self.since < FIRST_PUBLICATION_WAIT
 
 
 # --- the controller ---------------------------------------------------------------------
@@ -333,6 +343,9 @@ class Controller:
         self._tasks: set[asyncio.Task[object]] = set()
         self.members = 1  # live gateway processes sharing every replica's concurrency
         self.following: Following | None = None  # set while another process leads
+        # This process took the lead and manages once it has probed the nodes: a request
+        # meanwhile waits for that instead of being told that nothing starts models here.
+        self.taking_over = False
 
     def model(self, name: str) -> ModelController:
         found = self.models.get(name)
@@ -442,7 +455,7 @@ class Controller:
             self.phase(name),
             mc.attempts,
             progress=mc.progress,
-            manages=self.manages or (following is not None and spec.gateway.manage_replicas),
+            manages=self.manages or self.taking_over or (following is not None and spec.gateway.manage_replicas),
             now=self.clock(),
             backoff_first=spec.gateway.start_backoff,
         )
@@ -452,7 +465,9 @@ class Controller:
             return True
         following = self.following
         if following is None:
-            return self.model(name).starting
+            return self.model(name).starting or (self.taking_over and not self.manages)
+        if following.awaits_publication():
+            return True
         state = following.models.get(name)
         mode = self.spec().model(name).mode
         phase = _published_phase(state, mode, self.clock()) if state is not None else None

@@ -259,6 +259,7 @@ class Coordinator:
         gw.source = gw.probe_source
         gw.controller.following = None
         gw.controller.manages = manage and gw.manage_replicas and gw.controller.nodes is not None
+        gw.controller.taking_over = not manage and gw.manage_replicas and gw.controller.nodes is not None
         self._published = None  # publish at the next look, whatever the last leader said
         self._dirty.set()
         log.warning("this gateway process leads the cluster now (member %s, fence %d)", self.member, fence)
@@ -282,6 +283,9 @@ class Coordinator:
                 continue
             if self.fence == fence:
                 gw.controller.manages = gw.manage_replicas and gw.controller.nodes is not None
+                gw.controller.taking_over = False
+                for model in gw.spec.models:  # requests that waited for the take-over
+                    gw.controller.model(model.name).wake()
             return
 
     def _follow(self) -> None:
@@ -289,6 +293,7 @@ class Coordinator:
         assert self.follower_source is not None
         gw.source = self.follower_source
         gw.controller.manages = False
+        gw.controller.taking_over = False
         gw.controller.following = Following(self._request)
 
     def _lost(self, why: str) -> None:
@@ -403,17 +408,19 @@ class Coordinator:
     def followed(self) -> None:
         """After a follower's discovery: the controller takes the publication's model
         states and drained addresses; the waiters of a model whose state changed are
-        woken."""
+        woken (of every model at the first publication read: they waited for it)."""
         following = self.gw.controller.following
         source = self.follower_source
         if following is None or source is None or source.latest is None:
             return
         latest = source.latest
+        first = not following.published
+        following.published = True
         models = {m.name: latest.models[m.name] for m in self.gw.spec.models if m.name in latest.models}
         changed = [n for n in set(models) | set(following.models) if models.get(n) != following.models.get(n)]
         following.models = models
         following.draining = frozenset(a for a in latest.draining if isinstance(a, str))
-        for name in changed:
+        for name in [m.name for m in self.gw.spec.models] if first else changed:
             self.gw.controller.model(name).wake()
 
     # --- the leader's work --------------------------------------------------------------

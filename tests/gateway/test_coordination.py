@@ -68,6 +68,7 @@ class Fleet:
         self.truth: dict[str, NodeFacts] = {n: node_facts(n, gpus=1) for n in "ab"}
         self.health: dict[str, int] = {}
         self.actions: list[tuple[str, Action]] = []  # (member that executed it, action)
+        self.discover_delay = 0.0  # seconds a discovery takes (a slow probe of the nodes)
 
     def address(self, action: Action) -> str:
         assert action.port is not None
@@ -147,6 +148,7 @@ class FleetSource:
         self.fleet = fleet
 
     async def discover(self, spec: ClusterSpec) -> dict[str, list[str]]:
+        await asyncio.sleep(self.fleet.discover_delay)
         return self.fleet.discover()
 
     async def close(self) -> None:
@@ -261,6 +263,37 @@ def test_one_leads_the_other_follows_and_a_followers_request_is_started_by_the_l
     run(scenario)
 
 
+def test_a_request_to_a_follower_waits_for_the_leaders_first_publication(fleet: Fleet) -> None:
+    """Workers start together: a follower can serve before its leader has published
+    anything. A request for an always-on model that runs waits for that publication
+    instead of a 503 at once."""
+    spec = parse_cluster(
+        CLUSTER.replace("STATE", str(fleet.spec.gateway.state_dir)).replace(
+            "scaling: {min: 0, max: 1, idle_timeout: 5m}", "scaling: {min: 1, max: 1}"
+        )
+    )
+    fleet.spec = spec
+    address = fleet.run("lazy", "a")
+
+    async def scenario() -> None:
+        follower = gateway(fleet, follow=True)
+        async with started(follower):
+            assert follower.controller.following is not None
+            assert not follower.controller.following.published
+            asking = asyncio.create_task(follower.controller.ensure_ready("lazy", time.monotonic() + WAIT))
+            await asyncio.sleep(0.5)
+            assert not asking.done(), asking.result()  # not a 503 at once: it waits
+            leader = gateway(fleet)
+            async with started(leader):
+                found = await asking
+                assert not isinstance(found, controller_module.Unavailable), found
+                assert found.address == address
+                assert follower.controller.following.published
+            assert not [a for _, a in fleet.actions if a.op == "+"]  # the leader started nothing
+
+    run(scenario)
+
+
 def test_a_follower_is_told_the_leaders_start_failure(fleet: Fleet) -> None:
     async def scenario() -> None:
         leader, follower = gateway(fleet), gateway(fleet)
@@ -295,6 +328,25 @@ def test_the_follower_takes_over_when_the_leaders_lock_goes(fleet: Fleet) -> Non
             # the new leader serves the followers' requests
             found = await first.controller.ensure_ready("lazy", time.monotonic() + WAIT)
             assert not isinstance(found, controller_module.Unavailable), found
+            assert [who for who, a in fleet.actions if a.op == "+"] == [second.coordinator.member]
+
+    run(scenario)
+
+
+def test_a_request_during_a_take_over_waits_for_the_new_leader_to_manage(fleet: Fleet) -> None:
+    """A process that took the lead manages only once it has probed the nodes; an on-demand
+    request it gets meanwhile waits for that and is started, not refused."""
+
+    async def scenario() -> None:
+        first, second = gateway(fleet), gateway(fleet)
+        async with started(first, second):
+            fleet.discover_delay = 1.0
+            await first.coordinator.resign()  # what a gateway stopping does: another leads
+            await until(lambda: second.coordinator.leading, "the follower leads")
+            assert not second.controller.manages and second.controller.taking_over
+            found = await second.controller.ensure_ready("lazy", time.monotonic() + WAIT)
+            assert not isinstance(found, controller_module.Unavailable), found
+            assert second.controller.manages and not second.controller.taking_over
             assert [who for who, a in fleet.actions if a.op == "+"] == [second.coordinator.member]
 
     run(scenario)
