@@ -455,7 +455,9 @@ class Controller:
             self.phase(name),
             mc.attempts,
             progress=mc.progress,
-            manages=self.manages or self.taking_over or (following is not None and spec.gateway.manage_replicas),
+            manages=self.manages
+            or self.taking_over
+            or (following is not None and spec.gateway.manage_replicas),
             now=self.clock(),
             backoff_first=spec.gateway.start_backoff,
         )
