@@ -527,7 +527,18 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
 class Gateway:
     """One `llmgw gateway run` in its own folder: cluster file, replica file, key, log."""
 
-    def __init__(self, work: Path, name: str, loop: str, upstream: int) -> None:
+    def __init__(
+        self,
+        work: Path,
+        name: str,
+        loop: str,
+        upstream: int,
+        *,
+        store: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``store``: a PostgreSQL URL for ``gateway.store`` (its password in ``env``'s
+        ``LLMGW_STORE_PASSWORD``); SQLite in the gateway's folder without it."""
         self.name, self.loop = name, loop
         self.dir = work / name
         self.dir.mkdir()
@@ -542,6 +553,7 @@ class Gateway:
                         "admin_listen": f"127.0.0.1:{admin_port}",
                         "metrics_listen": f"127.0.0.1:{metrics_port}",
                         "state_dir": str(self.dir / "state"),
+                        **({"store": store} if store else {}),
                     },
                     "nodes": [{"name": "n1", "address": "127.0.0.1", "connection": "local"}],
                     "profiles": {"p": {"engine": "vllm"}},
@@ -563,6 +575,7 @@ class Gateway:
             check=True,
             capture_output=True,
             text=True,
+            env=env,
         ).stdout.strip()
         self.log = (self.dir / "gateway.log").open("wb")
 

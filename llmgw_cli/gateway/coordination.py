@@ -269,6 +269,7 @@ class Coordinator:
         facts of an earlier time it led): it reads the stored last use, probes the nodes,
         and only then manages."""
         gw = self.gw
+        began = time.monotonic()
         try:
             gw.controller.saved = await self.store.last_use()
         except Exception as exc:
@@ -286,6 +287,11 @@ class Coordinator:
                 gw.controller.taking_over = False
                 for model in gw.spec.models:  # requests that waited for the take-over
                     gw.controller.model(model.name).wake()
+                log.warning(
+                    "took over: the nodes probed, this gateway process %s (%.2f s after taking the lead)",
+                    "manages the replicas now" if gw.controller.manages else "routes from its own probes",
+                    time.monotonic() - began,
+                )
             return
 
     def _follow(self) -> None:
