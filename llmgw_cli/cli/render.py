@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
+from llmgw_cli.core.grafana import DEFAULT_PROMETHEUS_URL
 from llmgw_cli.core.monitoring import monitoring_files
 from llmgw_cli.core.units import gateway_unit
 
@@ -47,7 +48,7 @@ def monitoring_cmd(
     file: ClusterFile = DEFAULT_FILE,
     out: Annotated[
         Path | None,
-        typer.Option("--out", help="Write prometheus.yml and llmgw-alerts.yml into this folder."),
+        typer.Option("--out", help="Write prometheus.yml, llmgw-alerts.yml and grafana/ into this folder."),
     ] = None,
     admin_key_file: Annotated[
         str,
@@ -56,17 +57,22 @@ def monitoring_cmd(
             "(no gateway.metrics_listen)."
         ),
     ] = "/etc/prometheus/llmgw-admin.key",
+    prometheus_url: Annotated[
+        str, typer.Option(help="The Prometheus Grafana reads (the provisioned datasource's URL).")
+    ] = DEFAULT_PROMETHEUS_URL,
 ) -> None:
-    """A Prometheus configuration that scrapes the gateway, and the llmgw alert rules.
+    """A Prometheus configuration that scrapes the gateway, the llmgw alert rules, and a
+    Grafana dashboard with its provisioning files.
 
-    Without --out both files go to stdout, each after a `# ==> NAME <==` line.
+    Without --out every file goes to stdout, each after a `# ==> NAME <==` line.
     """
     spec = read_cluster(file)
-    files = monitoring_files(spec, admin_key_file)
+    files = monitoring_files(spec, admin_key_file, prometheus_url=prometheus_url)
     if out is None:
         sys.stdout.write("".join(f"# ==> {name} <==\n{text}" for name, text in files.items()))
         return
     out.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text, encoding="utf-8")
         sys.stderr.write(f"wrote {out / name}\n")

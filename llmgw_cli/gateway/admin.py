@@ -2,7 +2,8 @@
 ``/admin/api/summary``, and ``/metrics`` (also on ``metrics_listen``).
 
 The dashboard is server-rendered HTML (a jinja2 template, autoescaped), no scripts, no
-build step; it reloads itself every ``REFRESH`` seconds. A browser sends the admin key as
+build step; it reloads itself every ``REFRESH`` seconds. Its charts of the last hour are
+inline SVG from ``core/sparkline.py``, which escapes the text it writes. A browser sends the admin key as
 the password of HTTP Basic authentication (any user name); scripts send it as a Bearer
 token. Both read the same Summary as ``llmgw status`` (``fleet.summary_of``).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -19,10 +21,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmgw_cli.core.keys import bearer, plausible_token
+from llmgw_cli.core.sparkline import sparkline
 from llmgw_cli.core.summary import Summary
 from llmgw_cli.core.templates import template_dirs
 from llmgw_cli.gateway.fleet import probe_ages, probing, summary_of
 from llmgw_cli.gateway.proxy import GATEWAY
+from llmgw_cli.gateway.recent import MINUTES, PerMinute
 from llmgw_cli.gateway.state import Gateway
 from llmgw_cli.gateway.usage import merged
 
@@ -51,6 +55,18 @@ async def _summary(gw: Gateway) -> Summary:
     return summary_of(gw, merged(stored, gw.meter.pending()))
 
 
+def last_hour(gw: Gateway) -> dict[str, dict[str, list[int]]]:
+    """Every model of the cluster file (in its order): requests and tokens per minute of
+    the last hour, ``MINUTES`` each, oldest first (this worker's count)."""
+    use = gw.metrics.recent.per_model(time.monotonic())
+    none = PerMinute((0,) * MINUTES, (0,) * MINUTES)
+    return {
+        m.name: {"requests": list(u.requests), "tokens": list(u.tokens)}
+        for m in gw.spec.models
+        for u in (use.get(m.name, none),)
+    }
+
+
 def _report(gw: Gateway, summary: Summary) -> dict[str, Any]:
     source = probing(gw)
     now = time.time()
@@ -61,6 +77,7 @@ def _report(gw: Gateway, summary: Summary) -> dict[str, Any]:
         "queued": gw.admission.queued(),
         # the model controller's recent actions, oldest first, each with its reason
         "actions": [{**a.as_dict(), "ago": max(0.0, now - a.time)} for a in gw.controller.actions],
+        "last_hour": last_hour(gw),
         **summary.model_dump(mode="json"),
     }
 
@@ -95,16 +112,36 @@ def duration(seconds: float | None) -> str:
     return f"{s // 3600}h {s % 3600 // 60:02d}m"
 
 
-async def dashboard(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    report = _report(gw, await _summary(gw))
-    html = _template().render(
+def charts(hour: Mapping[str, Mapping[str, Sequence[int]]]) -> list[dict[str, Any]]:
+    """Per model of ``hour`` (``last_hour``): its requests and tokens per minute as
+    sparklines, and their sums."""
+    return [
+        {
+            "model": model,
+            "requests": sparkline(use["requests"], f"{model}: requests per minute, last hour"),
+            "requests_total": sum(use["requests"]),
+            "tokens": sparkline(use["tokens"], f"{model}: tokens per minute, last hour"),
+            "tokens_total": sum(use["tokens"]),
+        }
+        for model, use in hour.items()
+    ]
+
+
+def page(report: dict[str, Any], now: str) -> str:
+    """The dashboard's HTML for a report (``_report``'s shape), as of ``now``."""
+    return _template().render(
         r=report,
         refresh=REFRESH,
-        now=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        now=now,
         loading=[m for m in report["models"] if m["state"] == "starting"],
         idle=[r for r in report["replicas"] if r["idle"]],
+        charts=charts(report["last_hour"]),
     )
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    html = page(_report(gw, await _summary(gw)), time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     return web.Response(text=html, content_type="text/html", headers={"Cache-Control": "no-store"})
 
 

@@ -37,6 +37,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from llmgw_cli.gateway.recent import RecentUse
+
 # Seconds. Non-streamed answers and whole streams: from milliseconds to minutes.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -47,39 +49,6 @@ MAX_CHILDREN = 10_000  # cached label sets; keys and models are bounded, this is
 # counter and histogram in a file per process there (read when it is imported, so only
 # ever in a fresh worker process), and a scrape sums the files of every worker.
 MULTIPROC_VAR = "PROMETHEUS_MULTIPROC_DIR"
-WINDOW = 3600.0  # seconds of per-key use kept in memory (the dashboard's "last hour")
-
-
-class RecentUse:
-    """Requests and tokens per (key, model) in minute buckets over the last hour."""
-
-    def __init__(self) -> None:
-        self.minutes: dict[int, dict[tuple[str, str], list[int]]] = {}
-
-    def add(self, key: str, model: str, tokens: int, now: float) -> None:
-        minute = int(now // 60)
-        bucket = self.minutes.get(minute)
-        if bucket is None:
-            bucket = self.minutes[minute] = {}
-            for old in [m for m in self.minutes if m <= minute - WINDOW // 60]:
-                del self.minutes[old]
-        counts = bucket.get((key, model))
-        if counts is None:
-            counts = bucket[(key, model)] = [0, 0]
-        counts[0] += 1
-        counts[1] += tokens
-
-    def totals(self, now: float) -> dict[tuple[str, str], tuple[int, int]]:
-        """(requests, tokens) by (key, model) over the last hour."""
-        first = int(now // 60) - int(WINDOW // 60) + 1
-        out: dict[tuple[str, str], tuple[int, int]] = {}
-        for minute, bucket in self.minutes.items():
-            if minute < first:
-                continue
-            for k, (requests, tokens) in bucket.items():
-                r, t = out.get(k, (0, 0))
-                out[k] = (r + requests, t + tokens)
-        return out
 
 
 class Metrics:

@@ -5,6 +5,7 @@ headless by Playwright); the live /metrics checked by `promtool check metrics`."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -108,6 +109,24 @@ def test_summary_api(setup: Setup) -> None:
     (alice,) = [k for k in report["keys"] if k["key"] == "alice"]
     assert (alice["requests_hour"], alice["requests_day"], alice["models"]) == (4, 4, ["chat"])
     assert alice["tokens_day"] == alice["tokens_hour"] > 16
+    hour = report["last_hour"]
+    assert list(hour) == ["chat", "starting", "lazy", "dark"]  # every model, in the file's order
+    assert all(len(u["requests"]) == len(u["tokens"]) == 60 for u in hour.values())
+    assert sum(hour["chat"]["requests"]) == 4 and sum(hour["chat"]["tokens"]) == alice["tokens_hour"]
+    assert sum(hour["lazy"]["requests"]) == 0
+
+
+def test_dashboard_charts_the_last_hour_per_model(setup: Setup) -> None:
+    html = setup.gw.admin("/admin", setup.keys["admin"]).text
+    table = re.search(r'<table id="last-hour">(.*?)</table>', html, re.S)
+    assert table is not None
+    rows = dict(re.findall(r'<tr data-model="([^"]+)">(.*?)</tr>', table.group(1), re.S))
+    assert list(rows) == ["chat", "starting", "lazy", "dark"]
+    for name, row in rows.items():
+        assert row.count("<svg ") == 2 and "<title>" in row, name  # requests and tokens
+    assert re.search(r'class="n requests-hour">4<', rows["chat"])
+    assert "<title>chat: requests per minute, last hour; max " in rows["chat"]
+    assert "<title>lazy: requests per minute, last hour; max 0</title>" in rows["lazy"]
 
 
 def test_dashboard_in_chromium(setup: Setup) -> None:
@@ -134,6 +153,9 @@ def test_dashboard_in_chromium(setup: Setup) -> None:
             alice = page.locator('#usage tr[data-key="alice"]')
             assert alice.locator(".requests-hour").inner_text() == "4"
             assert alice.locator(".requests-day").inner_text() == "4"
+            charts = page.locator('#last-hour tr[data-model="chat"]')
+            assert charts.locator("svg").count() == 2 and charts.locator(".requests-hour").inner_text() == "4"
+            assert page.locator("#last-hour tr[data-model] svg polyline").count() == 2 * 4
             assert page.locator('meta[http-equiv="refresh"]').count() == 1
             page.screenshot(path=str(OUTPUT / "dashboard.png"), full_page=True)
             for credentials in (

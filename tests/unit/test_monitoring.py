@@ -73,7 +73,7 @@ def test_promtool_accepts_the_files_and_the_alerts_fire_as_specified(
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in out.iterdir()) == sorted([PROMETHEUS_FILE, RULES_FILE])
+    assert sorted(p.name for p in out.iterdir()) == sorted([PROMETHEUS_FILE, RULES_FILE, "grafana"])
     promtool("check", "config", PROMETHEUS_FILE, cwd=out)
     promtool("check", "rules", RULES_FILE, cwd=out)
     shutil.copy(RULE_TESTS, out / RULE_TESTS.name)

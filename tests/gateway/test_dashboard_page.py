@@ -1,0 +1,120 @@
+"""The /admin page's template with hostile values everywhere a name or a message goes:
+each stays text (attribute values and element text the browser reads back unchanged),
+and the per-model charts are inline SVG with the model's name escaped in their title.
+The real gateway's page: tests/gateway/test_observability.py."""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+
+import pytest
+
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.summary import summarize
+from llmgw_cli.gateway.admin import page
+from llmgw_cli.gateway.recent import MINUTES
+
+pytestmark = pytest.mark.any_loop  # a template: no event loop
+
+HOSTILE = '<script>alert("x")</script>"\' onmouseover="alert(1)'
+SPEC = parse_cluster(
+    """\
+cluster: {name: t}
+nodes:
+  - {name: a, address: 10.0.0.1}
+profiles: {vllm: {engine: vllm}}
+models:
+  - {name: quiet, source: org/quiet, profile: vllm}
+  - {name: chat, source: org/chat, profile: vllm}
+"""
+)
+
+
+class Page(HTMLParser):
+    """Tags, their attributes and the text, as a browser's parser reads them."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.text: list[str] = []
+        self.feed(html)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+    def rows(self, attribute: str) -> list[str | None]:
+        return [a[attribute] for t, a in self.tags if t == "tr" and attribute in a]
+
+
+def report() -> dict[str, object]:
+    """What `_report` gives, with a hostile model, key, address, node error and reason."""
+    summary = summarize(SPEC, {"a": NodeFacts(node="a", error=HOSTILE)}).model_dump(mode="json")
+    summary["models"][1]["name"] = HOSTILE
+    summary["models"][1]["state"] = "ready"
+    summary["replicas"] = [
+        {
+            "model": HOSTILE,
+            "address": HOSTILE,
+            "health": "ready",
+            "in_flight": 0,
+            "idle_seconds": 4000.0,
+            "idle": True,
+        }
+    ]
+    summary["keys"] = [
+        {
+            "key": HOSTILE,
+            "requests_hour": 3,
+            "tokens_hour": 30,
+            "requests_day": 3,
+            "tokens_day": 30,
+            "models": [HOSTILE],
+        }
+    ]
+    requests = [0] * (MINUTES - 2) + [1, 2]
+    return {
+        "cluster": "t",
+        "probing": True,
+        "probe_age_seconds": {"a": 3.0},
+        "queued": {},
+        "actions": [{"time": 0.0, "model": HOSTILE, "action": "start", "reason": HOSTILE, "ago": 5.0}],
+        "last_hour": {
+            "quiet": {"requests": [0] * MINUTES, "tokens": [0] * MINUTES},
+            HOSTILE: {"requests": requests, "tokens": [10 * r for r in requests]},
+        },
+        **summary,
+    }
+
+
+def test_hostile_names_stay_text_and_every_model_has_its_charts() -> None:
+    html = page(report(), "now")
+    parsed = Page(html)
+    tags = [t for t, _ in parsed.tags]
+    assert "script" not in tags and "<script>" not in html
+    assert not any("onmouseover" in attrs for _, attrs in parsed.tags)
+    # Every row names its model exactly, however hostile the name.
+    assert parsed.rows("data-model").count(HOSTILE) == 4  # models, last hour, actions, replicas
+    assert parsed.rows("data-key") == [HOSTILE]
+    assert sum(HOSTILE in text for text in parsed.text) >= 6
+    # Two charts per model of the last hour: requests and tokens, each with its title.
+    assert tags.count("svg") == 2 * 2
+    titles = [t for t in parsed.text if "per minute, last hour" in t]
+    assert titles == [
+        "quiet: requests per minute, last hour; max 0",
+        "quiet: tokens per minute, last hour; max 0",
+        f"{HOSTILE}: requests per minute, last hour; max 2",
+        f"{HOSTILE}: tokens per minute, last hour; max 20",
+    ]
+
+
+def test_no_model_no_charts() -> None:
+    r = report()
+    r["last_hour"] = {}
+    parsed = Page(page(r, "now"))
+    assert [t for t, _ in parsed.tags].count("svg") == 0
+    assert any(a.get("id") == "last-hour" for t, a in parsed.tags if t == "p")
