@@ -48,8 +48,20 @@ def up(opts: UpOptions, progress: LineReport = quiet) -> LabRecord:
     if not 1 <= opts.nodes <= MAX_NODES:
         raise UsageError(f"--nodes must be 1..{MAX_NODES}, not {opts.nodes}")
     state = opts.state_dir.resolve()
-    if host.load_record(state) or Path(f"/sys/class/net/{host.BRIDGE}").exists() or host.netns_names():
+    if host.load_record(state):
         raise LabError(f"a lab is already up (state {state}); run `llmgw lab down --state {state}` first")
+    running = host.cgroup_pids(host.cgroup_root() / host.CGROUP_NAME)
+    if running:
+        raise LabError(
+            f"a lab is already up ({len(running)} of its processes run, state elsewhere than {state}); "
+            "run `llmgw lab down --state DIR` with its state folder first"
+        )
+    left = host.leftovers()
+    if left:
+        # no lab record, yet its links or namespaces are there: an interrupted up or down
+        progress(f"clearing what an interrupted lab left: {', '.join(left)}")
+        for warning in down(state):
+            progress(f"warning: {warning}")
     t0 = time.monotonic()
     state.mkdir(parents=True, exist_ok=True)
     if not host.is_mountpoint(state):

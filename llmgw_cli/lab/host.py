@@ -123,6 +123,21 @@ def is_mountpoint(path: Path) -> bool:
     return subprocess.run(["mountpoint", "-q", str(path)], check=False).returncode == 0
 
 
+VETH_PREFIX = "lgwv"
+
+
+def lab_links() -> list[str]:
+    """The lab's network links on the host that exist now: its bridge and the host-side
+    veths of its nodes."""
+    found = sorted(p.name for p in Path("/sys/class/net").glob(f"{VETH_PREFIX}*"))
+    return ([BRIDGE] if Path(f"/sys/class/net/{BRIDGE}").exists() else []) + found
+
+
+def leftovers() -> list[str]:
+    """What a lab leaves on the host besides its state folder (links, namespaces), named."""
+    return lab_links() + [f"netns {n}" for n in netns_names()]
+
+
 def netns_names() -> list[str]:
     """The lab's network namespaces that exist now."""
     done = sh("ip", "netns", "list", check=False)

@@ -66,8 +66,18 @@ def down(state_dir: Path, progress: LineReport = quiet) -> list[str]:
         warnings.append(f"could not remove {cgroup}: {exc}")
     for ns in host.netns_names():
         sh("ip", "netns", "del", ns, check=False)
-    if Path(f"/sys/class/net/{host.BRIDGE}").exists():
-        sh("ip", "link", "del", host.BRIDGE, check=False)
+    # A namespace's veth goes with it only when the kernel has finished with the namespace,
+    # which it does in the background: delete the host ends (each takes its peer) and the
+    # bridge now, and return only once they are gone, whatever faults downed them.
+    for _ in range(100):
+        links = host.lab_links()
+        if not links:
+            break
+        for link in links:
+            sh("ip", "link", "del", link, check=False)
+        time.sleep(0.05)
+    else:
+        warnings.append(f"links still on the host: {', '.join(host.lab_links())}")
     if record and record.inotify_orig is not None:
         host.write_sysctl(host.INOTIFY, record.inotify_orig)
     warnings += _unmount_state(state)

@@ -195,3 +195,41 @@ def test_failed_arguments_create_nothing() -> None:
     done = llmgw("lab", "up", "--nodes", "0", "--state", str(STATE), check=False)
     assert done.returncode == 2 and "--nodes must be" in done.stderr
     assert snapshot() == before
+
+
+def _lab_links() -> list[str]:
+    return sorted(name for name in os.listdir("/sys/class/net") if name.startswith(("lgwv", "lgwbr")))
+
+
+def test_down_after_a_fault_and_up_after_an_interruption_leave_nothing() -> None:
+    """`lab down` returns only when the lab's links are gone, whatever faults downed them;
+    `lab up` clears the links and namespaces an interrupted run left (no lab record) and
+    boots; it refuses while a lab's processes run."""
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(reason)
+    llmgw("lab", "down", "--state", str(STATE), check=False)
+    assert _lab_links() == []
+    llmgw("lab", "up", "--nodes", "2", "--state", str(STATE))
+    llmgw("lab", "fault", "node02", "node", "unreachable", "--state", str(STATE))
+    elsewhere = llmgw("lab", "up", "--nodes", "1", "--state", "/tmp/llmgw-lab-elsewhere", check=False)
+    assert elsewhere.returncode == 1 and "already up" in elsewhere.stderr, elsewhere.stderr
+    assert not Path("/tmp/llmgw-lab-elsewhere").exists() or not os.listdir("/tmp/llmgw-lab-elsewhere")
+    llmgw("lab", "down", "--state", str(STATE))
+    assert _lab_links() == []  # at once, not after the kernel's own clean-up
+
+    # what an interrupted run leaves: the bridge, a node's host-side veth, a namespace
+    _run("ip", "link", "add", "lgwbr0", "type", "bridge")
+    _run("ip", "link", "add", "lgwv1", "type", "veth", "peer", "name", "lgwv1p")
+    _run("ip", "netns", "add", "lgw-node01")
+    try:
+        booted = llmgw("lab", "up", "--nodes", "1", "--state", str(STATE), check=False)
+        assert booted.returncode == 0, booted.stdout + booted.stderr
+        assert "clearing what an interrupted lab left: lgwbr0, lgwv1" in booted.stdout + booted.stderr
+        llmgw("lab", "down", "--state", str(STATE))
+    finally:
+        for link in _lab_links():
+            subprocess.run(["ip", "link", "del", link], check=False)
+        subprocess.run(["ip", "netns", "del", "lgw-node01"], check=False, capture_output=True)
+    assert _lab_links() == []
+    assert _run("ip", "netns", "list") == []
