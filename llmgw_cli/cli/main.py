@@ -16,6 +16,7 @@ from llmgw_cli.cli.apply import apply, plan
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.doctor import doctor
 from llmgw_cli.cli.fetch import fetch
+from llmgw_cli.cli.logs import logs, restart
 from llmgw_cli.cli.status import status
 from llmgw_cli.cli.usage import usage
 from llmgw_cli.cli.views import problems_view, spec_headline, spec_summary
@@ -36,6 +37,8 @@ app.command()(plan)
 app.command()(apply)
 app.command()(doctor)
 app.command()(fetch)
+app.command()(logs)
+app.command()(restart)
 app.add_typer(lab.app, name="lab")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(keys.app, name="keys")

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from llmgw_cli.core.cluster_lock import (
     BUSY,
@@ -53,7 +53,7 @@ from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.gateway_install import gateway_transport
-from llmgw_cli.remote.transport import Spawned
+from llmgw_cli.remote.transport import Spawned, Spawns
 
 log = logging.getLogger("llmgw.lock")
 
@@ -167,11 +167,6 @@ class LockTimeout(LlmgwError):
     """The cluster lock stayed held for longer than apply would wait."""
 
 
-@runtime_checkable
-class _Spawns(Protocol):
-    async def spawn(self, command: str, *, root: bool = False) -> Spawned: ...
-
-
 @dataclass
 class ApplyHold:
     """The lock as apply holds it: the shell on each gateway host that holds it there."""
@@ -242,7 +237,7 @@ async def _take_one(
     on_wait: Callable[[str], None],
 ) -> Spawned:
     t = gateway_transport(conns, host)
-    if not isinstance(t, _Spawns):
+    if not isinstance(t, Spawns):
         raise NodeError(host, "failed", "this connection cannot hold the cluster lock")
     record = holder_record(apply_holder(), why, time.time())
     script = hold_script(

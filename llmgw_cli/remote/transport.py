@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,13 @@ class Spawned(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Spawns(Protocol):
+    """A transport that can leave a command running (the SSH and local ones)."""
+
+    async def spawn(self, command: str, *, root: bool = False) -> Spawned: ...
 
 
 def atomic_write_command(path: str, mode: int) -> str:
