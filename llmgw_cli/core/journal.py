@@ -73,7 +73,16 @@ def since_value(since: str | None) -> str | None:
 def journal_command(unit: str, *, since: str | None, lines: int | None, follow: bool) -> str:
     """The journalctl command for one replica unit: its engine's lines (the unit's own and
     systemd's about it), each with its time as seconds since the epoch."""
-    argv = ["journalctl", f"_SYSTEMD_UNIT={unit}", "+", f"UNIT={unit}", "--no-pager", "--all", "-o", "short-unix"]
+    argv = [
+        "journalctl",
+        f"_SYSTEMD_UNIT={unit}",
+        "+",
+        f"UNIT={unit}",
+        "--no-pager",
+        "--all",
+        "-o",
+        "short-unix",
+    ]
     if since is not None:
         argv += ["--since", since]
     if lines is not None:
