@@ -92,11 +92,7 @@ def synopsis_variants(line: str) -> list[list[str]]:
     variants: list[list[str]] = [[]]
     for word in words:
         choices = word.split("|") if "|" in word else [word]
-        variants = (
-            [v + [c] for v in variants for c in choices]
-            if len(choices) > 1
-            else [v + [word] for v in variants]
-        )
+        variants = [[*v, c] for v in variants for c in choices]
     return variants[:16]
 
 
