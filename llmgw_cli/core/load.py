@@ -30,6 +30,7 @@ from llmgw_cli.core.spec import CONTROL_CHARACTER, ClusterSpec, find_forbidden
 from llmgw_cli.errors import Problem, SpecError
 
 Loc = tuple[str | int, ...]
+_MERGE = "tag:yaml.org,2002:merge"
 
 # A cluster file of thousands of nodes holds some hundred thousand values; more means
 # aliases multiplying one another. No sensible file nests this deep.
@@ -117,25 +118,35 @@ class _Builder:
             )
         self.positions.values[loc] = _mark(node)
         if isinstance(node, yaml.MappingNode):
-            result: dict[Any, Any] = {}
-            for key_node, value_node in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    result.update(self._merged(value_node, loc, depth))
-                    continue
-                if not isinstance(key_node, yaml.ScalarNode):
-                    raise _Refused(_mark(key_node), loc, "a key must be a plain value, not a list or mapping")
-                key = self._scalar(key_node, loc)
-                if not isinstance(key, str | int | float | bool) or key is None:
-                    key = str(key)
-                child = (*loc, key) if isinstance(key, str | int) else (*loc, str(key))
-                if key in result:
-                    self.duplicates.append((child, str(key), _mark(key_node)))
-                self.positions.keys[child] = _mark(key_node)
-                result[key] = self.build(value_node, child, depth + 1)
-            return result
+            return self._mapping(node, loc, depth)
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, (*loc, i), depth + 1) for i, item in enumerate(node.value)]
         return self._scalar(node, loc)
+
+    def _mapping(self, node: yaml.MappingNode, loc: Loc, depth: int) -> dict[Any, Any]:
+        """A mapping. The keys of its ``<<:`` merges come first and its own keys override
+        them, wherever the merge key is written (YAML's merge rule): only a key written
+        twice in the mapping itself is a duplicate."""
+        result: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE:
+                result.update(self._merged(value_node, loc, depth))
+        own: set[Any] = set()
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE:
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise _Refused(_mark(key_node), loc, "a key must be a plain value, not a list or mapping")
+            key = self._scalar(key_node, loc)
+            if not isinstance(key, str | int | float | bool) or key is None:
+                key = str(key)
+            child = (*loc, key) if isinstance(key, str | int) else (*loc, str(key))
+            if key in own:
+                self.duplicates.append((child, str(key), _mark(key_node)))
+            own.add(key)
+            self.positions.keys[child] = _mark(key_node)
+            result[key] = self.build(value_node, child, depth + 1)
+        return result
 
 
 def where(loc: Loc) -> str:

@@ -232,3 +232,21 @@ def test_empty_section_and_yaml_booleans_get_hints() -> None:
     assert problems(BASE) == ["c.yaml:10:8: models: has no value: give one, or remove the key"]
     (message,) = problems(BASE + "  - {name: off, source: org/a, profile: vllm}\n")
     assert "models[0].name: Input should be a valid string (got False); YAML reads unquoted" in message
+
+
+def test_a_key_beside_a_merge_key_overrides_it_wherever_the_merge_is_written() -> None:
+    spec = load(
+        """\
+cluster: {name: t}
+nodes:
+  - &a {name: a, address: 10.0.0.1, labels: {rack: r1}}
+  - {name: b, <<: *a, address: 10.0.0.2}
+"""
+    )
+    assert [(n.name, n.address, n.labels) for n in spec.nodes] == [
+        ("a", "10.0.0.1", {"rack": "r1"}),
+        ("b", "10.0.0.2", {"rack": "r1"}),
+    ]
+    # A key written twice beside the merge is still a duplicate, at the second one.
+    (message,) = problems("cluster: {name: t}\nssh: {<<: {port: 22}, port: 23, port: 24}\n")
+    assert message.startswith("c.yaml:2:33: ssh: key 'port' is given twice")
