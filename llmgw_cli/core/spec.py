@@ -78,9 +78,14 @@ def find_forbidden(value: Any) -> tuple[tuple[str | int, ...], bool, str] | None
 class Spec(BaseModel):
     """Base of every cluster-file model: frozen, unknown keys refused, and no string of any
     field, present or future, may hold a control character: values become lines of systemd
-    units and words of shell commands, where a newline starts a new directive."""
+    units and words of shell commands, where a newline starts a new directive.
 
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    Strict: a value keeps the type YAML gave it. `"8"` is no count, `"yes"` no boolean and
+    a number no text, as in the JSON Schema that editors check the file against. (The
+    loader reads a number without a fractional part as an integer, as JSON does.) Enum
+    fields say ``strict=False``: strict, they would take only enum members, never words."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True, strict=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -275,7 +280,7 @@ class SshOverrides(Spec):
     port: int | None = Field(None, ge=1, le=65535, description="SSH port on this node.")
     identity_file: str | None = Field(None, description="Private key for this node.")
     jump_host: JumpHost | None = Field(None, description="Jump host for this node (`[user@]host[:port]`).")
-    become: Become | None = Field(None, description="`sudo` or `none` on this node.")
+    become: Become | None = Field(None, strict=False, description="`sudo` or `none` on this node.")
 
 
 class SshSettings(Spec):
@@ -303,6 +308,7 @@ class SshSettings(Spec):
     jump_host: JumpHost | None = Field(None, description="Jump host (`[user@]host[:port]`) for every node.")
     become: Become = Field(
         Become.none,
+        strict=False,
         description="`sudo`: the login user is not root, and actions that need root run "
         "through `sudo -n` (a missing sudo right is reported per node).",
     )
@@ -653,7 +659,7 @@ class PortRange(Spec):
 class Profile(Spec):
     """How to run one engine: binary, arguments, environment."""
 
-    engine: Engine = Field(description="`vllm`, `sglang` or `llama-server`.")
+    engine: Engine = Field(strict=False, description="`vllm`, `sglang` or `llama-server`.")
     command: list[str] | None = Field(
         None,
         min_length=1,
