@@ -32,7 +32,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from llmgw_cli.core import refs
-from llmgw_cli.core.spec import CONTROL_CHARACTER, ClusterSpec, find_forbidden
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.values import CONTROL_CHARACTER, find_forbidden
 from llmgw_cli.errors import Problem, SpecError
 
 Loc = tuple[str | int, ...]
