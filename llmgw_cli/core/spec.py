@@ -309,6 +309,22 @@ class GatewaySettings(Spec):
         "model again; the wait doubles with each failure in a row, up to 5 minutes. Requests "
         "meanwhile get 503 `model_start_failed` with the reason and Retry-After.",
     )
+    discover_every: PositiveDuration = Field(
+        15.0,
+        description="How often the leading gateway process probes the nodes over SSH for the "
+        "replicas that run (sooner when a ready replica fails its health check, or when "
+        "`apply` asks). `llmgw gateway run --discover-every SECONDS` overrides it.",
+    )
+    health_every: PositiveDuration = Field(
+        2.0,
+        description="How often each gateway process checks the health of every replica it "
+        "routes to. `--health-every SECONDS` overrides it.",
+    )
+    flush_every: PositiveDuration = Field(
+        5.0,
+        description="How often each gateway process writes its usage totals and last-use "
+        "times to the store (and once more when it stops). `--flush-every SECONDS` overrides it.",
+    )
     manage_replicas: bool = Field(
         True,
         description="Start on-demand models at their first request, stop idle replicas, "

@@ -305,10 +305,18 @@ durations = st.text(alphabet="0123456789.mshd -٣", max_size=12) | st.lists(
 @AGREE
 @given(
     durations,
-    st.sampled_from(["gateway.load_wait", "gateway.client_timeouts.header", "ssh.connect_timeout"]),
+    st.sampled_from(
+        [
+            "gateway.load_wait",
+            "gateway.client_timeouts.header",
+            "ssh.connect_timeout",
+            "gateway.discover_every",
+        ]
+    ),
 )
 @example("0s", "gateway.client_timeouts.header")
 @example("0.001s", "gateway.client_timeouts.body")
+@example("0ms", "gateway.health_every")
 def test_duration(value: str, path: str) -> None:
     """A total above 365 days is refused by the loader alone (test_schema.py says why)."""
     assume(not _refused_with(parse_duration, value, "longer than a year"))
