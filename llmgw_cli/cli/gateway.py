@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypedDict
 
 import typer
 
@@ -90,9 +90,26 @@ def run(
         Path | None,
         typer.Option("--known-hosts", help="known_hosts file instead of the cluster file's ssh.known_hosts."),
     ] = None,
-    discover_every: Annotated[float, typer.Option(help="Seconds between probes of the nodes.")] = 15.0,
-    health_every: Annotated[float, typer.Option(help="Seconds between health checks of replicas.")] = 2.0,
-    flush_every: Annotated[float, typer.Option(help="Seconds between writes of usage totals.")] = 5.0,
+    discover_every: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="Seconds between probes of the nodes, instead of gateway.discover_every (15s). "
+            "With --replicas: an hour.",
+        ),
+    ] = None,
+    health_every: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001, help="Seconds between health checks of replicas, instead of gateway.health_every (2s)."
+        ),
+    ] = None,
+    flush_every: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001, help="Seconds between writes of usage totals, instead of gateway.flush_every (5s)."
+        ),
+    ] = None,
     access_log: Annotated[bool, typer.Option(help="One JSON line per request on stderr.")] = True,
     workers: Annotated[
         int | None,
@@ -185,9 +202,7 @@ def run(
         engine_key,
         engine_keys=engine_keys,
         reload_spec=load,
-        discover_every=discover_every if replicas is None else 3600.0,
-        health_every=health_every,
-        flush_every=flush_every,
+        **interval_flags(discover_every, health_every, flush_every, fixed_replicas=replicas is not None),
         # several workers share stderr: whole lines in writes no other process can cut
         access_log=AccessLog(sys.stderr.buffer, LIMIT if worker is None else select.PIPE_BUF)
         if access_log
@@ -201,6 +216,30 @@ def run(
         routes=Path(routes_dir(spec.gateway.state_dir)),
     )
     runner(serve(gateway, worker=worker))
+
+
+class Intervals(TypedDict):
+    """Gateway's interval arguments: seconds, or None for the cluster file's."""
+
+    discover_every: float | None
+    health_every: float | None
+    flush_every: float | None
+
+
+def interval_flags(
+    discover_every: float | None,
+    health_every: float | None,
+    flush_every: float | None,
+    *,
+    fixed_replicas: bool,
+) -> Intervals:
+    """The Gateway's interval arguments from the flags: a flag given replaces the cluster
+    file's value, one left out (None) keeps the file's, reloads included
+    (``state.job_intervals``). A fixed replica list (``--replicas``) leaves nothing to
+    probe: discovery then runs hourly unless the flag says otherwise."""
+    if discover_every is None and fixed_replicas:
+        discover_every = 3600.0
+    return Intervals(discover_every=discover_every, health_every=health_every, flush_every=flush_every)
 
 
 def _runner(loop: EventLoop) -> Callable[[Coroutine[Any, Any, None]], None]:

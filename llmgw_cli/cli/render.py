@@ -9,9 +9,10 @@ from typing import Annotated
 import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
+from llmgw_cli.core.gateway_install import installed_gateway_unit
 from llmgw_cli.core.grafana import DEFAULT_PROMETHEUS_URL
 from llmgw_cli.core.monitoring import monitoring_files
-from llmgw_cli.core.units import gateway_unit
+from llmgw_cli.core.units import gateway_socket_unit
 
 app = typer.Typer(
     help="Render files llmgw generates (systemd units, monitoring) to stdout.", no_args_is_help=True
@@ -29,18 +30,29 @@ def _llmgw_bin() -> str:
 @app.command("gateway-unit")
 def gateway_unit_cmd(
     file: ClusterFile = DEFAULT_FILE,
-    config_path: Annotated[
-        str, typer.Option(help="Where the cluster file will be on the gateway host.")
-    ] = "/etc/llmgw/cluster.yaml",
     llmgw_bin: Annotated[
-        str | None, typer.Option(help="Path of llmgw on the gateway host. Default: this llmgw.")
+        str | None,
+        typer.Option(help="Path of llmgw on the gateway host. Default: gateway.llmgw_bin, else this llmgw."),
     ] = None,
-    user: Annotated[str, typer.Option(help="Account the gateway runs as.")] = "llmgw",
+    handover: Annotated[
+        bool, typer.Option(help="The hand-over twin apply runs beside it while it upgrades the gateway.")
+    ] = False,
 ) -> None:
-    """Print the llmgw-gateway.service unit for the cluster file."""
+    """Print llmgw-gateway.service as `apply` installs it on the gateway host.
+
+    It runs as llmgw-gateway with the files apply puts under /etc/llmgw/gateway (the
+    cluster file, the gateway's SSH key, known_hosts, the engine keys) and takes its
+    listeners from llmgw-gateway.socket (`llmgw render gateway-socket`).
+    """
     spec = read_cluster(file)
-    unit = gateway_unit(spec, llmgw_bin=llmgw_bin or _llmgw_bin(), config_path=config_path, user=user)
-    sys.stdout.write(unit)
+    binary = llmgw_bin or spec.gateway.llmgw_bin or _llmgw_bin()
+    sys.stdout.write(installed_gateway_unit(spec, llmgw_bin=binary, handover=handover))
+
+
+@app.command("gateway-socket")
+def gateway_socket_cmd(file: ClusterFile = DEFAULT_FILE) -> None:
+    """Print llmgw-gateway.socket, the gateway's listeners, as `apply` installs it."""
+    sys.stdout.write(gateway_socket_unit(read_cluster(file)))
 
 
 @app.command("monitoring")

@@ -2,6 +2,13 @@
 
 Generated rather than written so the reference cannot drift from the code: a test
 regenerates both and compares them with the committed files.
+
+The JSON Schema describes the file as a person writes it, not the spec it becomes: each
+shorthand (``ports: 8100-8199``, ``hcas: [mlx5_0:1]``, ``weights: [/data]``) is an
+alternative beside the long form, durations and sizes are patterns, defaults are shown
+written out (``10s``), and every string and key refuses control characters as the loader
+does. Tests validate the example inventories, the documentation's examples and a corpus
+of bad files with both the schema and the loader, and check that they agree.
 """
 
 from __future__ import annotations
@@ -10,23 +17,80 @@ import inspect
 import json
 import types
 import typing
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic_core import PydanticUndefined, core_schema
 
+from llmgw_cli.core.grammar import CONTROL_CHARACTERS
 from llmgw_cli.core.quantities import format_duration, format_size, parse_duration, parse_size
 from llmgw_cli.core.spec import ClusterSpec
 
 
 def json_schema() -> str:
     """The cluster file's JSON Schema, as committed in docs/cluster.schema.json."""
-    schema = ClusterSpec.model_json_schema(by_alias=True)
+    schema = ClusterSpec.model_json_schema(by_alias=True, schema_generator=_WrittenForm)
+    _refuse_control_characters(schema)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "llmgw cluster file"
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+class _WrittenForm(GenerateJsonSchema):
+    """Defaults as the file writes them (``10s``, ``4MiB``), through the field's serializer:
+    pydantic shows a duration's default as the float it is in memory, which the pattern
+    of the very same field refuses."""
+
+    def default_schema(self, schema: core_schema.WithDefaultSchema) -> JsonSchemaValue:
+        json_schema = super().default_schema(schema)
+        serialize = _plain_serializer(schema["schema"])
+        if serialize is not None and json_schema.get("default") is not None:
+            json_schema["default"] = serialize(self.get_default_value(schema))
+        return json_schema
+
+
+def _plain_serializer(schema: Any) -> Callable[[Any], Any] | None:
+    """The plain serializer of a (possibly wrapped) core schema, if it has one."""
+    serialization = schema.get("serialization") or {}
+    if serialization.get("type") == "function-plain":
+        function: Callable[[Any], Any] = serialization["function"]
+        return function
+    if schema.get("type") in ("function-before", "function-after", "nullable") and "schema" in schema:
+        return _plain_serializer(schema["schema"])
+    return None
+
+
+# Keys whose values are data, not schemas.
+_DATA_KEYS = frozenset({"default", "examples", "enum", "const"})
+
+
+def _refuse_control_characters(node: Any) -> None:
+    """Every string and every mapping key refuses control characters (spec.Spec refuses
+    them in any value), and a mapping's key pattern binds every key: pydantic's
+    ``patternProperties`` would let a key that does not match through unchecked."""
+    if isinstance(node, list):
+        for item in node:
+            _refuse_control_characters(item)
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if key not in _DATA_KEYS:
+            _refuse_control_characters(value)
+    no_control = {"type": "string", "pattern": CONTROL_CHARACTERS}
+    if node.get("type") == "string":  # (not A) and (not B) is not (A or B)
+        node["not"] = {"anyOf": [node["not"], no_control]} if "not" in node else no_control
+    if node.get("type") == "object" and "properties" not in node:  # a mapping of names
+        names: dict[str, Any] = {"type": "string", "not": no_control}
+        patterns = node.pop("patternProperties", None)
+        if patterns:
+            ((pattern, values),) = patterns.items()
+            names["pattern"] = pattern
+            node["additionalProperties"] = values
+        node["propertyNames"] = names
 
 
 def _quantity(info_or_args: Any) -> str | None:
@@ -140,7 +204,16 @@ def configuration_markdown(example: str, example_name: str) -> str:
         "(also in [cluster.schema.json](cluster.schema.json)) for editor completion.\n\n"
         "Durations are written with a unit: `250ms`, `90s`, `10m`, `1h`, `1h30m`, `1d`.\n"
         "Sizes too: `512MiB`, `80GiB`, `2TB` (binary `KiB/MiB/GiB/TiB`, decimal `KB/MB/GB/TB`).\n"
-        "A bare number is refused, since it could mean either unit.\n\n"
+        "A bare number is refused, since it could mean either unit. Spaces may separate the\n"
+        "parts (`1h 30m`, `512 MiB`); digits are 0-9.\n\n"
+        "Values keep the type YAML gives them, as in the JSON Schema: numbers and booleans are\n"
+        'written bare (`port: 22`, `install: false`), and a quoted `"22"` or `"yes"` is text,\n'
+        "refused where a number or a boolean belongs. A number without a fraction is an integer\n"
+        "(`8.0` is `8`). YAML's timestamps and binary values (`2024-05-01`, `!!binary`) are\n"
+        "refused: quote text that looks like a date.\n\n"
+        "Shorthands: `ports: 8100-8199` for `{first: 8100, last: 8199}`, `hcas: [mlx5_0:1]` for\n"
+        "`[{name: mlx5_0, port: 1}]` (`mlx5_0` alone: every port), `weights: [/data]` for\n"
+        "`[{path: /data}]`. The JSON Schema knows both forms.\n\n"
         "## Values that reach units and shells\n\n"
         "Most values end up in systemd units and shell commands on the nodes, so every string in\n"
         "the file is checked for what would change their meaning there:\n\n"

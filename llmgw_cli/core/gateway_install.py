@@ -58,6 +58,21 @@ HANDOVER_FILE = f"{UNIT_DIR}/{GATEWAY_HANDOVER_UNIT}"
 UNIT_FILES = (SOCKET_FILE, UNIT_FILE, HANDOVER_FILE)
 
 
+def installed_gateway_unit(spec: ClusterSpec, *, llmgw_bin: str, handover: bool = False) -> str:
+    """``llmgw-gateway.service`` as apply installs it (or, with ``handover``, its hand-over
+    twin): run as the gateway's own account, with the cluster file, SSH key and
+    known_hosts from ``GATEWAY_DIR``. ``llmgw render gateway-unit`` prints the same."""
+    return gateway_unit(
+        spec,
+        llmgw_bin=llmgw_bin,
+        config_path=CLUSTER_FILE,
+        user=GATEWAY_ACCOUNT,
+        ssh_key=GATEWAY_KEY,
+        known_hosts=KNOWN_HOSTS,
+        handover=handover,
+    )
+
+
 @dataclass(frozen=True)
 class GatewayFile:
     path: str
@@ -89,15 +104,7 @@ def gateway_files(
     """The files of one gateway host. ``store_password``: the text of the store's password
     file as the machine running apply has it (None: not there, not copied)."""
     units = {
-        handover: gateway_unit(
-            spec,
-            llmgw_bin=llmgw_bin,
-            config_path=CLUSTER_FILE,
-            user=GATEWAY_ACCOUNT,
-            ssh_key=GATEWAY_KEY,
-            known_hosts=KNOWN_HOSTS,
-            handover=handover,
-        )
+        handover: installed_gateway_unit(spec, llmgw_bin=llmgw_bin, handover=handover)
         for handover in (False, True)
     }
     files = [

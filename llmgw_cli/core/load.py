@@ -11,6 +11,12 @@ traceback: bytes that are not UTF-8, characters YAML refuses, tags whose constru
 fails (``!!timestamp 2024-02-30``, ``!!python/...``), aliases that expand without end
 (a "billion laughs" file) or refer to themselves, and nesting deep enough to exhaust the
 stack are all reported at their line and column.
+
+The data handed to validation is JSON's: text, numbers, booleans, null, lists and
+mappings. A YAML value of another type (``!!binary``, a timestamp such as ``2024-05-01``)
+is refused at its line, and a number without a fractional part is an integer (``2.0`` is
+``2``), as in JSON; so the JSON Schema of the file (docs/cluster.schema.json) sees the
+same values the loader does, and they agree on what is valid.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from llmgw_cli.core import refs
-from llmgw_cli.core.spec import CONTROL_CHARACTER, ClusterSpec, find_forbidden
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.values import CONTROL_CHARACTER, find_forbidden
 from llmgw_cli.errors import Problem, SpecError
 
 Loc = tuple[str | int, ...]
@@ -53,6 +60,10 @@ class Positions:
 
     def of_key(self, loc: Loc) -> tuple[int, int]:
         return self.keys.get(loc) or self.of_value(loc)
+
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+_MERGE = "tag:yaml.org,2002:merge"
 
 
 def _mark(node: yaml.Node) -> tuple[int, int]:
@@ -117,25 +128,48 @@ class _Builder:
             )
         self.positions.values[loc] = _mark(node)
         if isinstance(node, yaml.MappingNode):
-            result: dict[Any, Any] = {}
-            for key_node, value_node in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    result.update(self._merged(value_node, loc, depth))
-                    continue
-                if not isinstance(key_node, yaml.ScalarNode):
-                    raise _Refused(_mark(key_node), loc, "a key must be a plain value, not a list or mapping")
-                key = self._scalar(key_node, loc)
-                if not isinstance(key, str | int | float | bool) or key is None:
-                    key = str(key)
-                child = (*loc, key) if isinstance(key, str | int) else (*loc, str(key))
-                if key in result:
-                    self.duplicates.append((child, str(key), _mark(key_node)))
-                self.positions.keys[child] = _mark(key_node)
-                result[key] = self.build(value_node, child, depth + 1)
-            return result
+            return self._mapping(node, loc, depth)
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, (*loc, i), depth + 1) for i, item in enumerate(node.value)]
-        return self._scalar(node, loc)
+        return self._json_value(node, loc)
+
+    def _mapping(self, node: yaml.MappingNode, loc: Loc, depth: int) -> dict[Any, Any]:
+        """A mapping. The keys of its ``<<:`` merges come first and its own keys override
+        them, wherever the merge key is written (YAML's merge rule): only a key written
+        twice in the mapping itself is a duplicate."""
+        result: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE:
+                result.update(self._merged(value_node, loc, depth))
+        own: set[Any] = set()
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE:
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise _Refused(_mark(key_node), loc, "a key must be a plain value, not a list or mapping")
+            key = self._scalar(key_node, loc)
+            if not isinstance(key, str | int | float | bool):
+                raise _Refused(_mark(key_node), loc, f"a key must be text: quote {key_node.value!r}")
+            child = (*loc, key) if isinstance(key, str | int) else (*loc, str(key))
+            if key in own:
+                self.duplicates.append((child, str(key), _mark(key_node)))
+            own.add(key)
+            self.positions.keys[child] = _mark(key_node)
+            result[key] = self.build(value_node, child, depth + 1)
+        return result
+
+    def _json_value(self, node: yaml.Node, loc: Loc) -> Any:
+        value = self._scalar(node, loc)
+        if not isinstance(value, _JSON_SCALARS):
+            tag = str(node.tag).removeprefix("tag:yaml.org,2002:")
+            raise _Refused(
+                _mark(node),
+                loc,
+                f"YAML reads this value as a {tag}, which no setting takes: quote it if it is text",
+            )
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
 
 
 def where(loc: Loc) -> str:
@@ -321,7 +355,8 @@ def parse_cluster(text: str | bytes, filename: str = "cluster.yaml") -> ClusterS
     ]
     spec: ClusterSpec | None = None
     try:
-        spec = ClusterSpec.model_validate(data)
+        # The file's keys are the documented ones (`class`), never the Python names (`gpu_class`).
+        spec = ClusterSpec.model_validate(data, by_alias=True, by_name=False)
     except ValidationError as exc:
         problems += [_problem(filename, builder.positions, e) for e in exc.errors()]
     for loc, message in refs.check(data):

@@ -4,6 +4,9 @@ In memory a duration is a ``float`` of seconds and a size an ``int`` of bytes; w
 is written back out (JSON, docs) they take their human form again, so a spec round-trips.
 A bare number is refused: ``idle_timeout: 10`` could mean seconds or minutes, and the
 file should say which.
+
+What is accepted is exactly the patterns below (ASCII digits, spaces between the parts
+allowed), so that the JSON Schema, which carries the same patterns, agrees with the loader.
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+from pydantic import BeforeValidator, Field, PlainSerializer, WithJsonSchema
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-DURATION_PATTERN = r"^(\d+(\.\d+)?(ms|s|m|h|d))+$"
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?) *(ms|s|m|h|d)")
+_DURATION_BODY = r" *([0-9]+(\.[0-9]+)? *(ms|s|m|h|d) *)+"
+DURATION_PATTERN = f"^{_DURATION_BODY}$"
+# A duration above zero has a digit other than 0 somewhere.
+POSITIVE_DURATION_PATTERN = f"^(?=.*[1-9]){_DURATION_BODY}$"
 
 _SIZE_UNITS = {
     "B": 1,
@@ -28,8 +34,8 @@ _SIZE_UNITS = {
     "GiB": 2**30,
     "TiB": 2**40,
 }
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
-SIZE_PATTERN = r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
+_SIZE = re.compile(r" *([0-9]+(?:\.[0-9]+)?) *(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB) *")
+SIZE_PATTERN = r"^ *[0-9]+(\.[0-9]+)? *(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB) *$"
 
 
 # Bounds that keep every value usable as a timer or a byte count (a timeout of 10^300
@@ -44,10 +50,9 @@ def parse_duration(text: object) -> float:
         raise ValueError(f"expected a duration such as 90s, 10m or 1h, got {text!r}")
     if not isinstance(text, str):
         raise ValueError(f"{text} has no unit: write {text}s, {text}m or {text}h")
-    compact = text.strip().replace(" ", "")
-    if not compact or _DURATION_PART.sub("", compact) != "":
+    if not re.fullmatch(DURATION_PATTERN, text):
         raise ValueError(f"{text!r} is not a duration: write e.g. 90s, 10m, 1h or 1h30m")
-    seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(compact))
+    seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(text))
     if not seconds <= MAX_DURATION:  # also NaN and infinity, from hundreds of digits
         raise ValueError(f"{text!r} is longer than a year: give at most 365d")
     return seconds
@@ -75,7 +80,7 @@ def parse_size(text: object) -> int:
         raise ValueError(f"expected a size such as 80GiB, got {text!r}")
     if not isinstance(text, str):
         raise ValueError(f"{text} has no unit: write e.g. {text}GiB")
-    match = _SIZE.match(text.strip())
+    match = _SIZE.fullmatch(text)
     if not match:
         raise ValueError(f"{text!r} is not a size: write e.g. 80GiB, 512MiB or 2TB")
     size = float(match.group(1)) * _SIZE_UNITS[match.group(2)]
@@ -92,13 +97,26 @@ def format_size(size: int) -> str:
     return f"{size}B"
 
 
+def _duration_schema(pattern: str) -> WithJsonSchema:
+    return WithJsonSchema({"type": "string", "pattern": pattern, "examples": ["90s", "10m"]})
+
+
 Duration = Annotated[
     float,
     BeforeValidator(parse_duration),
     PlainSerializer(format_duration, return_type=str),
-    WithJsonSchema({"type": "string", "pattern": DURATION_PATTERN, "examples": ["90s", "10m"]}),
+    _duration_schema(DURATION_PATTERN),
 ]
 """Seconds, written in the file as ``90s``, ``10m``, ``1h``."""
+
+PositiveDuration = Annotated[
+    float,
+    BeforeValidator(parse_duration),
+    Field(gt=0),
+    PlainSerializer(format_duration, return_type=str),
+    _duration_schema(POSITIVE_DURATION_PATTERN),
+]
+"""A duration above zero (``0s`` is refused): a timeout or the period of a task."""
 
 Size = Annotated[
     int,

@@ -4,6 +4,11 @@ Every model forbids unknown keys, so a typo is an error rather than a silently i
 setting. The ``description`` of each field is the documentation: docs/configuration.md
 and the JSON Schema are generated from these classes (``scripts/regen``).
 
+The strings that reach units, shells and sockets (user names, hosts, listeners, the
+store URL, firewall entries) are types of ``values.py``. Each shorthand the file may use
+(``ports: 8100-8199``, ``hcas: [mlx5_0:1]``, ``weights: [/data]``) is read by a
+before-validator here, which also gives the JSON Schema its pattern beside the long form.
+
 Checks that need more than one field of one object (a profile that a model names must
 exist, node names must be unique, ...) live in ``refs.py`` so that they run even when
 another part of the file failed to validate.
@@ -13,74 +18,58 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from llmgw_cli.core.quantities import Duration, Size
+from llmgw_cli.core import grammar
+from llmgw_cli.core.grammar import whole
+from llmgw_cli.core.quantities import Duration, PositiveDuration, Size
+from llmgw_cli.core.values import (
+    CONTROL_CHARACTER,
+    AbsolutePlainWord,
+    EngineUser,
+    EnvName,
+    FirewallEntry,
+    Host,
+    Interface,
+    IpAddress,
+    JumpHost,
+    Listen,
+    PlainWord,
+    StoreUrl,
+    UserName,
+    find_forbidden,
+)
 
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 HF_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
-LISTEN_PATTERN = r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):\d{1,5}$"
-
-
-# --- strings that reach unit files and shells -----------------------------------------
-
-# C0 controls (newline, CR, tab, NUL...), DEL, C1 controls, the Unicode line and paragraph
-# separators (Python's splitlines() breaks on them) and lone surrogates (no UTF-8 form).
-_FORBIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
-_CHARACTER_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL byte"}
-CONTROL_CHARACTER = "control_character"
-
-
-def forbidden_character(text: str) -> str | None:
-    """What the first character of ``text`` that no cluster-file value may hold is, or None."""
-    match = _FORBIDDEN.search(text)
-    if match is None:
-        return None
-    char = match.group()
-    name = _CHARACTER_NAMES.get(char, "a control character")
-    return f"{name} (U+{ord(char):04X}) at character {match.start() + 1}"
-
-
-def find_forbidden(value: Any) -> tuple[tuple[str | int, ...], bool, str] | None:
-    """The first forbidden character in a raw value: a string, or the strings of a list or
-    mapping (keys included), one level deep. Returns (path below the value, whether it is
-    in a key, what it is). Deeper values are objects of their own and checked there."""
-    if isinstance(value, str):
-        found = forbidden_character(value)
-        return ((), False, found) if found else None
-    items: list[tuple[Any, bool, Any]] = []
-    if isinstance(value, list | tuple):
-        items = [(i, False, item) for i, item in enumerate(value)]
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            items += [(key, True, key), (key, False, item)]
-    for part, is_key, item in items:
-        found = forbidden_character(item) if isinstance(item, str) else None
-        if found and isinstance(part, str | int):
-            return ((part,), is_key, found)
-    return None
+# Where a model's weights come from (classify_source): what the JSON Schema says of it.
+SOURCE_PATTERN = r"^(https://|\.?/)|" + HF_REPO_PATTERN
 
 
 class Spec(BaseModel):
     """Base of every cluster-file model: frozen, unknown keys refused, and no string of any
     field, present or future, may hold a control character: values become lines of systemd
-    units and words of shell commands, where a newline starts a new directive."""
+    units and words of shell commands, where a newline starts a new directive.
 
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    Strict: a value keeps the type YAML gave it. `"8"` is no count, `"yes"` no boolean and
+    a number no text, as in the JSON Schema that editors check the file against. (The
+    loader reads a number without a fractional part as an integer, as JSON does.) Enum
+    fields say ``strict=False``: strict, they would take only enum members, never words."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True, strict=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -95,169 +84,6 @@ class Spec(BaseModel):
                 {"what": found[2]},
             )
         return value
-
-
-USER_PATTERN = r"^[a-z_][a-z0-9_-]{0,30}\$?$"
-ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
-# A Linux interface name, or NCCL's forms of it: a list, a `^` exclusion, an `=` exact match.
-INTERFACE_PATTERN = r"^[=^]?[A-Za-z0-9_.:-]{1,15}(,[A-Za-z0-9_.:-]{1,15})*$"
-# A word pasted into a unit as is: no blank, quote, backslash, `$` or `%` (systemd's
-# variable and specifier signs) and no `;`.
-PLAIN_WORD_PATTERN = r"^[^\s\"'\\$%;`]+$"
-_LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
-_HOST_NAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?$")
-
-
-def _matching(pattern: str, complaint: str) -> Callable[[str], str]:
-    """A validator: the text as it is when it matches ``pattern``, else a ValueError that
-    quotes the text and says ``complaint`` (what it is not, and what to give)."""
-
-    def check(text: str) -> str:
-        if not re.match(pattern, text):
-            raise ValueError(f"{text!r} {complaint}")
-        return text
-
-    return check
-
-
-_user_name = _matching(
-    USER_PATTERN,
-    "is not a user name: use lowercase letters, digits, '_' and '-', starting with a letter "
-    "or '_', at most 32 characters (systemd's User= and sudo take nothing else)",
-)
-_env_name = _matching(
-    ENV_NAME_PATTERN,
-    "is not an environment variable name: use letters, digits and '_', not starting with a digit",
-)
-_interface = _matching(
-    INTERFACE_PATTERN,
-    "is not a network interface name: give one such as eth0, or NCCL's forms ^docker, =eth0, eth0,eth1",
-)
-_plain_word = _matching(
-    PLAIN_WORD_PATTERN,
-    "goes into a systemd unit as one word: it cannot hold blanks, quotes, backslashes or the signs $ % ; `",
-)
-
-
-def _engine_user(text: str) -> str:
-    if text == "root":
-        raise ValueError(
-            "engines never run as root: they run code that comes with the model (custom "
-            "modelling files, tokenizer scripts, pickled weights); give an unprivileged account "
-            "such as llmgw"
-        )
-    return _user_name(text)
-
-
-def _host(text: str) -> str:
-    """An IP address or a DNS host name: nothing a shell or ssh could read as an option."""
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        if not _HOST_NAME.match(text):
-            raise ValueError(
-                f"{text!r} is not a host name or IP address: use letters, digits, '-', '_' and "
-                "dots, or an IPv4/IPv6 address"
-            ) from None
-    return text
-
-
-def _port_in_range(port: int) -> int:
-    if not 1 <= port <= 65535:
-        raise ValueError(f"port {port} is out of range: give a port from 1 to 65535")
-    return port
-
-
-def _listen(text: str) -> str:
-    host, _, port = text.rpartition(":")
-    _host(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
-    _port_in_range(int(port))
-    return text
-
-
-def _jump_host(text: str) -> str:
-    """``[user@]host[:port]``: each part checked, so no ssh option can be smuggled in."""
-    user, _, rest = text.rpartition("@")
-    if user:
-        _user_name(user)
-    host, port = rest, ""
-    if rest.startswith("["):
-        host, _, port = rest[1:].partition("]")
-        port = port.removeprefix(":")
-    elif rest.count(":") == 1:
-        host, _, port = rest.partition(":")
-    _host(host)
-    if port:
-        if not port.isdigit():
-            raise ValueError(f"{text!r}: the port after ':' must be a number")
-        _port_in_range(int(port))
-    return text
-
-
-def _pattern(pattern: str) -> Any:
-    # The check is the validator (its message says what to do); the pattern is for editors.
-    return Field(json_schema_extra={"pattern": pattern})
-
-
-UserName = Annotated[str, AfterValidator(_user_name), _pattern(USER_PATTERN)]
-EngineUser = Annotated[str, AfterValidator(_engine_user), _pattern(USER_PATTERN)]
-Host = Annotated[str, AfterValidator(_host)]
-Port = Annotated[int, Field(ge=1, le=65535)]
-EnvName = Annotated[str, AfterValidator(_env_name), _pattern(ENV_NAME_PATTERN)]
-Interface = Annotated[str, AfterValidator(_interface), _pattern(INTERFACE_PATTERN)]
-PlainWord = Annotated[str, AfterValidator(_plain_word), _pattern(PLAIN_WORD_PATTERN)]
-JumpHost = Annotated[str, AfterValidator(_jump_host)]
-
-
-def _store_url(text: str) -> str:
-    """A PostgreSQL URL without a password: ``postgresql://user@host:5432/db``."""
-    from urllib.parse import urlsplit  # noqa: PLC0415 (only the cluster file's store needs it)
-
-    try:
-        url = urlsplit(text)
-        url.port  # noqa: B018 (raises on a bad port)
-    except ValueError as exc:
-        raise ValueError(f"{text!r}: not a URL ({exc})") from None
-    if url.scheme not in ("postgresql", "postgres"):
-        raise ValueError(
-            f"{text!r}: give a postgresql://user@host:5432/database URL (leave `store` unset for "
-            "SQLite in state_dir)"
-        )
-    if url.password is not None:
-        raise ValueError(
-            f"{text!r}: the password must not be in the cluster file: put it in the file named by "
-            "`gateway.store_password_file` or in $LLMGW_STORE_PASSWORD"
-        )
-    if not url.hostname or not url.path.strip("/"):
-        raise ValueError(f"{text!r}: name the host and the database: postgresql://user@host:5432/database")
-    if any(ch.isspace() or ord(ch) < 32 for ch in text):
-        raise ValueError(f"{text!r}: no spaces or control characters in the store URL")
-    return text
-
-
-StoreUrl = Annotated[str, AfterValidator(_store_url), _pattern(r"^postgres(ql)?://\S+/\S+$")]
-
-
-# Words systemd's IPAddressAllow= takes besides addresses and CIDR blocks.
-FIREWALL_WORDS = ("localhost", "link-local", "multicast")
-
-
-def _firewall_entry(text: str) -> str:
-    """An IP address or CIDR block as systemd's ``IPAddressAllow=`` reads it (never a host
-    name: systemd does not resolve names there, it would drop the entry)."""
-    if text in FIREWALL_WORDS:
-        return text
-    try:
-        if "/" not in text:
-            return str(ipaddress.ip_address(text))
-        return str(ipaddress.ip_network(text, strict=False))
-    except ValueError:
-        raise ValueError(
-            f"{text!r} is not an IP address or CIDR block (systemd's engine firewall takes no host names)"
-        ) from None
-
-
-FirewallEntry = Annotated[str, AfterValidator(_firewall_entry)]
 
 
 # --- ssh ----------------------------------------------------------------------------
@@ -275,7 +101,7 @@ class SshOverrides(Spec):
     port: int | None = Field(None, ge=1, le=65535, description="SSH port on this node.")
     identity_file: str | None = Field(None, description="Private key for this node.")
     jump_host: JumpHost | None = Field(None, description="Jump host for this node (`[user@]host[:port]`).")
-    become: Become | None = Field(None, description="`sudo` or `none` on this node.")
+    become: Become | None = Field(None, strict=False, description="`sudo` or `none` on this node.")
 
 
 class SshSettings(Spec):
@@ -303,6 +129,7 @@ class SshSettings(Spec):
     jump_host: JumpHost | None = Field(None, description="Jump host (`[user@]host[:port]`) for every node.")
     become: Become = Field(
         Become.none,
+        strict=False,
         description="`sudo`: the login user is not root, and actions that need root run "
         "through `sudo -n` (a missing sudo right is reported per node).",
     )
@@ -328,21 +155,19 @@ class ClientTimeouts(Spec):
     """Timeouts between a client and the gateway's public listener, so a slow or stalled
     client holds a socket and a model slot for a bounded time only."""
 
-    header: Duration = Field(
+    header: PositiveDuration = Field(
         65.0,
-        gt=0,
         description="Time a client connection has, from its opening or from the end of its "
         "previous answer, to send a whole request head; then it is closed. Bytes that trickle "
         "in do not restart it, so a client sending one byte at a time is dropped. It also "
         "bounds an idle keep-alive connection (keep it above a TLS proxy's upstream keep-alive, "
         "nginx: 60s).",
     )
-    body: Duration = Field(
-        60.0, gt=0, description="Time to receive a whole request body once its head is in; else 408."
+    body: PositiveDuration = Field(
+        60.0, description="Time to receive a whole request body once its head is in; else 408."
     )
-    write: Duration = Field(
+    write: PositiveDuration = Field(
         60.0,
-        gt=0,
         description="A client that stops reading: once its socket has stayed full this long, the "
         "connection is dropped, its model slot freed and the engine's request cancelled.",
     )
@@ -355,11 +180,16 @@ class GatewayTls(Spec):
     key: str = Field(description="Private key (PEM) of the certificate.")
 
 
-Listen = Annotated[str, Field(pattern=LISTEN_PATTERN), AfterValidator(_listen)]
-
-
 class GatewaySettings(Spec):
     """The OpenAI-compatible gateway daemon (`llmgw gateway run`)."""
+
+    model_config = ConfigDict(
+        # `_one_host_list` in the schema's words: several hosts need a store.
+        json_schema_extra={
+            "if": {"required": ["hosts"], "properties": {"hosts": {"minItems": 2}}},
+            "then": {"required": ["store"], "properties": {"store": {"type": "string"}}},
+        }
+    )
 
     host: Host = Field(
         "localhost",
@@ -369,6 +199,7 @@ class GatewaySettings(Spec):
     hosts: list[Host] = Field(
         default_factory=list,
         max_length=64,
+        json_schema_extra={"uniqueItems": True},
         description="Several gateway hosts instead of one `host`, behind one address (a TCP "
         "load balancer or DNS): `apply` installs the gateway on each. They share the store, "
         "so `store` must be PostgreSQL.",
@@ -386,9 +217,8 @@ class GatewaySettings(Spec):
         "`postgresql://user@host:port/database` URL, the password never in it (see "
         "`store_password_file`). Unset: SQLite in `state_dir`, for the workers of one host.",
     )
-    store_password_file: PlainWord | None = Field(
+    store_password_file: AbsolutePlainWord | None = Field(
         None,
-        pattern=r"^/",
         description="File holding the PostgreSQL password (on every gateway host, and where "
         "`llmgw keys` and `llmgw usage` run). Unset: `$LLMGW_STORE_PASSWORD`, else none "
         "(peer or certificate authentication).",
@@ -401,9 +231,8 @@ class GatewaySettings(Spec):
         None, description="Listener serving only `/metrics` and `/health`, for monitoring."
     )
     state_dir: PlainWord = Field("/var/lib/llmgw", description="Directory of the gateway's own data.")
-    llmgw_bin: PlainWord | None = Field(
+    llmgw_bin: AbsolutePlainWord | None = Field(
         None,
-        pattern=r"^/",
         description="Absolute path of `llmgw` on the gateway host, for its systemd unit. "
         "Unset: whichever `llmgw` is on the host's PATH.",
     )
@@ -480,6 +309,22 @@ class GatewaySettings(Spec):
         "model again; the wait doubles with each failure in a row, up to 5 minutes. Requests "
         "meanwhile get 503 `model_start_failed` with the reason and Retry-After.",
     )
+    discover_every: PositiveDuration = Field(
+        15.0,
+        description="How often the leading gateway process probes the nodes over SSH for the "
+        "replicas that run (sooner when a ready replica fails its health check, or when "
+        "`apply` asks). `llmgw gateway run --discover-every SECONDS` overrides it.",
+    )
+    health_every: PositiveDuration = Field(
+        2.0,
+        description="How often each gateway process checks the health of every replica it "
+        "routes to. `--health-every SECONDS` overrides it.",
+    )
+    flush_every: PositiveDuration = Field(
+        5.0,
+        description="How often each gateway process writes its usage totals and last-use "
+        "times to the store (and once more when it stops). `--flush-every SECONDS` overrides it.",
+    )
     manage_replicas: bool = Field(
         True,
         description="Start on-demand models at their first request, stop idle replicas, "
@@ -527,12 +372,27 @@ class Fabric(Spec):
     )
 
 
+def _shorthand(pattern: str) -> Any:
+    """The JSON Schema of a shorthand: a string of this pattern (the loader's own check
+    reads it with a regex of the same form and gives the parts to the model's fields)."""
+    return Annotated[str, WithJsonSchema({"type": "string", "pattern": pattern})]
+
+
+_HCA_SHORTHAND = re.compile(r"([A-Za-z0-9_]+)(?::([0-9]+))?")
+HCA_SHORTHAND_PATTERN = whole(f"[A-Za-z0-9_]+(:0*{grammar.int_range(1, 255)})?")
+
+
 def _hca_shorthand(value: Any) -> Any:
     """``mlx5_0`` or ``mlx5_0:1`` stand for ``{name: mlx5_0, port: 1}``."""
-    if isinstance(value, str):
-        name, _, port = value.partition(":")
-        return {"name": name, "port": int(port)} if port.isdigit() else {"name": value}
-    return value
+    if not isinstance(value, str):
+        return value
+    match = _HCA_SHORTHAND.fullmatch(value)
+    if match is None:
+        raise ValueError(
+            f"{value!r} is not an adapter: write its name (mlx5_0) or its name and a port (mlx5_0:1)"
+        )
+    name, port = match.groups()
+    return {"name": name} if port is None else {"name": name, "port": int(port)}
 
 
 class Hca(Spec):
@@ -543,6 +403,7 @@ class Hca(Spec):
 
 
 def _weights_shorthand(value: Any) -> Any:
+    """A bare path stands for ``{path: ...}`` (local storage)."""
     return {"path": value} if isinstance(value, str) else value
 
 
@@ -567,7 +428,7 @@ class Node(Spec):
 
     name: str = Field(pattern=NAME_PATTERN, description="Unique short name (lowercase, digits, `-`).")
     address: Host = Field(description="Host name or IP address that SSH connects to.")
-    engine_address: str | None = Field(
+    engine_address: IpAddress | None = Field(
         None,
         description="IP address the node's engines listen on and the gateway connects to; "
         "unset: `address`. Engines never listen on every interface.",
@@ -579,24 +440,20 @@ class Node(Spec):
         default_factory=SshOverrides, description="Overrides of the top-level `ssh` settings."
     )
     fabric: str | None = Field(None, description="Name of the fabric (under `fabrics`) the node is on.")
-    hcas: list[Annotated[Hca, BeforeValidator(_hca_shorthand)]] = Field(
-        default_factory=list, description="Adapters that attach the node to its fabric."
-    )
-    weights: list[Annotated[WeightDir, BeforeValidator(_weights_shorthand)]] = Field(
-        default_factory=list, description="Directories scanned for model weights."
-    )
+    hcas: list[
+        Annotated[
+            Hca,
+            BeforeValidator(_hca_shorthand, json_schema_input_type=_shorthand(HCA_SHORTHAND_PATTERN) | Hca),
+        ]
+    ] = Field(default_factory=list, description="Adapters that attach the node to its fabric.")
+    weights: list[
+        Annotated[
+            WeightDir,
+            BeforeValidator(_weights_shorthand, json_schema_input_type=_shorthand("^/") | WeightDir),
+        ]
+    ] = Field(default_factory=list, description="Directories scanned for model weights.")
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
     gpus: ExpectedGpus | None = Field(None, description="Expected GPUs, checked against the probe.")
-
-    @field_validator("engine_address")
-    @classmethod
-    def _engine_ip(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                ipaddress.ip_address(value)
-            except ValueError:
-                raise ValueError(f"{value!r} is not an IP address") from None
-        return value
 
     @property
     def engine_host(self) -> str:
@@ -629,12 +486,19 @@ class Readiness(Spec):
     )
 
 
+_PORT_RANGE = re.compile(r" *([0-9]+) *- *([0-9]+) *")
+_RANGE_PORT = f"0*{grammar.int_range(1024, 65535)}"
+PORT_RANGE_PATTERN = whole(f" *{_RANGE_PORT} *- *{_RANGE_PORT} *")
+
+
 def _port_range_shorthand(value: Any) -> Any:
-    if isinstance(value, str) and "-" in value:
-        first, _, last = value.partition("-")
-        if first.strip().isdigit() and last.strip().isdigit():
-            return {"first": int(first), "last": int(last)}
-    return value
+    """``8100-8199`` stands for ``{first: 8100, last: 8199}``."""
+    if not isinstance(value, str):
+        return value
+    match = _PORT_RANGE.fullmatch(value)
+    if match is None:
+        raise ValueError(f"{value!r} is not a port range: write first-last, such as 8100-8199")
+    return {"first": int(match[1]), "last": int(match[2])}
 
 
 class PortRange(Spec):
@@ -650,13 +514,19 @@ class PortRange(Spec):
         return self
 
 
+# systemd reads a leading - @ : + ! of ExecStart='s program as a flag (Profile._plain_program).
+Command = Annotated[
+    list[str],
+    Field(min_length=1, json_schema_extra={"prefixItems": [{"type": "string", "pattern": "^[^-@:+!]"}]}),
+]
+
+
 class Profile(Spec):
     """How to run one engine: binary, arguments, environment."""
 
-    engine: Engine = Field(description="`vllm`, `sglang` or `llama-server`.")
-    command: list[str] | None = Field(
+    engine: Engine = Field(strict=False, description="`vllm`, `sglang` or `llama-server`.")
+    command: Command | None = Field(
         None,
-        min_length=1,
         description="Program and leading arguments; unset: `vllm serve`, "
         "`python3 -m sglang.launch_server` or `llama-server`.",
     )
@@ -681,7 +551,12 @@ class Profile(Spec):
         "native", description="vLLM only: multi-node replicas with `--nnodes` (native) or Ray."
     )
     readiness: Readiness = Field(default_factory=Readiness, description="Readiness check.")
-    ports: Annotated[PortRange, BeforeValidator(_port_range_shorthand)] = Field(
+    ports: Annotated[
+        PortRange,
+        BeforeValidator(
+            _port_range_shorthand, json_schema_input_type=_shorthand(PORT_RANGE_PATTERN) | PortRange
+        ),
+    ] = Field(
         default_factory=lambda: PortRange(first=8100, last=8199),
         description="Port range for replicas of this profile.",
     )
@@ -758,13 +633,22 @@ class Model(Spec):
     """A model in the catalog."""
 
     name: str = Field(pattern=MODEL_NAME_PATTERN, description="Served name: what clients put in `model`.")
-    source: str = Field(description="Hugging Face repo id, absolute or `./`relative path, or https URL.")
+    source: str = Field(
+        json_schema_extra={"pattern": SOURCE_PATTERN},
+        description="Hugging Face repo id, absolute or `./`relative path, or https URL.",
+    )
     sha256: str | None = Field(
         None, pattern=r"^[0-9a-f]{64}$", description="Checksum of a single-file source."
     )
     profile: str = Field(description="Name of the profile (under `profiles`) that runs it.")
     gpu_class: str | None = Field(None, description="Only GPUs of this class, e.g. `H100-80GB`.")
-    tensor_parallel: int = Field(1, ge=1, le=64, description="GPUs per node for one replica.")
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        le=64,
+        json_schema_extra={"enum": [2**i for i in range(7)]},  # _power_of_two
+        description="GPUs per node for one replica.",
+    )
     nodes: int = Field(1, ge=1, le=64, description="Nodes per replica (more than 1: multi-node).")
     gpu_memory: Size | None = Field(None, description="Memory needed on each GPU, e.g. `40GiB`.")
     args: list[str] = Field(default_factory=list, description="Arguments added to the profile's.")

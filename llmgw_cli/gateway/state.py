@@ -41,7 +41,7 @@ from llmgw_cli.core.drain import Routes, routes_text
 from llmgw_cli.core.keys import ApiKey, hash_token
 from llmgw_cli.core.parse.engine_env import engine_key
 from llmgw_cli.core.routing import Health, Pool
-from llmgw_cli.core.spec import ClusterSpec, Model
+from llmgw_cli.core.spec import ClusterSpec, GatewaySettings, Model
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.accesslog import AccessLog
 from llmgw_cli.gateway.admission import Admission
@@ -89,6 +89,25 @@ def read_engine_keys(path: Path) -> dict[str, tuple[str, ...]]:
     return {str(node): tuple(keys) for node, keys in data.items()}
 
 
+def job_intervals(
+    settings: GatewaySettings,
+    *,
+    discover_every: float | None = None,
+    health_every: float | None = None,
+    flush_every: float | None = None,
+) -> dict[str, float]:
+    """Seconds between two rounds of the gateway's periodic jobs: each one given here (a
+    command-line flag), else the cluster file's ``gateway.discover_every``,
+    ``health_every`` and ``flush_every``."""
+    given = {"discover": discover_every, "health": health_every, "flush": flush_every}
+    from_file = {
+        "discover": settings.discover_every,
+        "health": settings.health_every,
+        "flush": settings.flush_every,
+    }
+    return {job: seconds if (seconds := given[job]) is not None else from_file[job] for job in from_file}
+
+
 class Gateway:
     def __init__(
         self,
@@ -99,9 +118,9 @@ class Gateway:
         *,
         engine_keys: Callable[[], dict[str, tuple[str, ...]]] | None = None,
         reload_spec: Callable[[], ClusterSpec] | None = None,
-        discover_every: float = 15.0,
-        health_every: float = 2.0,
-        flush_every: float = 5.0,
+        discover_every: float | None = None,
+        health_every: float | None = None,
+        flush_every: float | None = None,
         keys_every: float = 5.0,
         access_log: AccessLog | None = None,
         manage_replicas: bool = False,
@@ -113,7 +132,9 @@ class Gateway:
     ) -> None:
         """``source``: a ``ProbeSource`` makes a process that may lead (``can_lead``
         overrides that: tests give fake ``nodes``); a ``PublishedSource`` one that always
-        follows; any other (a fixed list) one that neither leads nor follows."""
+        follows; any other (a fixed list) one that neither leads nor follows.
+        ``discover_every``, ``health_every``, ``flush_every``: seconds that replace the
+        cluster file's (``job_intervals``); those left None follow the file, reloads too."""
         self.spec = spec
         self.catalog: dict[str, Model] = {m.name: m for m in spec.models}
         self.source = source  # where discovery reads now: probe_source, or the publication
@@ -123,10 +144,13 @@ class Gateway:
         self.read_engine_keys = engine_keys  # the per-node map, read again on every reload
         self.engine_keys: dict[str, tuple[str, ...]] = engine_keys() if engine_keys else {}
         self.reload_spec = reload_spec
+        self._given_intervals = {
+            "discover_every": discover_every,
+            "health_every": health_every,
+            "flush_every": flush_every,
+        }
         self.every = {
-            "discover": discover_every,
-            "health": health_every,
-            "flush": flush_every,
+            **job_intervals(spec.gateway, **self._given_intervals),
             "keys": keys_every,
             "log": 0.2,
             "reconcile": 1.0,
@@ -306,6 +330,7 @@ class Gateway:
             log.warning("listener addresses changed in the cluster file: they apply at the next restart")
         self.spec = spec
         self.catalog = {m.name: m for m in spec.models}
+        self.every.update(job_intervals(spec.gateway, **self._given_intervals))  # the next round on
         self._upstream_settings()
         await self.load_keys()
         await self.discover()

@@ -164,3 +164,28 @@ def test_a_routes_file_that_cannot_be_written_is_said_once_and_routing_goes_on(
 
     asyncio.run(scenario())
     assert caplog.text.count("cannot write the routes file") == 1
+
+
+def test_intervals_follow_the_cluster_file_through_a_reload_unless_given(tmp_path: Path) -> None:
+    """A gateway given no intervals (the installed unit passes no flag) runs its jobs at
+    the file's; SIGHUP's reload takes a changed file's; one given stays as given."""
+    file = tmp_path / "cluster.yaml"
+    file.write_text(CLUSTER + "gateway: {discover_every: 1h, health_every: 3s, flush_every: 7s}\n")
+
+    async def scenario() -> None:
+        def load() -> ClusterSpec:
+            return parse_cluster(file.read_text())
+
+        gw = Gateway(
+            load(), Counting({"m": []}), SqliteStore(tmp_path), "k", reload_spec=load, flush_every=9.0
+        )
+        assert (gw.every["discover"], gw.every["health"], gw.every["flush"]) == (3600.0, 3.0, 9.0)
+        await gw.start()
+        try:
+            file.write_text(CLUSTER + "gateway: {discover_every: 2h, health_every: 4s, flush_every: 8s}\n")
+            await gw.reload()
+            assert (gw.every["discover"], gw.every["health"], gw.every["flush"]) == (7200.0, 4.0, 9.0)
+        finally:
+            await gw.stop()
+
+    asyncio.run(scenario())

@@ -75,4 +75,4 @@ def test_installed_llmgw_renders_templates_from_the_package(installed: Path, tmp
         cwd=tmp_path,
     )
     assert "site-packages/llmgw_cli/templates" in where.stdout
-    assert f"ExecStart={installed.absolute()} gateway run -f /etc/llmgw/cluster.yaml" in result.stdout
+    assert f"ExecStart={installed.absolute()} gateway run -f /etc/llmgw/gateway/cluster.yaml" in result.stdout

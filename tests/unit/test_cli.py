@@ -104,8 +104,9 @@ def test_render_gateway_unit() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert (
-        "ExecStart=/opt/llmgw/bin/llmgw gateway run -f /etc/llmgw/cluster.yaml "
-        "--engine-keys-file /etc/llmgw/gateway/engine-keys.json\n" in result.stdout
+        "ExecStart=/opt/llmgw/bin/llmgw gateway run -f /etc/llmgw/gateway/cluster.yaml "
+        "--engine-keys-file /etc/llmgw/gateway/engine-keys.json --identity-file /etc/llmgw/gateway/id_ed25519 "
+        "--known-hosts /etc/llmgw/gateway/known_hosts\n" in result.stdout
     )
     assert "StateDirectory=llmgw-lab/gateway\n" in result.stdout
 

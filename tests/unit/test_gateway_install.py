@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from llmgw_cli.cli.render import app as render_app
 from llmgw_cli.core.gateway_install import (
     CLUSTER_FILE,
     GATEWAY_ACCOUNT,
@@ -109,3 +114,27 @@ def test_new_sockets_under_a_running_gateway_interrupt_it_once() -> None:
         files(llmgw_bin="/b"), current, active=True, listeners_changed=False, socket_active=False
     )
     assert idle_socket.how == "restart" and idle_socket.interrupts
+
+
+def test_render_prints_the_units_apply_installs(tmp_path: Path) -> None:
+    """`llmgw render gateway-unit` and `gateway-socket` for a hand install or a review print
+    the very files apply writes: same cluster file path, account, key and known_hosts."""
+    runner = CliRunner()
+    file = tmp_path / "cluster.yaml"
+
+    def render(*args: str) -> str:
+        result = runner.invoke(render_app, [*args, "-f", str(file)])
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    # gateway.llmgw_bin set: apply runs that one, and so does the rendered unit
+    text = TEXT.replace("{host: localhost}", "{host: localhost, llmgw_bin: /opt/llmgw/bin/llmgw}")
+    file.write_text(text)
+    installed = {f.path: f.text for f in files(text, llmgw_bin="/opt/llmgw/bin/llmgw")}
+    assert render("gateway-unit") == installed[UNIT_FILE]
+    assert render("gateway-unit", "--handover") == installed[HANDOVER_FILE]
+    assert render("gateway-socket") == installed[SOCKET_FILE]
+    # unset: apply takes the llmgw on the host's PATH, which the operator names here
+    file.write_text(TEXT)
+    plain = {f.path: f.text for f in files(TEXT, llmgw_bin="/usr/local/bin/llmgw")}
+    assert render("gateway-unit", "--llmgw-bin", "/usr/local/bin/llmgw") == plain[UNIT_FILE]

@@ -232,3 +232,68 @@ def test_empty_section_and_yaml_booleans_get_hints() -> None:
     assert problems(BASE) == ["c.yaml:10:8: models: has no value: give one, or remove the key"]
     (message,) = problems(BASE + "  - {name: off, source: org/a, profile: vllm}\n")
     assert "models[0].name: Input should be a valid string (got False); YAML reads unquoted" in message
+
+
+def test_a_key_beside_a_merge_key_overrides_it_wherever_the_merge_is_written() -> None:
+    spec = load(
+        """\
+cluster: {name: t}
+nodes:
+  - &a {name: a, address: 10.0.0.1, labels: {rack: r1}}
+  - {name: b, <<: *a, address: 10.0.0.2}
+"""
+    )
+    assert [(n.name, n.address, n.labels) for n in spec.nodes] == [
+        ("a", "10.0.0.1", {"rack": "r1"}),
+        ("b", "10.0.0.2", {"rack": "r1"}),
+    ]
+    # A key written twice beside the merge is still a duplicate, at the second one.
+    (message,) = problems("cluster: {name: t}\nssh: {<<: {port: 22}, port: 23, port: 24}\n")
+    assert message.startswith("c.yaml:2:33: ssh: key 'port' is given twice")
+
+
+def test_values_keep_the_type_yaml_gave_them() -> None:
+    """As the JSON Schema says: a quoted number is no count, a quoted yes no boolean."""
+    found = problems(
+        "cluster: {name: t}\nssh: {port: '22', accept_unknown_hosts: 'yes'}\n"
+        "gateway: {key_queue_share: '0.5', workers: true}\n"
+    )
+    assert found == [
+        "c.yaml:2:13: ssh.port: Input should be a valid integer (got '22')",
+        "c.yaml:2:41: ssh.accept_unknown_hosts: Input should be a valid boolean (got 'yes')",
+        "c.yaml:3:28: gateway.key_queue_share: Input should be a valid number (got '0.5')",
+        "c.yaml:3:44: gateway.workers: Input should be a valid integer (got True)",
+    ]
+
+
+def test_a_number_without_a_fraction_is_an_integer_as_in_json() -> None:
+    spec = load("cluster: {name: t}\nssh: {port: 2222.0}\ngateway: {key_queue_share: 1}\n")
+    assert spec.ssh.port == 2222 and spec.gateway.key_queue_share == 1.0
+    (message,) = problems("cluster: {name: t}\nssh: {port: 22.5}\n")
+    assert "ssh.port: Input should be a valid integer" in message
+
+
+@pytest.mark.parametrize(
+    ("value", "tag"), [("2024-05-01", "timestamp"), ("!!binary aGk=", "binary"), ("!!set {a}", None)]
+)
+def test_yaml_values_json_has_no_type_for_are_refused(value: str, tag: str | None) -> None:
+    (message,) = problems(f"cluster: {{name: t}}\nnodes:\n  - {{name: a, address: h, fabric: {value}}}\n")
+    if tag:
+        assert message == (
+            f"c.yaml:3:35: nodes[0].fabric: YAML reads this value as a {tag}, which no setting "
+            "takes: quote it if it is text"
+        )
+    else:  # a set is a mapping of nulls
+        assert "nodes[0].fabric: Input should be a valid string" in message
+    (message,) = problems("cluster: {name: t}\nnodes:\n  - {name: a, address: h, labels: {2024-05-01: x}}\n")
+    assert message == "c.yaml:3:36: nodes[0].labels: a key must be text: quote '2024-05-01'"
+
+
+def test_the_file_writes_documented_keys_not_python_names() -> None:
+    text = BASE.replace(
+        "{class: H100-80GB, count: 8}}\n  - {name: n2", "{gpu_class: H1, count: 8}}\n  - {name: n2"
+    )
+    assert problems(text + "  []\n") == [
+        "c.yaml:5:55: nodes[0].gpus: missing required key 'class'",
+        "c.yaml:5:56: nodes[0].gpus: unknown key 'gpu_class' (did you mean 'class'?)",
+    ]
