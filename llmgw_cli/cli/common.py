@@ -1,9 +1,15 @@
 """What the commands share: the -f and --nodes options, reading the cluster file, probing
-the nodes with a progress bar, the gateway's store, and the console the results go to."""
+the nodes with a progress bar, the gateway's store, and the console the results go to.
+
+Every command imports what it needs when it runs, not when ``llmgw`` starts: this module
+and the command modules import typer and the standard library only at their top, so
+``llmgw --version`` or ``llmgw validate`` never load SSH, HTTP or the gateway's server.
+The modules whose functions typer reads at every start (the commands and their options)
+do without ``from __future__ import annotations``: typer would evaluate each annotation's
+text again; there, a type known only to the type checker is written in quotes."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -11,17 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError, UsageError
-from llmgw_cli.remote.connect import Session
-from llmgw_cli.remote.probe import Snapshot, gather
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
+    from llmgw_cli.core.spec import ClusterSpec
     from llmgw_cli.gateway.store import Store
+    from llmgw_cli.remote.connect import Session
+    from llmgw_cli.remote.probe import Snapshot
 
 T = TypeVar("T")
 
@@ -41,6 +46,15 @@ NodesOption = Annotated[
     str | None, typer.Option("--nodes", help="Comma-separated node names (default: every node).")
 ]
 
+StoreDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--store-dir",
+        hidden=True,
+        help="The SQLite store in this folder of this host (what llmgw runs on the gateway host).",
+    ),
+]
+
 
 def read_cluster(path: Path) -> ClusterSpec:
     """Read and validate a cluster file; every problem is raised at once as a SpecError."""
@@ -50,6 +64,8 @@ def read_cluster(path: Path) -> ClusterSpec:
         raise InputError(f"{path}: no such file (give the cluster file with -f FILE)") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc}") from None
+    from llmgw_cli.core.load import parse_cluster
+
     # Bytes, not text: a byte that is not UTF-8 is reported at its line and column.
     return parse_cluster(data, str(path))
 
@@ -81,6 +97,11 @@ def probe_with_progress(
     """Probe ``nodes`` (None: every node) with a live progress bar on ``console`` (hidden
     when it is not a terminal), through ``session``'s connections (kept for the command's
     next steps), or through connections of its own."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from llmgw_cli.remote.connect import Session
+    from llmgw_cli.remote.probe import gather
+
     if session is None:
         with Session(spec, file.resolve().parent) as own:
             return probe_with_progress(spec, file, nodes, console, own)
@@ -107,13 +128,17 @@ def probe_with_progress(
 def stdout_console() -> Console:
     """The console for a command's tables: the terminal's width, or 160 columns when the
     output is piped (a log, a pager) and $COLUMNS does not say, instead of rich's 80."""
+    from rich.console import Console
+
     width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
     return Console(width=width)
 
 
 def with_store(spec: ClusterSpec, call: Callable[[Store], Awaitable[T]]) -> T:
     """``call`` on the store the cluster file names, opened and closed around it."""
-    from llmgw_cli.gateway.store import open_store  # noqa: PLC0415 (the commands that use it only)
+    import asyncio
+
+    from llmgw_cli.gateway.store import open_store
 
     async def run() -> T:
         store = open_store(spec)

@@ -1,14 +1,10 @@
 """The `llmgw` command. Errors become messages and exit codes here, and only here."""
 
-from __future__ import annotations
-
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
 from llmgw_cli import __version__
 from llmgw_cli.cli import gateway, keys, lab, render, store
@@ -18,9 +14,10 @@ from llmgw_cli.cli.doctor import doctor
 from llmgw_cli.cli.fetch import fetch
 from llmgw_cli.cli.status import status
 from llmgw_cli.cli.usage import usage
-from llmgw_cli.cli.views import problems_view, spec_headline, spec_summary
-from llmgw_cli.core.docgen import json_schema
 from llmgw_cli.errors import LlmgwError, SpecError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 app = typer.Typer(
     name="llmgw",
@@ -42,13 +39,10 @@ app.add_typer(keys.app, name="keys")
 app.add_typer(store.app, name="store")
 app.command()(usage)
 
-out = Console()
-err = Console(stderr=True)
-
 
 def _version(value: bool) -> None:
     if value:
-        out.print(f"llmgw {__version__}")
+        sys.stdout.write(f"llmgw {__version__}\n")
         raise typer.Exit()
 
 
@@ -67,7 +61,12 @@ def validate(file: ClusterFile = DEFAULT_FILE) -> None:
 
     Exit code 0 when valid, 2 when it has problems.
     """
+    from rich.console import Console
+
+    from llmgw_cli.cli.views import spec_headline, spec_summary
+
     spec = read_cluster(file)
+    out = Console()
     out.print(spec_headline(spec, str(file)), soft_wrap=True)
     out.print(spec_summary(spec))
 
@@ -79,6 +78,8 @@ def schema(
     ] = None,
 ) -> None:
     """Print the JSON Schema of the cluster file (for editors and CI)."""
+    from llmgw_cli.core.docgen import json_schema
+
     text = json_schema()
     if output is None:
         sys.stdout.write(text)
@@ -91,14 +92,24 @@ def main() -> None:
     try:
         app()
     except SpecError as exc:
-        err.print(problems_view(exc.problems), soft_wrap=True)
+        from llmgw_cli.cli.views import problems_view
+
+        _stderr().print(problems_view(exc.problems), soft_wrap=True)
         sys.exit(exc.exit_code)
     except LlmgwError as exc:
-        err.print(Text.assemble(("error: ", "red"), str(exc)), soft_wrap=True)
+        from rich.text import Text
+
+        _stderr().print(Text.assemble(("error: ", "red"), str(exc)), soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        err.print("interrupted")
+        _stderr().print("interrupted")
         sys.exit(130)
+
+
+def _stderr() -> "Console":
+    from rich.console import Console
+
+    return Console(stderr=True)
 
 
 if __name__ == "__main__":

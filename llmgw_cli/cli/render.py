@@ -9,8 +9,6 @@ from typing import Annotated
 import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
-from llmgw_cli.core.monitoring import monitoring_files
-from llmgw_cli.core.units import gateway_unit
 
 app = typer.Typer(
     help="Render files llmgw generates (systemd units, monitoring) to stdout.", no_args_is_help=True
@@ -37,6 +35,8 @@ def gateway_unit_cmd(
     user: Annotated[str, typer.Option(help="Account the gateway runs as.")] = "llmgw",
 ) -> None:
     """Print the llmgw-gateway.service unit for the cluster file."""
+    from llmgw_cli.core.units import gateway_unit
+
     spec = read_cluster(file)
     unit = gateway_unit(spec, llmgw_bin=llmgw_bin or _llmgw_bin(), config_path=config_path, user=user)
     sys.stdout.write(unit)
@@ -61,6 +61,8 @@ def monitoring_cmd(
 
     Without --out both files go to stdout, each after a `# ==> NAME <==` line.
     """
+    from llmgw_cli.core.monitoring import monitoring_files
+
     spec = read_cluster(file)
     files = monitoring_files(spec, admin_key_file)
     if out is None:

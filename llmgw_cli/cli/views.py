@@ -15,18 +15,18 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from llmgw_cli.core.doctor import Finding, Severity
-from llmgw_cli.core.fetch import FetchPlan
-from llmgw_cli.core.keys import ApiKey
-from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
-from llmgw_cli.core.summary import Summary
 from llmgw_cli.errors import Problem
-from llmgw_cli.remote.fetch import FetchResult
 
-if TYPE_CHECKING:  # the lab is imported only by the commands that drive it
+if TYPE_CHECKING:  # what only one command shows is imported by that command (cli/common.py)
+    from llmgw_cli.core.doctor import Finding
+    from llmgw_cli.core.fetch import FetchPlan
+    from llmgw_cli.core.keys import ApiKey
+    from llmgw_cli.core.plan import Plan
+    from llmgw_cli.core.summary import Summary
     from llmgw_cli.gateway.store import Usage
     from llmgw_cli.lab.status import NodeStatus
+    from llmgw_cli.remote.fetch import FetchResult
 
 
 def plain(value: object) -> Text:
@@ -212,11 +212,13 @@ def progress_view(states: dict[str, str]) -> RenderableType:
     return table
 
 
-_SEVERITY_STYLE = {Severity.error: "red", Severity.warning: "yellow", Severity.info: "cyan"}
+_SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}  # by Severity
 
 
 def doctor_view(findings: list[Finding], nodes: list[str], seconds: float) -> RenderableType:
     """One row per finding (a node without any gets an "ok" row), then the counts."""
+    from llmgw_cli.core.doctor import Severity
+
     table = Table(title=f"Doctor ({len(nodes)} nodes checked in {seconds:.2f}s)", title_justify="left")
     for col in ("node", "severity", "check"):
         table.add_column(col, no_wrap=True)

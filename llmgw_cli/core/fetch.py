@@ -11,24 +11,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
 from llmgw_cli.core.engines import model_path
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.hardware import gpu_class
+from llmgw_cli.core.peers import Peers
 from llmgw_cli.core.spec import ClusterSpec, Model, Node, ScalingMode, SourceKind
 
+__all__ = ["Peers"]  # re-exported: where callers have always found it
+
 HF_HOST = "huggingface.co"
-
-
-class Peers(StrEnum):
-    """Which nodes may copy a file from each other instead of from the origin."""
-
-    fabric = "fabric"  # nodes of one fabric (nodes without a fabric form one group)
-    cluster = "cluster"  # every node
-    off = "off"  # every node downloads from the origin
 
 
 def token_for(url: str, token: str | None, hf_endpoint: str | None = None) -> str | None:
