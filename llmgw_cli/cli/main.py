@@ -1,10 +1,12 @@
-"""The `llmgw` command. Errors become messages and exit codes here, and only here."""
+"""The `llmgw` command. Errors become messages and exit codes here, and only here: 0 done,
+1 failed, 2 bad input, 130 interrupted (``errors.ExitCode``)."""
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from llmgw_cli import __version__
 from llmgw_cli.cli import gateway, keys, lab, render, store
@@ -14,15 +16,39 @@ from llmgw_cli.cli.doctor import doctor
 from llmgw_cli.cli.fetch import fetch
 from llmgw_cli.cli.status import status
 from llmgw_cli.cli.usage import usage
-from llmgw_cli.errors import LlmgwError, SpecError
+from llmgw_cli.errors import Interrupted, LlmgwError, SpecError
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+
+class _Commands(TyperGroup):
+    """The root of every command: Ctrl-C anywhere below it becomes ``Interrupted``, so it
+    ends like every other error, in ``main``, instead of as the exit status the library
+    happens to choose (a prompt turns it into "Aborted!", exit 1)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted") from None
+        except typer.Abort as exc:
+            if isinstance(exc.__context__, KeyboardInterrupt):
+                raise Interrupted("interrupted") from None
+            raise
+
+
+EXIT_CODES = (
+    "Exit codes: 0 done; 1 failed (a node, a replica, a download: the message says which); "
+    "2 bad input (the cluster file or an argument, nothing was done); 130 interrupted (Ctrl-C)."
+)
+
 app = typer.Typer(
     name="llmgw",
+    cls=_Commands,
     help="Run a catalog of LLMs on your own GPU servers, declared in one YAML file, "
     "driven over SSH and systemd.",
+    epilog=EXIT_CODES,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -96,14 +122,17 @@ def main() -> None:
 
         _stderr().print(problems_view(exc.problems), soft_wrap=True)
         sys.exit(exc.exit_code)
+    except (Interrupted, KeyboardInterrupt):  # KeyboardInterrupt: before a command ran
+        err = _stderr()
+        if err.is_terminal:  # after the ^C the terminal shows
+            err.line()
+        err.print("interrupted", highlight=False)
+        sys.exit(Interrupted.exit_code)
     except LlmgwError as exc:
         from rich.text import Text
 
         _stderr().print(Text.assemble(("error: ", "red"), str(exc)), soft_wrap=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        _stderr().print("interrupted")
-        sys.exit(130)
 
 
 def _stderr() -> "Console":
