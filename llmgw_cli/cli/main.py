@@ -2,7 +2,6 @@
 1 failed, 2 bad input, 130 interrupted (``errors.ExitCode``)."""
 
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -11,11 +10,11 @@ from typer.core import TyperGroup
 from llmgw_cli import __version__
 from llmgw_cli.cli import gateway, keys, lab, render, store
 from llmgw_cli.cli.apply import apply, plan
-from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 from llmgw_cli.cli.doctor import doctor
 from llmgw_cli.cli.fetch import fetch
 from llmgw_cli.cli.status import status
 from llmgw_cli.cli.usage import usage
+from llmgw_cli.cli.validate import schema, validate
 from llmgw_cli.errors import Interrupted, LlmgwError, SpecError
 
 if TYPE_CHECKING:
@@ -51,19 +50,23 @@ app = typer.Typer(
     epilog=EXIT_CODES,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,
 )
-app.add_typer(render.app, name="render")
-app.command()(status)
-app.command()(plan)
-app.command()(apply)
-app.command()(doctor)
-app.command()(fetch)
-app.add_typer(lab.app, name="lab")
-app.add_typer(gateway.app, name="gateway")
-app.add_typer(keys.app, name="keys")
-app.add_typer(store.app, name="store")
-app.command()(usage)
+# `llmgw --help` lists the commands in these panels, in this order.
+INSPECT, CHANGE, SERVE, LAB = "Inspect (changes nothing)", "Change", "Serve", "Try it without GPUs"
+app.command(rich_help_panel=INSPECT)(validate)
+app.command(rich_help_panel=INSPECT)(status)
+app.command(rich_help_panel=INSPECT)(doctor)
+app.command(rich_help_panel=INSPECT)(plan)
+app.command(rich_help_panel=INSPECT)(usage)
+app.command(rich_help_panel=INSPECT)(schema)
+app.command(rich_help_panel=CHANGE)(apply)
+app.command(rich_help_panel=CHANGE)(fetch)
+app.add_typer(keys.app, name="keys", rich_help_panel=CHANGE)
+app.add_typer(store.app, name="store", rich_help_panel=CHANGE)
+app.add_typer(gateway.app, name="gateway", rich_help_panel=SERVE)
+app.add_typer(render.app, name="render", rich_help_panel=SERVE)
+app.add_typer(lab.app, name="lab", rich_help_panel=LAB)
 
 
 def _version(value: bool) -> None:
@@ -81,42 +84,11 @@ def _root(
     """llmgw: one YAML file, many models, your GPU servers."""
 
 
-@app.command()
-def validate(file: ClusterFile = DEFAULT_FILE) -> None:
-    """Check a cluster file: every problem is reported at once, with line and column.
-
-    Exit code 0 when valid, 2 when it has problems.
-    """
-    from rich.console import Console
-
-    from llmgw_cli.cli.views import spec_headline, spec_summary
-
-    spec = read_cluster(file)
-    out = Console()
-    out.print(spec_headline(spec, str(file)), soft_wrap=True)
-    out.print(spec_summary(spec))
-
-
-@app.command()
-def schema(
-    output: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Write to this file instead of stdout.")
-    ] = None,
-) -> None:
-    """Print the JSON Schema of the cluster file (for editors and CI)."""
-    from llmgw_cli.core.docgen import json_schema
-
-    text = json_schema()
-    if output is None:
-        sys.stdout.write(text)
-    else:
-        output.write_text(text, encoding="utf-8")
-
-
 def main() -> None:
     """Console entry point: run the app, turn llmgw errors into messages and exit codes."""
     try:
-        app()
+        # the name scripts and completion know it by, also when run as `python -m llmgw_cli`
+        app(prog_name="llmgw")
     except SpecError as exc:
         from llmgw_cli.cli.views import problems_view
 
