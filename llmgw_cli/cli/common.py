@@ -10,6 +10,7 @@ text again; there, a type known only to the type checker is written in quotes.""
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -72,23 +73,41 @@ def read_cluster(path: Path) -> ClusterSpec:
 
 def chosen_nodes(spec: ClusterSpec, nodes: str | None, file: Path) -> list[str] | None:
     """The nodes ``--nodes`` names, in its order (None: the option was not given, every
-    node). A name the cluster file does not declare, or an option that names none, is a
-    UsageError that says which nodes the file has."""
+    node), checked against the cluster file before anything is probed. A name the file
+    does not declare, or an option that names none, is a UsageError that says which nodes
+    the file has, and the one meant where a name is close to a declared one."""
     if nodes is None:
         return None
     declared = [n.name for n in spec.nodes]
     chosen = list(dict.fromkeys(n.strip() for n in nodes.split(",") if n.strip()))
     if not chosen:
         raise UsageError(
-            f"--nodes {nodes!r} names no node: give names separated by commas, from {', '.join(declared)} "
+            f"--nodes {nodes!r} names no node: give names separated by commas, from {_some(declared)} "
             "(or leave --nodes out for every node)"
         )
     unknown = [n for n in chosen if n not in declared]
     if unknown:
         raise UsageError(
-            f"--nodes: no node {', '.join(unknown)} in {file}; its nodes are {', '.join(declared)}"
+            f"--nodes: {unknown_names('node', unknown, declared)} in {file}; its nodes are {_some(declared)}"
         )
     return chosen
+
+
+def unknown_names(what: str, unknown: list[str], known: list[str]) -> str:
+    """``no node nod01 (did you mean node01?), x``: each unknown name, with the known one
+    it is closest to when one is close."""
+    said = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        said.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return f"no {what} {', '.join(said)}"
+
+
+def _some(names: list[str], most: int = 12) -> str:
+    """The names, or the first ``most`` of them and how many there are in all."""
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{', '.join(names[:most])}, ... ({len(names)} in all)"
 
 
 def probe_with_progress(

@@ -18,7 +18,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from llmgw_cli.cli.common import chosen_nodes, probe_with_progress, read_cluster
+from llmgw_cli.cli.common import chosen_nodes, probe_with_progress, read_cluster, unknown_names
 from llmgw_cli.cli.views import fetch_results_view, plain
 from llmgw_cli.core.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, select
 from llmgw_cli.core.spec import ClusterSpec
@@ -76,7 +76,12 @@ async def _run(
 def fetch(models: list[str], file: Path, nodes: str | None, peers: Peers, token_env: str) -> None:
     """``llmgw fetch`` (its help says what it does)."""
     spec = read_cluster(file)
+    # wrong names stop here, before any node is probed
     chosen = chosen_nodes(spec, nodes, file)
+    known = [m.name for m in spec.models]
+    unknown = [m for m in models if m not in known]
+    if unknown:
+        raise UsageError(f"{unknown_names('model', unknown, known)} in {file}")
     # One session: the probe's connections carry the fetch jobs too.
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, None, err, session)

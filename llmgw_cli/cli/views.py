@@ -140,11 +140,14 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
             _rate(f.rate_gbps),
             plain(", ".join(f.models_held) or "-"),
         )
-    models = Table(title="Models", title_justify="left")
+    scoped = summary.scope is not None
+    title = f"Models with a unit on {', '.join(summary.scope)}" if summary.scope is not None else "Models"
+    models = Table(title=plain(title), title_justify="left")
     for col in ("model", "mode", "running / min", "max", "where"):
         models.add_column(col)
     for m in summary.models:
-        style = "red" if m.running < m.desired else ""
+        # `min` counts the whole fleet: on some nodes only, fewer is no shortfall
+        style = "red" if m.running < m.desired and not scoped else ""
         models.add_row(
             plain(m.name),
             plain(m.mode),
