@@ -27,11 +27,19 @@ def plan(
     replace: Annotated[
         list[str] | None, typer.Option("--replace", metavar="MODEL#N", help=REPLACE_HELP)
     ] = None,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the plan as JSON (what --out saves, for scripts or `apply PLAN`); "
+            "the rest goes to stderr.",
+        ),
+    ] = False,
 ) -> None:
     """Probe the nodes and show what `apply` would do, changing nothing."""
     from llmgw_cli.cli import apply_steps
 
-    apply_steps.plan(file, save, replace or [])
+    apply_steps.plan(file, save, replace or [], json_out=json_out)
 
 
 def apply(

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from llmgw_cli.cli.common import probe_with_progress, read_cluster
+from llmgw_cli.cli.common import confirm, probe_with_progress, read_cluster
 from llmgw_cli.cli.views import plan_view, progress_view
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan, running_replicas
@@ -308,22 +308,27 @@ def _locked(
             raise
         # never hold the lock while a person reads the plan
         session.run(held.release())
-        typer.confirm("Apply these changes?", abort=True)
+        typer.confirm("Apply these changes?", abort=True, err=True)
 
 
-def plan(file: Path, save: Path | None, replace: list[str]) -> None:
-    """``llmgw plan``: probe the nodes and show what `apply` would do, changing nothing."""
+def plan(file: Path, save: Path | None, replace: list[str], *, json_out: bool = False) -> None:
+    """``llmgw plan``: probe the nodes and show what `apply` would do, changing nothing.
+    ``json_out``: the plan on stdout as ``--out`` saves it, the rest on stderr."""
     spec = read_cluster(file)
+    said = err if json_out else out
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, None, err, session)
         facts = {f.node: f for f in snapshot.nodes}
         result = make_plan(spec, facts, replace=replacements(replace, facts))
         gateway = session.run(preview(spec, session.conns, file.read_text(encoding="utf-8")))
-        out.print(plan_view(result), soft_wrap=True)
-        _show_host_changes(spec, session, snapshot, gateway)
+        if json_out:
+            sys.stdout.write(result.model_dump_json(indent=2) + "\n")
+        else:
+            out.print(plan_view(result), soft_wrap=True)
+        _show_host_changes(spec, session, snapshot, gateway, said)
     if save:
         save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
-        out.print(Text(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}"), highlight=False)
+        said.print(Text(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}"), highlight=False)
 
 
 def _choose(
@@ -345,12 +350,18 @@ def _choose(
 
 
 def _show_host_changes(
-    spec: ClusterSpec, session: Session, snapshot: Snapshot, gateway: GatewayPreviews
+    spec: ClusterSpec,
+    session: Session,
+    snapshot: Snapshot,
+    gateway: GatewayPreviews,
+    console: Console | None = None,
 ) -> list[str]:
-    """Print what plan and apply change beside the replicas (the gateway, the node helper);
-    return the reachable nodes whose node helper is missing or out of date."""
+    """Print what plan and apply change beside the replicas (the gateway, the node helper)
+    on ``console`` (None: stdout); return the reachable nodes whose node helper is missing
+    or out of date."""
+    said = console or out
     for host in gateway.hosts:
-        out.print(
+        said.print(
             Text(host.describe(), style="yellow" if host.changes else "dim"),
             highlight=False,
             soft_wrap=True,
@@ -359,7 +370,7 @@ def _show_host_changes(
     facts = {f.node: f for f in snapshot.nodes}
     helper_nodes = session.run(stale_nodes(spec, session.conns, reachable, facts))
     if helper_nodes:
-        out.print(
+        said.print(
             Text(f"node helper: install or update on {', '.join(helper_nodes)}", style="yellow"),
             highlight=False,
             soft_wrap=True,
@@ -414,10 +425,7 @@ def apply(
         if not (chosen.changes or gateway.changes or helper_nodes or keyless or rotate_engine_key):
             _unplaced_is_failure(chosen)
             return
-        if not yes:
-            if not sys.stdin.isatty():
-                raise InputError("not a terminal: pass --yes to apply without confirmation")
-            typer.confirm("Apply these changes?", abort=True)
+        confirm("Apply these changes?", yes=yes, to="apply")
         held, fetched = None, None
         if chosen.changes and not no_lock:
             how = Replan(saved, yes, lock_timeout, wanted, allow_downtime)

@@ -110,6 +110,17 @@ def _some(names: list[str], most: int = 12) -> str:
     return f"{', '.join(names[:most])}, ... ({len(names)} in all)"
 
 
+def confirm(question: str, *, yes: bool, to: str) -> None:
+    """Go on when ``yes`` (``--yes``) or when the person at the terminal says so (the
+    question on stderr: stdout holds what the command reports). Without a terminal nobody
+    can answer: an InputError that says to pass ``--yes`` ``to`` do it."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise InputError(f"not a terminal: pass --yes to {to} without confirmation")
+    typer.confirm(question, abort=True, err=True)
+
+
 def probe_with_progress(
     spec: ClusterSpec, file: Path, nodes: list[str] | None, console: Console, session: Session | None = None
 ) -> Snapshot:

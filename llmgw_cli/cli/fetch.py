@@ -14,6 +14,7 @@ def fetch(
         list[str] | None,
         typer.Argument(help="Models to fetch (default: every model that is not switched off)."),
     ] = None,
+    *,
     file: ClusterFile = DEFAULT_FILE,
     nodes: NodesOption = None,
     peers: Annotated[
@@ -27,6 +28,17 @@ def fetch(
         str,
         typer.Option(help="Environment variable holding the Hugging Face token for gated repositories."),
     ] = "HF_TOKEN",
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show what would be fetched, from where, and stop.")
+    ] = False,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the plan (with --dry-run) or the results as JSON, for scripts; the rest goes to stderr.",
+        ),
+    ] = False,
 ) -> None:
     """Download the weights of models whose source is an https URL onto the nodes.
 
@@ -40,8 +52,12 @@ def fetch(
 
     The token ($HF_TOKEN) goes only to huggingface.co or $HF_ENDPOINT, and is never printed.
 
+    Asks before it fetches (--yes: does not; without a terminal it refuses without --yes).
+
     Exit code 0 when every wanted node has its weights, 1 when some failed, 2 on bad input.
     """
     from llmgw_cli.cli import fetch_steps
 
-    fetch_steps.fetch(models or [], file, nodes, peers, token_env)
+    fetch_steps.fetch(
+        models or [], file, nodes, peers, token_env, dry_run=dry_run, yes=yes, json_out=json_out
+    )

@@ -3,7 +3,10 @@ plan -> fetch -> report. Imported when it runs."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,28 +21,20 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from llmgw_cli.cli.common import chosen_nodes, probe_with_progress, read_cluster, unknown_names
-from llmgw_cli.cli.views import fetch_results_view, plain
-from llmgw_cli.core.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, select
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.cli.common import chosen_nodes, confirm, probe_with_progress, read_cluster, unknown_names
+from llmgw_cli.cli.views import fetch_plan_view, fetch_results_view, plain
+from llmgw_cli.core.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, plan_report, select
 from llmgw_cli.errors import FetchFailed, UsageError
-from llmgw_cli.remote.connect import Connections, Session
+from llmgw_cli.remote.connect import Session
 from llmgw_cli.remote.fetch import Fetcher, FetchEvent, FetchResult, verified
 
 out = Console()
 err = Console(stderr=True)
 
 
-async def _run(
-    spec: ClusterSpec,
-    conns: Connections,
-    plan_for: Callable[[set[tuple[str, str]]], FetchPlan],
-    held: set[tuple[str, str]],
-    token: str | None,
-) -> tuple[FetchPlan, list[FetchResult]]:
-    """Check the held files of models that pin a sha256 (a file that does not match is
-    fetched again), then run the plan with one progress bar per (model, node) on a
-    terminal, lines otherwise."""
+def _progress() -> tuple[Progress, Callable[[FetchEvent], None]]:
+    """One progress bar per (model, node) on a terminal, lines otherwise; and what the
+    fetcher calls with each event."""
     bars = Progress(
         # Model and node names, and states holding remote error text: never markup.
         TextColumn("{task.description}", markup=False),
@@ -65,15 +60,25 @@ async def _run(
             err.print(plain(f"  {e.model} -> {e.node}: {state}"), highlight=False)
         last[key] = state
 
-    fetcher = Fetcher(
-        spec, conns.base, on_event, token=token, hf_endpoint=os.environ.get("HF_ENDPOINT"), conns=conns
-    )
-    plan = plan_for(await verified(fetcher, spec, held))
+    return bars, on_event
+
+
+async def _run(fetcher: Fetcher, plan: FetchPlan, bars: Progress) -> list[FetchResult]:
     with bars:
-        return plan, await fetcher.run(plan)
+        return await fetcher.run(plan)
 
 
-def fetch(models: list[str], file: Path, nodes: str | None, peers: Peers, token_env: str) -> None:
+def fetch(
+    models: list[str],
+    file: Path,
+    nodes: str | None,
+    peers: Peers,
+    token_env: str,
+    *,
+    dry_run: bool = False,
+    yes: bool = False,
+    json_out: bool = False,
+) -> None:
     """``llmgw fetch`` (its help says what it does)."""
     spec = read_cluster(file)
     # wrong names stop here, before any node is probed
@@ -82,6 +87,7 @@ def fetch(models: list[str], file: Path, nodes: str | None, peers: Peers, token_
     unknown = [m for m in models if m not in known]
     if unknown:
         raise UsageError(f"{unknown_names('model', unknown, known)} in {file}")
+    said = err if json_out else out
     # One session: the probe's connections carry the fetch jobs too.
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, None, err, session)
@@ -91,18 +97,37 @@ def fetch(models: list[str], file: Path, nodes: str | None, peers: Peers, token_
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         unreachable = {f.node for f in snapshot.nodes if not f.reachable}
-        plan, results = session.run(
-            _run(
-                spec,
-                session.conns,
-                lambda held: plan_fetch(spec, wanted, held, unreachable, peers),
-                held_in_facts(spec, facts),
-                os.environ.get(token_env) or None,
-            )
+        bars, on_event = _progress()
+        token = os.environ.get(token_env) or None
+        fetcher = Fetcher(
+            spec,
+            session.conns.base,
+            on_event,
+            token=token,
+            hf_endpoint=os.environ.get("HF_ENDPOINT"),
+            conns=session.conns,
         )
-    out.print(fetch_results_view(plan, results), soft_wrap=True)
+        # The held files of models that pin a sha256 are checked first (reading only): a
+        # file that does not match is fetched again, and the dry run shows that too.
+        held = session.run(verified(fetcher, spec, held_in_facts(spec, facts)))
+        plan = plan_fetch(spec, wanted, held, unreachable, peers)
+        if dry_run:
+            if json_out:
+                sys.stdout.write(json.dumps(plan_report(plan), indent=2) + "\n")
+            else:
+                out.print(fetch_plan_view(plan), soft_wrap=True)
+            return
+        if plan.spreads:
+            said.print(fetch_plan_view(plan), soft_wrap=True)
+            confirm("Fetch these weights?", yes=yes, to="fetch")
+        results = session.run(_run(fetcher, plan, bars))
+    if json_out:
+        report = {"results": [dataclasses.asdict(r) for r in results], **plan_report(plan)}
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    else:
+        out.print(fetch_results_view(plan, results), soft_wrap=True)
     failed = [r for r in results if not r.ok] + [s for s in plan.skipped if s.reason == "unreachable"]
     if failed:
         raise FetchFailed(f"{len(failed)} of {len(results) + len(plan.skipped)} model/node pairs failed")
     if not results and not plan.skipped:
-        out.print("Nothing to fetch: no model with an https source is wanted on these nodes.")
+        said.print("Nothing to fetch: no model with an https source is wanted on these nodes.")

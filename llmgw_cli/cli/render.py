@@ -47,7 +47,7 @@ def monitoring_cmd(
     file: ClusterFile = DEFAULT_FILE,
     out: Annotated[
         Path | None,
-        typer.Option("--out", help="Write prometheus.yml and llmgw-alerts.yml into this folder."),
+        typer.Option("--out", "-o", help="Write prometheus.yml and llmgw-alerts.yml into this folder."),
     ] = None,
     admin_key_file: Annotated[
         str,

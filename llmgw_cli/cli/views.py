@@ -259,6 +259,33 @@ def doctor_view(findings: list[Finding], nodes: list[str], seconds: float) -> Re
     return Group(table, verdict)
 
 
+def fetch_plan_view(plan: FetchPlan) -> RenderableType:
+    """What ``fetch`` is about to do (``--dry-run`` stops here): one row per model and node
+    it brings, checks or leaves out, then the counts."""
+    table = Table("model", "node", "does", "from", box=None)
+    downloads = copies = 0
+    for s in plan.spreads:
+        for node in s.nodes:
+            if node == s.origin:
+                downloads += 1
+                table.add_row(plain(s.model), plain(node), Text("download", style="green"), plain(s.url))
+            else:
+                copies += 1
+                peers = ", ".join(s.seeds) or f"{s.origin} once it has it"
+                table.add_row(
+                    plain(s.model), plain(node), Text("copy", style="green"), plain(f"a peer: {peers}")
+                )
+    for model, node, path in plan.checks:
+        table.add_row(plain(model), plain(node), Text("check", style="dim"), plain(path))
+    for skip in plan.skipped:
+        table.add_row(plain(skip.model), plain(skip.node), Text(skip.reason, style="dim"), "")
+    said = (
+        f"Fetch: {downloads} download(s) from the origin, {copies} copy(ies) from peers, "
+        f"{len(plan.checks)} path(s) to check, {len(plan.skipped)} left out."
+    )
+    return Group(table, Text(said, style="bold"))
+
+
 def fetch_results_view(plan: FetchPlan, results: list[FetchResult]) -> Table:
     """One row per model and node: fetched, present or failed (with why), and the rate;
     then the pairs left out, with the reason."""

@@ -79,7 +79,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
         facts = w.probes.pop(0)
         return Snapshot(tuple(facts.values()), 0.0)
 
-    def confirm(text: str, abort: bool) -> bool:
+    def confirm(text: str, abort: bool, **_: object) -> bool:
         assert all(h.released for h in w.holds), "asked while holding the lock"
         w.asked += 1
         return True
