@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import select
 import sys
@@ -118,6 +117,8 @@ def run(
     starts and stops replicas), the others follow.
     """
     # The gateway's stack, loaded by this command only (cli/common.py).
+    import logging
+
     from llmgw_cli.core.drain import routes_dir
     from llmgw_cli.gateway.accesslog import LIMIT, AccessLog
     from llmgw_cli.gateway.server import serve

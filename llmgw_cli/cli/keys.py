@@ -2,8 +2,6 @@
 names: PostgreSQL directly; SQLite on this machine when it is the gateway host, else on the
 gateway host over SSH (``cli/store_access.py``)."""
 
-import re
-import secrets
 import sys
 from datetime import UTC, datetime
 from typing import Annotated
@@ -11,12 +9,9 @@ from typing import Annotated
 import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, StoreDir, read_cluster
-from llmgw_cli.core.keys import TOKEN_PREFIX, ApiKey, hash_token, parse_expiry
 from llmgw_cli.errors import InputError, LlmgwError, UsageError
 
 app = typer.Typer(help="API keys of the gateway.", no_args_is_help=True)
-
-TOKEN = re.compile(re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]{20,100}")
 
 
 @app.command()
@@ -34,7 +29,11 @@ def create(
     store_dir: StoreDir = None,
 ) -> None:
     """Create a key and print it once: only its SHA-256 is stored."""
+    import re
+    import secrets
+
     from llmgw_cli.cli.store_access import forward, store_of, with_store
+    from llmgw_cli.core.keys import TOKEN_PREFIX, ApiKey, hash_token, parse_expiry
     from llmgw_cli.remote.gateway_store import store_host
 
     chosen = tuple(m.strip() for m in models.split(",") if m.strip()) if models else ()
@@ -53,7 +52,7 @@ def create(
             args = [f"--name={name}", *([f"--models={','.join(chosen)}"] if chosen else [])]
             args += [*([f"--expires={expires}"] if expires else []), *(["--admin"] if admin else [])]
             said = forward(spec, file, host, ["keys", "create"], args).strip()
-            if not TOKEN.fullmatch(said):
+            if not re.fullmatch(re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]{20,100}", said):
                 raise LlmgwError(f"the gateway host {host} did not answer with a key")
             print(said)
             return

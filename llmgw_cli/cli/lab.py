@@ -2,7 +2,6 @@
 
 import dataclasses
 import importlib.util
-import json
 import subprocess
 import sys
 import time
@@ -150,6 +149,8 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per node, for scripts.")] = False,
 ) -> None:
     """Show each node: running, link, sshd, unhealthy GPUs, InfiniBand port states."""
+    import json
+
     from rich.console import Console
 
     from llmgw_cli.cli.views import lab_nodes_view
