@@ -1,5 +1,9 @@
 """Every error llmgw raises on purpose, and the exit code each one means.
 
+The exit codes of every command (``ExitCode``): 0 done; 1 failed (something went wrong
+while doing the work: a node, a replica, a download); 2 bad input (the cluster file or a
+command-line argument: fix it and retry); 130 interrupted (Ctrl-C).
+
 Errors that reach the command line::
 
     LlmgwError                 exit 1: something failed while doing the work
@@ -13,9 +17,10 @@ Errors that reach the command line::
     ├── DowntimeRefused        ``apply``: the plan leaves a model with no serving replica and
     │                          --allow-downtime was not given; nothing was changed
     ├── FetchFailed            ``fetch``: some weights could not be brought; the others were
-    └── LabError               the lab cluster could not be booted, changed or removed
-        └── LabUnavailable     exit 2: this machine cannot run the lab (not Linux, not root,
-                               a tool missing)
+    ├── LabError               the lab cluster could not be booted, changed or removed
+    │   └── LabUnavailable     exit 2: this machine cannot run the lab (not Linux, not root,
+    │                          a tool missing)
+    └── Interrupted            exit 130: Ctrl-C (SIGINT) stopped the command where it was
 
 The CLI maps these to messages and exit codes in one place
 (``llmgw_cli.cli.main.main``). Anything else escaping is a bug and keeps its
@@ -46,18 +51,28 @@ cannot import this module), and private ones that one module raises and catches 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """What the exit status of every llmgw command means."""
+
+    ok = 0
+    failed = 1
+    bad_input = 2
+    interrupted = 130  # 128 + SIGINT, as shells report a command Ctrl-C stopped
 
 
 class LlmgwError(Exception):
     """Base of every deliberate llmgw error."""
 
-    exit_code = 1
+    exit_code: ExitCode = ExitCode.failed
 
 
 class InputError(LlmgwError):
     """The input is wrong; the message says what to change."""
 
-    exit_code = 2
+    exit_code = ExitCode.bad_input
 
 
 class UsageError(InputError):
@@ -126,7 +141,13 @@ class LabError(LlmgwError):
 class LabUnavailable(LabError):
     """This machine cannot run the lab: not Linux, not root, or a required tool is missing."""
 
-    exit_code = 2
+    exit_code = ExitCode.bad_input
+
+
+class Interrupted(LlmgwError):
+    """Ctrl-C (SIGINT) stopped the command where it was: what it had done stays done."""
+
+    exit_code = ExitCode.interrupted
 
 
 class StartFailed(Exception):

@@ -1,7 +1,5 @@
 """`llmgw doctor`: what would stop each node from serving, with the fix for each."""
 
-from __future__ import annotations
-
 import json as json_module
 import sys
 import time
@@ -17,10 +15,6 @@ from llmgw_cli.cli.common import (
     read_cluster,
     stdout_console,
 )
-from llmgw_cli.cli.views import doctor_view
-from llmgw_cli.core.doctor import Severity, diagnose
-from llmgw_cli.remote.connect import Session
-from llmgw_cli.remote.doctor import collect
 
 
 def doctor(
@@ -35,6 +29,11 @@ def doctor(
 
     Exit code 0 when no finding is an error (warnings allowed), 1 when one is.
     """
+    from llmgw_cli.cli.views import doctor_view
+    from llmgw_cli.core.doctor import Severity, diagnose
+    from llmgw_cli.remote.connect import Session
+    from llmgw_cli.remote.doctor import collect
+
     spec = read_cluster(file)
     chosen = chosen_nodes(spec, nodes, file)
     started = time.monotonic()

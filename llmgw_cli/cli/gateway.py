@@ -2,32 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib
-import logging
 import os
 import select
 import sys
 from collections.abc import Callable, Coroutine
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, TypedDict
+from typing import TYPE_CHECKING, Annotated, Any, TypedDict
 
 import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
-from llmgw_cli.core.drain import routes_dir
-from llmgw_cli.core.engines import ENGINE_ENV_FILE, ENGINE_KEY_VAR
-from llmgw_cli.core.gateway_install import ENGINE_KEYS_FILE
-from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.gateway.accesslog import LIMIT, AccessLog
-from llmgw_cli.gateway.server import serve
-from llmgw_cli.gateway.sources import ProbeSource, PublishedSource, ReplicaSource, StaticSource
-from llmgw_cli.gateway.state import Gateway, read_engine_key, read_engine_keys
-from llmgw_cli.gateway.store import open_store
-from llmgw_cli.gateway.workers import default_count, supervise
-from llmgw_cli.remote.cluster_lock import gateway_lock
-from llmgw_cli.remote.connect import GatewayAccess
+from llmgw_cli.core.paths import ENGINE_ENV_FILE, ENGINE_KEY_VAR, ENGINE_KEYS_FILE
+
+if TYPE_CHECKING:
+    from llmgw_cli.core.spec import ClusterSpec
 
 app = typer.Typer(help="The OpenAI-compatible gateway.", no_args_is_help=True)
 
@@ -143,6 +133,19 @@ def run(
     Several processes share the cluster through its store: one leads (probes the nodes,
     starts and stops replicas), the others follow.
     """
+    # The gateway's stack, loaded by this command only (cli/common.py).
+    import logging
+
+    from llmgw_cli.core.drain import routes_dir
+    from llmgw_cli.gateway.accesslog import LIMIT, AccessLog
+    from llmgw_cli.gateway.server import serve
+    from llmgw_cli.gateway.sources import ProbeSource, PublishedSource, ReplicaSource, StaticSource
+    from llmgw_cli.gateway.state import Gateway, read_engine_key, read_engine_keys
+    from llmgw_cli.gateway.store import open_store
+    from llmgw_cli.gateway.workers import default_count, supervise
+    from llmgw_cli.remote.cluster_lock import gateway_lock
+    from llmgw_cli.remote.connect import GatewayAccess
+
     if follow and replicas is not None:
         raise typer.BadParameter("--follow reads the published replica set: not with --replicas")
 
@@ -244,6 +247,8 @@ def interval_flags(
 
 def _runner(loop: EventLoop) -> Callable[[Coroutine[Any, Any, None]], None]:
     """``asyncio.run`` on the chosen event loop."""
+    import asyncio
+
     if loop is EventLoop.asyncio:
         return asyncio.run
     try:

@@ -2,31 +2,16 @@
 names: PostgreSQL directly; SQLite on this machine when it is the gateway host, else on the
 gateway host over SSH (``cli/store_access.py``)."""
 
-from __future__ import annotations
-
-import re
-import secrets
 import sys
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
-from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
-from llmgw_cli.cli.store_access import STORE_DIR_HELP, forward, keys_json, parse_keys, store_of, with_store
-from llmgw_cli.cli.views import keys_view
-from llmgw_cli.core.keys import TOKEN_PREFIX, ApiKey, hash_token, parse_expiry
+from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, StoreDir, read_cluster
 from llmgw_cli.errors import InputError, LlmgwError, UsageError
-from llmgw_cli.remote.gateway_store import store_host
 
 app = typer.Typer(help="API keys of the gateway.", no_args_is_help=True)
-out = Console()
-
-StoreDir = Annotated[Path | None, typer.Option("--store-dir", hidden=True, help=STORE_DIR_HELP)]
-TOKEN = re.compile(re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]{20,100}")
 
 
 @app.command()
@@ -44,6 +29,13 @@ def create(
     store_dir: StoreDir = None,
 ) -> None:
     """Create a key and print it once: only its SHA-256 is stored."""
+    import re
+    import secrets
+
+    from llmgw_cli.cli.store_access import forward, store_of, with_store
+    from llmgw_cli.core.keys import TOKEN_PREFIX, ApiKey, hash_token, parse_expiry
+    from llmgw_cli.remote.gateway_store import store_host
+
     chosen = tuple(m.strip() for m in models.split(",") if m.strip()) if models else ()
     try:
         expiry = parse_expiry(expires) if expires else None
@@ -60,7 +52,7 @@ def create(
             args = [f"--name={name}", *([f"--models={','.join(chosen)}"] if chosen else [])]
             args += [*([f"--expires={expires}"] if expires else []), *(["--admin"] if admin else [])]
             said = forward(spec, file, host, ["keys", "create"], args).strip()
-            if not TOKEN.fullmatch(said):
+            if not re.fullmatch(re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]{20,100}", said):
                 raise LlmgwError(f"the gateway host {host} did not answer with a key")
             print(said)
             return
@@ -77,6 +69,12 @@ def list_keys(
     store_dir: StoreDir = None,
 ) -> None:
     """Keys with their models, expiry and state (never the key itself)."""
+    from rich.console import Console
+
+    from llmgw_cli.cli.store_access import forward, keys_json, parse_keys, store_of, with_store
+    from llmgw_cli.cli.views import keys_view
+    from llmgw_cli.remote.gateway_store import store_host
+
     spec = None if store_dir is not None else read_cluster(file)
     host = store_host(spec) if spec is not None else None
     if spec is not None and host is not None:
@@ -86,7 +84,7 @@ def list_keys(
     if json_out:
         sys.stdout.write(keys_json(keys) + "\n")
     else:
-        out.print(keys_view(keys, datetime.now(UTC)))
+        Console().print(keys_view(keys, datetime.now(UTC)))
 
 
 @app.command()
@@ -96,10 +94,16 @@ def revoke(
     store_dir: StoreDir = None,
 ) -> None:
     """Revoke a key; every running gateway refuses it within a few seconds."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from llmgw_cli.cli.store_access import forward, store_of, with_store
+    from llmgw_cli.remote.gateway_store import store_host
+
     spec = None if store_dir is not None else read_cluster(file)
     host = store_host(spec) if spec is not None else None
     if spec is not None and host is not None:
         forward(spec, file, host, ["keys", "revoke"], ["--", name])
     elif not with_store(store_of(spec, store_dir), lambda store: store.revoke(name)):
         raise InputError(f"no key named {name!r}")
-    out.print(Text(f"revoked {name}"))
+    Console().print(Text(f"revoked {name}"))

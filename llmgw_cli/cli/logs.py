@@ -7,26 +7,23 @@ does: the journals are read and the units restarted as root there.
 
 from __future__ import annotations
 
-import asyncio
-import shlex
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
-from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, probe_with_progress, read_cluster, stdout_console
-from llmgw_cli.core import journal
-from llmgw_cli.core.engines import unit_name
-from llmgw_cli.core.plan import Running, running_replicas
-from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.errors import InputError, NodeError
-from llmgw_cli.polling import poll_until
-from llmgw_cli.remote.connect import Connections, Session
-from llmgw_cli.remote.transport import Spawns
+from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from llmgw_cli.core import journal
+    from llmgw_cli.core.plan import Running
+    from llmgw_cli.core.spec import ClusterSpec
+    from llmgw_cli.remote.connect import Connections, Session
 
 Reference = Annotated[
     str,
@@ -35,6 +32,14 @@ Reference = Annotated[
 
 
 def _replicas(spec: ClusterSpec, file: Path, ref: journal.Ref, session: Session) -> list[Running]:
+    from rich.console import Console
+
+    from llmgw_cli.cli.common import probe_with_progress
+    from llmgw_cli.core import journal
+    from llmgw_cli.core.engines import unit_name
+    from llmgw_cli.core.plan import running_replicas
+    from llmgw_cli.errors import NodeError
+
     snapshot = probe_with_progress(spec, file, None, Console(stderr=True), session)
     found = journal.chosen(ref, running_replicas({f.node: f for f in snapshot.nodes}))
     for r in found:
@@ -53,6 +58,10 @@ Command = Callable[[str], str]  # unit -> its journalctl command
 
 
 async def _read(conns: Connections, units: list[tuple[Running, str]], command: Command) -> list[journal.Line]:
+    import asyncio
+
+    from llmgw_cli.core import journal
+
     async def one(replica: Running, node: str) -> list[journal.Line]:
         done = await conns.to(node).run(command(replica.unit), root=True)
         label = journal.label(replica, node)
@@ -68,6 +77,11 @@ async def _read(conns: Connections, units: list[tuple[Running, str]], command: C
 
 async def _follow(conns: Connections, units: list[tuple[Running, str]], command: Command) -> None:
     """Every unit's new lines as they come, labelled, until interrupted."""
+    import asyncio
+
+    from llmgw_cli.core import journal
+    from llmgw_cli.errors import NodeError
+    from llmgw_cli.remote.transport import Spawns
 
     async def one(replica: Running, node: str) -> None:
         t = conns.to(node)
@@ -107,6 +121,9 @@ def logs(
     Each line: the time, the node, MODEL#N, then the journal's line (control characters
     shown as \\xNN). A multi-node replica shows every member's unit.
     """
+    from llmgw_cli.core import journal
+    from llmgw_cli.remote.connect import Session
+
     spec = read_cluster(file)
     parsed = journal.parse_ref(spec, ref)
     after = journal.since_value(since)
@@ -126,7 +143,12 @@ def logs(
 async def _restart(spec: ClusterSpec, conns: Connections, replica: Running, report: Console) -> bool:
     """Restart every member's unit (all at once: a multi-node replica's ranks start
     together), then wait until the head's engine answers its readiness path."""
-    from llmgw_cli.remote.execute import ready_status  # noqa: PLC0415 (restart only)
+    import asyncio
+    import shlex
+
+    from llmgw_cli.core import journal
+    from llmgw_cli.polling import poll_until
+    from llmgw_cli.remote.execute import ready_status
 
     model = spec.model(replica.model)
     readiness = spec.profiles[model.profile].readiness
@@ -179,6 +201,11 @@ def restart(
     ready again. For a fresh replica beside the old one, first, use `llmgw apply --replace
     MODEL#N`. Exit code 1 when a replica is not ready within its profile's start_timeout.
     """
+    from llmgw_cli.cli.common import stdout_console
+    from llmgw_cli.core import journal
+    from llmgw_cli.errors import InputError
+    from llmgw_cli.remote.connect import Session
+
     spec = read_cluster(file)
     parsed = journal.parse_ref(spec, ref)
     out = stdout_console()

@@ -9,10 +9,6 @@ from typing import Annotated
 import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
-from llmgw_cli.core.gateway_install import installed_gateway_unit
-from llmgw_cli.core.grafana import DEFAULT_PROMETHEUS_URL
-from llmgw_cli.core.monitoring import monitoring_files
-from llmgw_cli.core.units import gateway_socket_unit
 
 app = typer.Typer(
     help="Render files llmgw generates (systemd units, monitoring) to stdout.", no_args_is_help=True
@@ -44,6 +40,8 @@ def gateway_unit_cmd(
     cluster file, the gateway's SSH key, known_hosts, the engine keys) and takes its
     listeners from llmgw-gateway.socket (`llmgw render gateway-socket`).
     """
+    from llmgw_cli.core.gateway_install import installed_gateway_unit
+
     spec = read_cluster(file)
     binary = llmgw_bin or spec.gateway.llmgw_bin or _llmgw_bin()
     sys.stdout.write(installed_gateway_unit(spec, llmgw_bin=binary, handover=handover))
@@ -52,6 +50,8 @@ def gateway_unit_cmd(
 @app.command("gateway-socket")
 def gateway_socket_cmd(file: ClusterFile = DEFAULT_FILE) -> None:
     """Print llmgw-gateway.socket, the gateway's listeners, as `apply` installs it."""
+    from llmgw_cli.core.units import gateway_socket_unit
+
     sys.stdout.write(gateway_socket_unit(read_cluster(file)))
 
 
@@ -60,7 +60,9 @@ def monitoring_cmd(
     file: ClusterFile = DEFAULT_FILE,
     out: Annotated[
         Path | None,
-        typer.Option("--out", help="Write prometheus.yml, llmgw-alerts.yml and grafana/ into this folder."),
+        typer.Option(
+            "--out", "-o", help="Write prometheus.yml, llmgw-alerts.yml and grafana/ into this folder."
+        ),
     ] = None,
     admin_key_file: Annotated[
         str,
@@ -70,16 +72,22 @@ def monitoring_cmd(
         ),
     ] = "/etc/prometheus/llmgw-admin.key",
     prometheus_url: Annotated[
-        str, typer.Option(help="The Prometheus Grafana reads (the provisioned datasource's URL).")
-    ] = DEFAULT_PROMETHEUS_URL,
+        str | None,
+        typer.Option(
+            help="The Prometheus Grafana reads (the provisioned datasource's URL). Default: http://localhost:9090."
+        ),
+    ] = None,
 ) -> None:
     """A Prometheus configuration that scrapes the gateway, the llmgw alert rules, and a
     Grafana dashboard with its provisioning files.
 
     Without --out every file goes to stdout, each after a `# ==> NAME <==` line.
     """
+    from llmgw_cli.core.grafana import DEFAULT_PROMETHEUS_URL
+    from llmgw_cli.core.monitoring import monitoring_files
+
     spec = read_cluster(file)
-    files = monitoring_files(spec, admin_key_file, prometheus_url=prometheus_url)
+    files = monitoring_files(spec, admin_key_file, prometheus_url=prometheus_url or DEFAULT_PROMETHEUS_URL)
     if out is None:
         sys.stdout.write("".join(f"# ==> {name} <==\n{text}" for name, text in files.items()))
         return

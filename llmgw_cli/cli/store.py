@@ -7,22 +7,20 @@ gateway creates the schema. SQLite (no ``gateway.store``) is upgraded by the gat
 when it opens the file: the command does the same on this machine's state directory.
 """
 
-from __future__ import annotations
-
 import typer
-from rich.console import Console
-from rich.text import Text
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster, with_store
 
 app = typer.Typer(help="The gateways' store (keys, usage, coordination).", no_args_is_help=True)
-out = Console()
 
 
 @app.command()
 def migrate(file: ClusterFile = DEFAULT_FILE) -> None:
     """Create or upgrade the store's schema (safe to run again, and from several places at once)."""
+    from rich.console import Console
+    from rich.text import Text
+
     spec = read_cluster(file)
     version = with_store(spec, lambda store: store.migrate())
     where = spec.gateway.store or f"{spec.gateway.state_dir}/gateway.sqlite3"
-    out.print(Text(f"store {where}: schema version {version}"))
+    Console().print(Text(f"store {where}: schema version {version}"))

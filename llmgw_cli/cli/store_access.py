@@ -20,8 +20,6 @@ from llmgw_cli.remote.gateway_store import on_gateway_host, shown
 
 T = TypeVar("T")
 
-STORE_DIR_HELP = "The SQLite store in this folder of this host (what llmgw runs on the gateway host)."
-
 
 def with_store(opened: Callable[[], Store], call: Callable[[Store], Awaitable[T]]) -> T:
     """``call`` on a store, opened and closed around it."""

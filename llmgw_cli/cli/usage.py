@@ -1,20 +1,14 @@
 """`llmgw usage`: requests, tokens, errors and latency per day, key and model, from the
 store the cluster file names (the same ways as `llmgw keys`: ``cli/store_access.py``)."""
 
-from __future__ import annotations
-
 import sys
 from datetime import date
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster, stdout_console
-from llmgw_cli.cli.store_access import STORE_DIR_HELP, forward, parse_usage, store_of, usage_json, with_store
-from llmgw_cli.cli.views import usage_view
+from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, StoreDir, read_cluster, stdout_console
 from llmgw_cli.errors import UsageError
-from llmgw_cli.remote.gateway_store import store_host
 
 
 def _day(text: str | None) -> str | None:
@@ -34,10 +28,14 @@ def usage(
         str | None, typer.Option("--since", metavar="DAY", help="From this day on (YYYY-MM-DD, UTC).")
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
-    store_dir: Annotated[Path | None, typer.Option("--store-dir", hidden=True, help=STORE_DIR_HELP)] = None,
+    store_dir: StoreDir = None,
 ) -> None:
     """Requests, tokens, errors and mean latency per day, key and model, as the gateways
     wrote them (each gateway process writes its totals every few seconds)."""
+    from llmgw_cli.cli.store_access import forward, parse_usage, store_of, usage_json, with_store
+    from llmgw_cli.cli.views import usage_view
+    from llmgw_cli.remote.gateway_store import store_host
+
     day = _day(since)
     spec = None if store_dir is not None else read_cluster(file)
     host = store_host(spec) if spec is not None else None

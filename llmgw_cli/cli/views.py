@@ -15,18 +15,18 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from llmgw_cli.core.doctor import Finding, Severity
-from llmgw_cli.core.fetch import FetchPlan
-from llmgw_cli.core.keys import ApiKey
-from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
-from llmgw_cli.core.summary import Summary
 from llmgw_cli.errors import Problem
-from llmgw_cli.remote.fetch import FetchResult
 
-if TYPE_CHECKING:  # the lab is imported only by the commands that drive it
+if TYPE_CHECKING:  # what only one command shows is imported by that command (cli/common.py)
+    from llmgw_cli.core.doctor import Finding
+    from llmgw_cli.core.fetch import FetchPlan
+    from llmgw_cli.core.keys import ApiKey
+    from llmgw_cli.core.plan import Plan
+    from llmgw_cli.core.summary import Summary
     from llmgw_cli.gateway.store import Usage
     from llmgw_cli.lab.status import NodeStatus
+    from llmgw_cli.remote.fetch import FetchResult
 
 
 def plain(value: object) -> Text:
@@ -140,11 +140,14 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
             _rate(f.rate_gbps),
             plain(", ".join(f.models_held) or "-"),
         )
-    models = Table(title="Models", title_justify="left")
+    scoped = summary.scope is not None
+    title = f"Models with a unit on {', '.join(summary.scope)}" if summary.scope is not None else "Models"
+    models = Table(title=plain(title), title_justify="left")
     for col in ("model", "mode", "running / min", "max", "where"):
         models.add_column(col)
     for m in summary.models:
-        style = "red" if m.running < m.desired else ""
+        # `min` counts the whole fleet: on some nodes only, fewer is no shortfall
+        style = "red" if m.running < m.desired and not scoped else ""
         models.add_row(
             plain(m.name),
             plain(m.mode),
@@ -212,11 +215,13 @@ def progress_view(states: dict[str, str]) -> RenderableType:
     return table
 
 
-_SEVERITY_STYLE = {Severity.error: "red", Severity.warning: "yellow", Severity.info: "cyan"}
+_SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}  # by Severity
 
 
 def doctor_view(findings: list[Finding], nodes: list[str], seconds: float) -> RenderableType:
     """One row per finding (a node without any gets an "ok" row), then the counts."""
+    from llmgw_cli.core.doctor import Severity
+
     table = Table(title=f"Doctor ({len(nodes)} nodes checked in {seconds:.2f}s)", title_justify="left")
     for col in ("node", "severity", "check"):
         table.add_column(col, no_wrap=True)
@@ -252,6 +257,33 @@ def doctor_view(findings: list[Finding], nodes: list[str], seconds: float) -> Re
         else Text(f"no errors, {warnings} warning(s)", "bold green" if not warnings else "bold yellow")
     )
     return Group(table, verdict)
+
+
+def fetch_plan_view(plan: FetchPlan) -> RenderableType:
+    """What ``fetch`` is about to do (``--dry-run`` stops here): one row per model and node
+    it brings, checks or leaves out, then the counts."""
+    table = Table("model", "node", "does", "from", box=None)
+    downloads = copies = 0
+    for s in plan.spreads:
+        for node in s.nodes:
+            if node == s.origin:
+                downloads += 1
+                table.add_row(plain(s.model), plain(node), Text("download", style="green"), plain(s.url))
+            else:
+                copies += 1
+                peers = ", ".join(s.seeds) or f"{s.origin} once it has it"
+                table.add_row(
+                    plain(s.model), plain(node), Text("copy", style="green"), plain(f"a peer: {peers}")
+                )
+    for model, node, path in plan.checks:
+        table.add_row(plain(model), plain(node), Text("check", style="dim"), plain(path))
+    for skip in plan.skipped:
+        table.add_row(plain(skip.model), plain(skip.node), Text(skip.reason, style="dim"), "")
+    said = (
+        f"Fetch: {downloads} download(s) from the origin, {copies} copy(ies) from peers, "
+        f"{len(plan.checks)} path(s) to check, {len(plan.skipped)} left out."
+    )
+    return Group(table, Text(said, style="bold"))
 
 
 def fetch_results_view(plan: FetchPlan, results: list[FetchResult]) -> Table:

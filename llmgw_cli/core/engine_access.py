@@ -22,10 +22,11 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from llmgw_cli.core.paths import ENGINE_ENV_FILE, ENGINE_KEY_VAR
 from llmgw_cli.core.spec import ClusterSpec, Engine, Model, Node
 
-ENGINE_ENV_FILE = "/etc/llmgw/engine.env"
-ENGINE_KEY_VAR = "LLMGW_ENGINE_KEY"
+__all__ = ["ENGINE_ENV_FILE", "ENGINE_KEY_VAR"]  # re-exported: where callers have always found them
+
 SECRET_ENV_DIR = "/etc/llmgw/env"
 
 # The variable each engine reads its key from, when no --api-key is given:

@@ -11,24 +11,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import PurePosixPath
+from typing import Any
 from urllib.parse import urlsplit
 
 from llmgw_cli.core.engines import model_path
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.hardware import gpu_class
+from llmgw_cli.core.peers import Peers
 from llmgw_cli.core.spec import ClusterSpec, Model, Node, ScalingMode, SourceKind
 
+__all__ = ["Peers"]  # re-exported: where callers have always found it
+
 HF_HOST = "huggingface.co"
-
-
-class Peers(StrEnum):
-    """Which nodes may copy a file from each other instead of from the origin."""
-
-    fabric = "fabric"  # nodes of one fabric (nodes without a fabric form one group)
-    cluster = "cluster"  # every node
-    off = "off"  # every node downloads from the origin
 
 
 def token_for(url: str, token: str | None, hf_endpoint: str | None = None) -> str | None:
@@ -221,3 +216,29 @@ def _spreads(
             )
         )
     return result, skipped
+
+
+def plan_report(plan: FetchPlan) -> dict[str, Any]:
+    """What ``llmgw fetch --dry-run --json`` prints: each (model, node) pair the plan
+    brings, from the origin or from a peer of its group (one that holds the file, ``seeds``,
+    or gets it first, ``origin``); the paths it only checks; the pairs it leaves out, and why."""
+    fetches = [
+        {
+            "model": s.model,
+            "node": node,
+            "from": "origin" if node == s.origin else "peer",
+            "url": s.url,
+            "sha256": s.sha256,
+            "path": s.paths[node],
+            "group": s.group,
+            "seeds": list(s.seeds),
+            "origin": s.origin,
+        }
+        for s in plan.spreads
+        for node in s.nodes
+    ]
+    return {
+        "fetches": fetches,
+        "checks": [{"model": m, "node": n, "path": p} for m, n, p in plan.checks],
+        "skipped": [{"model": s.model, "node": s.node, "reason": s.reason} for s in plan.skipped],
+    }

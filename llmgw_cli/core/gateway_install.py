@@ -31,6 +31,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from llmgw_cli.core.engines import UNIT_DIR
+from llmgw_cli.core.paths import ENGINE_KEYS_FILE
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.core.units import (
     GATEWAY_HANDOVER_UNIT,
@@ -41,6 +42,8 @@ from llmgw_cli.core.units import (
 )
 from llmgw_cli.errors import InputError
 
+__all__ = ["ENGINE_KEYS_FILE"]  # re-exported: where callers have always found it
+
 GATEWAY_DIR = "/etc/llmgw/gateway"
 CLUSTER_FILE = f"{GATEWAY_DIR}/cluster.yaml"
 GATEWAY_KEY = f"{GATEWAY_DIR}/id_ed25519"
@@ -48,8 +51,8 @@ GATEWAY_KEY = f"{GATEWAY_DIR}/id_ed25519"
 # apply deletes it.
 OLD_OPERATOR_KEY = f"{GATEWAY_DIR}/ssh-key"
 KNOWN_HOSTS = f"{GATEWAY_DIR}/known_hosts"
-# The engine keys by node (JSON), root:<the gateway's account> 0640, re-read on SIGHUP.
-ENGINE_KEYS_FILE = f"{GATEWAY_DIR}/engine-keys.json"  # the same path as in units.py
+# The engine keys by node (JSON), root:<the gateway's account> 0640, re-read on SIGHUP:
+# ENGINE_KEYS_FILE (core/paths.py), in GATEWAY_DIR, the same path as in units.py.
 # The gateway's own account: never the engines' (which must not read every node's key).
 GATEWAY_ACCOUNT = "llmgw-gateway"
 UNIT_FILE = f"{UNIT_DIR}/{GATEWAY_UNIT}"

@@ -8,11 +8,17 @@ Counting rules: a faulty card is neither used nor free; a GPU is used when a run
 llmgw unit names it (label ``X-Llmgw-Gpus``); a whole node is free when it is reachable,
 advertises its fabric and none of its cards is used or faulty; a model's replica runs
 when every one of its units runs (``plan.Running.up``, the rule ``plan`` replaces by).
+
+``llmgw status --nodes a,b`` summarises those nodes only (``scope``): their rows, their
+cards, the fabrics they are on and the models that have a unit on them; a replica with
+members left out runs when its units on these nodes run, and a model's ``desired`` stays
+the fleet's (its other replicas may run on nodes left out).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import Field
@@ -135,6 +141,7 @@ class Summary(Fact):
     models: tuple[ModelRow, ...]
     replicas: tuple[ReplicaRow, ...] = ()
     keys: tuple[KeyRow, ...] = ()
+    scope: tuple[str, ...] | None = None  # the nodes summarised; None: every node
 
 
 def _used_uuids(facts: NodeFacts) -> set[str]:
@@ -246,12 +253,29 @@ def _key_rows(usage: tuple[UseRow, ...]) -> tuple[KeyRow, ...]:
     )
 
 
-def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None = None) -> Summary:
+def _runs(replica: Running, scope: set[str] | None) -> bool:
+    """``replica.up``; within ``scope``, every member there runs its unit (members left
+    out of it were not looked at)."""
+    if scope is None:
+        return replica.up
+    seen = [node for node in replica.members if node in scope]
+    return bool(seen) and all(node in replica.units and replica.units[node].up for node in seen)
+
+
+def summarize(
+    spec: ClusterSpec,
+    facts: dict[str, NodeFacts],
+    live: Live | None = None,
+    *,
+    scope: Sequence[str] | None = None,
+) -> Summary:
     """The fleet's numbers from the spec and one snapshot of facts, plus the gateway's
-    view (replica health and use, usage by key) when ``live`` is given."""
-    rows = [_node_row(n, facts.get(n.name) or NodeFacts(node=n.name, error="not probed")) for n in spec.nodes]
+    view (replica health and use, usage by key) when ``live`` is given. ``scope``: only
+    those nodes (declared ones, in the file's order) and what is on them; None: every node."""
+    nodes = [n for n in spec.nodes if scope is None or n.name in scope]
+    rows = [_node_row(n, facts.get(n.name) or NodeFacts(node=n.name, error="not probed")) for n in nodes]
     classes: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
-    for node in spec.nodes:
+    for node in nodes:
         f = facts.get(node.name)
         if f is None or not f.reachable:
             continue
@@ -270,6 +294,8 @@ def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None 
     fabric_rows = []
     for name, fabric in spec.fabrics.items():
         members = [r for r in rows if r.fabric == name]
+        if scope is not None and not members:
+            continue
         rates = [r.rate_gbps for r in members if r.fabric_ok and r.rate_gbps is not None]
         fabric_rows.append(
             FabricRow(
@@ -282,10 +308,12 @@ def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None 
                 models_held=tuple(sorted({m for r in members for m in r.models})),
             )
         )
-    declared = {n.name for n in spec.nodes}
+    declared = {n.name for n in nodes}
     running: dict[str, list[Running]] = defaultdict(list)
+    found: set[str] = set()  # models with a unit on these nodes, running or not
     for replica in running_replicas({name: f for name, f in facts.items() if name in declared}):
-        if replica.up:
+        found.add(replica.model)
+        if _runs(replica, declared if scope is not None else None):
             running[replica.model].append(replica)
     pool: dict[str, list[RoutedReplica]] = defaultdict(list)
     for r in live.replicas if live else ():
@@ -303,6 +331,7 @@ def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None 
             ready=sum(1 for r in pool[m.name] if r.health is Health.ready) if live else None,
         )
         for m in spec.models
+        if scope is None or m.name in found
     )
     return Summary(
         nodes=tuple(rows),
@@ -311,4 +340,5 @@ def summarize(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None 
         models=model_rows,
         replicas=_replica_rows(spec, live) if live else (),
         keys=_key_rows(live.usage) if live else (),
+        scope=None if scope is None else tuple(n.name for n in nodes),
     )

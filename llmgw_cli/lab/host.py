@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict
 
 from llmgw_cli.errors import LabError, LabUnavailable
 
-DEFAULT_STATE_DIR = Path("/var/lib/llmgw-lab")
 SUBNET = "10.213.0"
 BRIDGE = "lgwbr0"
 NETNS_PREFIX = "lgw-"

@@ -462,19 +462,19 @@ def test_llmgw_fetch_command(origin: Origin, tmp_path: Path) -> None:
     )
     cluster_file = tmp_path / "cluster.yaml"
     cluster_file.write_text(spec_text)
-    ok = run_cli("fetch", "-f", str(cluster_file), "good")
+    ok = run_cli("fetch", "--yes", "-f", str(cluster_file), "good")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "done" in ok.stdout and "n1" in ok.stdout and "n2" in ok.stdout
     for i in (1, 2):
         assert sha(tmp_path / f"n{i}" / "cli.gguf") == digest
-    again = run_cli("fetch", "-f", str(cluster_file), "good")
+    again = run_cli("fetch", "--yes", "-f", str(cluster_file), "good")
     assert again.returncode == 0 and "present" in again.stdout, again.stdout
-    missing = run_cli("fetch", "-f", str(cluster_file), "gone", "--nodes", "n1")
+    missing = run_cli("fetch", "--yes", "-f", str(cluster_file), "gone", "--nodes", "n1")
     assert missing.returncode == 1
     assert origin.url("gone.gguf") in missing.stdout and "404" in missing.stdout
     assert "error:" in missing.stderr
-    unknown = run_cli("fetch", "-f", str(cluster_file), "nope")
-    assert unknown.returncode == 2 and "no model named 'nope'" in unknown.stderr
+    unknown = run_cli("fetch", "--yes", "-f", str(cluster_file), "nope")
+    assert unknown.returncode == 2 and f"no model nope in {cluster_file}" in unknown.stderr
 
 
 # --- before a replica starts ----------------------------------------------------------

@@ -61,7 +61,7 @@ def _model(name: str, url: str, sha256: str) -> dict[str, object]:
 
 def fetch(cluster: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "llmgw_cli", "fetch", "-f", str(cluster), *args],
+        [sys.executable, "-m", "llmgw_cli", "fetch", "--yes", "-f", str(cluster), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -102,7 +102,18 @@ def test_fetch_on_the_lab(lab: Lab, origin: Origin, tmp_path: Path) -> None:
     # Kill mid-download (the CLI and the node's download), then resume.
     target = "/data/models/slow.bin"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmgw_cli", "fetch", "-f", str(cluster), "slow", "--nodes", "node01"],
+        [
+            sys.executable,
+            "-m",
+            "llmgw_cli",
+            "fetch",
+            "--yes",
+            "-f",
+            str(cluster),
+            "slow",
+            "--nodes",
+            "node01",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -194,7 +194,7 @@ def test_llmgw_fetch_does_not_accept_a_wrong_existing_target(origin: Origin, tmp
     cluster_file = tmp_path / "cluster.yaml"
     cluster_file.write_text(cluster_text(tmp_path, model("m", origin.url("cli-pinned.gguf"), digest)))
     done = subprocess.run(
-        [sys.executable, "-m", "llmgw_cli", "fetch", "-f", str(cluster_file), "m"],
+        [sys.executable, "-m", "llmgw_cli", "fetch", "--yes", "-f", str(cluster_file), "m"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from rich.console import Console, RenderableType
 
-from llmgw_cli.cli import apply as apply_cli
+from llmgw_cli.cli import apply_steps as apply_cli
 from llmgw_cli.cli.views import (
     doctor_view,
     fetch_results_view,

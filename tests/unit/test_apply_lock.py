@@ -1,4 +1,4 @@
-"""apply under the cluster lock (``cli/apply.py`` ``_locked``), with the lock and the probe
+"""apply under the cluster lock (``cli/apply_steps.py`` ``_locked``), with the lock and the probe
 replaced: it probes again under the lock, goes on with its plan when the nodes did not
 change, plans again (and asks again, or goes on with --yes) when they did, never holds
 the lock while it asks, and says what to do when the lock cannot be taken."""
@@ -16,7 +16,7 @@ import pytest
 import typer
 from rich.console import Console
 
-from llmgw_cli.cli import apply as apply_cli
+from llmgw_cli.cli import apply_steps as apply_cli
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Plan, grow_plan, make_plan
@@ -79,7 +79,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
         facts = w.probes.pop(0)
         return Snapshot(tuple(facts.values()), 0.0)
 
-    def confirm(text: str, abort: bool) -> bool:
+    def confirm(text: str, abort: bool, **_: object) -> bool:
         assert all(h.released for h in w.holds), "asked while holding the lock"
         w.asked += 1
         return True

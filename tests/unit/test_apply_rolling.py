@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from llmgw_cli.cli import apply as apply_cli
+from llmgw_cli.cli import apply_steps as apply_cli
 from llmgw_cli.cli.main import app
 from llmgw_cli.cli.views import plan_view
 from llmgw_cli.core.facts import NodeFacts

@@ -7,9 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.cli.common import chosen_nodes, read_cluster
-from llmgw_cli.errors import UsageError
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -109,33 +106,3 @@ def test_render_gateway_unit() -> None:
         "--known-hosts /etc/llmgw/gateway/known_hosts\n" in result.stdout
     )
     assert "StateDirectory=llmgw-lab/gateway\n" in result.stdout
-
-
-def test_nodes_option_keeps_the_named_nodes_in_order() -> None:
-    file = ROOT / "inventories/hgx-two-fabrics.yaml"
-    spec = read_cluster(file)
-    assert chosen_nodes(spec, None, file) is None
-    assert chosen_nodes(spec, " hgx-b01,hgx-a01,, hgx-b01", file) == ["hgx-b01", "hgx-a01"]
-
-
-def test_nodes_option_names_the_unknown_node_the_file_and_the_nodes_it_has() -> None:
-    file = ROOT / "inventories/single-box.yaml"
-    with pytest.raises(UsageError) as unknown:
-        chosen_nodes(read_cluster(file), "ws,wz", file)
-    assert str(unknown.value) == f"--nodes: no node wz in {file}; its nodes are ws"
-    with pytest.raises(UsageError) as empty:
-        chosen_nodes(read_cluster(file), " , ", file)
-    assert str(empty.value) == (
-        "--nodes ' , ' names no node: give names separated by commas, from ws (or leave --nodes out for every node)"
-    )
-
-
-@pytest.mark.parametrize("command", ["status", "doctor", "fetch"])
-def test_an_unknown_node_stops_the_command_before_any_node_is_probed(command: str) -> None:
-    # single-box's node is an SSH host that does not exist here: probing it would fail
-    # differently (and slowly), so exit 2 with this message shows nothing was probed.
-    file = ROOT / "inventories/single-box.yaml"
-    result = llmgw(command, "-f", str(file), "--nodes", "nosuchnode")
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert f"--nodes: no node nosuchnode in {file}; its nodes are ws" in result.stderr
-    assert "Traceback" not in result.stderr

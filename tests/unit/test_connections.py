@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmgw_cli.cli import apply as apply_cli
+from llmgw_cli.cli import apply_steps as apply_cli
 from llmgw_cli.cli.main import app
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Action, Plan

@@ -37,6 +37,7 @@ PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_.#\[\]-]*$")  # FILE, MODEL#N, PLAN.jso
 SHELL_END = re.compile(r"\s(?:\||>|>>|<|&&|;|\|\|)\s.*$")
 
 ROOT_COMMAND = typer.main.get_command(app)
+INSTALLS = {"--install-completion"}  # parsing it runs it: it edits the shell's rc file
 
 
 def mentions() -> list[tuple[str, int, str, bool]]:
@@ -117,8 +118,8 @@ def test_a_documented_command_parses(doc: str, line: int, command: str, block: b
             if word.startswith("-") and word != "-":
                 name = word.split("=", 1)[0]
                 assert name in known, f"{where}: {' '.join(path)} has no option {name}"
-        if not block:
-            continue
+        if not block or INSTALLS & set(rest):
+            continue  # an option that would change this machine is checked by name only
         try:
             cmd.make_context(" ".join(path), list(rest), resilient_parsing=False)
         except click_errors.BadParameter as exc:

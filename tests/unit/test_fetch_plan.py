@@ -3,9 +3,14 @@ downloads from the origin and who copies from peers."""
 
 from __future__ import annotations
 
-import pytest
+import json
+from io import StringIO
 
-from llmgw_cli.core.fetch import Peers, held_in_facts, plan_fetch, select, token_for
+import pytest
+from rich.console import Console
+
+from llmgw_cli.cli.views import fetch_plan_view
+from llmgw_cli.core.fetch import Peers, held_in_facts, plan_fetch, plan_report, select, token_for
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from tests.unit.facts_factory import node_facts
@@ -129,3 +134,30 @@ def test_the_token_goes_only_to_hugging_face() -> None:
     assert token_for("https://mirror.internal/org/r/resolve/main/x", "t", "https://mirror.internal") == "t"
     assert token_for("http://huggingface.co/x", "t") is None
     assert token_for(URL, None) is None
+
+
+def test_the_dry_run_report_names_each_pair_and_where_it_comes_from() -> None:
+    plan = plan_fetch(
+        spec(FOUR), {"big": ["a", "b", "d"], "repo": ["a"], "local": ["a"]}, {("big", "c")}, set()
+    )
+    report = plan_report(plan)
+    assert json.loads(json.dumps(report)) == report  # what --json prints, as it is
+    fetches = {(f["model"], f["node"]): f for f in report["fetches"]}
+    assert sorted(fetches) == [("big", "a"), ("big", "b"), ("big", "d")]
+    # ib0 has c holding the file: a and b copy from it; ib1 has nobody: d downloads
+    assert (fetches["big", "a"]["from"], fetches["big", "a"]["seeds"]) == ("peer", ["c"])
+    assert fetches["big", "b"]["from"] == "peer"
+    assert (fetches["big", "d"]["from"], fetches["big", "d"]["origin"]) == ("origin", "d")
+    assert fetches["big", "d"]["url"] == URL and fetches["big", "d"]["path"] == "/w/m.Q4.gguf"
+    assert report["checks"] == [{"model": "local", "node": "a", "path": "/w/local.gguf"}]
+    assert report["skipped"] == [
+        {"model": "repo", "node": "a", "reason": "a Hugging Face repo id: the engine downloads it"}
+    ]
+    shown = StringIO()
+    Console(file=shown, width=200, color_system=None).print(fetch_plan_view(plan))
+    lines = shown.getvalue().splitlines()
+    assert any(line.split()[:4] == ["big", "a", "copy", "a"] and "peer: c" in line for line in lines)
+    assert any(line.split()[:4] == ["big", "d", "download", URL] for line in lines)
+    assert lines[-1] == (
+        "Fetch: 1 download(s) from the origin, 2 copy(ies) from peers, 1 path(s) to check, 1 left out."
+    )

@@ -1,0 +1,467 @@
+"""The steps of `llmgw plan` and `llmgw apply` (``cli/apply.py`` declares their options):
+load -> gather -> plan -> view -> confirm -> execute. Imported when one of them runs."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from llmgw_cli.cli.common import confirm, probe_with_progress, read_cluster
+from llmgw_cli.cli.views import plan_view, progress_view
+from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.plan import Plan, facts_digest, make_plan, running_replicas
+from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, UsageError
+from llmgw_cli.progress import Report
+from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
+from llmgw_cli.remote.connect import Connections, Session
+from llmgw_cli.remote.engine_keys import (
+    distribute_engine_keys,
+    nodes_without_key,
+    rotate_engine_keys,
+    rotation_plan,
+)
+from llmgw_cli.remote.execute import Outcome
+from llmgw_cli.remote.fetch import ensure_for_plan
+from llmgw_cli.remote.gateway_install import GatewayPreviews, install, preview
+from llmgw_cli.remote.node_setup import prepare, stale_nodes
+from llmgw_cli.remote.probe import Snapshot
+from llmgw_cli.remote.rollout import TakeLock, carry_out
+from llmgw_cli.remote.transport import Transport
+
+T = TypeVar("T")
+out = Console()
+err = Console(stderr=True)
+
+
+async def _execute_with_progress(
+    spec: ClusterSpec,
+    conns: Connections,
+    chosen: Plan,
+    *,
+    wait: bool,
+    gateway: GatewayPreviews,
+    unreachable: set[str],
+    facts: dict[str, NodeFacts],
+    rotate: bool = False,
+    lock: ApplyHold | None = None,
+    take_lock: TakeLock | None = None,
+    fetched: dict[str, str] | None = None,
+    allow_downtime: bool = False,
+) -> list[Outcome]:
+    """Run the plan, then install the gateway, with a live table of nodes and replicas on
+    a terminal, lines otherwise. ``lock`` (the cluster lock, held) is released once the
+    units are written and started, before the readiness wait; the rolling replacements
+    take it again for each of their write steps with ``take_lock`` (None: ``--no-lock``).
+    ``fetched``: the plan's
+    weights were brought already (node -> why they could not be): the units go only where
+    they are; None: the executor brings them first."""
+
+    async def run(report: Report) -> list[Outcome]:
+        # The gateway's key and the node helper first: the units below go through it.
+        reachable = [n.name for n in spec.nodes if n.name not in unreachable]
+        setup = await prepare(spec, conns, reachable, report, facts)
+        # Every node, not only those the plan touches: the gateway starts on-demand replicas
+        # anywhere and never writes keys or secrets itself.
+        transports = [conns.to(name) for name in reachable]
+        keys, outcomes = await distribute_engine_keys(spec, transports, report)
+        outcomes = setup + outcomes
+        if chosen.changes:
+            if fetched is not None:
+                outcomes += [Outcome(node, False, why) for node, why in sorted(fetched.items())]
+            outcomes += await carry_out(
+                spec,
+                conns,
+                chosen if fetched is None else _without(chosen, fetched),
+                report,
+                facts=facts,
+                lock=lock,
+                take_lock=take_lock,
+                engine_keys=keys,
+                fetch=fetched is None,
+                wait=wait,
+            )
+        outcomes += await install(spec, conns, gateway, {n: (k,) for n, k in keys.items()}, report)
+        if rotate:
+            outcomes += await _rotate(
+                spec,
+                conns,
+                gateway=gateway,
+                facts=facts,
+                transports=transports,
+                report=report,
+                take_lock=take_lock,
+                allow_downtime=allow_downtime,
+            )
+        return outcomes
+
+    return await _with_progress(run)
+
+
+async def _with_progress(work: Callable[[Report], Awaitable[T]]) -> T:
+    """``work(report)`` with a live table of nodes and replicas on a terminal, one line per
+    event otherwise."""
+    states: dict[str, str] = {}
+    live = Live(console=err, transient=False, auto_refresh=False) if err.is_terminal else None
+
+    def report(subject: str, message: str) -> None:
+        states[subject] = message
+        if live is None:
+            # Messages carry node output (journal tails): printed as text, never as markup.
+            err.print(Text(f"  {subject}: {message}"), highlight=False, soft_wrap=True)
+        else:
+            live.update(progress_view(states), refresh=True)
+
+    if live is None:
+        return await work(report)
+    with live:
+        return await work(report)
+
+
+def _without(chosen: Plan, failed: dict[str, str]) -> Plan:
+    """``chosen`` without the starts on nodes whose weights could not be brought."""
+    kept = tuple(a for a in chosen.actions if not (a.write and set(a.nodes) & failed.keys()))
+    return chosen.model_copy(update={"actions": kept})
+
+
+async def _fetch(spec: ClusterSpec, conns: Connections, chosen: Plan) -> dict[str, str]:
+    """The weights of the replicas ``chosen`` starts (URL sources), brought before apply
+    takes the cluster lock, so the gateway's starts do not wait for a download."""
+    return await _with_progress(lambda report: ensure_for_plan(spec, chosen, conns, report))
+
+
+async def _rotate(
+    spec: ClusterSpec,
+    conns: Connections,
+    *,
+    gateway: GatewayPreviews,
+    facts: dict[str, NodeFacts],
+    transports: list[Transport],
+    report: Report,
+    take_lock: TakeLock | None,
+    allow_downtime: bool,
+) -> list[Outcome]:
+    """New engine keys on every reachable node, every installed gateway holding both meanwhile."""
+    # The gateways' files were installed just before: only their key maps change now.
+    settled = gateway.settled()
+
+    async def give_gateway(keys: dict[str, tuple[str, ...]]) -> Outcome:
+        given = await install(spec, conns, settled, keys, report)
+        failed = [o for o in given if not o.ok]
+        if len(given) == 1 or not failed:
+            return (
+                given[0] if len(given) == 1 else Outcome("gateway", True, "every gateway host has the keys")
+            )
+        return Outcome("gateway", False, "; ".join(f"{o.subject}: {o.message}" for o in failed))
+
+    return await rotate_engine_keys(
+        spec,
+        conns,
+        facts,
+        give_gateway,
+        report,
+        transports={t.node: t for t in transports},
+        take_lock=take_lock,
+        allow_downtime=allow_downtime,
+    )
+
+
+def _unplaced_is_failure(chosen: Plan) -> None:
+    if chosen.unplaced:
+        raise ApplyFailed(f"{len(chosen.unplaced)} replica(s) could not be placed; the plan above says why")
+
+
+def replacements(values: list[str], facts: dict[str, NodeFacts]) -> frozenset[tuple[str, int]]:
+    """``--replace MODEL#N`` values as (model, replica) pairs, each a replica that runs."""
+    running = running_replicas(facts)
+    found = {(r.model, r.replica) for r in running}
+    pairs = set()
+    for value in values:
+        name, sep, number = value.rpartition("#")
+        if not sep or not name or not (number.isascii() and number.isdigit()):
+            raise UsageError(f"--replace {value}: expected MODEL#N, a model and a replica number (e.g. m#0)")
+        pair = (name, int(number))
+        if pair not in found:
+            runs = [f"{r.model}#{r.replica}" for r in running if r.model == name]
+            what = (
+                f"the replicas of {name} that run: {', '.join(runs)}"
+                if runs
+                else f"no replica of {name} runs"
+            )
+            raise InputError(f"--replace {value}: no such replica runs; {what} (see `llmgw status`)")
+        pairs.add(pair)
+    return frozenset(pairs)
+
+
+def refuse_downtime(chosen: Plan, allowed: bool) -> None:
+    """Stop before anything changes when the plan leaves a model with no serving replica
+    and ``--allow-downtime`` was not given."""
+    if chosen.downtime and not allowed:
+        texts = "; ".join(chosen.downtime)
+        raise DowntimeRefused(
+            f"{texts}. Nothing was changed: free cards of that class (or add a node) so the new "
+            "replica can start first, or pass --allow-downtime to accept the outage"
+        )
+
+
+@dataclass(frozen=True)
+class Replan:
+    """What apply does when the nodes changed between its plan and the cluster lock:
+    ``saved`` (a saved plan is refused then), ``yes`` (go on with the new plan without
+    asking), ``replace`` and ``allow_downtime`` (the new plan is made and judged as the
+    first was), ``lock_timeout`` (how long to wait for the lock)."""
+
+    saved: Path | None = None
+    yes: bool = False
+    lock_timeout: float = 600.0
+    replace: frozenset[tuple[str, int]] = frozenset()
+    allow_downtime: bool = False
+
+
+def _fetch_and_lock(
+    spec: ClusterSpec, file: Path, session: Session, chosen: Plan, how: Replan
+) -> tuple[Plan, Snapshot, ApplyHold, dict[str, str] | None]:
+    """Bring the plan's weights, then take the cluster lock (``_locked``). The weights
+    fetched (node -> why they could not be), or None when the plan was made again under
+    the lock (the executor then brings its weights itself)."""
+    fetched = session.run(_fetch(spec, session.conns, chosen))
+    now, snapshot, held = _locked(spec, file, session, chosen, how)
+    return now, snapshot, held, fetched if now is chosen else None
+
+
+def _lock_waiting(message: str) -> None:
+    """Said once while apply waits for the cluster lock: who holds it."""
+    err.print(Text(message, style="yellow"), highlight=False, soft_wrap=True)
+
+
+def _lock_taker(spec: ClusterSpec, conns: Connections, file: Path, timeout: float) -> TakeLock:
+    """Takes the cluster lock again for one step of a rolling replacement."""
+
+    async def take(why: str) -> ApplyHold:
+        return await take_for_apply(
+            spec, conns, wait=timeout, why=f"applying {file.name}: {why}", on_wait=_lock_waiting
+        )
+
+    return take
+
+
+def _saved_still_holds(saved: Path, chosen: Plan, facts: dict[str, NodeFacts]) -> None:
+    if chosen.facts_digest != facts_digest(facts):
+        raise InputError(f"{saved}: the nodes changed since this plan was made; run `llmgw plan` again")
+
+
+def _locked(
+    spec: ClusterSpec, file: Path, session: Session, chosen: Plan, how: Replan
+) -> tuple[Plan, Snapshot, ApplyHold]:
+    """Take the cluster lock, probe again under it, and go on with ``chosen`` if the nodes
+    did not change since it was made; else make the plan again and show it (with
+    ``how.yes``, go on with it; otherwise release the lock and ask again). A plan made
+    again that leaves a model with no serving replica is refused unless
+    ``how.allow_downtime``."""
+    saved = how.saved
+    while True:
+        try:
+            held = session.run(
+                take_for_apply(
+                    spec,
+                    session.conns,
+                    wait=how.lock_timeout,
+                    why=f"applying {file.name}",
+                    on_wait=_lock_waiting,
+                )
+            )
+        except LockTimeout as exc:
+            raise ApplyFailed(f"{exc}; nothing was changed, run apply again later") from None
+        except NodeError as exc:
+            # several hosts: the lock names the one it failed on
+            host = spec.gateway.host if len(spec.gateway.all_hosts) == 1 else exc.node
+            raise ApplyFailed(
+                f"cannot take the cluster lock on the gateway host {host}: {exc.reason}. Fix that, "
+                "or pass --no-lock when no gateway starts replicas meanwhile"
+            ) from None
+        try:
+            snapshot = probe_with_progress(spec, file, None, err, session)
+            facts = {f.node: f for f in snapshot.nodes}
+            if facts_digest(facts) == chosen.facts_digest:
+                return chosen, snapshot, held
+            if saved is not None:
+                _saved_still_holds(saved, chosen, facts)
+            chosen = make_plan(spec, facts, replace=how.replace)
+            err.print(
+                Text("The nodes changed since the plan above was made; the plan now:", style="yellow"),
+                highlight=False,
+            )
+            out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
+            refuse_downtime(chosen, how.allow_downtime)
+            if how.yes or not chosen.changes:
+                return chosen, snapshot, held
+        except BaseException:
+            session.run(held.release())
+            raise
+        # never hold the lock while a person reads the plan
+        session.run(held.release())
+        typer.confirm("Apply these changes?", abort=True, err=True)
+
+
+def plan(file: Path, save: Path | None, replace: list[str], *, json_out: bool = False) -> None:
+    """``llmgw plan``: probe the nodes and show what `apply` would do, changing nothing.
+    ``json_out``: the plan on stdout as ``--out`` saves it, the rest on stderr."""
+    spec = read_cluster(file)
+    said = err if json_out else out
+    with Session(spec, file.resolve().parent) as session:
+        snapshot = probe_with_progress(spec, file, None, err, session)
+        facts = {f.node: f for f in snapshot.nodes}
+        result = make_plan(spec, facts, replace=replacements(replace, facts))
+        gateway = session.run(preview(spec, session.conns, file.read_text(encoding="utf-8")))
+        if json_out:
+            sys.stdout.write(result.model_dump_json(indent=2) + "\n")
+        else:
+            out.print(plan_view(result), soft_wrap=True)
+        _show_host_changes(spec, session, snapshot, gateway, said)
+    if save:
+        save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
+        said.print(Text(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}"), highlight=False)
+
+
+def _choose(
+    spec: ClusterSpec, facts: dict[str, NodeFacts], saved: Path | None, replace: list[str]
+) -> tuple[Plan, frozenset[tuple[str, int]]]:
+    """The plan to apply (the saved one, checked against the nodes, or a new one) and the
+    replicas it was told to replace."""
+    if saved is None:
+        wanted = replacements(replace, facts)
+        return make_plan(spec, facts, replace=wanted), wanted
+    if replace:
+        raise UsageError(
+            "--replace makes a new plan; a saved plan carries its own: "
+            "run `llmgw plan --replace ... --out PLAN` again"
+        )
+    chosen = Plan.model_validate_json(saved.read_text(encoding="utf-8"))
+    _saved_still_holds(saved, chosen, facts)
+    return chosen, frozenset()
+
+
+def _show_host_changes(
+    spec: ClusterSpec,
+    session: Session,
+    snapshot: Snapshot,
+    gateway: GatewayPreviews,
+    console: Console | None = None,
+) -> list[str]:
+    """Print what plan and apply change beside the replicas (the gateway, the node helper)
+    on ``console`` (None: stdout); return the reachable nodes whose node helper is missing
+    or out of date."""
+    said = console or out
+    for host in gateway.hosts:
+        said.print(
+            Text(host.describe(), style="yellow" if host.changes else "dim"),
+            highlight=False,
+            soft_wrap=True,
+        )
+    reachable = [f.node for f in snapshot.nodes if f.reachable]
+    facts = {f.node: f for f in snapshot.nodes}
+    helper_nodes = session.run(stale_nodes(spec, session.conns, reachable, facts))
+    if helper_nodes:
+        said.print(
+            Text(f"node helper: install or update on {', '.join(helper_nodes)}", style="yellow"),
+            highlight=False,
+            soft_wrap=True,
+        )
+    return helper_nodes
+
+
+def apply(
+    saved: Path | None,
+    *,
+    file: Path,
+    yes: bool,
+    dry_run: bool,
+    replace: list[str],
+    allow_downtime: bool,
+    wait: bool,
+    rotate_engine_key: bool,
+    lock_timeout: float,
+    no_lock: bool,
+) -> None:
+    """``llmgw apply`` (its help says what it does)."""
+    spec = read_cluster(file)
+    # One session for every step: each node is connected to once, from the probe to the
+    # gateway's install (the confirmation waits between two steps).
+    with Session(spec, file.resolve().parent) as session:
+        snapshot = probe_with_progress(spec, file, None, err, session)
+        facts = {f.node: f for f in snapshot.nodes}
+        chosen, wanted = _choose(spec, facts, saved, replace)
+        gateway = session.run(preview(spec, session.conns, file.read_text(encoding="utf-8")))
+        out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
+        unreachable = [f.node for f in snapshot.nodes if not f.reachable]
+        if unreachable:
+            err.print(Text(f"unreachable, left out: {', '.join(unreachable)}", style="yellow"))
+        helper_nodes = _show_host_changes(spec, session, snapshot, gateway)
+        if dry_run:
+            return
+        refuse_downtime(chosen, allow_downtime)
+        if rotate_engine_key and chosen.changes:
+            # the rotation restarts the replicas the probe found: one this apply starts would
+            # keep the old key
+            raise InputError(
+                "--rotate-engine-key rotates a settled cluster: run `llmgw apply` first, then rotate"
+            )
+        if rotate_engine_key:  # it replaces every replica: the same rule as any replacement
+            refuse_downtime(rotation_plan(spec, facts), allow_downtime)
+        reachable = [f.node for f in snapshot.nodes if f.reachable]
+        keyless = session.run(nodes_without_key(spec, session.conns, reachable, facts))
+        if keyless or rotate_engine_key:
+            where = "every node" if rotate_engine_key else ", ".join(keyless)
+            verb = "rotate" if rotate_engine_key else "write"
+            out.print(Text(f"engine key: {verb} on {where}", style="yellow"), highlight=False, soft_wrap=True)
+        if not (chosen.changes or gateway.changes or helper_nodes or keyless or rotate_engine_key):
+            _unplaced_is_failure(chosen)
+            return
+        confirm("Apply these changes?", yes=yes, to="apply")
+        held, fetched = None, None
+        if chosen.changes and not no_lock:
+            how = Replan(saved, yes, lock_timeout, wanted, allow_downtime)
+            chosen, snapshot, held, fetched = _fetch_and_lock(spec, file, session, chosen, how)
+        try:
+            outcomes = session.run(
+                _execute_with_progress(
+                    spec,
+                    session.conns,
+                    chosen,
+                    wait=wait,
+                    gateway=gateway,
+                    unreachable={f.node for f in snapshot.nodes if not f.reachable},
+                    facts={f.node: f for f in snapshot.nodes},
+                    rotate=rotate_engine_key,
+                    lock=held,
+                    take_lock=None if no_lock else _lock_taker(spec, session.conns, file, lock_timeout),
+                    fetched=fetched,
+                    allow_downtime=allow_downtime,
+                )
+            )
+        finally:
+            if held is not None:
+                session.run(held.release())
+    failed = [o for o in outcomes if not o.ok]
+    for o in failed:
+        err.print(Text(f"FAILED {o.subject}: {o.message}", style="red"))
+    if failed:
+        raise ApplyFailed(f"{len(failed)} of {len(outcomes)} steps failed; fix them and run apply again")
+    _unplaced_is_failure(chosen)
+    done = f"Applied: {len(chosen.changes)} change(s), every started replica is ready."
+    out.print(Text(done + _gateways_said(outcomes), style="green"), soft_wrap=True)
+
+
+def _gateways_said(outcomes: list[Outcome]) -> str:
+    """What apply's last line says of the gateway hosts: " Gateway: ready at ..." for
+    one, " Gateway HOST: ..." for each of several."""
+    gateways = [o for o in outcomes if o.subject == "gateway" or o.subject.startswith("gateway ")]
+    return "".join(f" G{o.subject[1:]}: {o.message}." for o in gateways)
