@@ -35,7 +35,15 @@ def test_help_lists_the_commands_by_what_they_do_with_the_lab_apart() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.lstrip().startswith("Usage: llmgw ")
     listed = panels(done.stdout)
-    assert listed["Inspect (changes nothing)"] == ["validate", "status", "doctor", "plan", "usage", "logs", "schema"]
+    assert listed["Inspect (changes nothing)"] == [
+        "validate",
+        "status",
+        "doctor",
+        "plan",
+        "usage",
+        "logs",
+        "schema",
+    ]
     assert listed["Change"] == ["apply", "fetch", "restart", "keys", "store"]
     assert listed["Serve"] == ["gateway", "render"]
     assert listed["Try it without GPUs"] == ["lab"]
