@@ -216,8 +216,8 @@ def test_apply_plans_again_when_the_gateway_started_a_replica_since_its_plan(
     master, slave = pty.openpty()  # apply asks only on a terminal
     applying: subprocess.Popen[bytes] | None = None
 
-    def asked() -> int:
-        return out.read_text().count("Apply these changes?")
+    def asked() -> int:  # the prompt goes to stderr, beside the plan's other messages
+        return err.read_text().count("Apply these changes?")
 
     try:
         with out.open("wb") as out_file, err.open("wb") as err_file:
