@@ -38,7 +38,6 @@ from pathlib import Path
 
 import asyncpg
 import openai
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -48,30 +47,12 @@ from soak import boot  # noqa: E402 (bench/soak.py: the lab, booted afresh)
 
 from tests import pg  # noqa: E402
 from tests.integration.conftest import STATE, Lab, llmgw  # noqa: E402
+from tests.integration.gateway_hosts import BRIDGE, LAB_NETWORK, cluster_file, store_url  # noqa: E402
 
 HOSTS = {"node02": "10.213.0.12", "node03": "10.213.0.13", "node04": "10.213.0.14"}
-BRIDGE = "10.213.0.1"
 PASSWORD_DIR = Path("/run/llmgw-bench-failover")  # the nodes' /run is their own
 MODEL = "llama-3.1-8b-instruct"  # the lab's always-on simulated vLLM
 AFTER = 8.0  # seconds of requests to the survivors after each kill
-
-
-def cluster_file(lab: Lab, folder: Path, server: pg.Postgres, workers: int) -> Path:
-    data = yaml.safe_load(lab.cluster_file.read_text())
-    data["gateway"] = {
-        "hosts": list(HOSTS),
-        "workers": workers,
-        "listen": "0.0.0.0:8080",
-        "admin_listen": "127.0.0.1:9090",
-        "state_dir": "/var/lib/llmgw-gw",
-        "llmgw_bin": f"{sys.prefix}/bin/llmgw",
-        "load_wait": "30s",
-        "store": f"postgresql://{pg.ROLE}@{BRIDGE}:{server.port}/{pg.DATABASE}",
-        "store_password_file": str(PASSWORD_DIR / "store-password"),
-    }
-    path = folder / "cluster.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 def ask(address: str, key: str) -> bool:
@@ -181,12 +162,20 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     lab = boot()
-    server = pg.start(listen=[BRIDGE], allow=["10.213.0.0/24"])
+    server = pg.start(listen=[BRIDGE], allow=[LAB_NETWORK])
     try:
         with tempfile.TemporaryDirectory(prefix="llmgw-failover-") as folder:
             PASSWORD_DIR.mkdir(mode=0o700, exist_ok=True)
             (PASSWORD_DIR / "store-password").write_text(server.password + "\n")
-            cluster = cluster_file(lab, Path(folder), server, args.workers)
+            cluster = cluster_file(
+                lab,
+                Path(folder),
+                hosts=list(HOSTS),
+                workers=args.workers,
+                load_wait="30s",
+                store=store_url(server),
+                store_password_file=str(PASSWORD_DIR / "store-password"),
+            )
             llmgw("apply", "-f", str(cluster), "--yes", timeout=600)
             key = llmgw("keys", "create", "--name", "bench", "-f", str(cluster)).stdout.strip()
             for ip in HOSTS.values():

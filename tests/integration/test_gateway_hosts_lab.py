@@ -9,78 +9,38 @@ lands in the one store. Then SQLite on one gateway host that is not this machine
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-import yaml
 
 from tests import pg
 from tests.waiting import wait_until
 
 from .conftest import Lab
-from .lab_helpers import reset, run, unit_props
+from .gateway_hosts import GATEWAY_FILES, clean_hosts, cluster_file, store_on_the_bridge, store_url
+from .lab_helpers import run, unit_props
 
 pytestmark = pytest.mark.integration
 
-LLMGW = f"{sys.prefix}/bin/llmgw"
-GATEWAY_FILES = "/etc/llmgw/gateway"
 HOSTS = {"node02": "10.213.0.12", "node03": "10.213.0.13"}
-BRIDGE = "10.213.0.1"
 # The nodes' /run is their own: the file apply copies is not the one this machine holds.
 PASSWORD_DIR = Path("/run/llmgw-hosts-test")
 PASSWORD_FILE = PASSWORD_DIR / "store-password"
 MODEL = "smollm2-135m"
-CLEAN = (
-    "for u in llmgw-gateway.socket llmgw-gateway-handover llmgw-gateway; do systemctl disable --now $u; done "
-    "2>/dev/null; "
-    "rm -rf /etc/systemd/system/llmgw-gateway.service /etc/systemd/system/llmgw-gateway.socket "
-    "/etc/systemd/system/llmgw-gateway-handover.service "
-    f"{GATEWAY_FILES} /var/lib/llmgw-gw {PASSWORD_DIR}; systemctl daemon-reload; true"
-)
 
 
 @pytest.fixture(scope="module")
 def store(lab: Lab) -> Iterator[pg.Postgres]:
-    """PostgreSQL listening on the lab's bridge too, letting the lab's nodes log in."""
-    reason = pg.unavailable()
-    if reason:
-        pytest.skip(reason)
-    server = pg.start(listen=[BRIDGE], allow=["10.213.0.0/24"])
-    try:
+    with store_on_the_bridge() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def clean(lab: Lab) -> Iterator[None]:
-    reset(lab)
-    for host in HOSTS:
-        lab.ssh(host, CLEAN)
-    yield
-    for host in HOSTS:
-        lab.ssh(host, CLEAN)
-    shutil.rmtree(PASSWORD_DIR, ignore_errors=True)
-    reset(lab)
-
-
-def _cluster(lab: Lab, folder: Path, **gateway: object) -> Path:
-    data = yaml.safe_load(lab.cluster_file.read_text())
-    data["gateway"] = {
-        "listen": "0.0.0.0:8080",
-        "admin_listen": "127.0.0.1:9090",
-        "state_dir": "/var/lib/llmgw-gw",
-        "llmgw_bin": LLMGW,
-        "load_wait": "20s",
-        **gateway,
-    }
-    path = folder / "cluster.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    with clean_hosts(lab, list(HOSTS), PASSWORD_DIR):
+        yield
 
 
 def _answer(address: str, key: str, lab: Lab, host: str) -> str:
@@ -111,11 +71,11 @@ def test_two_gateway_hosts_share_one_postgresql_store(
     PASSWORD_DIR.mkdir(mode=0o700, exist_ok=True)
     PASSWORD_FILE.write_text(store.password + "\n")
     PASSWORD_FILE.chmod(0o600)
-    cluster = _cluster(
+    cluster = cluster_file(
         lab,
         tmp_path,
         hosts=list(HOSTS),
-        store=f"postgresql://{pg.ROLE}@{BRIDGE}:{store.port}/{pg.DATABASE}",
+        store=store_url(store),
         store_password_file=str(PASSWORD_FILE),
     )
     first = run("apply", "-f", str(cluster), "--yes")
@@ -165,7 +125,7 @@ def test_two_gateway_hosts_share_one_postgresql_store(
 
 
 def test_keys_reach_a_sqlite_store_on_another_host_over_ssh(lab: Lab, clean: None, tmp_path: Path) -> None:
-    cluster = _cluster(lab, tmp_path, host="node02")
+    cluster = cluster_file(lab, tmp_path, host="node02")
     first = run("apply", "-f", str(cluster), "--yes")
     assert first.returncode == 0, first.stdout + first.stderr
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
-import venv
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ import pytest
 from llmgw_cli.lab import shapes
 
 from .conftest import STATE, lab_unavailable, llmgw
+from .wheel import build_wheel, install_wheel
 
 pytestmark = pytest.mark.integration
 SYSTEMD_TMP_NAMES = {".X11-unix", ".ICE-unix", ".font-unix", ".XIM-unix", ".Test-unix"}
@@ -246,23 +245,9 @@ def test_the_lab_from_an_installed_wheel_declares_only_what_it_has(tmp_path: Pat
     reason = lab_unavailable()
     if reason:
         pytest.skip(reason)
-    root = Path(__file__).resolve().parents[2]
-    dist = tmp_path / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(root)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
-    (wheel,) = dist.glob("llmgw-*.whl")
+    wheel = build_wheel(tmp_path / "dist")
     assert "llmgw_cli/lab/build-llama-server" in zipfile.ZipFile(wheel).namelist()
-    env = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=True).create(env)
-    subprocess.run(
-        [str(env / "bin/python"), "-m", "pip", "install", "-q", str(wheel)],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    installed = str(env / "bin/llmgw")
+    installed = str(install_wheel(wheel, tmp_path / "venv"))
 
     def llmgw_installed(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sqlite3
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,59 +27,36 @@ from pathlib import Path
 
 import openai
 import pytest
-import yaml
 
 from llmgw_cli.core.engines import unit_name
 from tests import pg
 from tests.waiting import wait_until
 
 from .conftest import Lab
-from .lab_helpers import applied_with_gateway, reset, run
+from .gateway_hosts import GATEWAY_FILES, LLMGW, clean_hosts, cluster_file, store_on_the_bridge, store_url
+from .lab_helpers import applied_with_gateway, run
 
 pytestmark = pytest.mark.integration
 
-LLMGW = f"{sys.prefix}/bin/llmgw"
 HOSTS = {"node02": "10.213.0.12", "node03": "10.213.0.13", "node04": "10.213.0.14"}
-BRIDGE = "10.213.0.1"
 PASSWORD_DIR = Path("/run/llmgw-many-test")  # the nodes' /run is their own
 PASSWORD_FILE = PASSWORD_DIR / "store-password"
-GATEWAY_FILES = "/etc/llmgw/gateway"
 ALWAYS = "llama-3.1-8b-instruct"  # always on (min 1), a simulated vLLM: fast answers
 ON_DEMAND = "qwen2.5-7b-instruct"  # min 0: started at its first request
 FAILOVER_BOUND = 5.0  # seconds from the kill to a new leader (the documented bound)
 REVOKE_BOUND = 5.0  # seconds from a revoke to its refusal by every process
-CLEAN = (
-    "for u in llmgw-gateway.socket llmgw-gateway-handover llmgw-gateway; do systemctl disable --now $u; done "
-    "2>/dev/null; "
-    "rm -rf /etc/systemd/system/llmgw-gateway.service /etc/systemd/system/llmgw-gateway.socket "
-    "/etc/systemd/system/llmgw-gateway-handover.service "
-    f"{GATEWAY_FILES} /var/lib/llmgw-gw {PASSWORD_DIR}; systemctl daemon-reload; true"
-)
 
 
 @pytest.fixture(scope="module")
 def store(lab: Lab) -> Iterator[pg.Postgres]:
-    """PostgreSQL listening on the lab's bridge too, letting the lab's nodes log in."""
-    reason = pg.unavailable()
-    if reason:
-        pytest.skip(reason)
-    server = pg.start(listen=[BRIDGE], allow=["10.213.0.0/24"])
-    try:
+    with store_on_the_bridge() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def clean(lab: Lab) -> Iterator[None]:
-    reset(lab)
-    for host in HOSTS:
-        lab.ssh(host, CLEAN)
-    yield
-    for host in HOSTS:
-        lab.ssh(host, CLEAN)
-    shutil.rmtree(PASSWORD_DIR, ignore_errors=True)
-    reset(lab)
+    with clean_hosts(lab, list(HOSTS), PASSWORD_DIR):
+        yield
 
 
 # --- what the nodes run -------------------------------------------------------------------
@@ -225,31 +200,21 @@ def leader(store: pg.Postgres) -> tuple[int, str]:
     return int(epoch), member
 
 
-def _hosts_cluster(lab: Lab, folder: Path, store: pg.Postgres) -> Path:
-    data = yaml.safe_load(lab.cluster_file.read_text())
-    data["gateway"] = {
-        "hosts": list(HOSTS),
-        "workers": 2,
-        "listen": "0.0.0.0:8080",
-        "admin_listen": "127.0.0.1:9090",
-        "state_dir": "/var/lib/llmgw-gw",
-        "llmgw_bin": LLMGW,
-        "load_wait": "30s",
-        "store": f"postgresql://{pg.ROLE}@{BRIDGE}:{store.port}/{pg.DATABASE}",
-        "store_password_file": str(PASSWORD_FILE),
-    }
-    path = folder / "cluster.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
 def test_three_hosts_of_two_workers_ride_out_a_killed_leader(
     lab: Lab, store: pg.Postgres, clean: None, tmp_path: Path
 ) -> None:
     PASSWORD_DIR.mkdir(mode=0o700, exist_ok=True)
     PASSWORD_FILE.write_text(store.password + "\n")
     PASSWORD_FILE.chmod(0o600)
-    cluster = _hosts_cluster(lab, tmp_path, store)
+    cluster = cluster_file(
+        lab,
+        tmp_path,
+        hosts=list(HOSTS),
+        workers=2,
+        load_wait="30s",
+        store=store_url(store),
+        store_password_file=str(PASSWORD_FILE),
+    )
     applied = run("apply", "-f", str(cluster), "--yes")
     assert applied.returncode == 0, applied.stdout + applied.stderr
     addresses = {host: f"{ip}:8080" for host, ip in HOSTS.items()}

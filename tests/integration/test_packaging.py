@@ -1,12 +1,12 @@
 """A non-editable install in a fresh venv works from another directory, templates included."""
 
 import subprocess
-import sys
-import venv
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.integration.wheel import build_wheel, install_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -14,15 +14,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    (built,) = out.glob("llmgw-*.whl")
-    return built
+    return build_wheel(tmp_path_factory.mktemp("dist"))
 
 
 def test_wheel_carries_the_templates(wheel: Path) -> None:
@@ -33,15 +25,7 @@ def test_wheel_carries_the_templates(wheel: Path) -> None:
 
 @pytest.fixture(scope="module")
 def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env_dir = tmp_path_factory.mktemp("fresh-venv")
-    venv.EnvBuilder(with_pip=True).create(env_dir)
-    subprocess.run(
-        [str(env_dir / "bin/python"), "-m", "pip", "install", "-q", str(wheel)],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    return env_dir / "bin/llmgw"
+    return install_wheel(wheel, tmp_path_factory.mktemp("fresh-venv"))
 
 
 def run(llmgw: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
