@@ -345,6 +345,7 @@ class Controller:
         self.following: Following | None = None  # set while another process leads
         # This process took the lead and manages once it has probed the nodes: a request
         # meanwhile waits for that instead of being told that nothing starts models here.
+        # The coordinator sets it and clears it when it sets ``manages`` (never both true).
         self.taking_over = False
 
     def model(self, name: str) -> ModelController:
@@ -467,7 +468,7 @@ class Controller:
             return True
         following = self.following
         if following is None:
-            return self.model(name).starting or (self.taking_over and not self.manages)
+            return self.model(name).starting or self.taking_over
         if following.awaits_publication():
             return True
         state = following.models.get(name)
