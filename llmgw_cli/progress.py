@@ -4,26 +4,76 @@ Three shapes, because the callers show three different things:
 
 - ``LineReport``: one line of text about the whole job; the lab's ``up`` and ``down``
   report this way, and the CLI prints each line as it comes.
-- ``Report``, the common one: ``(subject, message)``, where the subject is what the
-  message is about: a node, ``model#replica``, ``model@node`` or the gateway. Probes
-  (``connecting``, ``done``, ``failed``), apply's executor, engine keys, the gateway's
-  install and the node set-up report this way, so the CLI can keep one line per subject.
+- ``Report``, the common one: ``(subject, message, phase)``, where the subject is what
+  the message is about: a node, ``model#replica``, ``model@node`` or the gateway, and the
+  phase says whether that subject is still being worked on, done, or failed. Probes,
+  apply's executor, engine keys, the gateway's install and the node set-up report this
+  way, so the CLI can keep one line per subject, coloured by its phase and timed from
+  its first report to its last, without reading the message (which may quote a node).
 - ``FetchReport``: a ``FetchEvent`` with the bytes fetched and the total, so the CLI
   can draw one progress bar per model and node.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from llmgw_cli.remote.fetch import FetchEvent
 
+
+class Phase(StrEnum):
+    """Where one subject of a ``Report`` stands."""
+
+    working = "working"  # more reports about this subject will follow
+    done = "done"  # finished as asked (ready, in place, written)
+    failed = "failed"  # finished without doing what was asked; the message says why
+
+
+class Report(Protocol):
+    def __call__(self, subject: str, message: str, phase: Phase = Phase.working, /) -> None: ...
+
+
 LineReport = Callable[[str], None]
-Report = Callable[[str, str], None]
 FetchReport = Callable[["FetchEvent"], None]
 
 
 def quiet(_: str) -> None:
     """A ``LineReport`` that shows nothing: the default where nobody watches."""
+
+
+def silent(_subject: str, _message: str, _phase: Phase = Phase.working, /) -> None:
+    """A ``Report`` that shows nothing."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """The latest report about one subject, and since when the subject has been reported."""
+
+    message: str
+    phase: Phase
+    started: float  # monotonic time of the subject's first report
+    changed: float  # monotonic time of its latest report
+
+    def elapsed(self, now: float) -> float:
+        """How long the subject has taken: up to now while it is worked on, up to its
+        last report once it is done or failed."""
+        return (now if self.phase is Phase.working else self.changed) - self.started
+
+
+class Board:
+    """A ``Report`` that keeps one row per subject, in the order subjects first reported,
+    for a view that shows each subject's state, phase and elapsed time."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.rows: dict[str, Row] = {}
+
+    def __call__(self, subject: str, message: str, phase: Phase = Phase.working, /) -> None:
+        now = self.clock()
+        before = self.rows.get(subject)
+        self.rows[subject] = Row(message, phase, before.started if before else now, now)

@@ -15,12 +15,12 @@ from rich.live import Live
 from rich.text import Text
 
 from llmgw_cli.cli.common import confirm, probe_with_progress, read_cluster
-from llmgw_cli.cli.views import plan_view, progress_view
+from llmgw_cli.cli.views import plan_view, progress_line, progress_view
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan, running_replicas
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, UsageError
-from llmgw_cli.progress import Report
+from llmgw_cli.progress import Board, Phase, Report
 from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
 from llmgw_cli.remote.connect import Connections, Session
 from llmgw_cli.remote.engine_keys import (
@@ -107,21 +107,29 @@ async def _execute_with_progress(
 
 
 async def _with_progress(work: Callable[[Report], Awaitable[T]]) -> T:
-    """``work(report)`` with a live table of nodes and replicas on a terminal, one line per
-    event otherwise."""
-    states: dict[str, str] = {}
-    live = Live(console=err, transient=False, auto_refresh=False) if err.is_terminal else None
+    """``work(report)`` with a live table of nodes and replicas on a terminal (each with its
+    elapsed time, counting while it is worked on), one line per event otherwise."""
+    board = Board()
+    live: Live | None = None
 
-    def report(subject: str, message: str) -> None:
-        states[subject] = message
+    def report(subject: str, message: str, phase: Phase = Phase.working, /) -> None:
+        board(subject, message, phase)
         if live is None:
             # Messages carry node output (journal tails): printed as text, never as markup.
-            err.print(Text(f"  {subject}: {message}"), highlight=False, soft_wrap=True)
+            err.print(progress_line(subject, board.rows[subject]), highlight=False, soft_wrap=True)
         else:
-            live.update(progress_view(states), refresh=True)
+            live.refresh()
 
-    if live is None:
+    if not err.is_terminal:
         return await work(report)
+    # Redrawn twice a second besides each report, so a replica's clock runs through a
+    # long engine load that reports nothing new.
+    live = Live(
+        get_renderable=lambda: progress_view(board.rows, board.clock()),
+        console=err,
+        transient=False,
+        refresh_per_second=2,
+    )
     with live:
         return await work(report)
 

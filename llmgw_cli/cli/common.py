@@ -13,7 +13,8 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
     from llmgw_cli.core.spec import ClusterSpec
     from llmgw_cli.gateway.store import Store
+    from llmgw_cli.progress import Report
     from llmgw_cli.remote.connect import Session
     from llmgw_cli.remote.probe import Snapshot
 
@@ -127,8 +129,6 @@ def probe_with_progress(
     """Probe ``nodes`` (None: every node) with a live progress bar on ``console`` (hidden
     when it is not a terminal), through ``session``'s connections (kept for the command's
     next steps), or through connections of its own."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from llmgw_cli.remote.connect import Session
     from llmgw_cli.remote.probe import gather
 
@@ -136,8 +136,21 @@ def probe_with_progress(
         with Session(spec, file.resolve().parent) as own:
             return probe_with_progress(spec, file, nodes, console, own)
     total = len([n for n in spec.nodes if nodes is None or n.name in nodes])
+    with node_progress(console, "probing", total) as update:
+        return session.run(gather(spec, session.conns, nodes, update))
+
+
+@contextmanager
+def node_progress(console: Console, doing: str, total: int) -> Iterator[Report]:
+    """A progress bar on ``console`` for work on ``total`` nodes, as the ``Report`` the work
+    calls: a node counts once its phase is done or failed. Hidden when ``console`` is not
+    a terminal, so scripts and logs see only the result."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from llmgw_cli.progress import Phase
+
     with Progress(
-        TextColumn("probing"),
+        TextColumn(doing, markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.description}", markup=False),  # node names and events, not markup
@@ -148,11 +161,11 @@ def probe_with_progress(
     ) as bar:
         task = bar.add_task("", total=total)
 
-        def update(node: str, event: str) -> None:
-            if event in ("done", "failed"):
-                bar.update(task, advance=1, description=f"{node} {event}")
+        def update(node: str, message: str, phase: Phase = Phase.working, /) -> None:
+            if phase is not Phase.working:
+                bar.update(task, advance=1, description=f"{node} {message}")
 
-        return session.run(gather(spec, session.conns, nodes, update))
+        yield update
 
 
 def stdout_console() -> Console:

@@ -12,6 +12,7 @@ from llmgw_cli.cli.common import (
     ClusterFile,
     NodesOption,
     chosen_nodes,
+    node_progress,
     read_cluster,
     stdout_console,
 )
@@ -29,6 +30,8 @@ def doctor(
 
     Exit code 0 when no finding is an error (warnings allowed), 1 when one is.
     """
+    from rich.console import Console
+
     from llmgw_cli.cli.views import doctor_view
     from llmgw_cli.core.doctor import Severity, diagnose
     from llmgw_cli.remote.connect import Session
@@ -37,8 +40,12 @@ def doctor(
     spec = read_cluster(file)
     chosen = chosen_nodes(spec, nodes, file)
     started = time.monotonic()
-    with Session(spec, file.resolve().parent) as session:
-        collected = session.run(collect(spec, session.conns, chosen))
+    total = len(chosen) if chosen is not None else len(spec.nodes)
+    with (
+        Session(spec, file.resolve().parent) as session,
+        node_progress(Console(stderr=True), "checking", total) as update,
+    ):
+        collected = session.run(collect(spec, session.conns, chosen, update))
     seconds = time.monotonic() - started
     findings = diagnose(spec, collected)
     checked = [c.facts.node for c in collected]

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what only one command shows is imported by that command (cl
     from llmgw_cli.core.summary import Summary
     from llmgw_cli.gateway.store import Usage
     from llmgw_cli.lab.status import NodeStatus
+    from llmgw_cli.progress import Row
     from llmgw_cli.remote.fetch import FetchResult
 
 
@@ -202,17 +203,39 @@ def plan_view(plan: Plan, *, show_unchanged: bool = True) -> RenderableType:
     return Group(*lines)
 
 
-def progress_view(states: dict[str, str]) -> RenderableType:
-    """What apply is doing now: one row per node and per replica, latest state last."""
+_PHASE_STYLE = {"working": "yellow", "done": "green", "failed": "red"}  # by Phase
+
+
+def progress_view(rows: dict[str, Row], now: float) -> RenderableType:
+    """What apply is doing now: one row per node and per replica, its latest state coloured
+    by its phase, and how long it has taken (still counting while it is worked on)."""
     table = Table(show_header=False, box=None, padding=(0, 1))
-    for subject, state in states.items():
-        style = (
-            "green"
-            if state in ("ready", "units in place")
-            else ("red" if state.startswith("failed") else "yellow")
+    table.add_column(no_wrap=True)
+    table.add_column()
+    table.add_column(justify="right", style="dim", no_wrap=True)
+    # A copy: the live view's redraw thread reads the rows while reports add to them.
+    for subject, row in list(rows.items()):
+        table.add_row(
+            plain(subject), Text(row.message, style=_PHASE_STYLE[row.phase]), elapsed(row.elapsed(now))
         )
-        table.add_row(plain(subject), Text(state, style=style))
     return table
+
+
+def progress_line(subject: str, row: Row) -> Text:
+    """One report as a line, where there is no terminal to redraw: the time taken is added
+    once the subject is done or failed."""
+    took = "" if row.phase == "working" else f" ({elapsed(row.elapsed(row.changed))})"
+    return Text(f"  {subject}: {row.message}{took}")
+
+
+def elapsed(seconds: float) -> str:
+    """Whole seconds as ``42s``, ``3m05s``, ``1h02m``: short, and of a steady width."""
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
 _SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}  # by Severity

@@ -101,6 +101,7 @@ from llmgw_cli.gateway.admission import Admission
 from llmgw_cli.gateway.metrics import Metrics
 from llmgw_cli.gateway.sources import ProbeSource
 from llmgw_cli.gateway.store import ModelState, Store
+from llmgw_cli.progress import Phase as ReportPhase
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.cluster_lock import Hold, LocalLock
 from llmgw_cli.remote.execute import Outcome, UnitWatch, execute
@@ -277,8 +278,8 @@ class _Sink:
 
     model: ModelController
 
-    def __call__(self, subject: str, message: str) -> None:
-        log.info("%s: %s", subject, message)
+    def __call__(self, subject: str, message: str, phase: ReportPhase = ReportPhase.working, /) -> None:
+        _log_report(subject, message, phase)
         self.model.progress = f"{subject}: {message}"
 
 
@@ -1241,5 +1242,5 @@ def _start_label(start: Start) -> str:
     return "other"
 
 
-def _log_report(subject: str, message: str) -> None:
-    log.info("%s: %s", subject, message)
+def _log_report(subject: str, message: str, phase: ReportPhase = ReportPhase.working, /) -> None:
+    log.log(logging.WARNING if phase is ReportPhase.failed else logging.INFO, "%s: %s", subject, message)

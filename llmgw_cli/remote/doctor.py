@@ -11,7 +11,7 @@ from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe, printable
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
-from llmgw_cli.progress import Report
+from llmgw_cli.progress import Phase, Report, silent
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.transport import Transport
 
@@ -26,14 +26,17 @@ async def _collect_one(spec: ClusterSpec, node: Node, transport: Transport, prog
         if not (complete(result.stdout) and complete(result.stdout, "doctor-end")):
             raise NodeError(node.name, BAD_OUTPUT, "doctor output ended early")
         facts = parse_probe(node, result.stdout).model_copy(update={"probe_seconds": received - sent})
-        progress(node.name, "done" if facts.reachable else "failed")
+        if facts.reachable:
+            progress(node.name, "done", Phase.done)
+        else:
+            progress(node.name, "failed", Phase.failed)
         return Collected(facts, parse_doctor(node.name, result.stdout), sent, received)
     except NodeError as exc:
-        progress(node.name, "failed")
+        progress(node.name, "failed", Phase.failed)
         facts = NodeFacts(node=node.name, error=exc.reason, error_kind=exc.kind)
         return Collected(facts, DoctorFacts(node=node.name), sent, time.time())
     except Exception as exc:  # one node's surprise is that node's error, not every node's
-        progress(node.name, "failed")
+        progress(node.name, "failed", Phase.failed)
         reason = f"doctor failed: {type(exc).__name__}: {printable(str(exc)[:200])}"
         facts = NodeFacts(node=node.name, error=reason, error_kind=BAD_OUTPUT)
         return Collected(facts, DoctorFacts(node=node.name), sent, time.time())
@@ -44,7 +47,7 @@ async def collect(
 ) -> list[Collected]:
     """Collect ``nodes`` (default: all) through ``conns``, at most ``ssh.max_parallel`` at once."""
     chosen = [n for n in spec.nodes if nodes is None or n.name in nodes]
-    report = progress or (lambda _node, _event: None)
+    report = progress or silent
 
     async def one(node: Node, transport: Transport) -> Collected:
         return await _collect_one(spec, node, transport, report)

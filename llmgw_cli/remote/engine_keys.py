@@ -37,7 +37,7 @@ from llmgw_cli.core.parse.probe import parse_section, section_script
 from llmgw_cli.core.plan import Plan, make_plan, running_replicas
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
-from llmgw_cli.progress import Report
+from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, ensure_engine_key, ensure_secret_env, node_engine_keys
 from llmgw_cli.remote.rollout import TakeLock, is_roll, roll_each, subject
@@ -59,10 +59,10 @@ async def distribute_engine_keys(
     async def one(t: Transport) -> Outcome | None:
         try:
             if await ensure_engine_key(t, keys[t.node], sglang_users(spec)):
-                report(t.node, "engine key written")
+                report(t.node, "engine key written", Phase.done)
             await ensure_secret_env(t, spec)
         except NodeError as exc:
-            report(t.node, f"failed: {exc.reason}")
+            report(t.node, f"failed: {exc.reason}", Phase.failed)
             return Outcome(t.node, False, f"engine key or secrets: {exc.reason}")
         return None
 
@@ -158,7 +158,11 @@ async def rotate_engine_keys(
         outcomes += done.outcomes
         assert done.action.retire is not None
         if done.retired:
-            report(subject(done.action.model, done.action.retire.replica), "replaced with the new engine key")
+            report(
+                subject(done.action.model, done.action.retire.replica),
+                "replaced with the new engine key",
+                Phase.done,
+            )
         else:
             behind |= set(done.action.retire.nodes)
     final: KeyMap = {node: (key,) if node not in behind else (key, old[node]) for node, key in new.items()}
@@ -172,8 +176,9 @@ async def _write_all(
     async def one(t: Transport) -> Outcome | None:
         try:
             await ensure_engine_key(t, keys[t.node], users)
-            report(t.node, "new engine key written")
+            report(t.node, "new engine key written", Phase.done)
         except NodeError as exc:
+            report(t.node, f"failed: {exc.reason}", Phase.failed)
             return Outcome(t.node, False, f"engine key: {exc.reason}")
         return None
 

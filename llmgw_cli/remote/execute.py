@@ -36,7 +36,7 @@ from llmgw_cli.core.plan import Action, Plan
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
 from llmgw_cli.polling import poll_until
-from llmgw_cli.progress import Report
+from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.nodeops import NodeOps, ShellOps
@@ -214,17 +214,21 @@ async def _wait_ready(
         status = await ready_status(transports[head], host, action.port or 0, profile.readiness.path)
         state = "starting" if status is None else "ready" if status == 200 else f"loading ({status})"
         if state == "ready":
-            report(subject, "ready")
+            report(subject, "ready", Phase.done)
             return Outcome(subject, True, f"ready on {head}:{action.port}")
         if state != last:
             report(subject, state)
             last = state
         failed = await watch.failure()
-        return Outcome(subject, False, failed) if failed else None
+        if failed:
+            report(subject, f"failed: {failed}", Phase.failed)
+            return Outcome(subject, False, failed)
+        return None
 
     done = await poll_until(step, timeout=profile.readiness.start_timeout, interval=0.5)
     if done is not None:
         return done
+    report(subject, f"failed: not ready after {profile.readiness.start_timeout:g}s ({last})", Phase.failed)
     return Outcome(subject, False, f"not ready after {profile.readiness.start_timeout:g}s ({last}); {url}")
 
 
@@ -329,14 +333,14 @@ async def execute(
 
     async def one(node: Node, t: Transport) -> Outcome:
         if node.name in no_weights:
-            report(node.name, f"failed: {no_weights[node.name]}")
+            report(node.name, f"failed: {no_weights[node.name]}", Phase.failed)
             return Outcome(node.name, False, no_weights[node.name])
         try:
             since = await _apply_node(t, work[node.name], keys.get(node.name), operator=operator)
         except NodeError as exc:
-            report(node.name, f"failed: {exc.reason}")
+            report(node.name, f"failed: {exc.reason}", Phase.failed)
             return Outcome(node.name, False, exc.reason)
-        report(node.name, "units in place")
+        report(node.name, "units in place", Phase.done)
         return Outcome(node.name, True, "units in place", since)
 
     outcomes = await conns.each([spec.node(n) for n in sorted(work)], one)

@@ -33,7 +33,7 @@ from llmgw_cli.core.fetch import FetchPlan, Peers, Spread, plan_fetch, target_pa
 from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.spec import ClusterSpec, SourceKind
 from llmgw_cli.errors import NodeError
-from llmgw_cli.progress import FetchReport, Report
+from llmgw_cli.progress import FetchReport, Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.transport import CommandResult, Transport
@@ -349,6 +349,9 @@ async def held_on_nodes(
     return await verified(fetcher, spec, set().union(*sets))
 
 
+_PHASES = {"present": Phase.done, "done": Phase.done, "failed": Phase.failed}  # by FetchEvent.state
+
+
 def _progress_lines(report: Report) -> FetchReport:
     """Fetch events as the executor's (subject, message) lines, at most one per 10%."""
     last: dict[str, tuple[str, int]] = {}
@@ -361,7 +364,8 @@ def _progress_lines(report: Report) -> FetchReport:
         last[subject] = (e.state, tenth)
         where = "origin" if e.source == "origin" else f"peer {e.source}"
         size = f" {e.bytes / 2**30:.2f}/{e.total / 2**30:.2f} GiB" if e.total else ""
-        report(subject, f"weights {e.state} from {where}{size}{': ' + e.message if e.message else ''}")
+        phase = _PHASES.get(e.state, Phase.working)
+        report(subject, f"weights {e.state} from {where}{size}{': ' + e.message if e.message else ''}", phase)
 
     return on_event
 

@@ -58,7 +58,7 @@ from llmgw_cli.core.spec import Become, ClusterSpec, Node
 from llmgw_cli.core.units import GATEWAY_HANDOVER_UNIT, GATEWAY_SOCKET, GATEWAY_UNIT
 from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.polling import poll_until
-from llmgw_cli.progress import Report
+from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections, resolve_path
 from llmgw_cli.remote.execute import Outcome, UnitWatch, ensure_account, must
 from llmgw_cli.remote.local import LocalTransport
@@ -304,12 +304,12 @@ async def install_host(
         if change.how == "none":
             if keys_changed and (await t.run(f"systemctl is-active {GATEWAY_UNIT}")).ok:
                 await must(t, f"systemctl reload {GATEWAY_UNIT}", "reload the gateway (new engine keys)")
-                report(who, "reloaded (engine keys)")
+                report(who, "reloaded (engine keys)", Phase.done)
             return Outcome(who, True, planned.describe())
         await _install(t, spec, change, report, who)
         return await _wait(t, spec, planned.host, report, who)
     except NodeError as exc:
-        report(who, f"failed: {exc.reason}")
+        report(who, f"failed: {exc.reason}", Phase.failed)
         return Outcome(who, False, exc.reason)
 
 
@@ -532,10 +532,11 @@ async def _wait(
         async def step() -> Outcome | None:
             failed = await watch.failure(lines=40)  # a Python traceback is long
             if failed:
+                report(who, f"failed: {failed}", Phase.failed)
                 return Outcome(who, False, failed)
             try:
                 if (await client.get(url)).status_code == 200:
-                    report(who, "ready")
+                    report(who, "ready", Phase.done)
                     return Outcome(who, True, f"ready at {url.removesuffix('/health')}")
             except httpx.TransportError:
                 pass
@@ -546,7 +547,9 @@ async def _wait(
         return done
     active = await t.run(f"systemctl is-active {GATEWAY_UNIT}")
     if active.stdout.strip() == "active":
+        report(who, f"unit active; {url} did not answer from here", Phase.done)
         return Outcome(who, True, f"unit active; {url} did not answer from here")
+    report(who, f"failed: {GATEWAY_UNIT} is {active.stdout.strip() or 'unknown'}", Phase.failed)
     return Outcome(who, False, f"{GATEWAY_UNIT} is {active.stdout.strip() or 'unknown'}")
 
 

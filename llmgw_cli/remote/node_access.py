@@ -29,7 +29,7 @@ from llmgw_cli.core.node_access import (
 from llmgw_cli.core.parse.probe import parse_section, probe_script, section_script
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
-from llmgw_cli.progress import Report
+from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, ensure_account, must
 from llmgw_cli.remote.transport import Transport
@@ -131,9 +131,9 @@ async def install(
         try:
             await _install_one(t, wanted(spec, node, public_keys), users)
         except NodeError as exc:
-            report(node.name, f"failed: {exc.reason}")
+            report(node.name, f"failed: {exc.reason}", Phase.failed)
             return Outcome(node.name, False, exc.reason)
-        report(node.name, "node helper in place")
+        report(node.name, "node helper in place", Phase.done)
         return Outcome(node.name, True, "node helper in place")
 
     return await conns.each([spec.node(n) for n in nodes], one)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
-from llmgw_cli.progress import Report
+from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote import node_access
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome
@@ -59,7 +59,7 @@ async def prepare(
     for host, found in zip(hosts, await asyncio.gather(*(one(h) for h in hosts)), strict=True):
         who = host_subject(spec, host)
         if isinstance(found, NodeError):
-            report(who, f"failed: {found.reason}")
+            report(who, f"failed: {found.reason}", Phase.failed)
             outcomes.append(Outcome(who, False, found.reason))
             continue
         public_key, path = found

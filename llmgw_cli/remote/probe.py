@@ -14,7 +14,7 @@ from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe, printable, probe_script
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.errors import NodeError
-from llmgw_cli.progress import Report
+from llmgw_cli.progress import Phase, Report, silent
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.transport import Transport
@@ -43,15 +43,18 @@ async def _probe_one(
             reason = "probe output ended early: " + printable(_stderr_line(result.stderr))
             raise NodeError(node.name, BAD_OUTPUT, reason)
         facts = parse_probe(node, result.stdout)
-        progress(node.name, "done" if facts.reachable else "failed")
+        if facts.reachable:
+            progress(node.name, "done", Phase.done)
+        else:
+            progress(node.name, "failed", Phase.failed)
         return facts.model_copy(update={"probe_seconds": time.monotonic() - started})
     except NodeError as exc:
-        progress(node.name, "failed")
+        progress(node.name, "failed", Phase.failed)
         return NodeFacts(
             node=node.name, error=exc.reason, error_kind=exc.kind, probe_seconds=time.monotonic() - started
         )
     except Exception as exc:  # one node's surprise is that node's error, not every node's
-        progress(node.name, "failed")
+        progress(node.name, "failed", Phase.failed)
         return NodeFacts(
             node=node.name,
             error=f"probe failed: {type(exc).__name__}: {printable(str(exc)[:200])}",
@@ -76,7 +79,7 @@ async def gather(
     "failed". With the gateway's access, through the script apply installed on each node."""
     started = time.monotonic()
     chosen = [n for n in spec.nodes if nodes is None or n.name in nodes]
-    report = progress or (lambda _node, _event: None)
+    report = progress or silent
     helper = conns.access is not None
 
     async def one(node: Node, transport: Transport) -> NodeFacts:

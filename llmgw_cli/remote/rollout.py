@@ -62,7 +62,7 @@ from llmgw_cli.core.routing import serving_address
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.polling import poll_until
-from llmgw_cli.progress import Report
+from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, execute, wait_started
 from llmgw_cli.remote.fetch import ensure_for_plan
@@ -312,7 +312,7 @@ class _Roller:
             assert action.retire is not None
             reason = getattr(exc, "reason", None) or str(exc)
             who = subject(action.model, action.retire.replica)
-            self.report(who, f"failed: {reason}")
+            self.report(who, f"failed: {reason}", Phase.failed)
             return Rolled(
                 action, [Outcome(who, False, f"replacement stopped: {reason}; run apply again")], False
             )
@@ -329,7 +329,7 @@ class _Roller:
         async with self.locked(f"starting {new_subject} to replace #{old.replica}"):
             taken = await self.still_fits(start)
             if taken:
-                self.report(new_subject, f"not started: {taken}")
+                self.report(new_subject, f"not started: {taken}", Phase.failed)
                 return Rolled(action, [Outcome(new_subject, False, f"not started: {taken}; {stays}")], False)
             done = await execute(
                 self.spec, self.conns, _plan([start]), self.report, wait=False,
@@ -387,10 +387,10 @@ class _Roller:
         if routed is None:
             await asyncio.sleep(2 * HEALTH_INTERVAL)
         elif routed:
-            self.report(who, "routed by the gateway")
+            self.report(who, "routed by the gateway", Phase.done)
         else:
             warning = f"not routed by every gateway {ROUTED_BOUND:g}s after it was ready; went on"
-            self.report(who, warning)
+            self.report(who, warning, Phase.done)
             return [Outcome(who, True, warning)]
         return []
 
@@ -407,7 +407,7 @@ class _Roller:
         async with self.locked(f"draining {who}"):
             marked = await self.mark(old, seconds)
         if marked is not None:
-            self.report(who, f"not drained: {marked}")
+            self.report(who, f"not drained: {marked}", Phase.failed)
             return Outcome(who, False, f"not retired: cannot mark it draining ({marked}); it serves on")
         until = time.monotonic() + seconds
         self.report(who, "draining")
@@ -467,7 +467,7 @@ class _Roller:
             text = f"stopped at the drain bound ({seconds:g}s), its connections could not be counted; {by}"
         else:
             text = f"drained and stopped; {by}"
-        self.report(who, text)
+        self.report(who, text, Phase.done)
         return Outcome(who, True, text)
 
     async def roll_all(self, actions: Sequence[Action]) -> list[Rolled]:

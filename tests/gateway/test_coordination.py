@@ -35,6 +35,7 @@ from llmgw_cli.gateway.pgstore import PostgresStore
 from llmgw_cli.gateway.sources import PublishedSource
 from llmgw_cli.gateway.state import Gateway
 from llmgw_cli.gateway.store import ModelState, SqliteStore, Store
+from llmgw_cli.progress import silent
 from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.execute import Outcome
 from tests.gateway import harness
@@ -372,7 +373,7 @@ def test_a_stale_leader_refuses_to_touch_the_nodes_and_steps_down(
             nodes = stale.controller.nodes
             assert nodes is not None
             with pytest.raises(NotLeader):
-                await nodes.execute(fleet.spec, plan, lambda s, m: None)
+                await nodes.execute(fleet.spec, plan, silent)
             assert fleet.actions == []
             assert not stale.coordinator.leading and not stale.controller.manages  # stepped down
             stale.coordinator.fence = old  # believes it again

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import re
+import select
 import shlex
+import struct
 import subprocess
 import sys
+import termios
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -38,6 +46,52 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         check=False,
     )
+
+
+ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def run_on_terminal(*args: str, tmp: Path, timeout: float = 300) -> tuple[int, str, str]:
+    """The CLI with its stderr on a pseudo-terminal 200 columns wide, as an operator at a
+    terminal runs it: (exit code, stdout, what the terminal received, escapes included).
+    Strip the escapes with ``ESCAPE`` to read the text."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "200"}
+    env.pop("NO_COLOR", None)
+    stdout = tmp / f"terminal-{time.monotonic_ns()}.out"
+    with stdout.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmgw_cli", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=slave,
+            env=env,
+        )
+    os.close(slave)
+    seen = bytearray()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return code, stdout.read_text(), seen.decode(errors="replace")
 
 
 def reset(lab: Lab) -> None:

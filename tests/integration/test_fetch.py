@@ -504,7 +504,7 @@ def test_apply_fetches_missing_weights_of_started_replicas(origin: Origin, tmp_p
 
     async def ensure() -> dict[str, str]:
         async with Connections(spec, tmp_path) as conns:
-            return await ensure_for_plan(spec, plan, conns, lambda s, m: lines.append((s, m)))
+            return await ensure_for_plan(spec, plan, conns, lambda s, m, _phase=None: lines.append((s, m)))
 
     failed = asyncio.run(ensure())
     assert set(failed) == {"n3"} and "404" in failed["n3"]

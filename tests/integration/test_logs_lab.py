@@ -16,7 +16,7 @@ import pytest
 from tests.waiting import wait_until
 
 from .conftest import Lab
-from .lab_helpers import reset, run, unit_props
+from .lab_helpers import ESCAPE, reset, run, run_on_terminal, unit_props
 
 pytestmark = pytest.mark.integration
 
@@ -122,3 +122,26 @@ def test_restart_restarts_one_replica_in_place_and_waits_until_it_is_ready(lab: 
     assert unit_props(lab, node, unit)["MainPID"] != before
     assert unit_props(lab, node, unit)["ActiveState"] == "active"
     assert unit_props(lab, other_node, other)["MainPID"] == untouched  # only the one named
+
+
+def test_on_a_terminal_doctor_shows_its_progress_and_apply_times_each_replica(
+    lab: Lab, applied: Path, tmp_path: Path
+) -> None:
+    """What an operator at a terminal sees: doctor's bar counting the nodes checked, and
+    apply's live table, each replica's state coloured by its phase (green once ready) and
+    the time it took beside it. Last in this module: the replaced replica may get a new
+    number."""
+    code, _, seen = run_on_terminal("doctor", "-f", str(applied), tmp=tmp_path)
+    text = ESCAPE.sub("", seen)
+    assert code in (0, 1), text
+    assert "checking" in text and f"{len(lab.nodes)}/{len(lab.nodes)}" in text, text
+
+    code, _, seen = run_on_terminal(
+        "apply", "-f", str(applied), "--yes", "--replace", f"{SIM}#0", tmp=tmp_path
+    )
+    text = ESCAPE.sub("", seen).replace("\r", "")
+    assert code == 0, text
+    assert "\x1b[32mready" in seen, text  # green: the phase the executor gave, done
+    rows = re.findall(rf"^{re.escape(SIM)}#\d+ +(.+?) +((?:\d+h)?(?:\d+m)?\d+s) *$", text, re.M)
+    assert rows, text
+    assert any(state.startswith("ready") or "routed" in state for state, _ in rows), rows

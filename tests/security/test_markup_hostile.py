@@ -28,6 +28,7 @@ from llmgw_cli.core.fetch import FetchPlan, Skip
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.summary import ClassRow, FabricRow, ModelRow, NodeRow, Summary
 from llmgw_cli.errors import Problem
+from llmgw_cli.progress import Phase, Row
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import FetchResult
 from tests.integration.conftest import Lab
@@ -116,7 +117,8 @@ def test_fetch_report_shows_a_remote_error_literally(text: str) -> None:
 
 @pytest.mark.parametrize("text", HOSTILE)
 def test_apply_progress_table_shows_a_journal_line_literally(text: str) -> None:
-    out = rendered(progress_view({f"llmgw-{text}.service": f"failed: journal: {text}"}))
+    row = Row(f"failed: journal: {text}", Phase.failed, 0.0, 1.0)
+    out = rendered(progress_view({f"llmgw-{text}.service": row}, 2.0))
     assert out.count(text) == 2, out
 
 

@@ -15,6 +15,7 @@ from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Action, Plan
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.gateway.sources import ProbeSource
+from llmgw_cli.progress import silent
 from llmgw_cli.remote.connect import Connections, GatewayAccess, Session
 from llmgw_cli.remote.execute import execute
 from llmgw_cli.remote.transport import CommandResult, Transport
@@ -206,7 +207,7 @@ def test_discovery_rounds_and_the_controllers_work_share_the_gateways_connection
         for _ in range(3):
             facts = await source.probe(spec)
             assert all(f.reachable for f in facts.values()), facts
-        outcomes = await execute(spec, await source.connections(spec), stop, lambda _s, _m: None, wait=False)
+        outcomes = await execute(spec, await source.connections(spec), stop, silent, wait=False)
         assert [o.ok for o in outcomes] == [True]
         await source.discover(spec)
         await source.close()

@@ -22,6 +22,7 @@ from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Action, Plan, Retired, make_plan
 from llmgw_cli.core.routing import serving_address
 from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.progress import Phase
 from llmgw_cli.remote import rollout
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome
@@ -61,12 +62,14 @@ class World:
     routed: set[tuple[str, str]] = field(default_factory=set)  # what the gateway routes
     ready_fails: set[str] = field(default_factory=set)  # subjects that never get ready
     said: list[tuple[str, str]] = field(default_factory=list)
+    phases: dict[str, Phase] = field(default_factory=dict)  # each subject's latest
 
     def event(self, what: str) -> None:
         self.events.append(what)
 
-    def report(self, who: str, message: str) -> None:
+    def report(self, who: str, message: str, phase: Phase = Phase.working, /) -> None:
         self.said.append((who, message))
+        self.phases[who] = phase
 
     def address(self, node: str, port: int) -> str:
         return serving_address(self.spec.node(node).engine_host, port)
@@ -270,6 +273,7 @@ def test_a_surge_starts_the_successor_then_drains_and_stops_the_old_one(world: W
         "draining (0 in flight)",
         "drained and stopped; replaced by #1",
     ]
+    assert world.phases == {"m#1": Phase.done, "m#0": Phase.done}  # the successor routed, the old one stopped
 
 
 def test_the_marker_holds_the_node_clock_plus_the_drain_bound(world: World) -> None:

@@ -16,6 +16,7 @@ import pytest
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Action, make_plan
+from llmgw_cli.progress import silent
 from llmgw_cli.remote import engine_keys
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome
@@ -112,7 +113,7 @@ def rotate(
                 conns,
                 facts,
                 give,
-                lambda _s, _m: None,
+                silent,
                 transports=transports,
                 take_lock=None,
                 allow_downtime=allow_downtime,

@@ -12,6 +12,7 @@ import pytest
 
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Action, Plan
+from llmgw_cli.progress import silent
 from llmgw_cli.remote import execute as execute_mod
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import UnitWatch, execute
@@ -178,7 +179,7 @@ def test_execute_brings_weights_unless_told_its_caller_did(
 
     async def scenario() -> None:
         async with Connections(spec, Path(), opener=opener) as conns:
-            outcomes = await execute(spec, conns, stop, lambda _s, _m: None, wait=False, fetch=fetch)
+            outcomes = await execute(spec, conns, stop, silent, wait=False, fetch=fetch)
             assert [o.ok for o in outcomes] == [True]
 
     asyncio.run(scenario())
