@@ -43,13 +43,30 @@ def _split_jump(jump: str, default_user: str) -> tuple[str, str, int]:
     return (user or default_user, host, int(port) if port.isdigit() else 22)
 
 
-def _is_known(known_hosts: Path, host: str, port: int) -> bool:
-    if not known_hosts.exists():
-        return False
+_parsed: dict[bytes, asyncssh.SSHKnownHosts] = {}
+
+
+def _known_hosts(path: Path) -> asyncssh.SSHKnownHosts | None:
+    """``path`` parsed, once per process for the same content: a probe of many nodes
+    would otherwise parse the same file twice per connection. Keyed on the bytes read
+    now, so a file changed in between is parsed again. None when it cannot be read or
+    parsed."""
     try:
-        return bool(asyncssh.read_known_hosts(str(known_hosts)).match(host, "", port)[0])
+        text = path.read_bytes()
+        parsed = _parsed.get(text)
+        if parsed is None:
+            parsed = asyncssh.import_known_hosts(text.decode())
+            if len(_parsed) > 16:  # a file rewritten over and over (accept_unknown_hosts)
+                _parsed.clear()
+            _parsed[text] = parsed
+        return parsed
     except (OSError, ValueError):
-        return False
+        return None
+
+
+def _is_known(known_hosts: Path, host: str, port: int) -> bool:
+    parsed = _known_hosts(known_hosts)
+    return parsed is not None and bool(parsed.match(host, "", port)[0])
 
 
 class _Dropped(Exception):
@@ -79,7 +96,7 @@ class SshTransport:
             "port": s.port,
             "username": s.user,
             "connect_timeout": s.connect_timeout,
-            "known_hosts": str(t.known_hosts),
+            "known_hosts": _known_hosts(t.known_hosts) or str(t.known_hosts),
             "agent_path": None if t.identity_file else (),
         }
         if t.identity_file:
