@@ -143,7 +143,7 @@ def run_upstream(port: int) -> None:
 
 
 def run_minimal(port: int, upstream: int) -> None:
-    """Key check, JSON body read, pass-through: what the issue's peers measured, no more."""
+    """Key check, JSON body read, pass-through: what a minimal proxy does, no more."""
     import aiohttp  # noqa: PLC0415 (child mode only)
     from aiohttp import web  # noqa: PLC0415
 

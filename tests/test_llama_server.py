@@ -28,7 +28,8 @@ ALIAS = "smollm2-135m"
 
 
 def server_argv(binary: str, model: str, port: int, key: str | None = None) -> list[str]:
-    """SmolLM2 on the CPU as the tests and bench/llama_server.py serve it (LOCAL-ENGINE.md)."""
+    """SmolLM2 on the CPU as the tests and bench/llama_server.py serve it: a 2,048-token
+    context, one slot, two threads, no layers on a GPU."""
     argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["-c", "2048", "-np", "1", "-t", "2", "-ngl", "0", "-a", ALIAS]
     return argv + (["--api-key", key] if key else [])

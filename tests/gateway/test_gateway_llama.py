@@ -1,7 +1,7 @@
 """The gateway in front of the real llama-server (SmolLM2-135M on the CPU), via the openai client.
 
 llama-server answers any model name in single-model mode and closes the connection after
-each stream (reference/LOCAL-ENGINE.md): the gateway must check names itself and must not
+each stream: the gateway must check names itself and must not
 reuse a connection the engine has closed.
 """
 

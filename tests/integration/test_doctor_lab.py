@@ -1,8 +1,6 @@
 """`llmgw doctor` on the lab with faults injected: each shows up as its finding, with the
-exit code that says whether serving would break.
-
-Written without being run by its author (the lab is run by whoever runs the whole
-suite); the local and loopback runs are in test_doctor_local.py."""
+exit code that says whether serving would break. The local and loopback runs are in
+test_doctor_local.py."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def test_queries_read_llmgw_metrics_and_the_scrape_health_only() -> None:
     names = set().union(*(metric_names(e) for e in expressions(board())))
     assert {n for n in names if not n.startswith("llmgw_")} == {"up"}
     assert f'sum(up{{job="{JOB}"}})' in list(expressions(board()))
-    # what the task names: requests, tokens, latency, loads, evictions, scale-outs, the fleet
+    # what an operator looks for: requests, tokens, latency, loads, evictions, scale-outs, the fleet
     assert {
         "llmgw_requests_total",
         "llmgw_tokens_total",
