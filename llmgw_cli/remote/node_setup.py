@@ -65,7 +65,7 @@ async def prepare(
         public_key, path = found
         if public_key is not None:
             keys.append(public_key)
-            report(who, f"its SSH key: {path} on {host}")
+            report(who, f"its SSH key: {path} on {host}", Phase.done)
     if outcomes:
         return outcomes
     stale = await node_access.check(spec, conns, nodes, keys, facts)
