@@ -17,6 +17,7 @@ from rich.text import Text
 from llmgw_cli.cli.common import confirm, probe_with_progress, read_cluster
 from llmgw_cli.cli.views import plan_view, progress_line, progress_view
 from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.journal import split_ref
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan, running_replicas
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, UsageError
@@ -193,10 +194,13 @@ def replacements(values: list[str], facts: dict[str, NodeFacts]) -> frozenset[tu
     found = {(r.model, r.replica) for r in running}
     pairs = set()
     for value in values:
-        name, sep, number = value.rpartition("#")
-        if not sep or not name or not (number.isascii() and number.isdigit()):
+        try:
+            name, number = split_ref(value)
+        except UsageError:
+            number = None
+        if number is None:  # a whole model is not one replica: --replace names one
             raise UsageError(f"--replace {value}: expected MODEL#N, a model and a replica number (e.g. m#0)")
-        pair = (name, int(number))
+        pair = (name, number)
         if pair not in found:
             runs = [f"{r.model}#{r.replica}" for r in running if r.model == name]
             what = (

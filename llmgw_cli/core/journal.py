@@ -34,15 +34,23 @@ class Ref:
 def parse_ref(spec: ClusterSpec, value: str) -> Ref:
     """``MODEL`` or ``MODEL#N`` of the cluster file; a model it does not declare is a
     UsageError with the closest names."""
-    name, sep, number = value.partition("#")
-    if sep and not number.isdigit():
-        raise UsageError(f"{value}: expected MODEL or MODEL#N, a model and a replica number (e.g. m#0)")
+    name, number = split_ref(value)
     models = [m.name for m in spec.models]
     if name not in models:
         close = difflib.get_close_matches(name, models, n=3)
         hint = f"; did you mean {' or '.join(close)}?" if close else f"; its models are {', '.join(models)}"
         raise UsageError(f"no model {name!r} in the cluster file{hint}")
-    return Ref(name, int(number) if sep else None)
+    return Ref(name, number)
+
+
+def split_ref(value: str) -> tuple[str, int | None]:
+    """``MODEL`` as (MODEL, None), ``MODEL#N`` as (MODEL, N). Anything else (no model, a
+    ``#`` without a number, a sign, a digit that is not ASCII such as ``²``) is a
+    UsageError: the one spelling of a replica that logs, restart and apply --replace read."""
+    name, sep, number = value.partition("#")
+    if not name or (sep and not (number.isascii() and number.isdigit())):
+        raise UsageError(f"{value}: expected MODEL or MODEL#N, a model and a replica number (e.g. m#0)")
+    return name, int(number) if sep else None
 
 
 def chosen(ref: Ref, running: list[Running]) -> list[Running]:

@@ -20,8 +20,9 @@ SPEC = parse_cluster((ROOT / "inventories/lab.yaml").read_text())
 def test_a_reference_names_a_model_or_one_replica() -> None:
     assert journal.parse_ref(SPEC, "smollm2-135m") == journal.Ref("smollm2-135m", None)
     assert journal.parse_ref(SPEC, "smollm2-135m#3") == journal.Ref("smollm2-135m", 3)
-    with pytest.raises(UsageError, match="expected MODEL or MODEL#N"):
-        journal.parse_ref(SPEC, "smollm2-135m#x")
+    for bad in ("smollm2-135m#x", "smollm2-135m#", "smollm2-135m#-1", "smollm2-135m#\u00b2", "#0", ""):
+        with pytest.raises(UsageError, match="expected MODEL or MODEL#N"):
+            journal.parse_ref(SPEC, bad)  # "²" is a digit to str.isdigit, not to int()
     with pytest.raises(UsageError, match="did you mean smollm2-135m"):
         journal.parse_ref(SPEC, "smolm2-135m")
 
