@@ -42,8 +42,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from fnmatch import fnmatchcase
 from typing import Any
+from urllib.parse import urlsplit
 
 DEFAULT_REVISION = "main"
+DEFAULT_ENDPOINT = "https://huggingface.co"
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 HF_FOLDER = "hf"
 MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = 1
@@ -142,6 +145,20 @@ def parse_repo_ref(source: str) -> RepoRef:
     if not at:
         return RepoRef(repo)
     return RepoRef(repo, check_revision(revision))
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` (the Hub, or a mirror of its API) as ``scheme://host[:port]``, else
+    ValueError with why. The token goes to it, so it is https, or plain http to this
+    machine only (a local mirror, a test's stand-in): never in clear over a network."""
+    split = urlsplit(endpoint)
+    if split.scheme not in {"https", "http"} or not split.hostname:
+        raise ValueError(f"{endpoint!r}: a Hub endpoint is an https:// URL")
+    if split.username or split.password or split.query or split.fragment or split.path not in {"", "/"}:
+        raise ValueError(f"{endpoint!r}: a Hub endpoint is scheme://host[:port], nothing more")
+    if split.scheme == "http" and split.hostname not in LOOPBACK_HOSTS:
+        raise ValueError(f"{endpoint!r}: plain http only to this machine (127.0.0.1); use https")
+    return endpoint.rstrip("/")
 
 
 # --- paths the repository names ------------------------------------------------------------

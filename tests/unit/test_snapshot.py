@@ -23,6 +23,7 @@ from llmgw_cli.core.snapshot import (
     Snapshot,
     SnapshotFile,
     WeightFormat,
+    check_endpoint,
     check_repo_id,
     check_repo_path,
     check_repo_paths,
@@ -147,6 +148,23 @@ def test_an_accepted_revision_is_a_safe_git_ref_name(revision: str) -> None:
     for component in revision.split("/"):
         assert not component.startswith(".") and not component.endswith(".lock")
         assert set(component) <= set(string.ascii_letters + string.digits + "_.-")
+
+
+def test_the_token_goes_to_an_https_endpoint_or_to_this_machine() -> None:
+    assert check_endpoint("https://huggingface.co/") == "https://huggingface.co"
+    assert check_endpoint("https://hub.example:8443") == "https://hub.example:8443"
+    assert check_endpoint("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    for bad in [
+        "http://hub.example",
+        "ftp://hub.example",
+        "https://user:pw@hub.example",
+        "https://hub.example/api",
+        "https://hub.example?x=1",
+        "huggingface.co",
+        "https://",
+    ]:
+        with pytest.raises(ValueError):
+            check_endpoint(bad)
 
 
 # --- hostile paths -----------------------------------------------------------------------
