@@ -80,6 +80,11 @@ class RepoRef:
     repo: str
     revision: str = DEFAULT_REVISION
 
+    def __post_init__(self) -> None:
+        # Built directly or parsed, a ref is checked: its parts go into the Hub's URLs.
+        check_repo_id(self.repo)
+        check_revision(self.revision)
+
     @property
     def org(self) -> str:
         return self.repo.split("/", 1)[0]
@@ -99,7 +104,7 @@ class RepoRef:
 
 def check_repo_id(repo: str) -> str:
     """``repo`` if it is an ``org/name`` the Hub would accept, else BadSource with why."""
-    m = _REPO.fullmatch(repo)
+    m = _REPO.fullmatch(repo) if isinstance(repo, str) else None
     if m is None:
         raise BadSource(
             f"{repo!r} is not a repo id: give org/name, each part of letters, digits, '_', '.' "
@@ -115,6 +120,8 @@ def check_repo_id(repo: str) -> str:
 def check_revision(revision: str) -> str:
     """``revision`` if it is a commit, or a branch or tag name this module accepts, else
     BadSource with why."""
+    if not isinstance(revision, str):
+        raise BadSource(f"{revision!r}: a revision is a string")
     if COMMIT.fullmatch(revision):
         return revision
     if not revision:
@@ -141,10 +148,7 @@ def parse_repo_ref(source: str) -> RepoRef:
     if not isinstance(source, str):
         raise BadSource(f"{source!r} is not a string")
     repo, at, revision = source.partition("@")
-    check_repo_id(repo)
-    if not at:
-        return RepoRef(repo)
-    return RepoRef(repo, check_revision(revision))
+    return RepoRef(repo, revision) if at else RepoRef(repo)
 
 
 def check_endpoint(endpoint: str) -> str:

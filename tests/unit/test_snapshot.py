@@ -63,6 +63,13 @@ def test_sources_that_parse(source: str, ref: RepoRef) -> None:
     assert parse_repo_ref(source) == ref
 
 
+def test_a_ref_built_directly_is_checked_too() -> None:
+    with pytest.raises(BadSource):
+        RepoRef("../../api/x")
+    with pytest.raises(BadSource):
+        RepoRef("org/name", "../main")
+
+
 def test_only_a_commit_pins() -> None:
     assert parse_repo_ref(f"o/n@{COMMIT}").pinned
     assert not parse_repo_ref("o/n@main").pinned
