@@ -14,8 +14,10 @@ import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
+from huggingface_hub import constants
 
 from tests import pg
+from tests.hub_standin import HubStandin
 from tests.integration.conftest import NODES, STATE, Lab, LabNode, lab_unavailable, llmgw
 from tests.skips import ALLOWED, SkipRule
 
@@ -36,6 +38,33 @@ def promtool_check_metrics() -> Callable[[str], None]:
         assert done.returncode == 0, done.stdout + done.stderr
 
     return check
+
+
+@pytest.fixture
+def hub_standin() -> Iterator[HubStandin]:
+    """A stand-in for the Hugging Face Hub on 127.0.0.1 (``tests/hub_standin.py``), with
+    no repos yet: ``hub_standin.repo("org/name").push({...})`` adds them."""
+    with HubStandin() as hub:
+        yield hub
+
+
+@pytest.fixture
+def hf_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> str:
+    """huggingface_hub in a home of its own: no cache, no saved token, no ``HF_TOKEN`` and
+    not offline, whatever the machine has. Its settings are read when it is imported, so
+    they are set on its ``constants`` as well as in the environment."""
+    home = str(tmp_path_factory.mktemp("hf-home"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_HUB_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", home)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setattr(constants, "HF_HOME", home)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", f"{home}/hub")
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", f"{home}/token")
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", f"{home}/stored_tokens")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    return home
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from pathlib import Path
 CORE = Path(__file__).resolve().parents[2] / "llmgw_cli" / "core"
 
 # What the core must not use: SSH, HTTP (client, server, parser), terminal and CLI
-# libraries, the event loop, metrics, the database, processes and sockets.
+# libraries, the event loop, metrics, the database, processes, sockets and the Hub's client.
 FORBIDDEN = {
     "asyncssh",
     "httpx",
@@ -19,6 +19,7 @@ FORBIDDEN = {
     "sqlite3",
     "subprocess",
     "socket",
+    "huggingface_hub",
 }
 # Standard modules that the core's own dependencies load (pydantic's plugin loader reads
 # package metadata, which imports `socket` through `email`): forbidden in the core's own
