@@ -262,6 +262,10 @@ def went_wrong(state: UnitState, restarts: int | None = None) -> bool:
     )
 
 
+JOURNAL_RETRIES = 6
+JOURNAL_RETRY_EVERY = 0.25  # seconds: at most 1.5 s more for a failure's journal lines
+
+
 async def unit_failure(
     ops: NodeOps | ShellOps, unit: str, since: str, *, restarts: int | None = None, lines: int = 15
 ) -> str | None:
@@ -273,7 +277,16 @@ async def unit_failure(
     # A second guard: no engine takes its key in argv, but one that prints its
     # environment would put it in the journal, and this text ends up in apply's output.
     key = await read_engine_key(ops.transport)
-    tail = redact_keys(await ops.journal(unit, since, lines), [key] if key else [])
+    journal = await ops.journal(unit, since, lines)
+    for _ in range(JOURNAL_RETRIES):
+        if journal.strip():
+            break
+        # An engine that exits at once: systemd may see the exit before journald has read
+        # the engine's last words from its output stream (`journalctl --sync` does not wait
+        # for those); the reason is worth a second.
+        await asyncio.sleep(JOURNAL_RETRY_EVERY)
+        journal = await ops.journal(unit, since, lines)
+    tail = redact_keys(journal, [key] if key else [])
     how = [state.result or "no result", f"exit status {state.exec_main_status}"]
     if restarts is not None:
         how.append(f"{state.n_restarts - restarts} restart(s)")

@@ -98,6 +98,41 @@ def test_an_engine_that_exited_is_reported_while_systemd_waits_to_restart_it() -
     assert any(shlex.split(c)[1:3] == ["journal", UNIT] and "1700000000" in c for c in node.commands)
 
 
+def test_a_journal_still_empty_when_the_exit_is_seen_is_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """systemd can see an engine exit before journald has read its last line from the
+    engine's output: an empty journal is asked again, briefly, so the reason is there."""
+    monkeypatch.setattr(execute_mod, "JOURNAL_RETRY_EVERY", 0.0)
+    node = FakeNode()
+    node.set("active", "running")
+    watch = watched(node)
+    node.set("activating", "auto-restart", result="exit-code", status=2)
+    asked = 0
+    run = node.run
+
+    async def late_journal(command: str, *, root: bool = False, stdin: str | None = None) -> CommandResult:
+        nonlocal asked
+        if shlex.split(command)[1:2] == ["journal"]:
+            asked += 1
+            node.journal = [JOURNAL] if asked >= 3 else []
+        return await run(command, root=root, stdin=stdin)
+
+    monkeypatch.setattr(node, "run", late_journal)
+    reason = failure(watch)
+    assert reason is not None and JOURNAL in reason and asked == 3
+
+
+def test_a_journal_that_stays_empty_is_given_up_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(execute_mod, "JOURNAL_RETRY_EVERY", 0.0)
+    node = FakeNode()
+    node.set("active", "running")
+    watch = watched(node)
+    node.set("failed", "failed", result="exit-code", status=1)
+    reason = failure(watch)
+    assert reason is not None and reason.startswith(f"{UNIT} failed/failed")
+    journals = [c for c in node.commands if shlex.split(c)[1:2] == ["journal"]]
+    assert len(journals) == 1 + execute_mod.JOURNAL_RETRIES
+
+
 def test_newer_systemd_queued_restart_is_reported_too() -> None:
     node = FakeNode()
     node.set("active", "running")
