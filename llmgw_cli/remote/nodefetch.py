@@ -71,6 +71,7 @@ STATUS_EVERY = 0.5
 RETRIES = 5
 STATUS_SIZE = 4096
 SETTLE_SECONDS = 2.0
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 NOBODY = 65534
 """The uid root's files get on a root-squashed NFS export (``anonuid``'s default)."""
 TRUSTED_OWNERS = frozenset({0, os.geteuid(), NOBODY})
@@ -357,16 +358,34 @@ def may_carry_token(first: str, url: str) -> bool:
     return urlsplit(url).scheme == "https" and _origin(first) == _origin(url)
 
 
+def may_carry_token_to(origin: str, url: str) -> bool:
+    """A token given for ``origin`` (a snapshot job's Hub endpoint) goes to ``url`` only on
+    that scheme, host and port, and only over https, or plain http when that origin is this
+    node's own loopback (a local mirror, a test's stand-in: the token never crosses a
+    network in clear). A redirect to the Hub's CDN, another origin, never carries it."""
+    if _origin(origin) != _origin(url):
+        return False
+    scheme, host, _ = _origin(url)
+    return scheme == "https" or (scheme == "http" and host in LOOPBACK_HOSTS)
+
+
 def _request(
-    method: str, url: str, headers: dict[str, str], auth: dict[str, str], *, follow: bool = True
+    method: str,
+    url: str,
+    headers: dict[str, str],
+    auth: dict[str, str],
+    *,
+    follow: bool = True,
+    token_origin: str | None = None,
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, str]:
     """One request, following redirects by hand so the token goes only where
-    ``may_carry_token`` allows; a redirect from https to plain http is refused."""
+    ``may_carry_token`` (or, given ``token_origin``, ``may_carry_token_to``) allows; a
+    redirect from https to plain http is refused."""
     first = url
     for _ in range(8):
         conn, path = _connection(url, 60.0)
         sent = dict(headers)
-        if may_carry_token(first, url):
+        if may_carry_token_to(token_origin, url) if token_origin else may_carry_token(first, url):
             sent.update(auth)
         conn.request(method, path, headers=sent)
         resp = conn.getresponse()
@@ -394,14 +413,18 @@ def _http_error(status: int, url: str, reason: str) -> JobFailed:
     return JobFailed("http", f"{url} answered {status} {reason}")
 
 
-def _resolve(url: str, auth: dict[str, str]) -> tuple[str, str | None, int | None]:
+def _resolve(
+    url: str, auth: dict[str, str], token_origin: str | None = None
+) -> tuple[str, str | None, int | None]:
     """(URL to download, sha256 announced by the origin, size announced by the origin).
 
     A HEAD without following redirects, as huggingface_hub does: a Hugging Face resolve
     answers 302 with ``X-Linked-Etag`` (the sha256 of an LFS file) and ``X-Linked-Size``.
     """
     try:
-        conn, resp, _ = _request("HEAD", url, {"Accept-Encoding": "identity"}, auth, follow=False)
+        conn, resp, _ = _request(
+            "HEAD", url, {"Accept-Encoding": "identity"}, auth, follow=False, token_origin=token_origin
+        )
     except (OSError, http.client.HTTPException):
         return url, None, None  # the GET below reports the network problem, with retries
     resp.read()
@@ -428,14 +451,41 @@ def _validator(resp: http.client.HTTPResponse) -> str | None:
 # --- verify ---------------------------------------------------------------------------
 
 
-def _hash_fd(fd: int) -> str:
-    h = hashlib.sha256()
+class Digests:
+    """A file's sha256 and, given its size, its git blob id, fed the bytes once."""
+
+    def __init__(self, git_size: int | None = None) -> None:
+        self.sha256 = hashlib.sha256()
+        self.sha1 = hashlib.sha1(b"blob %d\0" % git_size) if git_size is not None else None
+
+    def update(self, block: bytes) -> None:
+        self.sha256.update(block)
+        if self.sha1 is not None:
+            self.sha1.update(block)
+
+    def hexdigest(self) -> str:
+        return self.sha256.hexdigest()
+
+    def git_sha1(self) -> str | None:
+        return self.sha1.hexdigest() if self.sha1 is not None else None
+
+
+def _hash_file(fd: int, git_size: int | None = None, progress: Any = None) -> Digests:
+    h = Digests(git_size)
     os.lseek(fd, 0, os.SEEK_SET)
+    done = 0
     while True:
         block = os.read(fd, CHUNK * 4)
         if not block:
-            return h.hexdigest()
+            return h
         h.update(block)
+        done += len(block)
+        if progress is not None:
+            progress(done)
+
+
+def _hash_fd(fd: int) -> str:
+    return _hash_file(fd).hexdigest()
 
 
 def _identity(st: os.stat_result) -> list[int]:
@@ -508,33 +558,51 @@ def _remember(folder: int, target: str, digest: str) -> None:
 
 
 class Download:
-    def __init__(self, config: dict[str, Any], folder: int) -> None:
+    """One file's download into ``folder`` (a descriptor). Its partial file and bookkeeping
+    lie beside the target, or in ``work`` (a descriptor) under the names of ``work_path``
+    when given: a snapshot keeps them out of the folder the repository's files fill.
+
+    Optional in ``config``: ``size`` (bytes the file must have: an origin announcing or
+    sending another count is refused, and never more than it is written), ``git_sha1``
+    (the git blob id the content must have, checked before the rename like ``sha256``),
+    ``token_origin`` (the token goes to that origin only: ``may_carry_token_to``)."""
+
+    def __init__(
+        self, config: dict[str, Any], folder: int, work: int | None = None, work_path: str | None = None
+    ) -> None:
         self.url: str = config["url"]
         self.target: str = config["target"]
         self.folder = folder
+        self.work = folder if work is None else work
+        self.remember = work is None  # a snapshot keeps its own record of what was checked
         self.name = os.path.basename(self.target)
         self.expected_sha: str | None = config.get("sha256")
+        self.expected_git: str | None = config.get("git_sha1")
+        size = config.get("size")
+        self.size: int | None = size if isinstance(size, int) and not isinstance(size, bool) else None
         self.check = bool(config.get("check")) and bool(self.expected_sha)
         token = config.get("token")
         self.auth = {"Authorization": "Bearer " + token} if token else {}
-        self.files = side_files(self.target)
+        self.token_origin: str | None = config.get("token_origin")
+        self.files = side_files(self.target if work_path is None else work_path)
         self.names = {k: os.path.basename(v) for k, v in self.files.items()}
+        self.digests: dict[str, str] = {}  # after run(): sha256, and git-sha1 when asked for
         self.status: dict[str, Any] = {
             "state": "running",
             "pid": os.getpid(),
             "url": config.get("display_url", self.url),
-            "bytes": _size(folder, self.names["part"]),
+            "bytes": _size(self.work, self.names["part"]),
             "total": None,
             "started": time.time(),
         }
         self._status_fd: int | None = None
         self._last_status = 0.0
-        self._hash: Any = None  # sha256 of the partial file so far, kept while writing
+        self._hash: Digests | None = None  # of the partial file so far, kept while writing
 
     def open_status(self) -> None:
         """Open the status file once (checked); every report rewrites it through this fd."""
         self._status_fd = open_file(
-            self.folder, self.names["status"], os.O_WRONLY | os.O_CREAT, self.files["status"]
+            self.work, self.names["status"], os.O_WRONLY | os.O_CREAT, self.files["status"]
         )
 
     def report(self, force: bool = False, **changes: Any) -> None:
@@ -566,16 +634,16 @@ class Download:
             return True
         why = f"{self.target} has sha256 {digest}, not the pinned {self.expected_sha}: downloading it again"
         self.report(
-            True, state="running", bytes=_size(self.folder, self.names["part"]), total=None, replacing=why
+            True, state="running", bytes=_size(self.work, self.names["part"]), total=None, replacing=why
         )
         return False
 
     def run(self) -> None:
         if self.check and self.kept():
             return
-        url, linked_sha, linked_size = _resolve(self.url, self.auth)
+        url, linked_sha, linked_size = _resolve(self.url, self.auth, self.token_origin)
         expected = self.expected_sha or linked_sha
-        meta = _read_json(self.folder, self.names["meta"])
+        meta = _read_json(self.work, self.names["meta"])
         if meta.get("url") != self.url:
             self._discard()
             meta = {"url": self.url}
@@ -592,51 +660,67 @@ class Download:
                     raise JobFailed("network", f"{url}: {exc}") from None
                 self.report(True, retrying=f"{type(exc).__name__}: {exc}")
                 time.sleep(min(2**attempt, 10))
-        fd = open_file(self.folder, self.names["part"], os.O_RDONLY, self.files["part"])
+        fd = open_file(self.work, self.names["part"], os.O_RDONLY, self.files["part"])
         try:
             have = os.fstat(fd).st_size
             if linked_size is not None and linked_size != total:
                 raise JobFailed("size", f"the origin announced {linked_size} bytes but served {total}")
+            if self.size is not None and total != self.size:
+                self._discard()
+                raise JobFailed("size", f"the origin served {total} bytes, expected {self.size}; refused")
             if have != total:
                 raise JobFailed(
                     "size", f"got {have} of {total} bytes; the partial file was kept for a resume"
                 )
             # The digest covers the whole file: a resume's kept prefix was read back from
             # disk, the rest hashed as written; a file finished earlier is hashed here.
-            digest = self._hash.hexdigest() if self._hash is not None else _hash_fd(fd)
+            hashes = self._hash if self._hash is not None else _hash_file(fd, self._git_size(total))
+            digest = hashes.hexdigest()
             if expected and digest != expected:
                 self._discard()
                 raise JobFailed(
                     "checksum",
                     f"sha256 of the download is {digest}, expected {expected}; the partial file was removed",
                 )
+            git = hashes.git_sha1()
+            if self.expected_git and git != self.expected_git:
+                self._discard()
+                raise JobFailed(
+                    "checksum",
+                    f"git blob id of the download is {git}, expected {self.expected_git}; "
+                    "the partial file was removed",
+                )
+            self.digests = {"sha256": digest, **({"git-sha1": git} if git else {})}
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(self.names["part"], self.name, src_dir_fd=self.folder, dst_dir_fd=self.folder)
+        os.replace(self.names["part"], self.name, src_dir_fd=self.work, dst_dir_fd=self.folder)
         os.fsync(self.folder)
-        _unlink(self.folder, self.names["meta"])
-        with contextlib.suppress(OSError):
-            _remember(self.folder, self.target, digest)  # the next run's check is then cheap
+        _unlink(self.work, self.names["meta"])
+        if self.remember:
+            with contextlib.suppress(OSError):
+                _remember(self.folder, self.target, digest)  # the next run's check is then cheap
         self.report(True, state="done", bytes=total, total=total, sha256=digest, finished=time.time())
 
     def _open_part(self, append: bool) -> int:
         flags = os.O_RDWR | os.O_CREAT | (os.O_APPEND if append else 0)  # read: the resumed prefix is hashed
-        fd = open_file(self.folder, self.names["part"], flags, self.files["part"])
+        fd = open_file(self.work, self.names["part"], flags, self.files["part"])
         if not append:
             os.ftruncate(fd, 0)  # only now: a file that failed the checks was never truncated
         return fd
 
     def _transfer(self, url: str, meta: dict[str, Any]) -> int:
         """Bring the partial file to the whole representation; return its total size."""
-        have = _size(self.folder, self.names["part"])
+        have = _size(self.work, self.names["part"])
+        if self.size is not None and have > self.size:
+            have = 0  # longer than the file can be: not a prefix of it
         headers = {"Accept-Encoding": "identity"}
         if have and meta.get("validator"):
             headers["Range"] = f"bytes={have}-"
             headers["If-Range"] = str(meta["validator"])
         elif have:
             have = 0  # nothing proves the partial is a prefix of what the origin has now
-        conn, resp, _ = _request("GET", url, headers, self.auth)
+        conn, resp, _ = _request("GET", url, headers, self.auth, token_origin=self.token_origin)
         try:
             if resp.status == 416:
                 total = _total_from_range(resp.getheader("Content-Range"))
@@ -657,25 +741,38 @@ class Download:
                 have, append = 0, False
             else:
                 raise _http_error(resp.status, url, resp.reason)
+            if self.size is not None and total not in (-1, self.size):
+                raise JobFailed("size", f"{url} announced {total} bytes, expected {self.size}; refused")
             meta.update(validator=_validator(resp), total=total)
-            _write_json(self.folder, self.names["meta"], meta)
+            _write_json(self.work, self.names["meta"], meta)
             self._check_space(total - have if total >= 0 else 0)
             self.report(True, bytes=have, total=total if total >= 0 else None, resumed_from=have)
             fd = self._open_part(append)
-            self._hash = hashlib.sha256()
+            self._hash = Digests(self._git_size(total if total >= 0 else None))
             if append:
                 _hash_prefix(fd, self._hash, have)  # the kept prefix, read back from disk
             with os.fdopen(fd, "ab" if append else "wb") as out:
                 self._copy(resp, out, have)
-            return total if total >= 0 else _size(self.folder, self.names["part"])
+            return total if total >= 0 else _size(self.work, self.names["part"])
         finally:
             conn.close()
 
+    def _git_size(self, total: int | None) -> int | None:
+        """The size git's blob header names, when the git blob id is to be checked."""
+        if not self.expected_git:
+            return None
+        return self.size if self.size is not None else total
+
     def _copy(self, resp: http.client.HTTPResponse, out: IO[bytes], have: int) -> None:
+        assert self._hash is not None
         while True:
             chunk = resp.read(CHUNK)
             if not chunk:
                 break
+            if self.size is not None and have + len(chunk) > self.size:
+                out.close()
+                self._discard()
+                raise JobFailed("size", f"{self.url} sent more than the {self.size} bytes expected; refused")
             out.write(chunk)
             self._hash.update(chunk)  # hashing while writing spares reading the file again
             have += len(chunk)
@@ -695,15 +792,15 @@ class Download:
         return JobFailed("disk-full", f"no space left in {os.path.dirname(self.target)}" + self._kept())
 
     def _kept(self) -> str:
-        have = _size(self.folder, self.names["part"])
+        have = _size(self.work, self.names["part"])
         return f"; the partial file ({have} bytes) was kept for a resume" if have else ""
 
     def _truncate(self) -> None:
         os.close(self._open_part(append=False))
 
     def _discard(self) -> None:
-        _unlink(self.folder, self.names["part"])
-        _unlink(self.folder, self.names["meta"])
+        _unlink(self.work, self.names["part"])
+        _unlink(self.work, self.names["meta"])
 
 
 def _hash_prefix(fd: int, h: Any, length: int) -> None:
