@@ -29,6 +29,18 @@ root can set a ctime back, so a changed file is always hashed again.
 ``/<secret>/<name>`` with that one file (HEAD, GET, single ranges, If-Range), and exits
 after ``idle`` seconds without a request, or when killed. Peers copy from it.
 
+``snapshot`` (a whole Hugging Face repository at one commit; not used by ``llmgw fetch``
+or ``apply`` yet): the files of the job go into ``<folder>/<commit>/<path>``, each through
+the ``fetch`` machinery (partial file, resume, size, sha256 or git blob id, rename), one
+after the other in one detached job with one status file; the manifest
+``<folder>/<commit>.manifest.json`` is written last, atomically, once every file is in
+place and checked, so a snapshot without it is incomplete. The partial files and the
+record of what was hashed live in a hidden work folder beside the snapshot folder, which
+holds only the repository's names. Every path is checked again here (``check_snapshot_path``)
+and every folder of it is entered without following a link. ``verify-snapshot`` says
+whether the manifest is there and every file in place (``full``: hashed too);
+``poll-snapshot`` reads the job's status as ``poll`` does a file's.
+
 Trust: this runs as root, in folders that other accounts (the engines' account, other
 clients of a shared filer) may be able to write. Everything found there is hostile:
 
@@ -43,7 +55,9 @@ clients of a shared filer) may be able to write. Everything found there is hosti
   root file has two). A file is never truncated before that check.
 - Renames (``rename(2)``) replace the name itself, never a file a planted link points to.
 - A token goes only over https, and only to the scheme, host and port it was given for;
-  a redirect to plain http is refused, whatever host it names.
+  a redirect to plain http is refused, whatever host it names. A snapshot's token goes to
+  its ``token_origin`` (the Hub endpoint) only, over https, or plain http to this node's
+  own loopback (a local mirror); the Hub's redirects to its CDN never carry it.
 """
 
 from __future__ import annotations
@@ -1395,7 +1409,7 @@ class _FileDownload(Download):
             raise http.client.IncompleteRead(b"", self.size - got)
 
 
-class Snapshot:
+class SnapshotJob:
     """The detached job that fills ``<folder>/<commit>/`` and writes the manifest last."""
 
     def __init__(
@@ -1501,8 +1515,8 @@ class Snapshot:
         """An existing file that matches (remembered, else hashed now): its sha256 and
         identity; None when it has to be downloaded."""
         st = _file_state(parent, name, where)
-        if st is None or st.st_size != f["size"]:
-            return None
+        if st is None or st.st_size != f["size"] or st.st_uid not in TRUSTED_OWNERS:
+            return None  # another account's file could change once checked: replaced by a download
         seen = _read_json(work, marker)
         if seen.get("identity") == _identity(st) and self._matches(
             seen.get("sha256"), seen.get("git-sha1"), f
@@ -1656,13 +1670,13 @@ def _snapshot_lock(folder: int, where: tuple[str, str, str], files: list[dict[st
 
 def _snapshot_job(
     folder: int, config: dict[str, Any], where: tuple[str, str, str], files: list[dict[str, Any]]
-) -> Snapshot | None:
+) -> SnapshotJob | None:
     """The job, its status written; None once ``present`` is printed (done meanwhile)."""
     shown, repo, commit = where
     names = snapshot_names(commit)
     if _snapshot_present(_check_snapshot(folder, shown, repo, commit, files, full=False)):
         return None
-    job = Snapshot(config, folder, where, files)
+    job = SnapshotJob(config, folder, where, files)
     status_fd = open_file(folder, names["status"], os.O_WRONLY | os.O_CREAT, f"{shown}/{names['status']}")
     job.status = _Status(
         status_fd,

@@ -227,6 +227,22 @@ def test_a_file_already_present_and_correct_is_kept(hub: HubStandin, snap: Snaps
     assert manifest(weights, snap).exists()
 
 
+def test_a_correct_file_another_account_owns_is_replaced_by_a_download(
+    hub: HubStandin, snap: Snapshot, weights: Path
+) -> None:
+    """Its owner could change it once checked: the snapshot holds the fetcher's own copy."""
+    if os.geteuid() != 0:
+        pytest.skip("planting a file as another account needs root")
+    folder = snapshot_dir(weights, snap)
+    folder.mkdir(parents=True)
+    planted = folder / "model-00001-of-00002.safetensors"
+    planted.write_bytes(BIG)
+    os.chown(planted, 4242, 4242)
+    assert fetch(snapshot_job(snap, str(weights), hub.url))["state"] == "done"
+    assert len(blob_gets(hub, BIG_SHA)) == 1
+    assert planted.stat().st_uid == 0 and planted.read_bytes() == BIG
+
+
 # --- refused: what no snapshot may be completed with ------------------------------------------
 
 
