@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from fnmatch import fnmatchcase
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 DEFAULT_REVISION = "main"
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -57,6 +57,8 @@ MAX_COMPONENT_BYTES = 255
 MAX_FILES = 100_000
 """Most files a snapshot may hold: a listing beyond it is refused, not truncated."""
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_SNAPSHOT_BYTES = 1 << 42
+"""Most bytes a snapshot may hold (4 TiB: more than the largest public checkpoints)."""
 
 _PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
 _REPO = re.compile(rf"({_PART})/({_PART})")
@@ -536,3 +538,166 @@ def manifest_matches(snapshot: Snapshot, manifest: Manifest) -> list[str]:
         elif f.algorithm is Digest.sha256 and m.sha256 != f.digest:
             problems.append(f"{f.path}: sha256 {m.sha256} in the manifest, {f.digest} on the Hub")
     return problems
+
+
+# --- the node's snapshot job -----------------------------------------------------------
+#
+# The node program (``remote/nodefetch.py``, standard library only) fills the snapshot
+# folder and writes the manifest last; these build its jobs and read its answers.
+
+SNAPSHOT_STATES = frozenset({"fetching", "verifying", "done", "error"})
+"""What a snapshot job's status file says it is doing."""
+
+
+def file_url(endpoint: str, repo: str, commit: str, path: str) -> str:
+    """``{endpoint}/{repo}/resolve/{commit}/{path}``, the path quoted as huggingface_hub
+    quotes it (``/`` kept)."""
+    return f"{check_endpoint(endpoint)}/{check_repo_id(repo)}/resolve/{commit}/{quote(check_repo_path(path))}"
+
+
+def snapshot_job(
+    snapshot: Snapshot, weights: str, endpoint: str = DEFAULT_ENDPOINT, token: str | None = None
+) -> dict[str, Any]:
+    """The node program's ``snapshot`` job: every file with its size, its digest (the
+    sha256 of an LFS file, else the git blob id) and its resolve URL. A token goes with
+    ``token_origin``, the endpoint: the node sends it there only, never to the CDN a
+    resolve redirects to. ValueError when the snapshot is larger than MAX_SNAPSHOT_BYTES."""
+    endpoint = check_endpoint(endpoint)
+    if snapshot.total_bytes > MAX_SNAPSHOT_BYTES:
+        raise ValueError(
+            f"{snapshot.repo}@{snapshot.commit}: {snapshot.total_bytes} bytes, at most {MAX_SNAPSHOT_BYTES}"
+        )
+    files = [
+        {
+            "path": f.path,
+            "size": f.size,
+            "sha256": f.digest if f.algorithm is Digest.sha256 else None,
+            "git_sha1": f.digest if f.algorithm is Digest.git_sha1 else None,
+            "url": file_url(endpoint, snapshot.repo, snapshot.commit, f.path),
+        }
+        for f in snapshot.files
+    ]
+    job: dict[str, Any] = {
+        "mode": "snapshot",
+        "folder": repo_folder(weights, snapshot.repo),
+        "repo": snapshot.repo,
+        "commit": snapshot.commit,
+        "files": files,
+    }
+    if token:
+        job |= {"token": token, "token_origin": endpoint}
+    return job
+
+
+def verify_snapshot_job(snapshot: Snapshot, weights: str, *, full: bool = False) -> dict[str, Any]:
+    """The node program's ``verify-snapshot`` job: is the snapshot complete (its manifest
+    there, every file of ``snapshot`` in place with its size; ``full``: and its digest)?"""
+    job = snapshot_job(snapshot, weights)
+    for f in job["files"]:
+        del f["url"]
+    return {**job, "mode": "verify-snapshot", "full": full}
+
+
+def poll_snapshot_job(weights: str, repo: str, commit: str) -> dict[str, Any]:
+    """The node program's ``poll-snapshot`` job: the status of the snapshot's job, and
+    whether it still runs (holds its lock)."""
+    if not COMMIT.fullmatch(commit):
+        raise ValueError(f"{commit!r} is not a 40-hex commit")
+    return {"mode": "poll-snapshot", "folder": repo_folder(weights, repo), "repo": repo, "commit": commit}
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _text(value: object, limit: int = 2000) -> str:
+    """A string from a node's answer, printable and bounded; anything else is ''."""
+    if not isinstance(value, str):
+        return ""
+    return "".join(c if c.isprintable() else "?" for c in value[:limit])
+
+
+@dataclass(frozen=True)
+class SnapshotProgress:
+    """A snapshot job's status file, read back as hostile data: a state outside
+    SNAPSHOT_STATES is ``unknown``, a count that is not one is 0, and done never exceeds
+    total."""
+
+    state: str
+    files_done: int = 0
+    files_total: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    current: str = ""
+    kind: str = ""
+    message: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.state in {"done", "error"}
+
+
+def parse_snapshot_status(data: object) -> SnapshotProgress:
+    """The status a ``poll-snapshot`` answer holds (``{}`` when none was written yet:
+    state ``unknown``)."""
+    if not isinstance(data, dict):
+        return SnapshotProgress("unknown")
+    state = data.get("state")
+    files_total, bytes_total = _count(data.get("files_total")), _count(data.get("bytes_total"))
+    return SnapshotProgress(
+        state=state if isinstance(state, str) and state in SNAPSHOT_STATES else "unknown",
+        files_done=min(_count(data.get("files_done")), files_total),
+        files_total=files_total,
+        bytes_done=min(_count(data.get("bytes_done")), bytes_total),
+        bytes_total=bytes_total,
+        current=_text(data.get("current"), MAX_PATH_CHARS),
+        kind=_text(data.get("kind"), 40),
+        message=_text(data.get("message")),
+    )
+
+
+@dataclass(frozen=True)
+class SnapshotCheck:
+    """A ``verify-snapshot`` answer, read as hostile data. ``state``: complete, incomplete,
+    absent, or error (``message`` says why)."""
+
+    state: str
+    manifest: bool = False
+    missing: tuple[str, ...] = ()
+    missing_count: int = 0
+    wrong: tuple[tuple[str, str], ...] = ()
+    wrong_count: int = 0
+    message: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "complete"
+
+
+def parse_snapshot_check(data: object) -> SnapshotCheck:
+    if not isinstance(data, dict):
+        return SnapshotCheck("error", message="the node's answer is not an object")
+    state = data.get("state")
+    if state == "error" or state not in {"complete", "incomplete", "absent"}:
+        return SnapshotCheck("error", message=_text(data.get("message")) or f"state {_text(state, 40)!r}")
+    raw_missing, raw_wrong = data.get("missing"), data.get("wrong")
+    raw_missing = raw_missing if isinstance(raw_missing, list) else []
+    raw_wrong = raw_wrong if isinstance(raw_wrong, list) else []
+    missing = tuple(_text(p, MAX_PATH_CHARS) for p in raw_missing[:100])
+    wrong = tuple(
+        (_text(w[0], MAX_PATH_CHARS), _text(w[1]))
+        for w in raw_wrong[:100]
+        if isinstance(w, list) and len(w) == 2
+    )
+    manifest = data.get("manifest") is True
+    if state == "complete" and (not manifest or missing or wrong):
+        state = "incomplete"  # an answer that contradicts itself is not believed
+    return SnapshotCheck(
+        state=str(state),
+        manifest=manifest,
+        missing=missing,
+        missing_count=max(_count(data.get("missing_count")), len(missing)),
+        wrong=wrong,
+        wrong_count=max(_count(data.get("wrong_count")), len(wrong)),
+        message=_text(data.get("why")),
+    )

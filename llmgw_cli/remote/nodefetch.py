@@ -29,6 +29,18 @@ root can set a ctime back, so a changed file is always hashed again.
 ``/<secret>/<name>`` with that one file (HEAD, GET, single ranges, If-Range), and exits
 after ``idle`` seconds without a request, or when killed. Peers copy from it.
 
+``snapshot`` (a whole Hugging Face repository at one commit; not used by ``llmgw fetch``
+or ``apply`` yet): the files of the job go into ``<folder>/<commit>/<path>``, each through
+the ``fetch`` machinery (partial file, resume, size, sha256 or git blob id, rename), one
+after the other in one detached job with one status file; the manifest
+``<folder>/<commit>.manifest.json`` is written last, atomically, once every file is in
+place and checked, so a snapshot without it is incomplete. The partial files and the
+record of what was hashed live in a hidden work folder beside the snapshot folder, which
+holds only the repository's names. Every path is checked again here (``check_snapshot_path``)
+and every folder of it is entered without following a link. ``verify-snapshot`` says
+whether the manifest is there and every file in place (``full``: hashed too);
+``poll-snapshot`` reads the job's status as ``poll`` does a file's.
+
 Trust: this runs as root, in folders that other accounts (the engines' account, other
 clients of a shared filer) may be able to write. Everything found there is hostile:
 
@@ -43,7 +55,9 @@ clients of a shared filer) may be able to write. Everything found there is hosti
   root file has two). A file is never truncated before that check.
 - Renames (``rename(2)``) replace the name itself, never a file a planted link points to.
 - A token goes only over https, and only to the scheme, host and port it was given for;
-  a redirect to plain http is refused, whatever host it names.
+  a redirect to plain http is refused, whatever host it names. A snapshot's token goes to
+  its ``token_origin`` (the Hub endpoint) only, over https, or plain http to this node's
+  own loopback (a local mirror); the Hub's redirects to its CDN never carry it.
 """
 
 from __future__ import annotations
@@ -71,6 +85,7 @@ STATUS_EVERY = 0.5
 RETRIES = 5
 STATUS_SIZE = 4096
 SETTLE_SECONDS = 2.0
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 NOBODY = 65534
 """The uid root's files get on a root-squashed NFS export (``anonuid``'s default)."""
 TRUSTED_OWNERS = frozenset({0, os.geteuid(), NOBODY})
@@ -357,16 +372,34 @@ def may_carry_token(first: str, url: str) -> bool:
     return urlsplit(url).scheme == "https" and _origin(first) == _origin(url)
 
 
+def may_carry_token_to(origin: str, url: str) -> bool:
+    """A token given for ``origin`` (a snapshot job's Hub endpoint) goes to ``url`` only on
+    that scheme, host and port, and only over https, or plain http when that origin is this
+    node's own loopback (a local mirror, a test's stand-in: the token never crosses a
+    network in clear). A redirect to the Hub's CDN, another origin, never carries it."""
+    if _origin(origin) != _origin(url):
+        return False
+    scheme, host, _ = _origin(url)
+    return scheme == "https" or (scheme == "http" and host in LOOPBACK_HOSTS)
+
+
 def _request(
-    method: str, url: str, headers: dict[str, str], auth: dict[str, str], *, follow: bool = True
+    method: str,
+    url: str,
+    headers: dict[str, str],
+    auth: dict[str, str],
+    *,
+    follow: bool = True,
+    token_origin: str | None = None,
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, str]:
     """One request, following redirects by hand so the token goes only where
-    ``may_carry_token`` allows; a redirect from https to plain http is refused."""
+    ``may_carry_token`` (or, given ``token_origin``, ``may_carry_token_to``) allows; a
+    redirect from https to plain http is refused."""
     first = url
     for _ in range(8):
         conn, path = _connection(url, 60.0)
         sent = dict(headers)
-        if may_carry_token(first, url):
+        if may_carry_token_to(token_origin, url) if token_origin else may_carry_token(first, url):
             sent.update(auth)
         conn.request(method, path, headers=sent)
         resp = conn.getresponse()
@@ -394,14 +427,18 @@ def _http_error(status: int, url: str, reason: str) -> JobFailed:
     return JobFailed("http", f"{url} answered {status} {reason}")
 
 
-def _resolve(url: str, auth: dict[str, str]) -> tuple[str, str | None, int | None]:
+def _resolve(
+    url: str, auth: dict[str, str], token_origin: str | None = None
+) -> tuple[str, str | None, int | None]:
     """(URL to download, sha256 announced by the origin, size announced by the origin).
 
     A HEAD without following redirects, as huggingface_hub does: a Hugging Face resolve
     answers 302 with ``X-Linked-Etag`` (the sha256 of an LFS file) and ``X-Linked-Size``.
     """
     try:
-        conn, resp, _ = _request("HEAD", url, {"Accept-Encoding": "identity"}, auth, follow=False)
+        conn, resp, _ = _request(
+            "HEAD", url, {"Accept-Encoding": "identity"}, auth, follow=False, token_origin=token_origin
+        )
     except (OSError, http.client.HTTPException):
         return url, None, None  # the GET below reports the network problem, with retries
     resp.read()
@@ -428,14 +465,41 @@ def _validator(resp: http.client.HTTPResponse) -> str | None:
 # --- verify ---------------------------------------------------------------------------
 
 
-def _hash_fd(fd: int) -> str:
-    h = hashlib.sha256()
+class Digests:
+    """A file's sha256 and, given its size, its git blob id, fed the bytes once."""
+
+    def __init__(self, git_size: int | None = None) -> None:
+        self.sha256 = hashlib.sha256()
+        self.sha1 = hashlib.sha1(b"blob %d\0" % git_size) if git_size is not None else None
+
+    def update(self, block: bytes) -> None:
+        self.sha256.update(block)
+        if self.sha1 is not None:
+            self.sha1.update(block)
+
+    def hexdigest(self) -> str:
+        return self.sha256.hexdigest()
+
+    def git_sha1(self) -> str | None:
+        return self.sha1.hexdigest() if self.sha1 is not None else None
+
+
+def _hash_file(fd: int, git_size: int | None = None, progress: Any = None) -> Digests:
+    h = Digests(git_size)
     os.lseek(fd, 0, os.SEEK_SET)
+    done = 0
     while True:
         block = os.read(fd, CHUNK * 4)
         if not block:
-            return h.hexdigest()
+            return h
         h.update(block)
+        done += len(block)
+        if progress is not None:
+            progress(done)
+
+
+def _hash_fd(fd: int) -> str:
+    return _hash_file(fd).hexdigest()
 
 
 def _identity(st: os.stat_result) -> list[int]:
@@ -508,33 +572,51 @@ def _remember(folder: int, target: str, digest: str) -> None:
 
 
 class Download:
-    def __init__(self, config: dict[str, Any], folder: int) -> None:
+    """One file's download into ``folder`` (a descriptor). Its partial file and bookkeeping
+    lie beside the target, or in ``work`` (a descriptor) under the names of ``work_path``
+    when given: a snapshot keeps them out of the folder the repository's files fill.
+
+    Optional in ``config``: ``size`` (bytes the file must have: an origin announcing or
+    sending another count is refused, and never more than it is written), ``git_sha1``
+    (the git blob id the content must have, checked before the rename like ``sha256``),
+    ``token_origin`` (the token goes to that origin only: ``may_carry_token_to``)."""
+
+    def __init__(
+        self, config: dict[str, Any], folder: int, work: int | None = None, work_path: str | None = None
+    ) -> None:
         self.url: str = config["url"]
         self.target: str = config["target"]
         self.folder = folder
+        self.work = folder if work is None else work
+        self.remember = work is None  # a snapshot keeps its own record of what was checked
         self.name = os.path.basename(self.target)
         self.expected_sha: str | None = config.get("sha256")
+        self.expected_git: str | None = config.get("git_sha1")
+        size = config.get("size")
+        self.size: int | None = size if isinstance(size, int) and not isinstance(size, bool) else None
         self.check = bool(config.get("check")) and bool(self.expected_sha)
         token = config.get("token")
         self.auth = {"Authorization": "Bearer " + token} if token else {}
-        self.files = side_files(self.target)
+        self.token_origin: str | None = config.get("token_origin")
+        self.files = side_files(self.target if work_path is None else work_path)
         self.names = {k: os.path.basename(v) for k, v in self.files.items()}
+        self.digests: dict[str, str] = {}  # after run(): sha256, and git-sha1 when asked for
         self.status: dict[str, Any] = {
             "state": "running",
             "pid": os.getpid(),
             "url": config.get("display_url", self.url),
-            "bytes": _size(folder, self.names["part"]),
+            "bytes": _size(self.work, self.names["part"]),
             "total": None,
             "started": time.time(),
         }
         self._status_fd: int | None = None
         self._last_status = 0.0
-        self._hash: Any = None  # sha256 of the partial file so far, kept while writing
+        self._hash: Digests | None = None  # of the partial file so far, kept while writing
 
     def open_status(self) -> None:
         """Open the status file once (checked); every report rewrites it through this fd."""
         self._status_fd = open_file(
-            self.folder, self.names["status"], os.O_WRONLY | os.O_CREAT, self.files["status"]
+            self.work, self.names["status"], os.O_WRONLY | os.O_CREAT, self.files["status"]
         )
 
     def report(self, force: bool = False, **changes: Any) -> None:
@@ -566,16 +648,16 @@ class Download:
             return True
         why = f"{self.target} has sha256 {digest}, not the pinned {self.expected_sha}: downloading it again"
         self.report(
-            True, state="running", bytes=_size(self.folder, self.names["part"]), total=None, replacing=why
+            True, state="running", bytes=_size(self.work, self.names["part"]), total=None, replacing=why
         )
         return False
 
     def run(self) -> None:
         if self.check and self.kept():
             return
-        url, linked_sha, linked_size = _resolve(self.url, self.auth)
+        url, linked_sha, linked_size = _resolve(self.url, self.auth, self.token_origin)
         expected = self.expected_sha or linked_sha
-        meta = _read_json(self.folder, self.names["meta"])
+        meta = _read_json(self.work, self.names["meta"])
         if meta.get("url") != self.url:
             self._discard()
             meta = {"url": self.url}
@@ -592,51 +674,67 @@ class Download:
                     raise JobFailed("network", f"{url}: {exc}") from None
                 self.report(True, retrying=f"{type(exc).__name__}: {exc}")
                 time.sleep(min(2**attempt, 10))
-        fd = open_file(self.folder, self.names["part"], os.O_RDONLY, self.files["part"])
+        fd = open_file(self.work, self.names["part"], os.O_RDONLY, self.files["part"])
         try:
             have = os.fstat(fd).st_size
             if linked_size is not None and linked_size != total:
                 raise JobFailed("size", f"the origin announced {linked_size} bytes but served {total}")
+            if self.size is not None and total != self.size:
+                self._discard()
+                raise JobFailed("size", f"the origin served {total} bytes, expected {self.size}; refused")
             if have != total:
                 raise JobFailed(
                     "size", f"got {have} of {total} bytes; the partial file was kept for a resume"
                 )
             # The digest covers the whole file: a resume's kept prefix was read back from
             # disk, the rest hashed as written; a file finished earlier is hashed here.
-            digest = self._hash.hexdigest() if self._hash is not None else _hash_fd(fd)
+            hashes = self._hash if self._hash is not None else _hash_file(fd, self._git_size(total))
+            digest = hashes.hexdigest()
             if expected and digest != expected:
                 self._discard()
                 raise JobFailed(
                     "checksum",
                     f"sha256 of the download is {digest}, expected {expected}; the partial file was removed",
                 )
+            git = hashes.git_sha1()
+            if self.expected_git and git != self.expected_git:
+                self._discard()
+                raise JobFailed(
+                    "checksum",
+                    f"git blob id of the download is {git}, expected {self.expected_git}; "
+                    "the partial file was removed",
+                )
+            self.digests = {"sha256": digest, **({"git-sha1": git} if git else {})}
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(self.names["part"], self.name, src_dir_fd=self.folder, dst_dir_fd=self.folder)
+        os.replace(self.names["part"], self.name, src_dir_fd=self.work, dst_dir_fd=self.folder)
         os.fsync(self.folder)
-        _unlink(self.folder, self.names["meta"])
-        with contextlib.suppress(OSError):
-            _remember(self.folder, self.target, digest)  # the next run's check is then cheap
+        _unlink(self.work, self.names["meta"])
+        if self.remember:
+            with contextlib.suppress(OSError):
+                _remember(self.folder, self.target, digest)  # the next run's check is then cheap
         self.report(True, state="done", bytes=total, total=total, sha256=digest, finished=time.time())
 
     def _open_part(self, append: bool) -> int:
         flags = os.O_RDWR | os.O_CREAT | (os.O_APPEND if append else 0)  # read: the resumed prefix is hashed
-        fd = open_file(self.folder, self.names["part"], flags, self.files["part"])
+        fd = open_file(self.work, self.names["part"], flags, self.files["part"])
         if not append:
             os.ftruncate(fd, 0)  # only now: a file that failed the checks was never truncated
         return fd
 
     def _transfer(self, url: str, meta: dict[str, Any]) -> int:
         """Bring the partial file to the whole representation; return its total size."""
-        have = _size(self.folder, self.names["part"])
+        have = _size(self.work, self.names["part"])
+        if self.size is not None and have > self.size:
+            have = 0  # longer than the file can be: not a prefix of it
         headers = {"Accept-Encoding": "identity"}
         if have and meta.get("validator"):
             headers["Range"] = f"bytes={have}-"
             headers["If-Range"] = str(meta["validator"])
         elif have:
             have = 0  # nothing proves the partial is a prefix of what the origin has now
-        conn, resp, _ = _request("GET", url, headers, self.auth)
+        conn, resp, _ = _request("GET", url, headers, self.auth, token_origin=self.token_origin)
         try:
             if resp.status == 416:
                 total = _total_from_range(resp.getheader("Content-Range"))
@@ -657,25 +755,38 @@ class Download:
                 have, append = 0, False
             else:
                 raise _http_error(resp.status, url, resp.reason)
+            if self.size is not None and total not in (-1, self.size):
+                raise JobFailed("size", f"{url} announced {total} bytes, expected {self.size}; refused")
             meta.update(validator=_validator(resp), total=total)
-            _write_json(self.folder, self.names["meta"], meta)
+            _write_json(self.work, self.names["meta"], meta)
             self._check_space(total - have if total >= 0 else 0)
             self.report(True, bytes=have, total=total if total >= 0 else None, resumed_from=have)
             fd = self._open_part(append)
-            self._hash = hashlib.sha256()
+            self._hash = Digests(self._git_size(total if total >= 0 else None))
             if append:
                 _hash_prefix(fd, self._hash, have)  # the kept prefix, read back from disk
             with os.fdopen(fd, "ab" if append else "wb") as out:
                 self._copy(resp, out, have)
-            return total if total >= 0 else _size(self.folder, self.names["part"])
+            return total if total >= 0 else _size(self.work, self.names["part"])
         finally:
             conn.close()
 
+    def _git_size(self, total: int | None) -> int | None:
+        """The size git's blob header names, when the git blob id is to be checked."""
+        if not self.expected_git:
+            return None
+        return self.size if self.size is not None else total
+
     def _copy(self, resp: http.client.HTTPResponse, out: IO[bytes], have: int) -> None:
+        assert self._hash is not None
         while True:
             chunk = resp.read(CHUNK)
             if not chunk:
                 break
+            if self.size is not None and have + len(chunk) > self.size:
+                out.close()
+                self._discard()
+                raise JobFailed("size", f"{self.url} sent more than the {self.size} bytes expected; refused")
             out.write(chunk)
             self._hash.update(chunk)  # hashing while writing spares reading the file again
             have += len(chunk)
@@ -695,15 +806,15 @@ class Download:
         return JobFailed("disk-full", f"no space left in {os.path.dirname(self.target)}" + self._kept())
 
     def _kept(self) -> str:
-        have = _size(self.folder, self.names["part"])
+        have = _size(self.work, self.names["part"])
         return f"; the partial file ({have} bytes) was kept for a resume" if have else ""
 
     def _truncate(self) -> None:
         os.close(self._open_part(append=False))
 
     def _discard(self) -> None:
-        _unlink(self.folder, self.names["part"])
-        _unlink(self.folder, self.names["meta"])
+        _unlink(self.work, self.names["part"])
+        _unlink(self.work, self.names["meta"])
 
 
 def _hash_prefix(fd: int, h: Any, length: int) -> None:
@@ -922,6 +1033,739 @@ def poll(config: dict[str, Any]) -> None:
     _emit(answer)
 
 
+# --- snapshot: a whole repository at one commit ---------------------------------------
+
+SNAPSHOT_MAX_FILES = 100_000
+"""Most files a snapshot job may name (``MAX_FILES`` of the control host's snapshot rules)."""
+SNAPSHOT_MAX_BYTES = 1 << 42
+"""Most bytes a snapshot job may name, 4 TiB (``MAX_SNAPSHOT_BYTES`` there)."""
+SNAPSHOT_MAX_PATH_CHARS = 1024
+SNAPSHOT_MAX_COMPONENT_BYTES = 255
+SNAPSHOT_MAX_MANIFEST_BYTES = 64 << 20
+LISTED_AT_MOST = 100
+"""Names of missing or wrong files an answer lists (their counts are always given)."""
+_REPO_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_REPO_ID = re.compile(rf"{_REPO_PART}/{_REPO_PART}")
+_HEX40 = re.compile(r"[0-9a-f]{40}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_snapshot_path(path: object) -> str:
+    """``path`` if it may name a file inside a snapshot folder, else Unsafe with why: the
+    Hub chose it, so it is checked here again whatever the control host checked. Relative,
+    ``/``-separated, no empty, ``.`` or ``..`` component, no backslash, no NUL or other
+    control character (nor U+2028/U+2029), valid Unicode, at most 1024 characters and 255
+    bytes a name."""
+    if not isinstance(path, str) or not path:
+        raise Unsafe(f"{path!r}: a repository path is a non-empty string")
+    shown = repr(path[:200])
+    if len(path) > SNAPSHOT_MAX_PATH_CHARS:
+        raise Unsafe(f"{shown}...: {len(path)} characters, at most {SNAPSHOT_MAX_PATH_CHARS}")
+    if path.startswith("/") or "\\" in path:
+        raise Unsafe(f"{shown}: absolute, or holds a backslash; a repository path is relative")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or c in "\u2028\u2029" for c in path):
+        raise Unsafe(f"{shown}: holds a control character or a line separator")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Unsafe(f"{shown}: not valid Unicode (a lone surrogate)") from None
+    for component in path.split("/"):
+        if component in {"", ".", ".."}:
+            raise Unsafe(f"{shown}: has an empty, '.' or '..' component")
+        if len(component.encode("utf-8")) > SNAPSHOT_MAX_COMPONENT_BYTES:
+            raise Unsafe(f"{shown}: a name longer than {SNAPSHOT_MAX_COMPONENT_BYTES} bytes")
+    return path
+
+
+def _count_of(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise JobFailed("job", f"{what}: {value!r} is not a byte count")
+    return value
+
+
+def _snapshot_files(raw: object, *, urls: bool) -> list[dict[str, Any]]:
+    """The job's files, each checked: path, size, sha256 or git_sha1 (one at least), url."""
+    if not isinstance(raw, list):
+        raise JobFailed("job", "files is not a list")
+    if len(raw) > SNAPSHOT_MAX_FILES:
+        raise JobFailed("job", f"{len(raw)} files, at most {SNAPSHOT_MAX_FILES}")
+    files = [_snapshot_file(entry, urls=urls) for entry in raw]
+    seen: set[str] = set()
+    folders: set[str] = set()
+    for f in files:
+        if f["path"] in seen:
+            raise Unsafe(f"{f['path']!r}: listed twice")
+        seen.add(f["path"])
+        parts = f["path"].split("/")
+        folders.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    total = sum(f["size"] for f in files)
+    if total > SNAPSHOT_MAX_BYTES:
+        raise JobFailed("job", f"{total} bytes, at most {SNAPSHOT_MAX_BYTES}")
+    if clashes := sorted(seen & folders):
+        raise Unsafe(f"{clashes[0]!r}: listed both as a file and as a folder")
+    return files
+
+
+def _snapshot_file(entry: object, *, urls: bool) -> dict[str, Any]:
+    if not isinstance(entry, dict):
+        raise JobFailed("job", f"{entry!r} is not a file")
+    path = check_snapshot_path(entry.get("path"))
+    size = _count_of(entry.get("size"), path)
+    sha256, git_sha1, url = entry.get("sha256"), entry.get("git_sha1"), entry.get("url")
+    if sha256 is not None and not (isinstance(sha256, str) and _HEX64.fullmatch(sha256)):
+        raise JobFailed("job", f"{path!r}: {sha256!r} is not a sha256")
+    if git_sha1 is not None and not (isinstance(git_sha1, str) and _HEX40.fullmatch(git_sha1)):
+        raise JobFailed("job", f"{path!r}: {git_sha1!r} is not a git blob id")
+    if sha256 is None and git_sha1 is None and urls:
+        raise JobFailed("job", f"{path!r}: neither a sha256 nor a git blob id to check it against")
+    if urls and not (isinstance(url, str) and urlsplit(url).scheme in ("https", "http")):
+        raise JobFailed("job", f"{path!r}: {url!r} is not an http(s) URL")
+    return {"path": path, "size": size, "sha256": sha256, "git_sha1": git_sha1, "url": url}
+
+
+def _snapshot_where(config: dict[str, Any]) -> tuple[str, str, str]:
+    """The job's repo folder, repo id and commit, checked against one another: the folder is
+    ``<weights>/hf/<org>--<name>`` of the repo it names."""
+    folder, repo, commit = config.get("folder"), config.get("repo"), config.get("commit")
+    if not isinstance(repo, str) or not _REPO_ID.fullmatch(repo) or "--" in repo or ".." in repo:
+        raise JobFailed("job", f"{repo!r} is not a repo id")
+    if not isinstance(commit, str) or not _HEX40.fullmatch(commit):
+        raise JobFailed("job", f"{commit!r} is not a 40-hex commit")
+    expected = "/hf/" + repo.replace("/", "--")
+    if not isinstance(folder, str) or not folder.startswith("/") or not folder.endswith(expected):
+        raise JobFailed("job", f"{folder!r} is not an absolute <weights>{expected} folder")
+    if any(p in (".", "..") for p in folder.split("/")):
+        raise JobFailed("job", f"{folder!r} has a '.' or '..' component")
+    return folder, repo, commit
+
+
+def snapshot_names(commit: str) -> dict[str, str]:
+    """What a snapshot of ``commit`` is made of, in its repo folder: the snapshot folder,
+    the manifest written last, and hidden bookkeeping (status, lock, a work folder for
+    partial files and checks), kept out of the snapshot folder, which holds only the
+    repository's names."""
+    return {
+        "snapshot": commit,
+        "manifest": commit + ".manifest.json",
+        "status": f".{commit}.snapshot-status",
+        "lock": f".{commit}.snapshot-lock",
+        "work": f".{commit}.snapshot-work",
+    }
+
+
+def _enter(fd: int, name: str, where: str, *, create: bool) -> int:
+    """A descriptor of the folder ``name`` in ``fd``, never reached through a symbolic link
+    (whoever owns it: a snapshot's folders are the fetcher's own), checked like the folders
+    on the way to the weights folder."""
+    try:
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        if not create:
+            raise
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o755, dir_fd=fd)
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        raise Unsafe(
+            f"{where} is a symbolic link: the fetcher (root) never reaches a snapshot's folders "
+            "through one; remove it (and find out who planted it)"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise Unsafe(f"{where} is not a folder")
+    sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    try:
+        now = os.fstat(sub)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise Unsafe(f"{where} was replaced while the fetcher opened it")
+        _check_folder(now, where)
+    except BaseException:
+        os.close(sub)
+        raise
+    return sub
+
+
+def _parent(root: int, shown: str, path: str, *, create: bool) -> int:
+    """A descriptor of the folder holding ``path`` (checked) inside ``root``, entered one
+    component at a time with ``_enter``; the caller closes it."""
+    fd = os.dup(root)
+    try:
+        for name in path.split("/")[:-1]:
+            shown = f"{shown}/{name}"
+            sub = _enter(fd, name, shown, create=create)
+            os.close(fd)
+            fd = sub
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _file_state(folder: int, name: str, where: str) -> os.stat_result | None:
+    """A snapshot file's stat, None when absent; Unsafe for a link, something that is not a
+    regular file, or a hard-linked file another account owns (as ``inspect`` a target)."""
+    st = _lstat(folder, name)
+    if st is None:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise Unsafe(
+            f"{where} is a symbolic link: the fetcher (root) never writes or reads through one; "
+            "remove it (and find out who planted it)"
+        )
+    if not stat.S_ISREG(st.st_mode):
+        raise Unsafe(f"{where} is not a regular file; remove it")
+    if st.st_nlink != 1 and st.st_uid not in TRUSTED_OWNERS:
+        raise Unsafe(f"{where} has {st.st_nlink} hard links and belongs to uid {st.st_uid}; remove it")
+    return st
+
+
+def _read_manifest(folder: int, name: str, where: str, repo: str, commit: str) -> dict[str, tuple[int, str]]:
+    """The manifest's files (path -> (size, sha256)), read as hostile: Unsafe when it is not
+    the fetcher's own file, JobFailed("manifest") when it is not a manifest of this commit.
+    FileNotFoundError when there is none."""
+    fd = open_file(folder, name, os.O_RDONLY, where)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(SNAPSHOT_MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise JobFailed("manifest", f"cannot read {where}: {exc}") from None
+    if len(text) > SNAPSHOT_MAX_MANIFEST_BYTES:
+        raise JobFailed("manifest", f"{where} is larger than {SNAPSHOT_MAX_MANIFEST_BYTES} bytes")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise JobFailed("manifest", f"{where} is not JSON") from None
+    if not isinstance(data, dict) or data.get("format") != 1:
+        raise JobFailed("manifest", f"{where} is not a manifest of format 1")
+    if data.get("repo") != repo or data.get("commit") != commit:
+        raise JobFailed("manifest", f"{where} is of {data.get('repo')!r}@{data.get('commit')!r}")
+    raw = data.get("files")
+    if not isinstance(raw, list):
+        raise JobFailed("manifest", f"{where}: files is not a list")
+    listed: dict[str, tuple[int, str]] = {}
+    for entry in raw:
+        if not isinstance(entry, dict):
+            raise JobFailed("manifest", f"{where}: {entry!r} is not a file")
+        path, size, sha = entry.get("path"), entry.get("size"), entry.get("sha256")
+        try:
+            path = check_snapshot_path(path)
+            size = _count_of(size, path)
+        except JobFailed as exc:
+            raise JobFailed("manifest", f"{where}: {exc}") from None
+        if not isinstance(sha, str) or not _HEX64.fullmatch(sha) or path in listed:
+            raise JobFailed("manifest", f"{where}: {path!r} has sha256 {sha!r} or is listed twice")
+        listed[path] = (size, sha)
+    return listed
+
+
+def _wanted(
+    listed: dict[str, tuple[int, str]] | None, expected: list[dict[str, Any]] | None, wrong: list[list[str]]
+) -> dict[str, tuple[int, str | None, str | None]]:
+    """path -> (size, sha256, git blob id) of every file to look at: the manifest's and the
+    expected ones; an expected file the manifest lacks or lists otherwise goes to ``wrong``."""
+    wanted: dict[str, tuple[int, str | None, str | None]] = {}
+    if listed is not None:
+        wanted = {p: (size, sha, None) for p, (size, sha) in listed.items()}
+    for f in expected or []:
+        m = wanted.get(f["path"])
+        if listed is not None and m is None:
+            wrong.append([f["path"], "not in the manifest"])
+        elif m is not None and (m[0] != f["size"] or (f["sha256"] and m[1] != f["sha256"])):
+            wrong.append([f["path"], f"the manifest says {m[0]} bytes, sha256 {m[1]}: not the file expected"])
+        wanted[f["path"]] = (f["size"], f["sha256"] or (m[1] if m else None), f["git_sha1"])
+    return wanted
+
+
+def _check_snapshot(
+    folder: int, shown: str, repo: str, commit: str, expected: list[dict[str, Any]] | None, *, full: bool
+) -> dict[str, Any]:
+    """Whether the snapshot of ``commit`` is complete: its manifest is there and every file
+    it lists (and, given ``expected``, every file expected, with that size and digest) is
+    in place with its size (``full``: and its sha256). Never writes."""
+    names = snapshot_names(commit)
+    missing: list[str] = []
+    wrong: list[list[str]] = []
+    listed: dict[str, tuple[int, str]] | None
+    try:
+        listed = _read_manifest(folder, names["manifest"], f"{shown}/{names['manifest']}", repo, commit)
+    except FileNotFoundError:
+        listed = None
+    except JobFailed as exc:
+        listed = None
+        wrong.append([names["manifest"], str(exc)])
+    wanted = _wanted(listed, expected, wrong)
+    snap_shown = f"{shown}/{names['snapshot']}"
+    try:
+        root = _enter(folder, names["snapshot"], snap_shown, create=False)
+    except FileNotFoundError:
+        root = -1
+    except JobFailed as exc:
+        root = -1
+        wrong.append([names["snapshot"], str(exc)])
+    try:
+        for path, (size, sha, git) in wanted.items():
+            if root < 0:
+                missing.append(path)
+                continue
+            problem = _check_file(root, snap_shown, path, size, digests=(sha, git), full=full)
+            if problem == "missing":
+                missing.append(path)
+            elif problem:
+                wrong.append([path, problem])
+    finally:
+        if root >= 0:
+            os.close(root)
+    if listed is None and root < 0 and not wrong:
+        state = "absent"
+    elif listed is not None and not missing and not wrong:
+        state = "complete"
+    else:
+        state = "incomplete"
+    answer: dict[str, Any] = {
+        "state": state,
+        "manifest": listed is not None,
+        "files": len(wanted),
+        "bytes": sum(size for size, _, _ in wanted.values()),
+        "missing_count": len(missing),
+        "missing": missing[:LISTED_AT_MOST],
+        "wrong_count": len(wrong),
+        "wrong": wrong[:LISTED_AT_MOST],
+    }
+    if listed is None and state == "incomplete":
+        answer["why"] = f"no manifest {names['manifest']}: the snapshot was never completed"
+    return answer
+
+
+def _check_file(
+    root: int, shown: str, path: str, size: int, *, digests: tuple[str | None, str | None], full: bool
+) -> str:
+    """ "" when the file is in place with ``size`` (``full``: and its sha256, else its git
+    blob id), "missing", or what is wrong with it."""
+    sha, git = digests
+    where = f"{shown}/{path}"
+    try:
+        parent = _parent(root, shown, path, create=False)
+    except FileNotFoundError:
+        return "missing"
+    except JobFailed as exc:
+        return str(exc)
+    try:
+        st = _file_state(parent, path.rsplit("/", 1)[-1], where)
+        if st is None:
+            return "missing"
+        if st.st_size != size:
+            return f"{st.st_size} bytes, expected {size}"
+        if not full:
+            return ""
+        fd = open_file(parent, path.rsplit("/", 1)[-1], os.O_RDONLY, where, strict=False)
+        try:
+            hashes = _hash_file(fd, size if git and not sha else None)
+        finally:
+            os.close(fd)
+        if sha and hashes.hexdigest() != sha:
+            return f"sha256 {hashes.hexdigest()}, expected {sha}"
+        if git and not sha and hashes.git_sha1() != git:
+            return f"git blob id {hashes.git_sha1()}, expected {git}"
+        return ""
+    except JobFailed as exc:
+        return str(exc)
+    finally:
+        os.close(parent)
+
+
+class _Status:
+    """A job's status file, rewritten in place (as ``Download`` does its own)."""
+
+    def __init__(self, fd: int, status: dict[str, Any]) -> None:
+        self.fd, self.status = fd, status
+        self._last = 0.0
+
+    def report(self, force: bool = False, **changes: Any) -> None:
+        self.status.update(changes)
+        now = time.monotonic()
+        if force or now - self._last >= STATUS_EVERY:
+            self._last = now
+            text = json.dumps(self.status).encode()
+            text += b" " * (STATUS_SIZE - len(text)) if len(text) < STATUS_SIZE else b""
+            os.pwrite(self.fd, text, 0)
+            os.ftruncate(self.fd, len(text))
+
+
+class _FileDownload(Download):
+    """One file of a snapshot: its progress goes to the snapshot's status."""
+
+    def __init__(self, config: dict[str, Any], folder: int, work: int, work_path: str, progress: Any) -> None:
+        super().__init__(config, folder, work, work_path)
+        self._progress = progress
+
+    def _write_status(self) -> None:
+        self._progress(self.status)
+
+    def _copy(self, resp: http.client.HTTPResponse, out: IO[bytes], have: int) -> None:
+        """As Download's, and a connection that ends early is a network failure: retried
+        (resumed with Range) rather than taken for the whole file."""
+        super()._copy(resp, out, have)
+        got = os.fstat(out.fileno()).st_size
+        if self.size is not None and got < self.size:
+            raise http.client.IncompleteRead(b"", self.size - got)
+
+
+class SnapshotJob:
+    """The detached job that fills ``<folder>/<commit>/`` and writes the manifest last."""
+
+    def __init__(
+        self, config: dict[str, Any], folder: int, where: tuple[str, str, str], files: list[dict[str, Any]]
+    ) -> None:
+        self.config, self.folder, self.files = config, folder, files
+        self.shown, self.repo, self.commit = where
+        self.names = snapshot_names(self.commit)
+        self.snap_shown = f"{self.shown}/{self.names['snapshot']}"
+        self.work_shown = f"{self.shown}/{self.names['work']}"
+        self.status: _Status | None = None
+        self.done_bytes = 0
+
+    def report(self, force: bool = False, **changes: Any) -> None:
+        if self.status is not None:
+            self.status.report(force, **changes)
+
+    def run(self) -> None:
+        # Whatever manifest was there no longer says what the folder holds.
+        _unlink(self.folder, self.names["manifest"])
+        root = _enter(self.folder, self.names["snapshot"], self.snap_shown, create=True)
+        work = -1
+        try:
+            work = _enter(self.folder, self.names["work"], self.work_shown, create=True)
+            self._run_in(root, work)
+        finally:
+            os.close(root)
+            if work >= 0:
+                os.close(work)
+
+    def _run_in(self, root: int, work: int) -> None:
+        sha256s: dict[str, str] = {}
+        identities: dict[str, list[int]] = {}
+        for index, f in enumerate(self.files):
+            path = f["path"]
+            self.report(True, state="fetching", current=path, files_done=index, bytes_done=self.done_bytes)
+            parent = _parent(root, self.snap_shown, path, create=True)
+            try:
+                sha256s[path], identities[path] = self._one(parent, work, f)
+            except JobFailed as exc:
+                raise JobFailed(exc.kind, f"{path}: {exc}") from None
+            finally:
+                os.close(parent)
+            self.done_bytes += f["size"]
+        self.report(
+            True, state="verifying", current=None, files_done=len(self.files), bytes_done=self.done_bytes
+        )
+        for f in self.files:  # a last look: nothing replaced since it was checked
+            parent = _parent(root, self.snap_shown, f["path"], create=False)
+            try:
+                name = f["path"].rsplit("/", 1)[-1]
+                st = _file_state(parent, name, f"{self.snap_shown}/{f['path']}")
+            finally:
+                os.close(parent)
+            if st is None or _identity(st) != identities[f["path"]]:
+                raise JobFailed("changed", f"{f['path']} changed after it was checked; fetch again")
+        self._write_manifest(sha256s)
+        self.report(True, state="done", current=None, finished=time.time())
+
+    def _key(self, path: str) -> str:
+        return hashlib.sha256(path.encode("utf-8")).hexdigest()[:40]
+
+    def _one(self, parent: int, work: int, f: dict[str, Any]) -> tuple[str, list[int]]:
+        """The file in place and checked: its sha256 and the identity it was checked with."""
+        path, name = f["path"], f["path"].rsplit("/", 1)[-1]
+        where = f"{self.snap_shown}/{path}"
+        key = self._key(path)
+        marker = os.path.basename(side_files(key)["verified"])
+        kept = self._reuse(parent, work, f, name=name, where=where, marker=marker)
+        if kept is not None:
+            return kept
+        config = {
+            "url": f["url"],
+            "target": where,
+            "sha256": f["sha256"],
+            "git_sha1": f["git_sha1"],
+            "size": f["size"],
+            "token": self.config.get("token"),
+            "token_origin": self.config.get("token_origin"),
+        }
+        if config["token"] and not config["token_origin"]:
+            config["token"] = None  # a snapshot's token goes to the origin it was given for, or nowhere
+        base = self.done_bytes
+        job = _FileDownload(
+            config,
+            parent,
+            work,
+            f"{self.work_shown}/{key}",
+            lambda st: self.report(bytes_done=base + _nonneg(st.get("bytes")), retrying=st.get("retrying")),
+        )
+        job.run()
+        st = _file_state(parent, name, where)
+        if st is None or st.st_size != f["size"]:
+            raise JobFailed("size", f"{where} is not in place after its download")
+        digest = job.digests["sha256"]
+        if _settled(st):
+            _write_json(work, marker, {"identity": _identity(st), **job.digests})
+        return digest, _identity(st)
+
+    def _reuse(
+        self, parent: int, work: int, f: dict[str, Any], *, name: str, where: str, marker: str
+    ) -> tuple[str, list[int]] | None:
+        """An existing file that matches (remembered, else hashed now): its sha256 and
+        identity; None when it has to be downloaded."""
+        st = _file_state(parent, name, where)
+        if st is None or st.st_size != f["size"] or st.st_uid not in TRUSTED_OWNERS:
+            return None  # another account's file could change once checked: replaced by a download
+        seen = _read_json(work, marker)
+        if seen.get("identity") == _identity(st) and self._matches(
+            seen.get("sha256"), seen.get("git-sha1"), f
+        ):
+            return str(seen["sha256"]), _identity(st)
+        self.report(True, state="verifying", current=f["path"])
+        fd = open_file(parent, name, os.O_RDONLY, where, strict=False)
+        try:
+            base = self.done_bytes
+            hashes = _hash_file(fd, f["size"], lambda done: self.report(bytes_done=base + done))
+            now = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if _identity(now) != _identity(st) or not self._matches(hashes.hexdigest(), hashes.git_sha1(), f):
+            return None  # downloaded again, and replaced only by a verified copy
+        if _settled(now):
+            _write_json(
+                work,
+                marker,
+                {"identity": _identity(now), "sha256": hashes.hexdigest(), "git-sha1": hashes.git_sha1()},
+            )
+        return hashes.hexdigest(), _identity(now)
+
+    @staticmethod
+    def _matches(sha256: object, git_sha1: object, f: dict[str, Any]) -> bool:
+        if not isinstance(sha256, str) or not _HEX64.fullmatch(sha256):
+            return False
+        if f["sha256"]:
+            return bool(sha256 == f["sha256"])
+        return bool(git_sha1 == f["git_sha1"])
+
+    def _write_manifest(self, sha256s: dict[str, str]) -> None:
+        """``<commit>.manifest.json``, atomically and durably: a temporary file, synced, then
+        renamed over the name, the folder synced."""
+        files = [{"path": f["path"], "size": f["size"], "sha256": sha256s[f["path"]]} for f in self.files]
+        body = {"format": 1, "repo": self.repo, "commit": self.commit, "files": files}
+        text = (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+        tmp = f".{self.names['manifest']}.{os.getpid()}.tmp"
+        _unlink(self.folder, tmp)
+        fd = open_file(self.folder, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, f"{self.shown}/{tmp}")
+        try:
+            view = memoryview(text)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.names["manifest"], src_dir_fd=self.folder, dst_dir_fd=self.folder)
+        os.fsync(self.folder)
+
+
+def _nonneg(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def snapshot(config: dict[str, Any]) -> None:
+    """Start (detached) the job that brings a whole repository at one commit into
+    ``<folder>/<commit>/`` and writes ``<commit>.manifest.json`` last. Prints ``present``
+    (the manifest is there and every file in place with its size), ``attached`` (another
+    job of this snapshot runs: poll it), ``started``, or an error."""
+    try:
+        where = _snapshot_where(config)
+        files = _snapshot_files(config.get("files"), urls=True)
+        folder = open_folder(where[0], create=True)
+    except JobFailed as exc:
+        _error(exc.kind, str(exc))
+        return
+    except OSError as exc:
+        _error("node", f"cannot open {config.get('folder')}: {exc}")
+        return
+    try:
+        _snapshot_in(folder, config, where, files)
+    finally:
+        os.close(folder)
+
+
+def _snapshot_in(
+    folder: int, config: dict[str, Any], where: tuple[str, str, str], files: list[dict[str, Any]]
+) -> None:
+    lock = _snapshot_lock(folder, where, files)
+    if lock is None:
+        return
+    try:
+        job = _snapshot_job(folder, config, where, files)
+    except (JobFailed, OSError) as exc:
+        os.close(lock)
+        _snapshot_refused(exc, where[0])
+        return
+    if job is None:
+        os.close(lock)
+        return
+    foreground = bool(config.get("foreground"))
+    if not foreground and not _detach():
+        os.close(lock)
+        _emit({"state": "started"})
+        return
+    job.report(True, pid=os.getpid())
+    try:
+        job.run()
+    except JobFailed as exc:
+        job.report(True, state="error", kind=exc.kind, message=str(exc), current=None, finished=time.time())
+    except OSError as exc:
+        kind = "disk-full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "node"
+        job.report(True, state="error", kind=kind, message=str(exc), current=None, finished=time.time())
+    except BaseException as exc:  # a bug: say so in the status instead of dying silently
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        job.report(True, state="error", kind="crash", message=last, finished=time.time())
+    finally:
+        os.close(lock)  # the status says done or error before the lock is free
+    if not foreground:
+        os._exit(0)
+
+
+def _snapshot_refused(exc: Exception, shown: str) -> None:
+    if isinstance(exc, JobFailed):
+        _error(exc.kind, str(exc))
+    else:
+        _error("node", f"cannot prepare the snapshot in {shown}: {exc}")
+
+
+def _snapshot_present(answer: dict[str, Any]) -> bool:
+    if answer["state"] != "complete":
+        return False
+    _emit({"state": "present", "files": answer["files"], "bytes": answer["bytes"]})
+    return True
+
+
+def _snapshot_lock(folder: int, where: tuple[str, str, str], files: list[dict[str, Any]]) -> int | None:
+    """The snapshot's lock, held; None once the answer (present, attached, error) is printed."""
+    shown, repo, commit = where
+    names = snapshot_names(commit)
+    try:
+        for key in ("status", "lock", "manifest"):
+            _file_state(folder, names[key], f"{shown}/{names[key]}")
+        if _snapshot_present(_check_snapshot(folder, shown, repo, commit, files, full=False)):
+            return None
+        lock = open_file(
+            folder, names["lock"], os.O_RDWR | os.O_CREAT, f"{shown}/{names['lock']}", mode=0o600
+        )
+    except (JobFailed, OSError) as exc:
+        _snapshot_refused(exc, shown)
+        return None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        _emit({"state": "attached"})  # another job fetches this snapshot: follow its status
+        return None
+    return lock
+
+
+def _snapshot_job(
+    folder: int, config: dict[str, Any], where: tuple[str, str, str], files: list[dict[str, Any]]
+) -> SnapshotJob | None:
+    """The job, its status written; None once ``present`` is printed (done meanwhile)."""
+    shown, repo, commit = where
+    names = snapshot_names(commit)
+    if _snapshot_present(_check_snapshot(folder, shown, repo, commit, files, full=False)):
+        return None
+    job = SnapshotJob(config, folder, where, files)
+    status_fd = open_file(folder, names["status"], os.O_WRONLY | os.O_CREAT, f"{shown}/{names['status']}")
+    job.status = _Status(
+        status_fd,
+        {
+            "state": "fetching",
+            "pid": os.getpid(),
+            "repo": repo,
+            "commit": commit,
+            "files_done": 0,
+            "files_total": len(files),
+            "bytes_done": 0,
+            "bytes_total": sum(f["size"] for f in files),
+            "current": None,
+            "started": time.time(),
+        },
+    )
+    job.report(True)  # the first poll must not see an older run's status
+    return job
+
+
+def verify_snapshot(config: dict[str, Any]) -> None:
+    """Print whether the snapshot of ``commit`` in ``folder`` is complete: ``complete``
+    (its manifest is there and every file listed, and every file of ``files`` when given,
+    has its size; with ``full``, its sha256 too), ``incomplete`` (with the missing and
+    wrong files named), ``absent`` (neither folder nor manifest), or an error."""
+    try:
+        shown, repo, commit = _snapshot_where(config)
+        files = _snapshot_files(config["files"], urls=False) if config.get("files") is not None else None
+        folder = open_folder(shown, create=False)
+    except FileNotFoundError:
+        _emit(
+            {
+                "state": "absent",
+                "manifest": False,
+                "files": 0,
+                "bytes": 0,
+                "missing_count": 0,
+                "missing": [],
+                "wrong_count": 0,
+                "wrong": [],
+            }
+        )
+        return
+    except JobFailed as exc:
+        _error(exc.kind, str(exc))
+        return
+    except OSError as exc:
+        _error("node", f"cannot open {config.get('folder')}: {exc}")
+        return
+    try:
+        _emit(_check_snapshot(folder, shown, repo, commit, files, full=bool(config.get("full"))))
+    except JobFailed as exc:
+        _error(exc.kind, str(exc))
+    except OSError as exc:
+        _error("node", f"cannot verify the snapshot in {shown}: {exc}")
+    finally:
+        os.close(folder)
+
+
+def poll_snapshot(config: dict[str, Any]) -> None:
+    """Print ``{"free": <nobody holds the snapshot's lock>, "status": <its status or {}>}``."""
+    answer: dict[str, Any] = {"free": True, "status": {}}
+    try:
+        shown, _, commit = _snapshot_where(config)
+        folder = open_folder(shown, create=False)
+    except (JobFailed, OSError) as exc:
+        _emit({**answer, "error": str(exc)})
+        return
+    names = snapshot_names(commit)
+    try:
+        try:
+            lock = open_file(folder, names["lock"], os.O_RDONLY, f"{shown}/{names['lock']}")
+        except FileNotFoundError:
+            lock = -1
+        if lock >= 0:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                answer["free"] = False
+            finally:
+                os.close(lock)
+        answer["status"] = _read_json(folder, names["status"])
+    except (JobFailed, OSError) as exc:
+        answer["error"] = str(exc)
+    finally:
+        os.close(folder)
+    _emit(answer)
+
+
 # --- serve ----------------------------------------------------------------------------
 
 
@@ -1055,7 +1899,15 @@ def serve(config: dict[str, Any]) -> None:
         os._exit(0)
 
 
-MODES = {"fetch": fetch, "verify": verify, "poll": poll, "serve": serve}
+MODES = {
+    "fetch": fetch,
+    "verify": verify,
+    "poll": poll,
+    "serve": serve,
+    "snapshot": snapshot,
+    "verify-snapshot": verify_snapshot,
+    "poll-snapshot": poll_snapshot,
+}
 
 
 def main(config: dict[str, Any]) -> None:
