@@ -767,7 +767,14 @@ class Download:
                 _hash_prefix(fd, self._hash, have)  # the kept prefix, read back from disk
             with os.fdopen(fd, "ab" if append else "wb") as out:
                 self._copy(resp, out, have)
-            return total if total >= 0 else _size(self.work, self.names["part"])
+            got = _size(self.work, self.names["part"])
+            whole = total if total >= 0 else self.size
+            if whole is not None and got < whole:
+                # http.client ends a body cut short without an error: a connection that
+                # closed early is a network failure, retried and resumed with Range, not a
+                # file of the wrong size.
+                raise http.client.IncompleteRead(b"", whole - got)
+            return total if total >= 0 else got
         finally:
             conn.close()
 
@@ -1399,14 +1406,6 @@ class _FileDownload(Download):
 
     def _write_status(self) -> None:
         self._progress(self.status)
-
-    def _copy(self, resp: http.client.HTTPResponse, out: IO[bytes], have: int) -> None:
-        """As Download's, and a connection that ends early is a network failure: retried
-        (resumed with Range) rather than taken for the whole file."""
-        super()._copy(resp, out, have)
-        got = os.fstat(out.fileno()).st_size
-        if self.size is not None and got < self.size:
-            raise http.client.IncompleteRead(b"", self.size - got)
 
 
 class SnapshotJob:

@@ -614,3 +614,21 @@ def test_a_contradictory_check_is_not_complete() -> None:
     assert parse_snapshot_check({"state": "complete", "manifest": True}).complete
     assert parse_snapshot_check({"state": "error", "message": "unsafe: x"}).state == "error"
     assert parse_snapshot_check([1]).state == "error"
+
+
+def test_a_single_file_cut_by_its_origin_is_resumed_not_refused(
+    hub: HubStandin, snap: Snapshot, weights: Path
+) -> None:
+    """http.client ends a body cut short without an error; a single-file fetch whose origin
+    closed the connection early is retried from where it stopped (Range, If-Range), as a
+    snapshot's file is, instead of failing as a file of the wrong size."""
+    weights.mkdir(parents=True, exist_ok=True)
+    target = weights / "big.bin"
+    hub.cut_after[BIG_SHA] = MiB
+    job = {"mode": "fetch", "url": f"{hub.cdn_url}/blobs/{BIG_SHA}", "target": str(target), "sha256": BIG_SHA}
+    node({**job, "foreground": True})
+    status = json.loads((weights / ".big.bin.fetch-status").read_text())
+    assert status["state"] == "done", status
+    first, second = blob_gets(hub, BIG_SHA)
+    assert "range" not in first and second["range"] == f"bytes={MiB}-", (first, second)
+    assert target.read_bytes() == BIG
