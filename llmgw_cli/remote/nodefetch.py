@@ -170,14 +170,7 @@ class _Walk:
         """Enter ``name``; returns a trusted link's text instead of entering it."""
         fd, shown = self.open[-1]
         where = f"{shown}/{name}"
-        try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        except FileNotFoundError:
-            if not create:
-                raise
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, 0o755, dir_fd=fd)
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        st = _stat_or_make(fd, name, create=create)
         if stat.S_ISLNK(st.st_mode):
             if st.st_uid not in TRUSTED_OWNERS:
                 raise Unsafe(
@@ -185,15 +178,39 @@ class _Walk:
                     "not follow links another account can change; make it a folder or a root-owned link"
                 )
             return os.readlink(name, dir_fd=fd)
-        if not stat.S_ISDIR(st.st_mode):
-            raise Unsafe(f"{where} is not a folder")
-        sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-        self.open.append((sub, where))
+        self.open.append((_open_checked(fd, name, st, where), where))
+        return None
+
+
+def _stat_or_make(fd: int, name: str, *, create: bool) -> os.stat_result:
+    """``name`` in folder ``fd``, not followed if a link; made (mode 755) first when it is
+    missing and ``create``, else FileNotFoundError."""
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        if not create:
+            raise
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o755, dir_fd=fd)
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+
+
+def _open_checked(fd: int, name: str, st: os.stat_result, where: str) -> int:
+    """A descriptor of the folder ``name`` in ``fd`` that ``st`` (its lstat) described:
+    the same folder once open (not swapped in between), and passing ``_check_folder``.
+    Raises Unsafe, with nothing left open."""
+    if not stat.S_ISDIR(st.st_mode):
+        raise Unsafe(f"{where} is not a folder")
+    sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    try:
         now = os.fstat(sub)
         if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
             raise Unsafe(f"{where} was replaced while the fetcher opened it")
         _check_folder(now, where)
-        return None
+    except BaseException:
+        os.close(sub)
+        raise
+    return sub
 
 
 def open_folder(path: str, *, create: bool) -> int:
@@ -1164,31 +1181,13 @@ def _enter(fd: int, name: str, where: str, *, create: bool) -> int:
     """A descriptor of the folder ``name`` in ``fd``, never reached through a symbolic link
     (whoever owns it: a snapshot's folders are the fetcher's own), checked like the folders
     on the way to the weights folder."""
-    try:
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-    except FileNotFoundError:
-        if not create:
-            raise
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, 0o755, dir_fd=fd)
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    st = _stat_or_make(fd, name, create=create)
     if stat.S_ISLNK(st.st_mode):
         raise Unsafe(
             f"{where} is a symbolic link: the fetcher (root) never reaches a snapshot's folders "
             "through one; remove it (and find out who planted it)"
         )
-    if not stat.S_ISDIR(st.st_mode):
-        raise Unsafe(f"{where} is not a folder")
-    sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-    try:
-        now = os.fstat(sub)
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            raise Unsafe(f"{where} was replaced while the fetcher opened it")
-        _check_folder(now, where)
-    except BaseException:
-        os.close(sub)
-        raise
-    return sub
+    return _open_checked(fd, name, st, where)
 
 
 def _parent(root: int, shown: str, path: str, *, create: bool) -> int:
