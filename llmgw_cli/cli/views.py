@@ -15,6 +15,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from llmgw_cli.core.quantities import clock
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
 from llmgw_cli.errors import Problem
 
@@ -216,7 +217,7 @@ def progress_view(rows: dict[str, Row], now: float) -> RenderableType:
     # A copy: the live view's redraw thread reads the rows while reports add to them.
     for subject, row in list(rows.items()):
         table.add_row(
-            plain(subject), Text(row.message, style=_PHASE_STYLE[row.phase]), elapsed(row.elapsed(now))
+            plain(subject), Text(row.message, style=_PHASE_STYLE[row.phase]), clock(row.elapsed(now))
         )
     return table
 
@@ -224,18 +225,8 @@ def progress_view(rows: dict[str, Row], now: float) -> RenderableType:
 def progress_line(subject: str, row: Row) -> Text:
     """One report as a line, where there is no terminal to redraw: the time taken is added
     once the subject is done or failed."""
-    took = "" if row.phase == "working" else f" ({elapsed(row.elapsed(row.changed))})"
+    took = "" if row.phase == "working" else f" ({clock(row.elapsed(row.changed))})"
     return Text(f"  {subject}: {row.message}{took}")
-
-
-def elapsed(seconds: float) -> str:
-    """Whole seconds as ``42s``, ``3m05s``, ``1h02m``: short, and of a steady width."""
-    whole = int(seconds)
-    if whole < 60:
-        return f"{whole}s"
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
 _SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}  # by Severity

@@ -74,6 +74,17 @@ def format_duration(seconds: float) -> str:
     return "".join(parts)
 
 
+def clock(seconds: float, gap: str = "") -> str:
+    """Whole seconds as ``42s``, ``3m05s``, ``1h02m`` (``gap`` between the parts: ``3m 05s``):
+    short, and of a steady width, for a time taken so far."""
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{gap}{whole % 60:02d}s"
+    return f"{whole // 3600}h{gap}{whole % 3600 // 60:02d}m"
+
+
 def parse_size(text: object) -> int:
     """Bytes in a size such as ``80GiB``, ``512MiB`` or ``2TB``."""
     if isinstance(text, bool) or not isinstance(text, str | int | float):

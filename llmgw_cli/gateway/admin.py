@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmgw_cli.core.keys import bearer, plausible_token
+from llmgw_cli.core.quantities import clock
 from llmgw_cli.core.sparkline import sparkline
 from llmgw_cli.core.summary import Summary
 from llmgw_cli.core.templates import template_dirs
@@ -102,14 +103,7 @@ def _template() -> jinja2.Template:
 
 def duration(seconds: float | None) -> str:
     """``95`` -> ``1m 35s``; None -> ``-``."""
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m {s % 60:02d}s"
-    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return "-" if seconds is None else clock(seconds, " ")
 
 
 def charts(hour: Mapping[str, Mapping[str, Sequence[int]]]) -> list[dict[str, Any]]:

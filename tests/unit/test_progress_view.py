@@ -12,7 +12,8 @@ from rich.console import Console, RenderableType
 
 from llmgw_cli.cli import apply_steps
 from llmgw_cli.cli.common import node_progress
-from llmgw_cli.cli.views import elapsed, progress_line, progress_view
+from llmgw_cli.cli.views import progress_line, progress_view
+from llmgw_cli.core.quantities import clock
 from llmgw_cli.progress import Board, Phase, Report
 
 YELLOW, GREEN, RED = "\x1b[33m", "\x1b[32m", "\x1b[31m"
@@ -74,7 +75,7 @@ def test_the_live_view_shows_the_time_each_subject_has_taken() -> None:
     ("seconds", "text"), [(0.4, "0s"), (59.9, "59s"), (65, "1m05s"), (3599, "59m59s"), (3725, "1h02m")]
 )
 def test_elapsed_is_short_and_whole(seconds: float, text: str) -> None:
-    assert elapsed(seconds) == text
+    assert clock(seconds) == text
 
 
 def test_a_line_gets_its_time_once_the_subject_is_done() -> None:
