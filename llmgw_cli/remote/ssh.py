@@ -48,7 +48,7 @@ _parsed: dict[bytes, asyncssh.SSHKnownHosts] = {}
 
 def _known_hosts(path: Path) -> asyncssh.SSHKnownHosts | None:
     """``path`` parsed, once per process for the same content: a probe of many nodes
-    would otherwise parse the same file twice per connection. Keyed on the bytes read
+    would otherwise parse the same file for every connection. Keyed on the bytes read
     now, so a file changed in between is parsed again. None when it cannot be read or
     parsed."""
     try:
@@ -64,8 +64,7 @@ def _known_hosts(path: Path) -> asyncssh.SSHKnownHosts | None:
         return None
 
 
-def _is_known(known_hosts: Path, host: str, port: int) -> bool:
-    parsed = _known_hosts(known_hosts)
+def _matches(parsed: asyncssh.SSHKnownHosts | None, host: str, port: int) -> bool:
     return parsed is not None and bool(parsed.match(host, "", port)[0])
 
 
@@ -89,14 +88,14 @@ class SshTransport:
         self._jump: asyncssh.SSHClientConnection | None = None
         self._lock = asyncio.Lock()
 
-    async def _connect_options(self) -> dict[str, object]:
+    async def _connect_options(self, known_hosts: asyncssh.SSHKnownHosts | None) -> dict[str, object]:
         t = self._target
         s = t.settings
         options: dict[str, object] = {
             "port": s.port,
             "username": s.user,
             "connect_timeout": s.connect_timeout,
-            "known_hosts": _known_hosts(t.known_hosts) or str(t.known_hosts),
+            "known_hosts": known_hosts or str(t.known_hosts),
             "agent_path": None if t.identity_file else (),
         }
         if t.identity_file:
@@ -116,9 +115,11 @@ class SshTransport:
 
     async def _open(self) -> asyncssh.SSHClientConnection:
         t = self._target
-        known = _is_known(t.known_hosts, t.host, t.settings.port)
+        # Read once: the key checked here is the one the connection is verified against.
+        parsed = _known_hosts(t.known_hosts)
+        known = _matches(parsed, t.host, t.settings.port)
         try:
-            options = await self._connect_options()
+            options = await self._connect_options(parsed)
             if not known and t.settings.accept_unknown_hosts:
                 options["known_hosts"] = None
             conn = await asyncssh.connect(t.host, **options)

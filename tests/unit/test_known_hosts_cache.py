@@ -32,4 +32,4 @@ def test_an_unreadable_file_is_no_known_hosts(tmp_path: Path) -> None:
     assert ssh._known_hosts(tmp_path / "missing") is None
     (tmp_path / "binary").write_bytes(b"\xff\xfe not text")
     assert ssh._known_hosts(tmp_path / "binary") is None
-    assert not ssh._is_known(tmp_path / "missing", "10.0.0.1", 22)
+    assert not ssh._matches(ssh._known_hosts(tmp_path / "missing"), "10.0.0.1", 22)
