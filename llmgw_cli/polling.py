@@ -37,3 +37,20 @@ async def poll_until(
         if remaining <= 0:
             return None
         await asyncio.sleep(min(interval, remaining))
+
+
+async def wait_event(event: asyncio.Event, seconds: float) -> bool:
+    """Wait for ``event`` at most ``seconds``; True when it is set.
+
+    A cancellation always goes through. ``asyncio.wait_for`` on Python 3.11 swallows one
+    that arrives while the inner wait has just finished (it returns the result instead), so
+    a background loop cancelled at that moment went round again and its ``stop()`` never
+    returned; ``asyncio.timeout`` tells its own expiry from a cancellation. llmgw uses it,
+    never ``wait_for``.
+    """
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True

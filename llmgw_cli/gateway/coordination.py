@@ -61,6 +61,7 @@ from llmgw_cli.errors import NotLeader
 from llmgw_cli.gateway.controller import Controller, Following, Nodes, UnitFailure
 from llmgw_cli.gateway.sources import PublishedSource, ReplicaSource
 from llmgw_cli.gateway.store import Leadership, ModelState, Store
+from llmgw_cli.polling import wait_event
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.cluster_lock import Hold
 from llmgw_cli.remote.execute import Outcome
@@ -470,8 +471,7 @@ class Coordinator:
 
     async def _publish_loop(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), PUBLISH_EVERY)
+            await wait_event(self._dirty, PUBLISH_EVERY)
             await asyncio.sleep(PUBLISH_SETTLE)  # one publication for a burst of looks
             self._dirty.clear()
             try:

@@ -52,6 +52,7 @@ from llmgw_cli.gateway.store_values import (
     encode_published,
     parse_key,
 )
+from llmgw_cli.polling import wait_event
 
 if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
@@ -433,8 +434,7 @@ class PostgresStore:
             log.warning("store change notifications unavailable, looking again in 1 s: %s", exc)
             await asyncio.sleep(min(timeout, 1.0))
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - time.monotonic()))
+        await wait_event(self._changed, max(0.0, deadline - time.monotonic()))
         self._changed.clear()
 
     async def close(self) -> None:
@@ -449,7 +449,8 @@ class PostgresStore:
         pool, self._pool = self._pool, None
         if pool is not None:
             try:
-                await asyncio.wait_for(pool.close(), TIMEOUT)
+                async with asyncio.timeout(TIMEOUT):
+                    await pool.close()
             except (TimeoutError, OSError, asyncpg.InterfaceError):
                 pool.terminate()
 
@@ -521,7 +522,8 @@ class PostgresLeadership:
 
 async def _close(db: asyncpg.Connection) -> None:
     try:
-        await asyncio.wait_for(db.close(), TIMEOUT)
+        async with asyncio.timeout(TIMEOUT):
+            await db.close()
     except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
         db.terminate()
 

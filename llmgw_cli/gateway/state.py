@@ -52,6 +52,7 @@ from llmgw_cli.gateway.sources import ProbeSource, PublishedSource, ReplicaSourc
 from llmgw_cli.gateway.store import Store
 from llmgw_cli.gateway.upstream import Upstreams
 from llmgw_cli.gateway.usage import Meter
+from llmgw_cli.polling import wait_event
 from llmgw_cli.remote.cluster_lock import Hold, LocalLock
 
 log = logging.getLogger("llmgw.gateway")
@@ -300,11 +301,8 @@ class Gateway:
         replica failed its health check (a lost node is then noticed within one probe,
         not one interval later) or ``probe_now`` was called, but never sooner than
         ``DISCOVER_SOON`` after the last one began."""
-        try:
-            await asyncio.wait_for(self._discover_soon.wait(), self.every["discover"])
+        if await wait_event(self._discover_soon, self.every["discover"]):
             await asyncio.sleep(max(0.0, self._last_round + DISCOVER_SOON - time.monotonic()))
-        except TimeoutError:
-            pass
         self._discover_soon.clear()
         self._last_round = time.monotonic()
 

@@ -39,6 +39,7 @@ from llmgw_cli.lab.engine_checks import (
     select_gpus,
 )
 from llmgw_cli.lab.engine_http import serve_connection
+from llmgw_cli.polling import wait_event
 
 DEFAULT_GPUS_FILE = "/etc/lab/gpus.csv"
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -84,11 +85,7 @@ def _load_gpus() -> list[SimGpu] | None:
 
 async def _wait(stop: asyncio.Event, seconds: float) -> bool:
     """Sleep ``seconds`` unless stopped first; True when stopped."""
-    try:
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
-    except TimeoutError:
-        return False
-    return True
+    return await wait_event(stop, seconds)
 
 
 async def run(cfg: EngineConfig, max_model_len: int, timing: Timing) -> int:
@@ -161,9 +158,8 @@ async def _rendezvous(cfg: EngineConfig, stop: asyncio.Event) -> asyncio.Server 
     deadline = time.monotonic() + 60
     while not stop.is_set():
         try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(cfg.control_addr, cfg.control_port), timeout=2
-            )
+            async with asyncio.timeout(2):
+                _, writer = await asyncio.open_connection(cfg.control_addr, cfg.control_port)
             writer.close()
             log(cfg.kind, "INFO", f"Joined rank 0 at {cfg.control_addr}:{cfg.control_port}")
             return True

@@ -189,7 +189,8 @@ async def _rest(proc: Spawned, first: str, most: int = 10) -> str:
     lines = [first]
     while lines[-1] and len(lines) < most:
         try:
-            lines.append(await asyncio.wait_for(proc.readline(), 5))
+            async with asyncio.timeout(5):
+                lines.append(await proc.readline())
         except TimeoutError:
             break
     said = [shown_holder(line).removeprefix("error ") for line in lines if line.strip()]
@@ -254,7 +255,8 @@ async def _take_one(
     try:
         while True:
             try:
-                line = await asyncio.wait_for(proc.readline(), wait + spec.ssh.command_timeout)
+                async with asyncio.timeout(wait + spec.ssh.command_timeout):
+                    line = await proc.readline()
             except TimeoutError:
                 raise LockTimeout(f"the cluster lock on {host} did not answer within {wait:g}s") from None
             word, _, rest = line.strip().partition(" ")

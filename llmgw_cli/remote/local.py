@@ -24,9 +24,8 @@ class LocalTransport:
             stderr=asyncio.subprocess.PIPE,
         )
         try:
-            out, err = await asyncio.wait_for(
-                proc.communicate(stdin.encode() if stdin is not None else None), self._timeout
-            )
+            async with asyncio.timeout(self._timeout):
+                out, err = await proc.communicate(stdin.encode() if stdin is not None else None)
         except TimeoutError:
             proc.kill()
             await proc.wait()
@@ -75,7 +74,8 @@ class LocalSpawned:
         if self._proc.stdin is not None:
             self._proc.stdin.close()
         try:
-            await asyncio.wait_for(self._proc.wait(), 5)
+            async with asyncio.timeout(5):
+                await self._proc.wait()
         except TimeoutError:
             self._proc.kill()
             await self._proc.wait()

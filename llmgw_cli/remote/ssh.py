@@ -193,7 +193,8 @@ class SshTransport:
         """A session running ``command``; ``_Dropped`` when the connection cannot open one."""
         limit = self._target.settings.connect_timeout
         try:
-            proc = await asyncio.wait_for(conn.create_process(command, input=stdin), limit)
+            async with asyncio.timeout(limit):
+                proc = await conn.create_process(command, input=stdin)
             if stdin == "":
                 # asyncssh feeds `input` and ends it only when it is non-empty: an empty one
                 # would leave the command waiting for an end of input that never comes
@@ -274,7 +275,8 @@ class SshSpawned:
         """End its stdin and wait a little for it to exit; then close the channel."""
         try:
             self._proc.stdin.write_eof()
-            await asyncio.wait_for(self._proc.wait_closed(), 5)
+            async with asyncio.timeout(5):
+                await self._proc.wait_closed()
         except (OSError, TimeoutError, asyncssh.Error):
             pass
         finally:
