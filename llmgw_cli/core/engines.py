@@ -24,12 +24,14 @@ from llmgw_cli.core.engine_access import (
     secret_env_text,
     split_env,
 )
+from llmgw_cli.core.snapshot import snapshot_folder
 from llmgw_cli.core.spec import ClusterSpec, Engine, Model, Node, Profile, SourceKind
 from llmgw_cli.core.templates import render
 
 __all__ = ["ENGINE_ENV_FILE", "ENGINE_KEY_VAR"]  # re-exported: where callers have always found them
 
 UNIT_DIR = "/etc/systemd/system"
+DEFAULT_WEIGHTS = "/var/lib/llmgw/models"  # a node's weights folder when it declares none
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,27 @@ def spec_hash(spec: ClusterSpec, model: Model) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+class Unpinned(ValueError):
+    """A fetched repository model whose revision was not resolved to a commit: its
+    snapshot folder is not known (``core/pins.py``)."""
+
+
 def model_path(model: Model, node: Node) -> str:
-    """What the engine is given as the model: a repo id untouched (the engine resolves it),
-    an absolute path as is; ``./x`` and downloaded URLs live in the node's first weights
-    folder."""
+    """What the engine is given as the model: for a fetched repository, its snapshot folder
+    at the pinned commit in the node's first weights folder; with ``fetch: engine``, the
+    repo id (the engine downloads it); an absolute path as is; ``./x`` and downloaded URLs
+    live in the node's first weights folder."""
     kind = model.source_kind
-    if kind is SourceKind.hf_repo or model.source.startswith("/"):
+    base = node.weights[0].path if node.weights else DEFAULT_WEIGHTS
+    ref = model.repo_ref
+    if ref is not None:
+        if model.selection is None:
+            return ref.repo
+        if not ref.pinned:
+            raise Unpinned(f"{model.name}: {model.source} is not resolved to a commit yet")
+        return snapshot_folder(base, ref.repo, ref.revision)
+    if model.source.startswith("/"):
         return model.source
-    base = node.weights[0].path if node.weights else "/var/lib/llmgw/models"
     name = model.source.removeprefix("./") if kind is SourceKind.path else model.source.rsplit("/", 1)[-1]
     return f"{base.rstrip('/')}/{name}"
 
@@ -121,7 +136,16 @@ def engine_args(
             argv += ["--dist-init-addr", f"{head.engine_host}:{dist_port}"]
     else:
         argv += ["-m", path, "--host", host, "--port", str(port), "-a", model.name]
-    return argv + list(profile.args) + list(model.args)
+    return argv + _revision(profile, model) + list(profile.args) + list(model.args)
+
+
+def _revision(profile: Profile, model: Model) -> list[str]:
+    """``--revision`` for an engine that downloads a repository itself (``fetch: engine``)
+    at a revision other than ``main``; vLLM and SGLang both take it."""
+    ref = model.repo_ref
+    if ref is None or model.selection is not None or ref.revision == "main":
+        return []
+    return ["--revision", ref.revision] if profile.engine in (Engine.vllm, Engine.sglang) else []
 
 
 def ray_program(profile: Profile) -> str:
@@ -166,6 +190,9 @@ def environment(spec: ClusterSpec, model: Model, member: Member) -> dict[str, st
         if fabric and fabric.kind == "roce":
             env.setdefault("NCCL_IB_GID_INDEX", "3")
         env["VLLM_HOST_IP"] = member.node.engine_host
+    if model.selection is not None:
+        # the engine runs from the snapshot on disk: it must not reach the Hub on its own
+        env["HF_HUB_OFFLINE"] = "1"
     return {**env, **profile.env, **model.env}
 
 

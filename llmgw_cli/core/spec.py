@@ -25,7 +25,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -35,6 +37,7 @@ from pydantic_core import PydanticCustomError
 from llmgw_cli.core import grammar
 from llmgw_cli.core.grammar import whole
 from llmgw_cli.core.quantities import Duration, PositiveDuration, Size
+from llmgw_cli.core.snapshot import RepoRef, Selection, parse_repo_ref
 from llmgw_cli.core.values import (
     CONTROL_CHARACTER,
     AbsolutePlainWord,
@@ -54,7 +57,15 @@ from llmgw_cli.core.values import (
 
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
-HF_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
+_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_REF_PART = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
+HF_REPO_PATTERN = (
+    rf"^(?![^@]*--)(?!.*\.\.){_PART}/{_PART}(?<!\.git)"
+    rf"(@(?=[^@]{{1,255}}$)(?!.*\.lock(/|$)){_REF_PART}(/{_REF_PART})*)?$"
+)
+"""A Hugging Face repo id, ``org/name`` or ``org/name@revision``, as the JSON Schema says
+it: the rules of ``core.snapshot.parse_repo_ref`` (which says what is wrong) as one regex."""
+_REPO_SHAPE = r"^[^/@:\s.][^/@:\s]*/[^/@:\s]+(@|$)"  # meant as a repo id: parse_repo_ref says what is wrong
 # Where a model's weights come from (classify_source): what the JSON Schema says of it.
 SOURCE_PATTERN = r"^(https://|\.?/)|" + HF_REPO_PATTERN
 
@@ -619,7 +630,8 @@ def classify_source(source: str) -> SourceKind:
         return SourceKind.url
     if source.startswith(("/", "./")):
         return SourceKind.path
-    if re.match(HF_REPO_PATTERN, source):
+    if re.match(_REPO_SHAPE, source):
+        parse_repo_ref(source)  # the Hub's exact rules (BadSource, a ValueError, says why)
         return SourceKind.hf_repo
     if source.startswith("http://"):
         raise ValueError(f"{source!r}: only https URLs are fetched")
@@ -627,6 +639,36 @@ def classify_source(source: str) -> SourceKind:
         f"{source!r} is not a source: give a Hugging Face repo id (org/name), "
         "an absolute or ./relative path, or an https URL"
     )
+
+
+class FetchFiles(Spec):
+    """Which files of a repository are fetched onto the nodes (glob patterns matched against
+    each file's path in the repository, ``*`` crossing ``/``)."""
+
+    include: list[Annotated[str, Field(min_length=1, max_length=200)]] | None = Field(
+        None,
+        max_length=100,
+        description="Only these files; unset: safetensors weights, configs and tokenizer files.",
+    )
+    exclude: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        default_factory=list, max_length=100, description="Never these files, whatever `include` says."
+    )
+
+    def selection(self) -> Selection:
+        return Selection(
+            include=tuple(self.include) if self.include is not None else None, exclude=tuple(self.exclude)
+        )
+
+
+def _fetch_kind(value: Any) -> str:
+    return "files" if isinstance(value, dict | FetchFiles) else "engine"
+
+
+# `engine` or a mapping: each form's own errors (not both at once, as a plain union gives)
+FetchSetting = Annotated[
+    Annotated[Literal["engine"], Tag("engine")] | Annotated[FetchFiles, Tag("files")],
+    Discriminator(_fetch_kind),
+]
 
 
 class Model(Spec):
@@ -656,6 +698,14 @@ class Model(Spec):
     secret_env: list[EnvName] = Field(
         default_factory=list, description="Names in `env` whose values are secrets (see the profile's)."
     )
+    fetch: FetchSetting | None = Field(
+        None,
+        description="A repo id source only: `{include, exclude}` (or `{}` for the default "
+        "files) has llmgw fetch the repository onto the nodes at the commit its revision had "
+        "when the plan was made, and the engine run from that local copy with the Hub "
+        "switched off. Unset or `engine`: llmgw fetches nothing and the engine downloads "
+        "the repository itself when it starts.",
+    )
     scaling: Scaling | None = Field(None, description="Replica counts; unset: the model is off.")
     drain_timeout: Duration | None = Field(
         None,
@@ -670,6 +720,14 @@ class Model(Spec):
         classify_source(source)
         return source
 
+    @model_validator(mode="after")
+    def _fetch_only_for_repos(self) -> Model:
+        if self.fetch is not None and classify_source(self.source) is not SourceKind.hf_repo:
+            raise ValueError(
+                "`fetch` is for a repo id source (org/name): a URL is fetched whole and a path is used as is"
+            )
+        return self
+
     @field_validator("tensor_parallel")
     @classmethod
     def _power_of_two(cls, tp: int) -> int:
@@ -680,6 +738,19 @@ class Model(Spec):
     @property
     def source_kind(self) -> SourceKind:
         return classify_source(self.source)
+
+    @property
+    def repo_ref(self) -> RepoRef | None:
+        """The repo and revision of a repo id source; None for a URL or a path."""
+        return parse_repo_ref(self.source) if self.source_kind is SourceKind.hf_repo else None
+
+    @property
+    def selection(self) -> Selection | None:
+        """The files llmgw fetches of a repo id source that says ``fetch: {...}``; None
+        when llmgw fetches none (a URL or a path source, ``fetch`` unset or ``engine``)."""
+        if self.source_kind is not SourceKind.hf_repo or not isinstance(self.fetch, FetchFiles):
+            return None
+        return self.fetch.selection()
 
     @property
     def mode(self) -> ScalingMode:

@@ -382,6 +382,13 @@ def test_weights_shorthand(value: str) -> None:
         st.sampled_from(["https://", "http://", "/", "./", "../", "org/", "-org/", ""]),
         st.sampled_from(["m", "m.gguf", "", "a/b", "-x"]),
     )
+    | st.builds(  # revisions: org/name@ref
+        lambda repo, at, ref: repo + at + ref,
+        st.sampled_from(["o/m", "o/m.git", "o--x/m", "o/_m_", "o/m."]),
+        st.sampled_from(["@", ""]),
+        st.text(alphabet="ab.-_/@k", max_size=8)
+        | st.sampled_from(["a" * 40, "v1.lock", "refs/pr/1", "x" * 256, "a//b", "a..b", "main"]),
+    )
 )
 def test_model_source(value: str) -> None:
     assert_agree("models.0.source", value)
