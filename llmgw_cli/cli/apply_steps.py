@@ -15,6 +15,7 @@ from rich.live import Live
 from rich.text import Text
 
 from llmgw_cli.cli.common import confirm, probe_with_progress, read_cluster
+from llmgw_cli.cli.repos import pinned
 from llmgw_cli.cli.views import plan_view, progress_line, progress_view
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.journal import split_ref
@@ -31,12 +32,12 @@ from llmgw_cli.remote.engine_keys import (
     rotation_plan,
 )
 from llmgw_cli.remote.execute import Outcome
-from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.gateway_install import GatewayPreviews, install, preview
 from llmgw_cli.remote.node_setup import prepare, stale_nodes
 from llmgw_cli.remote.probe import Snapshot
 from llmgw_cli.remote.rollout import TakeLock, carry_out
 from llmgw_cli.remote.transport import Transport
+from llmgw_cli.remote.weights import ensure_for_plan
 
 T = TypeVar("T")
 out = Console()
@@ -326,8 +327,8 @@ def _locked(
 def plan(file: Path, save: Path | None, replace: list[str], *, json_out: bool = False) -> None:
     """``llmgw plan``: probe the nodes and show what `apply` would do, changing nothing.
     ``json_out``: the plan on stdout as ``--out`` saves it, the rest on stderr."""
-    spec = read_cluster(file)
     said = err if json_out else out
+    spec, _ = pinned(read_cluster(file), err)
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, None, err, session)
         facts = {f.node: f for f in snapshot.nodes}
@@ -404,7 +405,7 @@ def apply(
     no_lock: bool,
 ) -> None:
     """``llmgw apply`` (its help says what it does)."""
-    spec = read_cluster(file)
+    spec, _ = pinned(read_cluster(file), err)
     # One session for every step: each node is connected to once, from the probe to the
     # gateway's install (the confirmation waits between two steps).
     with Session(spec, file.resolve().parent) as session:

@@ -128,7 +128,7 @@ def _suits(model: Model, facts: NodeFacts | None) -> bool:
     return any(gpu_class(g.name).upper() == model.gpu_class.upper() for g in facts.gpus)
 
 
-def _group_key(node: Node, peers: Peers) -> str:
+def group_key(node: Node, peers: Peers) -> str:
     if peers is Peers.off:
         return node.name
     if peers is Peers.cluster:
@@ -192,7 +192,7 @@ def _spreads(
                 if node.name in wanted:
                     skipped.append(Skip(model.name, node.name, f"shared storage: brought by {owner}"))
                 continue
-        members[_group_key(node, peers)].append(node)
+        members[group_key(node, peers)].append(node)
     result = []
     for group, nodes in sorted(members.items()):
         seeds = [n.name for n in nodes if (model.name, n.name) in held]

@@ -105,8 +105,8 @@ from llmgw_cli.progress import Phase as ReportPhase
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.cluster_lock import Hold, LocalLock
 from llmgw_cli.remote.execute import Outcome, UnitWatch, execute
-from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.nodeops import NodeOps
+from llmgw_cli.remote.weights import ensure_for_plan
 
 log = logging.getLogger("llmgw.controller")
 

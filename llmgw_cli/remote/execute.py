@@ -38,9 +38,9 @@ from llmgw_cli.errors import NodeError
 from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
-from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.nodeops import NodeOps, ShellOps
 from llmgw_cli.remote.transport import Transport
+from llmgw_cli.remote.weights import ensure_for_plan
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import secrets
 import shlex
 import time
@@ -29,9 +28,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
-from llmgw_cli.core.fetch import FetchPlan, Peers, Spread, plan_fetch, target_path, token_for
-from llmgw_cli.core.plan import Plan
-from llmgw_cli.core.spec import ClusterSpec, SourceKind
+from llmgw_cli.core.fetch import FetchPlan, Spread, target_path, token_for
+from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import FetchReport, Phase, Report
 from llmgw_cli.remote.connect import Connections
@@ -154,7 +152,7 @@ class Fetcher:
                 break
             if r.kind in ORIGIN_FAULTS or not waiting:
                 for node in waiting:  # the origin would answer every node the same way
-                    results.append(self._fail(s.model, node, "origin", f"not tried: {r.message}", r.kind))
+                    results.append(self.fail(s.model, node, "origin", f"not tried: {r.message}", r.kind))
                 return results
             candidate = waiting.popleft()  # this node's own problem (disk full...): the next one tries
         servers: dict[str, tuple[str, int]] = {}  # seed -> (url prefix, server pid)
@@ -235,7 +233,7 @@ class Fetcher:
             raise NodeError(node, "failed", "the node program printed something that is not JSON") from None
         return data if isinstance(data, dict) else {}
 
-    def _fail(self, model: str, node: str, source: str, message: str, kind: str) -> FetchResult:
+    def fail(self, model: str, node: str, source: str, message: str, kind: str) -> FetchResult:
         self.report(FetchEvent(model, node, "failed", source, message=message))
         return FetchResult(model, node, False, "failed", source, message, kind)
 
@@ -252,7 +250,7 @@ class Fetcher:
         try:
             final = await self._follow(node, config, s.model, source)
         except NodeError as exc:
-            return self._fail(s.model, node, source, exc.reason, "node")
+            return self.fail(s.model, node, source, exc.reason, "node")
         seconds = time.monotonic() - started
         state = final.get("state")
         if state in ("present", "done"):
@@ -265,7 +263,7 @@ class Fetcher:
         message = str(final.get("message") or "failed")
         if kind == "auth":
             message += ": the repository is gated or private, or the token is wrong; set HF_TOKEN to a token with access"
-        return self._fail(s.model, node, source, f"{url if source == 'origin' else source}: {message}", kind)
+        return self.fail(s.model, node, source, f"{url if source == 'origin' else source}: {message}", kind)
 
     async def _follow(self, node: str, config: dict[str, Any], model: str, source: str) -> dict[str, Any]:
         """Start (or attach to) the job and poll it to its end; restart it if it dies."""
@@ -368,32 +366,3 @@ def _progress_lines(report: Report) -> FetchReport:
         report(subject, f"weights {e.state} from {where}{size}{': ' + e.message if e.message else ''}", phase)
 
     return on_event
-
-
-async def ensure_for_plan(
-    spec: ClusterSpec, plan: Plan, conns: Connections, report: Report
-) -> dict[str, str]:
-    """Fetch the URL-sourced weights of every replica the plan starts, onto its nodes,
-    before its units start. Returns node -> why its weights could not be brought."""
-    wanted: dict[str, list[str]] = {}
-    for action in plan.changes:
-        model = next((m for m in spec.models if m.name == action.model), None)
-        if action.write and model is not None and model.source_kind is SourceKind.url:
-            nodes = wanted.setdefault(model.name, [])
-            nodes += [n for n in action.nodes if n not in nodes]
-    if not wanted:
-        return {}
-    fetcher = Fetcher(
-        spec,
-        conns.base,
-        _progress_lines(report),
-        token=os.environ.get("HF_TOKEN"),
-        hf_endpoint=os.environ.get("HF_ENDPOINT"),
-        conns=conns,
-    )
-    try:
-        held = await held_on_nodes(fetcher, spec, wanted)
-        results = await fetcher.run(plan_fetch(spec, wanted, held, set(), Peers.fabric))
-    finally:
-        await fetcher.close()
-    return {r.node: f"weights of {r.model}: {r.message}" for r in results if not r.ok}

@@ -26,6 +26,7 @@ shapes. The token goes only to ``endpoint`` (https, or http to this machine:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx2
 from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
@@ -53,6 +54,7 @@ from llmgw_cli.core.snapshot import (
     check_repo_path,
     check_repo_paths,
 )
+from llmgw_cli.core.spec import ClusterSpec, Model
 
 TIMEOUT = 30.0
 LIBRARY = "llmgw"
@@ -67,6 +69,12 @@ class HubError(Exception):
         self.kind = kind
 
 
+_known: dict[tuple[str, str, str, Selection], Snapshot] = {}
+"""Snapshots resolved in this process, by (endpoint, repo, commit, selection): the files of
+a commit never change, so a command that resolved a branch once (to plan) does not ask the
+Hub again for the same commit (to fetch)."""
+
+
 def resolve(
     ref: RepoRef,
     token: str | None,
@@ -74,12 +82,23 @@ def resolve(
     selection: Selection | None = None,
 ) -> Snapshot:
     """The commit ``ref`` names now and the files of it that ``selection`` keeps (default:
-    ``Selection()``), each with its size and the Hub's digest; HubError saying why not."""
+    ``Selection()``), each with its size and the Hub's digest; HubError saying why not.
+    A commit resolved before in this process is answered from memory."""
+    selection = selection or Selection()
+    if ref.pinned:
+        known = _known.get((endpoint, ref.repo, ref.revision, selection))
+        if known is not None:
+            return known
+    snapshot = _resolve(ref, token, endpoint, selection)
+    _known[(endpoint, ref.repo, snapshot.commit, selection)] = snapshot
+    return snapshot
+
+
+def _resolve(ref: RepoRef, token: str | None, endpoint: str, selection: Selection) -> Snapshot:
     try:
         endpoint = check_endpoint(endpoint)
     except ValueError as e:
         raise HubError("unsafe", str(e)) from None
-    selection = selection or Selection()
     api = HfApi(endpoint=endpoint, token=token or False, library_name=LIBRARY)
     try:
         info = api.model_info(ref.repo, revision=ref.revision, timeout=TIMEOUT)
@@ -191,3 +210,24 @@ def _hub_error(e: Exception, ref: RepoRef, endpoint: str, token: str | None) -> 
     if status is not None:
         return HubError("bad-answer", f"{endpoint} answered {status} about {ref}")
     return HubError("network", f"cannot reach {endpoint} about {ref}: {type(e).__name__}: {e}")
+
+
+def resolve_models(
+    spec: ClusterSpec, token: str | None, endpoint: str = DEFAULT_ENDPOINT
+) -> dict[str, Snapshot]:
+    """The snapshot of every model llmgw fetches from a repository (``fetch: {...}``), at
+    the commit its revision names now (a pinned one at its own), asked in parallel; the
+    first HubError, its model named, if any cannot be resolved."""
+    models = [m for m in spec.models if m.selection is not None and m.repo_ref is not None]
+
+    def one(model: Model) -> Snapshot:
+        assert model.repo_ref is not None
+        try:
+            return resolve(model.repo_ref, token, endpoint, model.selection)
+        except HubError as e:
+            raise HubError(e.kind, f"model {model.name}: {e}") from None
+
+    if not models:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(8, len(models))) as pool:
+        return dict(zip((m.name for m in models), pool.map(one, models), strict=True))

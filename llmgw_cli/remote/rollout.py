@@ -65,11 +65,11 @@ from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, execute, wait_started
-from llmgw_cli.remote.fetch import ensure_for_plan
 from llmgw_cli.remote.gateway_install import gateway_transport
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.probe import gather
 from llmgw_cli.remote.transport import Transport
+from llmgw_cli.remote.weights import ensure_for_plan
 
 POLL = 0.5  # seconds between two looks at the routes files or the connection count
 ROUTED_BOUND = 60.0  # seconds a started successor may take to be routed by every gateway
