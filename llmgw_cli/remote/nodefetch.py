@@ -1790,29 +1790,67 @@ class _Activity:
             self.last = time.monotonic()
 
 
-def _handler(path: str, folder: int, secret: str, activity: _Activity) -> type[BaseHTTPRequestHandler]:
+class _FileHandler(BaseHTTPRequestHandler):
+    """What both serving modes answer alike: HEAD and GET, each counted in ``activity``
+    (set on the subclass), and a file sent whole or as the one range asked for (``_send``).
+    A subclass says which file a request names (``_answer``)."""
+
+    protocol_version = "HTTP/1.1"
+    activity: _Activity
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._guarded(body=False)
+
+    def do_GET(self) -> None:
+        self._guarded(body=True)
+
+    def _guarded(self, body: bool) -> None:
+        self.activity.begin()
+        try:
+            self._answer(body)
+        finally:
+            self.activity.end()
+
+    def _answer(self, body: bool) -> None:
+        raise NotImplementedError
+
+    def _send(self, f: IO[bytes], body: bool) -> None:
+        """The open file ``f``: 200, or 206 for a single ``Range`` (unless ``If-Range``
+        names another version than its ETag, size and mtime), 416 past its end."""
+        st = os.fstat(f.fileno())
+        size, etag = st.st_size, f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
+        start, end = 0, size - 1
+        wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if_range = self.headers.get("If-Range")
+        partial = wanted is not None and (if_range is None or if_range == etag)
+        if partial and wanted is not None:
+            start = int(wanted.group(1))
+            end = min(int(wanted.group(2)), size - 1) if wanted.group(2) else size - 1
+            if start >= size:
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+        self.send_response(206 if partial else 200)
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", etag)
+        self.send_header("Content-Length", str(end - start + 1))
+        if partial:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.end_headers()
+        if body:
+            self.connection.sendfile(f, start, end - start + 1)
+
+
+def _handler(path: str, folder: int, secret: str, activity: _Activity) -> type[_FileHandler]:
     name = os.path.basename(path)
     route = "/" + secret + "/" + name
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-        def do_HEAD(self) -> None:
-            self._guarded(body=False)
-
-        def do_GET(self) -> None:
-            self._guarded(body=True)
-
-        def _guarded(self, body: bool) -> None:
-            activity.begin()
-            try:
-                self._answer(body)
-            finally:
-                activity.end()
-
+    class Handler(_FileHandler):
         def _answer(self, body: bool) -> None:
             if self.path != route:
                 self.send_error(404)
@@ -1825,32 +1863,7 @@ def _handler(path: str, folder: int, secret: str, activity: _Activity) -> type[B
             with os.fdopen(fd, "rb") as f:
                 self._send(f, body)
 
-        def _send(self, f: IO[bytes], body: bool) -> None:
-            st = os.fstat(f.fileno())
-            size, etag = st.st_size, f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
-            start, end = 0, size - 1
-            wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-            if_range = self.headers.get("If-Range")
-            partial = wanted is not None and (if_range is None or if_range == etag)
-            if partial and wanted is not None:
-                start = int(wanted.group(1))
-                end = min(int(wanted.group(2)), size - 1) if wanted.group(2) else size - 1
-                if start >= size:
-                    self.send_response(416)
-                    self.send_header("Content-Range", f"bytes */{size}")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-            self.send_response(206 if partial else 200)
-            self.send_header("Accept-Ranges", "bytes")
-            self.send_header("ETag", etag)
-            self.send_header("Content-Length", str(end - start + 1))
-            if partial:
-                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-            self.end_headers()
-            if body:
-                self.connection.sendfile(f, start, end - start + 1)
-
+    Handler.activity = activity
     return Handler
 
 
@@ -1868,23 +1881,31 @@ def serve(config: dict[str, Any]) -> None:
         _error("node", f"cannot serve {path}: {exc}")
         return
     activity = _Activity()
-    server = ThreadingHTTPServer(("0.0.0.0", 0), _handler(path, folder, config["secret"], activity))
+    _run_server(_handler(path, folder, config["secret"], activity), activity, config)
+
+
+def _run_server(handler: type[_FileHandler], activity: _Activity, config: dict[str, Any]) -> None:
+    """Serve on an ephemeral port of every address until ``idle`` seconds (default 120)
+    pass without a request; detached unless ``foreground``. Prints ``{"state": "serving",
+    "port": N, "pid": P}`` once the server listens (P: the process to kill to stop it)."""
+    server = ThreadingHTTPServer(("0.0.0.0", 0), handler)
     server.daemon_threads = True
     port = server.server_address[1]
     idle = float(config.get("idle", 120))
     foreground = bool(config.get("foreground"))
-    read_end, write_end = os.pipe()
-    if not foreground and not _detach():
-        os.close(write_end)
-        with os.fdopen(read_end) as pipe:
-            pid = int(pipe.read().strip() or 0)  # the detached server's pid, once it is up
-        _emit({"state": "serving", "port": port, "pid": pid})
-        return
-    os.close(read_end)
-    os.write(write_end, str(os.getpid()).encode())
-    os.close(write_end)
     if foreground:
         _emit({"state": "serving", "port": port, "pid": os.getpid()})
+    else:
+        read_end, write_end = os.pipe()
+        if not _detach():
+            os.close(write_end)
+            with os.fdopen(read_end) as pipe:
+                pid = int(pipe.read().strip() or 0)  # the detached server's pid, once it is up
+            _emit({"state": "serving", "port": port, "pid": pid})
+            return
+        os.close(read_end)
+        os.write(write_end, str(os.getpid()).encode())
+        os.close(write_end)
 
     def watchdog() -> None:
         while activity.idle_for() < idle:
