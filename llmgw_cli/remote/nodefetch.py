@@ -66,6 +66,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import hmac
 import http.client
 import json
 import os
@@ -78,7 +79,7 @@ import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import IO, Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import unquote, urljoin, urlsplit
 
 CHUNK = 1 << 20
 STATUS_EVERY = 0.5
@@ -1743,25 +1744,31 @@ def poll_snapshot(config: dict[str, Any]) -> None:
     except (JobFailed, OSError) as exc:
         _emit({**answer, "error": str(exc)})
         return
-    names = snapshot_names(commit)
     try:
-        try:
-            lock = open_file(folder, names["lock"], os.O_RDONLY, f"{shown}/{names['lock']}")
-        except FileNotFoundError:
-            lock = -1
-        if lock >= 0:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                answer["free"] = False
-            finally:
-                os.close(lock)
-        answer["status"] = _read_json(folder, names["status"])
+        answer["free"] = not _snapshot_running(folder, shown, commit)
+        answer["status"] = _read_json(folder, snapshot_names(commit)["status"])
     except (JobFailed, OSError) as exc:
         answer["error"] = str(exc)
     finally:
         os.close(folder)
     _emit(answer)
+
+
+def _snapshot_running(folder: int, shown: str, commit: str) -> bool:
+    """Whether a job of this snapshot runs on this node: the lock in its repo folder
+    ``folder`` (opened without following a link) is held. Raises Unsafe or OSError."""
+    name = snapshot_names(commit)["lock"]
+    try:
+        lock = open_file(folder, name, os.O_RDONLY, f"{shown}/{name}")
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(lock)  # a lock taken here is let go at once
+    return False
 
 
 # --- serve ----------------------------------------------------------------------------
@@ -1918,6 +1925,127 @@ def _run_server(handler: type[_FileHandler], activity: _Activity, config: dict[s
         os._exit(0)
 
 
+# --- serve-snapshot: a snapshot's files to peers, each as soon as it is in place -------
+
+RETRY_AFTER = 1
+"""Seconds ``serve-snapshot`` asks a peer to wait before it asks again for a file not there yet."""
+
+
+def serve_snapshot(config: dict[str, Any]) -> None:
+    """Serve the files of the snapshot of ``commit`` in ``folder`` (``W/hf/<org>--<name>``)
+    to peers until idle: ``GET``/``HEAD /<secret>/<path quoted>`` answers the file at
+    ``<folder>/<commit>/<path>`` as ``serve`` does (ranges, If-Range); a file not there
+    yet ``503`` with ``Retry-After`` while this node's job of the snapshot runs, ``404``
+    once it does not; anything else ``404``. Prints ``{"state": "serving", "port": N,
+    "pid": P}`` like ``serve``, or an error.
+
+    A file is served once it is at its final name, where the job puts it only once
+    checked. A file put there some other way may be wrong: whoever copies it checks its
+    digest, as it would an origin's."""
+    secret = config.get("secret")
+    try:
+        where = _snapshot_where(config)
+        if not isinstance(secret, str) or not secret or "/" in secret:
+            raise JobFailed("job", "secret is not a non-empty string without '/'")
+        folder = open_folder(where[0], create=False)
+    except JobFailed as exc:
+        _error(exc.kind, str(exc))
+        return
+    except OSError as exc:
+        _error("node", f"cannot open {config.get('folder')}: {exc}")
+        return
+    shown, _, commit = where
+    try:  # a planted link is refused now, not only request by request
+        os.close(_enter(folder, commit, f"{shown}/{commit}", create=False))
+    except FileNotFoundError:
+        pass  # not made yet: its job makes it, and files are served as they come
+    except (JobFailed, OSError) as exc:
+        os.close(folder)
+        _snapshot_refused(exc, shown)
+        return
+    activity = _Activity()
+    _run_server(_snapshot_handler(folder, where, secret, activity), activity, config)
+
+
+def _requested_path(raw: str, secret: str) -> str | None:
+    """The repository path ``/<secret>/<quoted path>`` names (``check_snapshot_path``:
+    ``%2F`` is one more ``/``, ``..`` refused however it is spelled), or None."""
+    parts = raw.split("/", 2)
+    if len(parts) != 3 or parts[0] or not hmac.compare_digest(parts[1].encode(), secret.encode()):
+        return None
+    if "?" in parts[2] or "#" in parts[2]:
+        return None
+    try:
+        return check_snapshot_path(unquote(parts[2], errors="strict"))
+    except (UnicodeDecodeError, JobFailed):
+        return None
+
+
+def _open_snapshot_file(folder: int, shown: str, commit: str, path: str) -> int:
+    """``<commit>/<path>`` in the repo folder ``folder``, opened for reading, every folder
+    entered and the file opened without following a link; a regular file only.
+    FileNotFoundError when it (or a folder of it) is not there; Unsafe or OSError."""
+    snap_shown = f"{shown}/{commit}"
+    root = _enter(folder, commit, snap_shown, create=False)
+    try:
+        parent = _parent(root, snap_shown, path, create=False)
+    finally:
+        os.close(root)
+    try:
+        return open_file(parent, path.rsplit("/", 1)[-1], os.O_RDONLY, f"{snap_shown}/{path}", strict=False)
+    finally:
+        os.close(parent)
+
+
+def _snapshot_handler(
+    folder: int, where: tuple[str, str, str], secret: str, activity: _Activity
+) -> type[_FileHandler]:
+    shown, _, commit = where
+
+    class Handler(_FileHandler):
+        def _answer(self, body: bool) -> None:
+            path = _requested_path(self.path, secret)
+            if path is None:
+                self.send_error(404)
+                return
+            found, fd = self._open(path)
+            if found == "missing" and self._running():
+                self._not_yet()
+                return
+            if found == "missing":  # the job may have put it in place and ended in between
+                found, fd = self._open(path)
+            if found != "open":
+                self.send_error(404)
+                return
+            with os.fdopen(fd, "rb") as f:
+                self._send(f, body)
+
+        def _open(self, path: str) -> tuple[str, int]:
+            """``("open", fd)``, ``("missing", -1)`` (it or a folder of it is not there),
+            or ``("refused", -1)`` (a link, not a regular file, a file where a folder is)."""
+            try:
+                return "open", _open_snapshot_file(folder, shown, commit, path)
+            except FileNotFoundError:
+                return "missing", -1
+            except (JobFailed, OSError):
+                return "refused", -1
+
+        def _running(self) -> bool:
+            try:
+                return _snapshot_running(folder, shown, commit)
+            except (JobFailed, OSError):
+                return False
+
+        def _not_yet(self) -> None:
+            self.send_response(503)
+            self.send_header("Retry-After", str(RETRY_AFTER))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    Handler.activity = activity
+    return Handler
+
+
 MODES = {
     "fetch": fetch,
     "verify": verify,
@@ -1926,6 +2054,7 @@ MODES = {
     "snapshot": snapshot,
     "verify-snapshot": verify_snapshot,
     "poll-snapshot": poll_snapshot,
+    "serve-snapshot": serve_snapshot,
 }
 
 
