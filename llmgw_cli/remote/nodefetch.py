@@ -597,7 +597,10 @@ class Download:
     Optional in ``config``: ``size`` (bytes the file must have: an origin announcing or
     sending another count is refused, and never more than it is written), ``git_sha1``
     (the git blob id the content must have, checked before the rename like ``sha256``),
-    ``token_origin`` (the token goes to that origin only: ``may_carry_token_to``)."""
+    ``token_origin`` (the token goes to that origin only: ``may_carry_token_to``), ``peer``
+    (the URL is a peer's ``serve-snapshot``: its 503 means "not there yet", asked again
+    for as long as it lasts, with ``waiting`` in the status; a refusal or a peer that
+    cannot be reached fails with kind ``peer``)."""
 
     def __init__(
         self, config: dict[str, Any], folder: int, work: int | None = None, work_path: str | None = None
@@ -616,6 +619,7 @@ class Download:
         token = config.get("token")
         self.auth = {"Authorization": "Bearer " + token} if token else {}
         self.token_origin: str | None = config.get("token_origin")
+        self.peer = bool(config.get("peer"))
         self.files = side_files(self.target if work_path is None else work_path)
         self.names = {k: os.path.basename(v) for k, v in self.files.items()}
         self.digests: dict[str, str] = {}  # after run(): sha256, and git-sha1 when asked for
@@ -673,25 +677,16 @@ class Download:
     def run(self) -> None:
         if self.check and self.kept():
             return
-        url, linked_sha, linked_size = _resolve(self.url, self.auth, self.token_origin)
+        if self.peer:  # a peer announces nothing the job does not know already
+            url, linked_sha, linked_size = self.url, None, None
+        else:
+            url, linked_sha, linked_size = _resolve(self.url, self.auth, self.token_origin)
         expected = self.expected_sha or linked_sha
         meta = _read_json(self.work, self.names["meta"])
         if meta.get("url") != self.url:
             self._discard()
             meta = {"url": self.url}
-        for attempt in range(RETRIES + 1):
-            try:
-                total = self._transfer(url, meta)
-                break
-            except (OSError, http.client.HTTPException) as exc:
-                if isinstance(exc, ssl.SSLCertVerificationError):
-                    raise JobFailed("tls", f"{url}: {exc}") from None
-                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise self._disk_full() from None
-                if attempt == RETRIES:
-                    raise JobFailed("network", f"{url}: {exc}") from None
-                self.report(True, retrying=f"{type(exc).__name__}: {exc}")
-                time.sleep(min(2**attempt, 10))
+        total = self._transfer_retried(url, meta)
         fd = open_file(self.work, self.names["part"], os.O_RDONLY, self.files["part"])
         try:
             have = os.fstat(fd).st_size
@@ -734,6 +729,43 @@ class Download:
                 _remember(self.folder, self.target, digest)  # the next run's check is then cheap
         self.report(True, state="done", bytes=total, total=total, sha256=digest, finished=time.time())
 
+    def _transfer_retried(self, url: str, meta: dict[str, Any]) -> int:
+        """``_transfer``, tried again after a network failure (``RETRIES`` times in a row,
+        waiting longer each time) and, from a peer, after each 503 (not there yet)."""
+        failures = 0
+        while True:
+            try:
+                return self._transfer(url, meta)
+            except _NotYet as wait:
+                failures = 0  # the peer answers: only the file is not there yet
+                self.report(True, waiting=f"{url}: not there yet, asked again in {wait.seconds:g} s")
+                time.sleep(wait.seconds)
+            except (OSError, http.client.HTTPException) as exc:
+                if isinstance(exc, ssl.SSLCertVerificationError):
+                    raise JobFailed("tls", f"{url}: {exc}") from None
+                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise self._disk_full() from None
+                if failures == RETRIES:
+                    if self.peer:
+                        raise JobFailed("peer", f"the peer {url} cannot be reached: {exc}") from None
+                    raise JobFailed("network", f"{url}: {exc}") from None
+                self.report(True, retrying=f"{type(exc).__name__}: {exc}")
+                time.sleep(min(2**failures, 10))
+                failures += 1
+
+    def _refused(self, resp: http.client.HTTPResponse, url: str) -> Exception:
+        """What an answer that is no file means: from a peer, 503 is "not yet", anything
+        else a peer failure (kind ``peer``: the control host copies from elsewhere)."""
+        if not self.peer:
+            return _http_error(resp.status, url, resp.reason)
+        if resp.status == 503:
+            return _NotYet(retry_after(resp.getheader("Retry-After")))
+        if resp.status == 404:
+            return JobFailed(
+                "peer", f"the peer {url} answered 404: it does not have the file, and no job there brings it"
+            )
+        return JobFailed("peer", f"the peer {url} answered {resp.status} {resp.reason}")
+
     def _open_part(self, append: bool) -> int:
         flags = os.O_RDWR | os.O_CREAT | (os.O_APPEND if append else 0)  # read: the resumed prefix is hashed
         fd = open_file(self.work, self.names["part"], flags, self.files["part"])
@@ -772,12 +804,13 @@ class Download:
                 total = int(length) if length and length.isdigit() else -1
                 have, append = 0, False
             else:
-                raise _http_error(resp.status, url, resp.reason)
+                raise self._refused(resp, url)
             if self.size is not None and total not in (-1, self.size):
                 raise JobFailed("size", f"{url} announced {total} bytes, expected {self.size}; refused")
             meta.update(validator=_validator(resp), total=total)
             _write_json(self.work, self.names["meta"], meta)
             self._check_space(total - have if total >= 0 else 0)
+            self.status.pop("waiting", None)
             self.report(True, bytes=have, total=total if total >= 0 else None, resumed_from=have)
             fd = self._open_part(append)
             self._hash = Digests(self._git_size(total if total >= 0 else None))
@@ -840,6 +873,26 @@ class Download:
     def _discard(self) -> None:
         _unlink(self.work, self.names["part"])
         _unlink(self.work, self.names["meta"])
+
+
+class _NotYet(Exception):
+    """A peer's 503: the file is not there yet; ask again in ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"not there yet, ask again in {seconds:g} s")
+        self.seconds = seconds
+
+
+RETRY_AFTER_AT_MOST = 5.0
+
+
+def retry_after(value: str | None) -> float:
+    """The seconds a 503's ``Retry-After`` asks to wait: 1 when it says nothing usable (an
+    HTTP date included), at least half a second (0 would ask again at once, in a loop),
+    at most ``RETRY_AFTER_AT_MOST``."""
+    if value is None or not value.strip().isdigit():
+        return 1.0
+    return min(max(float(value.strip()), 0.5), RETRY_AFTER_AT_MOST)
 
 
 def _hash_prefix(fd: int, h: Any, length: int) -> None:
@@ -1468,6 +1521,17 @@ class SnapshotJob:
         self._write_manifest(sha256s)
         self.report(True, state="done", current=None, finished=time.time())
 
+    def _progress(self, path: str, base: int, st: dict[str, Any]) -> None:
+        """A file's download status, in the snapshot's: its bytes, and at once when it
+        starts or stops waiting for a peer or retrying."""
+        changes = {
+            "bytes_done": base + _nonneg(st.get("bytes")),
+            "retrying": st.get("retrying"),
+            "waiting": f"{path} on the peer" if st.get("waiting") else None,
+        }
+        seen = self.status.status if self.status is not None else {}
+        self.report(any(seen.get(k) != changes[k] for k in ("retrying", "waiting")), **changes)
+
     def _key(self, path: str) -> str:
         return hashlib.sha256(path.encode("utf-8")).hexdigest()[:40]
 
@@ -1488,16 +1552,15 @@ class SnapshotJob:
             "size": f["size"],
             "token": self.config.get("token"),
             "token_origin": self.config.get("token_origin"),
+            "peer": bool(self.config.get("peer")),
         }
-        if config["token"] and not config["token_origin"]:
-            config["token"] = None  # a snapshot's token goes to the origin it was given for, or nowhere
+        if config["peer"] or not config["token_origin"]:
+            # A snapshot's token goes to the origin it was given for, or nowhere; never to a
+            # peer, whose secret is in its URLs.
+            config["token"] = None
         base = self.done_bytes
         job = _FileDownload(
-            config,
-            parent,
-            work,
-            f"{self.work_shown}/{key}",
-            lambda st: self.report(bytes_done=base + _nonneg(st.get("bytes")), retrying=st.get("retrying")),
+            config, parent, work, f"{self.work_shown}/{key}", lambda st: self._progress(path, base, st)
         )
         job.run()
         st = _file_state(parent, name, where)
