@@ -39,7 +39,15 @@ record of what was hashed live in a hidden work folder beside the snapshot folde
 holds only the repository's names. Every path is checked again here (``check_snapshot_path``)
 and every folder of it is entered without following a link. ``verify-snapshot`` says
 whether the manifest is there and every file in place (``full``: hashed too);
-``poll-snapshot`` reads the job's status as ``poll`` does a file's.
+``poll-snapshot`` reads the job's status as ``poll`` does a file's. With ``peer``, the
+job's URLs are another node's ``serve-snapshot``: a 503 there means "not there yet" and is
+asked again (``waiting`` in the status) for as long as it lasts; a 404, or a peer that
+cannot be reached, fails the job with kind ``peer``. No token goes to a peer.
+
+``serve-snapshot``: ``serve`` for a snapshot's files, ``/<secret>/<quoted repo path>``,
+each as soon as it is in place, so peers copy a file while the rest is still coming; a file
+not there yet answers 503 with ``Retry-After`` while this node's job of the snapshot runs
+(its lock is held), 404 once it does not.
 
 Trust: this runs as root, in folders that other accounts (the engines' account, other
 clients of a shared filer) may be able to write. Everything found there is hostile:
