@@ -31,8 +31,9 @@ are public and only its files need the token; a private repo needs it everywhere
 
 The description is data a test may change while the servers run (``Repo.push`` moves a
 branch) and may make hostile: any path, even ``../x``, is served as given. ``cut_after``
-makes the next GET of a blob stop after that many bytes, to test a resume; every request
-is logged in ``requests`` with its headers. ``cdn_url`` may be pointed at another server
+makes the next GET of a blob stop after that many bytes, to test a resume; ``held`` makes
+every GET of a blob wait until its event is set (a download still under way, for as long as
+a test wants); every request is logged in ``requests`` with its headers. ``cdn_url`` may be pointed at another server
 (nginx serving the files ``write_blobs`` writes) after ``start``.
 """
 
@@ -123,6 +124,7 @@ class HubStandin:
         self.page_size = page_size
         self.expand_page_size = expand_page_size
         self.cut_after: dict[str, int] = {}  # sha256 -> bytes sent by the next GET of that blob
+        self.held: dict[str, threading.Event] = {}  # sha256 -> set when a GET of that blob may answer
         self.requests: list[Logged] = []
         self.url = ""
         self.cdn_url = ""
@@ -148,6 +150,8 @@ class HubStandin:
         return self
 
     def stop(self) -> None:
+        for event in self.held.values():
+            event.set()
         for server, thread in self._servers:
             server.shutdown()
             server.server_close()
@@ -482,6 +486,9 @@ def _cdn(hub: HubStandin, method: str, raw_path: str, headers: dict[str, str]) -
     if m is None or data is None:
         return Answer(404, {"Content-Type": "text/plain"}, b"no such blob")
     sha = m.group(1)
+    held = hub.held.get(sha) if method == "GET" else None
+    if held is not None:
+        held.wait(timeout=60)
     cut = hub.cut_after.pop(sha, None) if method == "GET" else None
     name = parse_qs(split.query).get("filename", [sha])[-1]
     extra = {"Content-Disposition": f'attachment; filename="{name}"'}

@@ -39,7 +39,15 @@ record of what was hashed live in a hidden work folder beside the snapshot folde
 holds only the repository's names. Every path is checked again here (``check_snapshot_path``)
 and every folder of it is entered without following a link. ``verify-snapshot`` says
 whether the manifest is there and every file in place (``full``: hashed too);
-``poll-snapshot`` reads the job's status as ``poll`` does a file's.
+``poll-snapshot`` reads the job's status as ``poll`` does a file's. With ``peer``, the
+job's URLs are another node's ``serve-snapshot``: a 503 there means "not there yet" and is
+asked again (``waiting`` in the status) for as long as it lasts; a 404, or a peer that
+cannot be reached, fails the job with kind ``peer``. No token goes to a peer.
+
+``serve-snapshot``: ``serve`` for a snapshot's files, ``/<secret>/<quoted repo path>``,
+each as soon as it is in place, so peers copy a file while the rest is still coming; a file
+not there yet answers 503 with ``Retry-After`` while this node's job of the snapshot runs
+(its lock is held), 404 once it does not.
 
 Trust: this runs as root, in folders that other accounts (the engines' account, other
 clients of a shared filer) may be able to write. Everything found there is hostile:
@@ -66,6 +74,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import hmac
 import http.client
 import json
 import os
@@ -78,7 +87,7 @@ import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import IO, Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import unquote, urljoin, urlsplit
 
 CHUNK = 1 << 20
 STATUS_EVERY = 0.5
@@ -596,7 +605,10 @@ class Download:
     Optional in ``config``: ``size`` (bytes the file must have: an origin announcing or
     sending another count is refused, and never more than it is written), ``git_sha1``
     (the git blob id the content must have, checked before the rename like ``sha256``),
-    ``token_origin`` (the token goes to that origin only: ``may_carry_token_to``)."""
+    ``token_origin`` (the token goes to that origin only: ``may_carry_token_to``), ``peer``
+    (the URL is a peer's ``serve-snapshot``: its 503 means "not there yet", asked again
+    for as long as it lasts, with ``waiting`` in the status; a refusal or a peer that
+    cannot be reached fails with kind ``peer``)."""
 
     def __init__(
         self, config: dict[str, Any], folder: int, work: int | None = None, work_path: str | None = None
@@ -615,6 +627,7 @@ class Download:
         token = config.get("token")
         self.auth = {"Authorization": "Bearer " + token} if token else {}
         self.token_origin: str | None = config.get("token_origin")
+        self.peer = bool(config.get("peer"))
         self.files = side_files(self.target if work_path is None else work_path)
         self.names = {k: os.path.basename(v) for k, v in self.files.items()}
         self.digests: dict[str, str] = {}  # after run(): sha256, and git-sha1 when asked for
@@ -672,25 +685,16 @@ class Download:
     def run(self) -> None:
         if self.check and self.kept():
             return
-        url, linked_sha, linked_size = _resolve(self.url, self.auth, self.token_origin)
+        if self.peer:  # a peer announces nothing the job does not know already
+            url, linked_sha, linked_size = self.url, None, None
+        else:
+            url, linked_sha, linked_size = _resolve(self.url, self.auth, self.token_origin)
         expected = self.expected_sha or linked_sha
         meta = _read_json(self.work, self.names["meta"])
         if meta.get("url") != self.url:
             self._discard()
             meta = {"url": self.url}
-        for attempt in range(RETRIES + 1):
-            try:
-                total = self._transfer(url, meta)
-                break
-            except (OSError, http.client.HTTPException) as exc:
-                if isinstance(exc, ssl.SSLCertVerificationError):
-                    raise JobFailed("tls", f"{url}: {exc}") from None
-                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise self._disk_full() from None
-                if attempt == RETRIES:
-                    raise JobFailed("network", f"{url}: {exc}") from None
-                self.report(True, retrying=f"{type(exc).__name__}: {exc}")
-                time.sleep(min(2**attempt, 10))
+        total = self._transfer_retried(url, meta)
         fd = open_file(self.work, self.names["part"], os.O_RDONLY, self.files["part"])
         try:
             have = os.fstat(fd).st_size
@@ -733,6 +737,43 @@ class Download:
                 _remember(self.folder, self.target, digest)  # the next run's check is then cheap
         self.report(True, state="done", bytes=total, total=total, sha256=digest, finished=time.time())
 
+    def _transfer_retried(self, url: str, meta: dict[str, Any]) -> int:
+        """``_transfer``, tried again after a network failure (``RETRIES`` times in a row,
+        waiting longer each time) and, from a peer, after each 503 (not there yet)."""
+        failures = 0
+        while True:
+            try:
+                return self._transfer(url, meta)
+            except _NotYet as wait:
+                failures = 0  # the peer answers: only the file is not there yet
+                self.report(True, waiting=f"{url}: not there yet, asked again in {wait.seconds:g} s")
+                time.sleep(wait.seconds)
+            except (OSError, http.client.HTTPException) as exc:
+                if isinstance(exc, ssl.SSLCertVerificationError):
+                    raise JobFailed("tls", f"{url}: {exc}") from None
+                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise self._disk_full() from None
+                if failures == RETRIES:
+                    if self.peer:
+                        raise JobFailed("peer", f"the peer {url} cannot be reached: {exc}") from None
+                    raise JobFailed("network", f"{url}: {exc}") from None
+                self.report(True, retrying=f"{type(exc).__name__}: {exc}")
+                time.sleep(min(2**failures, 10))
+                failures += 1
+
+    def _refused(self, resp: http.client.HTTPResponse, url: str) -> Exception:
+        """What an answer that is no file means: from a peer, 503 is "not yet", anything
+        else a peer failure (kind ``peer``: the control host copies from elsewhere)."""
+        if not self.peer:
+            return _http_error(resp.status, url, resp.reason)
+        if resp.status == 503:
+            return _NotYet(retry_after(resp.getheader("Retry-After")))
+        if resp.status == 404:
+            return JobFailed(
+                "peer", f"the peer {url} answered 404: it does not have the file, and no job there brings it"
+            )
+        return JobFailed("peer", f"the peer {url} answered {resp.status} {resp.reason}")
+
     def _open_part(self, append: bool) -> int:
         flags = os.O_RDWR | os.O_CREAT | (os.O_APPEND if append else 0)  # read: the resumed prefix is hashed
         fd = open_file(self.work, self.names["part"], flags, self.files["part"])
@@ -771,12 +812,13 @@ class Download:
                 total = int(length) if length and length.isdigit() else -1
                 have, append = 0, False
             else:
-                raise _http_error(resp.status, url, resp.reason)
+                raise self._refused(resp, url)
             if self.size is not None and total not in (-1, self.size):
                 raise JobFailed("size", f"{url} announced {total} bytes, expected {self.size}; refused")
             meta.update(validator=_validator(resp), total=total)
             _write_json(self.work, self.names["meta"], meta)
             self._check_space(total - have if total >= 0 else 0)
+            self.status.pop("waiting", None)
             self.report(True, bytes=have, total=total if total >= 0 else None, resumed_from=have)
             fd = self._open_part(append)
             self._hash = Digests(self._git_size(total if total >= 0 else None))
@@ -839,6 +881,26 @@ class Download:
     def _discard(self) -> None:
         _unlink(self.work, self.names["part"])
         _unlink(self.work, self.names["meta"])
+
+
+class _NotYet(Exception):
+    """A peer's 503: the file is not there yet; ask again in ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"not there yet, ask again in {seconds:g} s")
+        self.seconds = seconds
+
+
+RETRY_AFTER_AT_MOST = 5.0
+
+
+def retry_after(value: str | None) -> float:
+    """The seconds a 503's ``Retry-After`` asks to wait: 1 when it says nothing usable (an
+    HTTP date included), at least half a second (0 would ask again at once, in a loop),
+    at most ``RETRY_AFTER_AT_MOST``."""
+    if value is None or not value.strip().isdigit():
+        return 1.0
+    return min(max(float(value.strip()), 0.5), RETRY_AFTER_AT_MOST)
 
 
 def _hash_prefix(fd: int, h: Any, length: int) -> None:
@@ -1467,6 +1529,17 @@ class SnapshotJob:
         self._write_manifest(sha256s)
         self.report(True, state="done", current=None, finished=time.time())
 
+    def _progress(self, path: str, base: int, st: dict[str, Any]) -> None:
+        """A file's download status, in the snapshot's: its bytes, and at once when it
+        starts or stops waiting for a peer or retrying."""
+        changes = {
+            "bytes_done": base + _nonneg(st.get("bytes")),
+            "retrying": st.get("retrying"),
+            "waiting": f"{path} on the peer" if st.get("waiting") else None,
+        }
+        seen = self.status.status if self.status is not None else {}
+        self.report(any(seen.get(k) != changes[k] for k in ("retrying", "waiting")), **changes)
+
     def _key(self, path: str) -> str:
         return hashlib.sha256(path.encode("utf-8")).hexdigest()[:40]
 
@@ -1487,16 +1560,15 @@ class SnapshotJob:
             "size": f["size"],
             "token": self.config.get("token"),
             "token_origin": self.config.get("token_origin"),
+            "peer": bool(self.config.get("peer")),
         }
-        if config["token"] and not config["token_origin"]:
-            config["token"] = None  # a snapshot's token goes to the origin it was given for, or nowhere
+        if config["peer"] or not config["token_origin"]:
+            # A snapshot's token goes to the origin it was given for, or nowhere; never to a
+            # peer, whose secret is in its URLs.
+            config["token"] = None
         base = self.done_bytes
         job = _FileDownload(
-            config,
-            parent,
-            work,
-            f"{self.work_shown}/{key}",
-            lambda st: self.report(bytes_done=base + _nonneg(st.get("bytes")), retrying=st.get("retrying")),
+            config, parent, work, f"{self.work_shown}/{key}", lambda st: self._progress(path, base, st)
         )
         job.run()
         st = _file_state(parent, name, where)
@@ -1743,25 +1815,31 @@ def poll_snapshot(config: dict[str, Any]) -> None:
     except (JobFailed, OSError) as exc:
         _emit({**answer, "error": str(exc)})
         return
-    names = snapshot_names(commit)
     try:
-        try:
-            lock = open_file(folder, names["lock"], os.O_RDONLY, f"{shown}/{names['lock']}")
-        except FileNotFoundError:
-            lock = -1
-        if lock >= 0:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                answer["free"] = False
-            finally:
-                os.close(lock)
-        answer["status"] = _read_json(folder, names["status"])
+        answer["free"] = not _snapshot_running(folder, shown, commit)
+        answer["status"] = _read_json(folder, snapshot_names(commit)["status"])
     except (JobFailed, OSError) as exc:
         answer["error"] = str(exc)
     finally:
         os.close(folder)
     _emit(answer)
+
+
+def _snapshot_running(folder: int, shown: str, commit: str) -> bool:
+    """Whether a job of this snapshot runs on this node: the lock in its repo folder
+    ``folder`` (opened without following a link) is held. Raises Unsafe or OSError."""
+    name = snapshot_names(commit)["lock"]
+    try:
+        lock = open_file(folder, name, os.O_RDONLY, f"{shown}/{name}")
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(lock)  # a lock taken here is let go at once
+    return False
 
 
 # --- serve ----------------------------------------------------------------------------
@@ -1790,29 +1868,67 @@ class _Activity:
             self.last = time.monotonic()
 
 
-def _handler(path: str, folder: int, secret: str, activity: _Activity) -> type[BaseHTTPRequestHandler]:
+class _FileHandler(BaseHTTPRequestHandler):
+    """What both serving modes answer alike: HEAD and GET, each counted in ``activity``
+    (set on the subclass), and a file sent whole or as the one range asked for (``_send``).
+    A subclass says which file a request names (``_answer``)."""
+
+    protocol_version = "HTTP/1.1"
+    activity: _Activity
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._guarded(body=False)
+
+    def do_GET(self) -> None:
+        self._guarded(body=True)
+
+    def _guarded(self, body: bool) -> None:
+        self.activity.begin()
+        try:
+            self._answer(body)
+        finally:
+            self.activity.end()
+
+    def _answer(self, body: bool) -> None:
+        raise NotImplementedError
+
+    def _send(self, f: IO[bytes], body: bool) -> None:
+        """The open file ``f``: 200, or 206 for a single ``Range`` (unless ``If-Range``
+        names another version than its ETag, size and mtime), 416 past its end."""
+        st = os.fstat(f.fileno())
+        size, etag = st.st_size, f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
+        start, end = 0, size - 1
+        wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if_range = self.headers.get("If-Range")
+        partial = wanted is not None and (if_range is None or if_range == etag)
+        if partial and wanted is not None:
+            start = int(wanted.group(1))
+            end = min(int(wanted.group(2)), size - 1) if wanted.group(2) else size - 1
+            if start >= size:
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+        self.send_response(206 if partial else 200)
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", etag)
+        self.send_header("Content-Length", str(end - start + 1))
+        if partial:
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.end_headers()
+        if body:
+            self.connection.sendfile(f, start, end - start + 1)
+
+
+def _handler(path: str, folder: int, secret: str, activity: _Activity) -> type[_FileHandler]:
     name = os.path.basename(path)
     route = "/" + secret + "/" + name
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-        def do_HEAD(self) -> None:
-            self._guarded(body=False)
-
-        def do_GET(self) -> None:
-            self._guarded(body=True)
-
-        def _guarded(self, body: bool) -> None:
-            activity.begin()
-            try:
-                self._answer(body)
-            finally:
-                activity.end()
-
+    class Handler(_FileHandler):
         def _answer(self, body: bool) -> None:
             if self.path != route:
                 self.send_error(404)
@@ -1825,32 +1941,7 @@ def _handler(path: str, folder: int, secret: str, activity: _Activity) -> type[B
             with os.fdopen(fd, "rb") as f:
                 self._send(f, body)
 
-        def _send(self, f: IO[bytes], body: bool) -> None:
-            st = os.fstat(f.fileno())
-            size, etag = st.st_size, f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
-            start, end = 0, size - 1
-            wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-            if_range = self.headers.get("If-Range")
-            partial = wanted is not None and (if_range is None or if_range == etag)
-            if partial and wanted is not None:
-                start = int(wanted.group(1))
-                end = min(int(wanted.group(2)), size - 1) if wanted.group(2) else size - 1
-                if start >= size:
-                    self.send_response(416)
-                    self.send_header("Content-Range", f"bytes */{size}")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-            self.send_response(206 if partial else 200)
-            self.send_header("Accept-Ranges", "bytes")
-            self.send_header("ETag", etag)
-            self.send_header("Content-Length", str(end - start + 1))
-            if partial:
-                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-            self.end_headers()
-            if body:
-                self.connection.sendfile(f, start, end - start + 1)
-
+    Handler.activity = activity
     return Handler
 
 
@@ -1868,23 +1959,31 @@ def serve(config: dict[str, Any]) -> None:
         _error("node", f"cannot serve {path}: {exc}")
         return
     activity = _Activity()
-    server = ThreadingHTTPServer(("0.0.0.0", 0), _handler(path, folder, config["secret"], activity))
+    _run_server(_handler(path, folder, config["secret"], activity), activity, config)
+
+
+def _run_server(handler: type[_FileHandler], activity: _Activity, config: dict[str, Any]) -> None:
+    """Serve on an ephemeral port of every address until ``idle`` seconds (default 120)
+    pass without a request; detached unless ``foreground``. Prints ``{"state": "serving",
+    "port": N, "pid": P}`` once the server listens (P: the process to kill to stop it)."""
+    server = ThreadingHTTPServer(("0.0.0.0", 0), handler)
     server.daemon_threads = True
     port = server.server_address[1]
     idle = float(config.get("idle", 120))
     foreground = bool(config.get("foreground"))
-    read_end, write_end = os.pipe()
-    if not foreground and not _detach():
-        os.close(write_end)
-        with os.fdopen(read_end) as pipe:
-            pid = int(pipe.read().strip() or 0)  # the detached server's pid, once it is up
-        _emit({"state": "serving", "port": port, "pid": pid})
-        return
-    os.close(read_end)
-    os.write(write_end, str(os.getpid()).encode())
-    os.close(write_end)
     if foreground:
         _emit({"state": "serving", "port": port, "pid": os.getpid()})
+    else:
+        read_end, write_end = os.pipe()
+        if not _detach():
+            os.close(write_end)
+            with os.fdopen(read_end) as pipe:
+                pid = int(pipe.read().strip() or 0)  # the detached server's pid, once it is up
+            _emit({"state": "serving", "port": port, "pid": pid})
+            return
+        os.close(read_end)
+        os.write(write_end, str(os.getpid()).encode())
+        os.close(write_end)
 
     def watchdog() -> None:
         while activity.idle_for() < idle:
@@ -1897,6 +1996,127 @@ def serve(config: dict[str, Any]) -> None:
         os._exit(0)
 
 
+# --- serve-snapshot: a snapshot's files to peers, each as soon as it is in place -------
+
+RETRY_AFTER = 1
+"""Seconds ``serve-snapshot`` asks a peer to wait before it asks again for a file not there yet."""
+
+
+def serve_snapshot(config: dict[str, Any]) -> None:
+    """Serve the files of the snapshot of ``commit`` in ``folder`` (``W/hf/<org>--<name>``)
+    to peers until idle: ``GET``/``HEAD /<secret>/<path quoted>`` answers the file at
+    ``<folder>/<commit>/<path>`` as ``serve`` does (ranges, If-Range); a file not there
+    yet ``503`` with ``Retry-After`` while this node's job of the snapshot runs, ``404``
+    once it does not; anything else ``404``. Prints ``{"state": "serving", "port": N,
+    "pid": P}`` like ``serve``, or an error.
+
+    A file is served once it is at its final name, where the job puts it only once
+    checked. A file put there some other way may be wrong: whoever copies it checks its
+    digest, as it would an origin's."""
+    secret = config.get("secret")
+    try:
+        where = _snapshot_where(config)
+        if not isinstance(secret, str) or not secret or "/" in secret:
+            raise JobFailed("job", "secret is not a non-empty string without '/'")
+        folder = open_folder(where[0], create=False)
+    except JobFailed as exc:
+        _error(exc.kind, str(exc))
+        return
+    except OSError as exc:
+        _error("node", f"cannot open {config.get('folder')}: {exc}")
+        return
+    shown, _, commit = where
+    try:  # a planted link is refused now, not only request by request
+        os.close(_enter(folder, commit, f"{shown}/{commit}", create=False))
+    except FileNotFoundError:
+        pass  # not made yet: its job makes it, and files are served as they come
+    except (JobFailed, OSError) as exc:
+        os.close(folder)
+        _snapshot_refused(exc, shown)
+        return
+    activity = _Activity()
+    _run_server(_snapshot_handler(folder, where, secret, activity), activity, config)
+
+
+def _requested_path(raw: str, secret: str) -> str | None:
+    """The repository path ``/<secret>/<quoted path>`` names (``check_snapshot_path``:
+    ``%2F`` is one more ``/``, ``..`` refused however it is spelled), or None."""
+    parts = raw.split("/", 2)
+    if len(parts) != 3 or parts[0] or not hmac.compare_digest(parts[1].encode(), secret.encode()):
+        return None
+    if "?" in parts[2] or "#" in parts[2]:
+        return None
+    try:
+        return check_snapshot_path(unquote(parts[2], errors="strict"))
+    except (UnicodeDecodeError, JobFailed):
+        return None
+
+
+def _open_snapshot_file(folder: int, shown: str, commit: str, path: str) -> int:
+    """``<commit>/<path>`` in the repo folder ``folder``, opened for reading, every folder
+    entered and the file opened without following a link; a regular file only.
+    FileNotFoundError when it (or a folder of it) is not there; Unsafe or OSError."""
+    snap_shown = f"{shown}/{commit}"
+    root = _enter(folder, commit, snap_shown, create=False)
+    try:
+        parent = _parent(root, snap_shown, path, create=False)
+    finally:
+        os.close(root)
+    try:
+        return open_file(parent, path.rsplit("/", 1)[-1], os.O_RDONLY, f"{snap_shown}/{path}", strict=False)
+    finally:
+        os.close(parent)
+
+
+def _snapshot_handler(
+    folder: int, where: tuple[str, str, str], secret: str, activity: _Activity
+) -> type[_FileHandler]:
+    shown, _, commit = where
+
+    class Handler(_FileHandler):
+        def _answer(self, body: bool) -> None:
+            path = _requested_path(self.path, secret)
+            if path is None:
+                self.send_error(404)
+                return
+            found, fd = self._open(path)
+            if found == "missing" and self._running():
+                self._not_yet()
+                return
+            if found == "missing":  # the job may have put it in place and ended in between
+                found, fd = self._open(path)
+            if found != "open":
+                self.send_error(404)
+                return
+            with os.fdopen(fd, "rb") as f:
+                self._send(f, body)
+
+        def _open(self, path: str) -> tuple[str, int]:
+            """``("open", fd)``, ``("missing", -1)`` (it or a folder of it is not there),
+            or ``("refused", -1)`` (a link, not a regular file, a file where a folder is)."""
+            try:
+                return "open", _open_snapshot_file(folder, shown, commit, path)
+            except FileNotFoundError:
+                return "missing", -1
+            except (JobFailed, OSError):
+                return "refused", -1
+
+        def _running(self) -> bool:
+            try:
+                return _snapshot_running(folder, shown, commit)
+            except (JobFailed, OSError):
+                return False
+
+        def _not_yet(self) -> None:
+            self.send_response(503)
+            self.send_header("Retry-After", str(RETRY_AFTER))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    Handler.activity = activity
+    return Handler
+
+
 MODES = {
     "fetch": fetch,
     "verify": verify,
@@ -1905,6 +2125,7 @@ MODES = {
     "snapshot": snapshot,
     "verify-snapshot": verify_snapshot,
     "poll-snapshot": poll_snapshot,
+    "serve-snapshot": serve_snapshot,
 }
 
 
