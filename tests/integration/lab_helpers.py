@@ -235,10 +235,11 @@ BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 
 @contextmanager
-def origin_on_the_bridge(lab: Lab, folder: Path) -> Iterator[Origin]:
+def origin_on_the_bridge(lab: Lab, folder: Path, hub_port: int | None = None) -> Iterator[Origin]:
     """An HTTPS weights origin on the lab's bridge whose certificate every node trusts: it
-    is added to each node's own copy of the CA bundle (its overlay), restored after."""
-    origin = start_origin(folder, host=f"{lab_host.SUBNET}.1")
+    is added to each node's own copy of the CA bundle (its overlay), restored after.
+    ``hub_port``: it fronts a Hub stand-in too (``start_origin``)."""
+    origin = start_origin(folder, host=f"{lab_host.SUBNET}.1", hub_port=hub_port)
     pem = shlex.quote(origin.cert.read_text())
     for node in lab.nodes:
         done = lab.ssh(node.name, f"cp {BUNDLE} {BUNDLE}.llmgw-test && printf '%s\\n' {pem} >> {BUNDLE}")

@@ -72,7 +72,7 @@ http {{
       return 302 /cdn/$name;
     }}
     location ~ ^/to-http/(?<name>[^/]+)$ {{ return 302 http://{host}:{http_port}/$name; }}
-    location ~ ^/to-other/(?<name>[^/]+)$ {{ return 302 https://{host}:{other_port}/$name; }}
+{hub}    location ~ ^/to-other/(?<name>[^/]+)$ {{ return 302 https://{host}:{other_port}/$name; }}
     location ~ ^/to-localhost/(?<name>[^/]+)$ {{ return 302 https://localhost:{other_port}/$name; }}
   }}
   server {{
@@ -161,8 +161,10 @@ class Origin:
             self.proc.wait()
 
 
-def start_origin(root: Path, host: str = "127.0.0.1") -> Origin:
-    """nginx serving ``root/www`` over TLS on ``host`` (loopback, or the lab's bridge)."""
+def start_origin(root: Path, host: str = "127.0.0.1", hub_port: int | None = None) -> Origin:
+    """nginx serving ``root/www`` over TLS on ``host`` (loopback, or the lab's bridge).
+    ``hub_port``: the Hub's API (``/api/``) and its ``/lab/<name>/resolve/`` URLs are passed
+    to a Hub stand-in on that port of 127.0.0.1, so nodes reach it over TLS on ``host``."""
     if shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists():
         raise RuntimeError("nginx is missing (install scripts/weights-packages.txt)")
     (root / "www").mkdir(parents=True)
@@ -174,7 +176,13 @@ def start_origin(root: Path, host: str = "127.0.0.1") -> Origin:
         check=True, capture_output=True,
     )  # fmt: skip
     port, http_port, other_port = _free_port(), _free_port(), _free_port()
-    conf = _CONF.format(d=root, host=host, port=port, token=TOKEN, http_port=http_port, other_port=other_port)
+    hub = ""
+    if hub_port is not None:
+        to = f"proxy_pass http://127.0.0.1:{hub_port}; proxy_buffering off;"
+        hub = f"    location /api/ {{ {to} }}\n    location ~ ^/lab/[^/]+/resolve/ {{ {to} }}\n"
+    conf = _CONF.format(
+        d=root, host=host, port=port, token=TOKEN, http_port=http_port, other_port=other_port, hub=hub
+    )
     (root / "nginx.conf").write_text(conf)
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     proc = subprocess.Popen(

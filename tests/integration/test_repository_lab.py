@@ -1,0 +1,161 @@
+"""Whole Hugging Face repositories on the lab: `llmgw apply` resolves a model's revision
+through the Hub's API (a stand-in written from that API, behind Debian's nginx on the lab
+bridge, which also serves its CDN and logs every byte it sends), fetches the snapshot onto
+four nodes of one fabric, and starts the simulated vLLM from the local folder with the Hub
+switched off. The stand-in and nginx count what left the origin: one copy of each shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.hub_standin import HubStandin, Repo
+from tests.integration.weights_origin import Origin
+
+from .conftest import Lab
+from .lab_helpers import llmgw_units, origin_on_the_bridge, reset
+
+pytestmark = pytest.mark.integration
+
+SHARDS = 4
+SHARD_BYTES = 3 << 20
+UNIT = "llmgw-shards-{}.service"
+
+
+def repo_files(seed: int) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    shards = {
+        f"model-{i:05d}-of-{SHARDS:05d}.safetensors": rng.randbytes(SHARD_BYTES) for i in range(1, SHARDS + 1)
+    }
+    index = {"metadata": {}, "weight_map": {f"layer.{i}": name for i, name in enumerate(shards)}}
+    return {
+        "config.json": b'{"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096}',
+        "model.safetensors.index.json": json.dumps(index).encode(),
+        "tokenizer.json": b'{"version": "1.0"}',
+        "README.md": b"# not fetched by default\n",
+        "original/consolidated.pth": rng.randbytes(1 << 20),  # left out by the default selection
+        **shards,
+    }
+
+
+@dataclass
+class Hub:
+    standin: HubStandin
+    origin: Origin
+    repo: Repo
+    endpoint: str
+
+
+@pytest.fixture
+def hub(lab: Lab, tmp_path: Path) -> Iterator[Hub]:
+    reset(lab)
+    with HubStandin() as standin:
+        repo = standin.repo("lab/shards")
+        repo.push(repo_files(1))
+        port = int(standin.url.rsplit(":", 1)[1])
+        with origin_on_the_bridge(lab, tmp_path / "origin", hub_port=port) as origin:
+            standin.cdn_url = origin.url("/cdn").rstrip("/")
+            standin.write_blobs(origin.www)
+            try:
+                yield Hub(standin, origin, repo, origin.url("/").rstrip("/"))
+            finally:
+                reset(lab)
+                for node in lab.nodes:
+                    lab.ssh(node.name, "rm -rf /data/models/hf")
+
+
+def cluster(lab: Lab, folder: Path, source: str) -> Path:
+    data = yaml.safe_load(lab.cluster_file.read_text())
+    data["models"] = [
+        {
+            "name": "shards",
+            "source": source,
+            "profile": "vllm",
+            "tensor_parallel": 8,  # every card of a node: one replica on each of the four
+            "fetch": {},
+            "scaling": {"min": len(lab.nodes), "max": len(lab.nodes)},
+        }
+    ]
+    path = folder / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def llmgw(hub: Hub, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "SSL_CERT_FILE": str(hub.origin.cert)}
+    env.pop("HF_TOKEN", None)
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw_cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
+
+
+def unit_text(lab: Lab, node: str, unit: str) -> str:
+    return lab.ssh(node, f"cat /etc/systemd/system/{unit}").stdout
+
+
+def test_a_repository_is_fetched_once_per_fabric_and_the_engine_runs_from_disk(
+    lab: Lab, hub: Hub, tmp_path: Path
+) -> None:
+    commit = hub.repo.refs["main"]
+    file = cluster(lab, tmp_path, "lab/shards@main")
+    done = llmgw(hub, "apply", "-f", str(file), "--yes")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"repository lab/shards@main: commit {commit[:12]}" in done.stderr
+
+    # every node holds the snapshot, complete, with only the default files
+    folder = f"/data/models/hf/lab--shards/{commit}"
+    shard_names = sorted(n for n in repo_files(1) if n.endswith(".safetensors"))
+    wanted = sorted(["config.json", "model.safetensors.index.json", "tokenizer.json", *shard_names])
+    files = hub.repo.commits[commit]
+    for node in lab.nodes:
+        listed = lab.ssh(node.name, f"cd {folder} && find . -type f | sed 's|^./||' | sort").stdout.split()
+        assert listed == wanted, (node.name, listed)
+        sums = lab.ssh(node.name, f"cd {folder} && sha256sum {' '.join(shard_names)}").stdout.split()
+        assert sums[0::2] == [hashlib.sha256(files[n]).hexdigest() for n in shard_names]
+        assert (
+            lab.ssh(node.name, f"test -s /data/models/hf/lab--shards/{commit}.manifest.json").returncode == 0
+        )
+
+    # one copy of each shard left the origin; the other three nodes copied from a peer
+    for name in shard_names:
+        sha = hashlib.sha256(files[name]).hexdigest()
+        sent = sum(int(e["sent"]) for e in hub.origin.log() if e["uri"] == f"/cdn/blobs/{sha}")
+        assert sent == SHARD_BYTES, (name, sent)
+
+    # each node runs a replica of the simulated vLLM from the local folder, offline
+    units = llmgw_units(lab)
+    running = sorted(u for us in units.values() for u in us if u.startswith("llmgw-shards-"))
+    assert running == [UNIT.format(i) for i in range(len(lab.nodes))]
+    for node, names in units.items():
+        for unit in (u for u in names if u.startswith("llmgw-shards-")):
+            text = unit_text(lab, node, unit)
+            assert f" serve {folder} " in text, text
+            assert "HF_HUB_OFFLINE=1" in text, text
+            active = lab.ssh(node, f"systemctl is-active {unit}").stdout.strip()
+            assert active == "active", lab.ssh(node, f"journalctl -u {unit} -n 20 --no-pager").stdout
+
+    # main moves on the Hub: what runs stays at the commit the plan chose
+    newer = hub.repo.push(repo_files(2) | {"config.json": files["config.json"]})
+    hub.standin.write_blobs(hub.origin.www)
+    for node, names in units.items():
+        for unit in (u for u in names if u.startswith("llmgw-shards-")):
+            assert f" serve {folder} " in unit_text(lab, node, unit)
+    planned = llmgw(hub, "plan", "-f", str(file))
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    assert f"repository lab/shards@main: commit {newer[:12]}" in planned.stderr  # the next apply moves it
