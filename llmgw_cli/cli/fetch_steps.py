@@ -3,6 +3,7 @@ plan -> fetch -> report. Imported when it runs."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -22,8 +23,10 @@ from rich.progress import (
 )
 
 from llmgw_cli.cli.common import chosen_nodes, confirm, probe_with_progress, read_cluster, unknown_names
+from llmgw_cli.cli.repos import pinned
 from llmgw_cli.cli.views import fetch_plan_view, fetch_results_view, plain
 from llmgw_cli.core.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, plan_report, select
+from llmgw_cli.core.snapshot import Snapshot
 from llmgw_cli.errors import FetchFailed, UsageError
 from llmgw_cli.remote.connect import Session
 from llmgw_cli.remote.fetch import Fetcher, FetchEvent, FetchResult, verified
@@ -63,9 +66,34 @@ def _progress() -> tuple[Progress, Callable[[FetchEvent], None]]:
     return bars, on_event
 
 
-async def _run(fetcher: Fetcher, plan: FetchPlan, bars: Progress) -> list[FetchResult]:
+async def _run(
+    fetcher: Fetcher,
+    plan: FetchPlan,
+    bars: Progress,
+    *,
+    repositories: dict[str, Snapshot],
+    peers: Peers,
+    token: str | None,
+) -> list[FetchResult]:
+    """The files, and the repositories' snapshots beside them."""
+    from llmgw_cli.remote.snapshot_fetch import bring_snapshots
+
+    wanted = {r.model: list(r.nodes) for r in plan.repos}
+    endpoint = os.environ.get("HF_ENDPOINT") or None
     with bars:
-        return await fetcher.run(plan)
+        files, snapshots = await asyncio.gather(
+            fetcher.run(plan),
+            bring_snapshots(
+                fetcher,
+                fetcher.spec,
+                wanted,
+                repositories,
+                peers=peers,
+                endpoint=endpoint,
+                token=token,
+            ),
+        )
+    return files + snapshots
 
 
 def fetch(
@@ -80,7 +108,7 @@ def fetch(
     json_out: bool = False,
 ) -> None:
     """``llmgw fetch`` (its help says what it does)."""
-    spec = read_cluster(file)
+    spec, repositories = pinned(read_cluster(file), err, token_env)
     # wrong names stop here, before any node is probed
     chosen = chosen_nodes(spec, nodes, file)
     known = [m.name for m in spec.models]
@@ -117,10 +145,10 @@ def fetch(
             else:
                 out.print(fetch_plan_view(plan), soft_wrap=True)
             return
-        if plan.spreads:
+        if plan.spreads or plan.repos:
             said.print(fetch_plan_view(plan), soft_wrap=True)
             confirm("Fetch these weights?", yes=yes, to="fetch")
-        results = session.run(_run(fetcher, plan, bars))
+        results = session.run(_run(fetcher, plan, bars, repositories=repositories, peers=peers, token=token))
     if json_out:
         report = {"results": [dataclasses.asdict(r) for r in results], **plan_report(plan)}
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
@@ -130,4 +158,6 @@ def fetch(
     if failed:
         raise FetchFailed(f"{len(failed)} of {len(results) + len(plan.skipped)} model/node pairs failed")
     if not results and not plan.skipped:
-        said.print("Nothing to fetch: no model with an https source is wanted on these nodes.")
+        said.print(
+            "Nothing to fetch: no model with an https source or a fetched repository is wanted on these nodes."
+        )

@@ -289,13 +289,23 @@ def fetch_plan_view(plan: FetchPlan) -> RenderableType:
                 table.add_row(
                     plain(s.model), plain(node), Text("copy", style="green"), plain(f"a peer: {peers}")
                 )
+    for r in plan.repos:
+        for node in r.nodes:
+            table.add_row(
+                plain(r.model),
+                plain(node),
+                Text("snapshot", style="green"),
+                plain(f"{r.source} (Hub or a peer)"),
+            )
     for model, node, path in plan.checks:
         table.add_row(plain(model), plain(node), Text("check", style="dim"), plain(path))
     for skip in plan.skipped:
         table.add_row(plain(skip.model), plain(skip.node), Text(skip.reason, style="dim"), "")
+    snapshots = sum(len(r.nodes) for r in plan.repos)
     said = (
         f"Fetch: {downloads} download(s) from the origin, {copies} copy(ies) from peers, "
-        f"{len(plan.checks)} path(s) to check, {len(plan.skipped)} left out."
+        + (f"{snapshots} repository snapshot(s) (one Hub download per fabric), " if snapshots else "")
+        + f"{len(plan.checks)} path(s) to check, {len(plan.skipped)} left out."
     )
     return Group(table, Text(said, style="bold"))
 

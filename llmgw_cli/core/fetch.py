@@ -1,7 +1,7 @@
 """Which weights go where, and from whom: the pure decisions behind `llmgw fetch`.
 
-Only https sources are fetched; a Hugging Face repo id goes to the engine untouched and a
-path is only checked. A file is downloaded from the origin once per group of nodes (a
+https sources and repositories that say ``fetch: {...}`` are fetched; any other Hugging
+Face repo id goes to the engine untouched and a path is only checked. A file is downloaded from the origin once per group of nodes (a
 fabric by default): the first node that needs it fetches it from the origin, the others
 copy it from a peer that has it, over the nodes' own network. Nodes whose weights folder
 is shared storage count once per (fabric, folder).
@@ -87,10 +87,21 @@ class Spread:
 
 
 @dataclass(frozen=True)
+class RepoFetch:
+    """A repository's snapshot brought onto nodes (``remote/snapshot_fetch.py`` decides,
+    per fabric, who downloads from the Hub and who copies from a peer)."""
+
+    model: str
+    source: str  # org/name@commit
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class FetchPlan:
     spreads: tuple[Spread, ...]
     skipped: tuple[Skip, ...]
     checks: tuple[tuple[str, str, str], ...]  # (model, node, path) of path sources to check
+    repos: tuple[RepoFetch, ...] = ()
 
 
 def select(
@@ -149,9 +160,16 @@ def plan_fetch(
     spreads: list[Spread] = []
     skipped: list[Skip] = []
     checks: list[tuple[str, str, str]] = []
+    repos: list[RepoFetch] = []
     for name, node_names in wanted.items():
         model = spec.model(name)
         kind = model.source_kind
+        if model.selection is not None:
+            skipped += [Skip(name, n, "unreachable") for n in node_names if n in unreachable]
+            reachable = tuple(n for n in node_names if n not in unreachable)
+            if reachable:
+                repos.append(RepoFetch(name, model.source, reachable))
+            continue
         if kind is not SourceKind.url:
             for n in node_names:
                 if kind is SourceKind.path:
@@ -164,7 +182,7 @@ def plan_fetch(
         )
         spreads += spreads_of
         skipped += skips
-    return FetchPlan(tuple(spreads), tuple(skipped), tuple(checks))
+    return FetchPlan(tuple(spreads), tuple(skipped), tuple(checks), tuple(repos))
 
 
 def _spreads(
@@ -239,6 +257,7 @@ def plan_report(plan: FetchPlan) -> dict[str, Any]:
     ]
     return {
         "fetches": fetches,
+        "repositories": [{"model": r.model, "source": r.source, "nodes": list(r.nodes)} for r in plan.repos],
         "checks": [{"model": m, "node": n, "path": p} for m, n, p in plan.checks],
         "skipped": [{"model": s.model, "node": s.node, "reason": s.reason} for s in plan.skipped],
     }

@@ -1343,6 +1343,29 @@ def _wanted(
     return wanted
 
 
+def _snapshot_key(path: str) -> str:
+    """A snapshot file's name in the job's work folder (its partial download, its marker)."""
+    return hashlib.sha256(path.encode("utf-8")).hexdigest()[:40]
+
+
+def _checked_identity(work: int, path: str) -> list[int] | None:
+    """The identity (device, inode, size, mtime, ctime) the file at ``path`` had when the
+    snapshot's job last checked its digest; None when it has no marker."""
+    if work < 0:
+        return None
+    marker = os.path.basename(side_files(_snapshot_key(path))["verified"])
+    identity = _read_json(work, marker).get("identity")
+    return identity if isinstance(identity, list) else None
+
+
+def _open_work(folder: int, shown: str, name: str) -> int:
+    """The snapshot's work folder (its markers), or -1 when there is none to trust."""
+    try:
+        return _enter(folder, name, f"{shown}/{name}", create=False)
+    except (FileNotFoundError, JobFailed):
+        return -1
+
+
 def _check_snapshot(
     folder: int, shown: str, repo: str, commit: str, expected: list[dict[str, Any]] | None, *, full: bool
 ) -> dict[str, Any]:
@@ -1369,12 +1392,17 @@ def _check_snapshot(
     except JobFailed as exc:
         root = -1
         wrong.append([names["snapshot"], str(exc)])
+    # quick: in place with its size, and unchanged since its digest was checked
+    work = _open_work(folder, shown, names["work"]) if not full and root >= 0 else -1
     try:
         for path, (size, sha, git) in wanted.items():
             if root < 0:
                 missing.append(path)
                 continue
-            problem = _check_file(root, snap_shown, path, size, digests=(sha, git), full=full)
+            checked = None if full else _checked_identity(work, path)
+            problem = _check_file(
+                root, snap_shown, path, size, digests=(sha, git), full=full, checked=checked
+            )
             if problem == "missing":
                 missing.append(path)
             elif problem:
@@ -1382,6 +1410,8 @@ def _check_snapshot(
     finally:
         if root >= 0:
             os.close(root)
+        if work >= 0:
+            os.close(work)
     if listed is None and root < 0 and not wrong:
         state = "absent"
     elif listed is not None and not missing and not wrong:
@@ -1404,10 +1434,19 @@ def _check_snapshot(
 
 
 def _check_file(
-    root: int, shown: str, path: str, size: int, *, digests: tuple[str | None, str | None], full: bool
+    root: int,
+    shown: str,
+    path: str,
+    size: int,
+    *,
+    digests: tuple[str | None, str | None],
+    full: bool,
+    checked: list[int] | None = None,
 ) -> str:
     """ "" when the file is in place with ``size`` (``full``: and its sha256, else its git
-    blob id), "missing", or what is wrong with it."""
+    blob id; not ``full``: and the identity it had when it was ``checked``), "missing", or
+    what is wrong with it. A file changed in place since its digest was checked keeps its
+    size: only its identity (inode, mtime, ctime) tells, and then it is checked again."""
     sha, git = digests
     where = f"{shown}/{path}"
     try:
@@ -1423,7 +1462,7 @@ def _check_file(
         if st.st_size != size:
             return f"{st.st_size} bytes, expected {size}"
         if not full:
-            return ""
+            return "" if checked == _identity(st) else "not checked since it last changed"
         fd = open_file(parent, path.rsplit("/", 1)[-1], os.O_RDONLY, where, strict=False)
         try:
             hashes = _hash_file(fd, size if git and not sha else None)
@@ -1541,7 +1580,7 @@ class SnapshotJob:
         self.report(any(seen.get(k) != changes[k] for k in ("retrying", "waiting")), **changes)
 
     def _key(self, path: str) -> str:
-        return hashlib.sha256(path.encode("utf-8")).hexdigest()[:40]
+        return _snapshot_key(path)
 
     def _one(self, parent: int, work: int, f: dict[str, Any]) -> tuple[str, list[int]]:
         """The file in place and checked: its sha256 and the identity it was checked with."""

@@ -159,3 +159,35 @@ def test_a_repository_is_fetched_once_per_fabric_and_the_engine_runs_from_disk(
     planned = llmgw(hub, "plan", "-f", str(file))
     assert planned.returncode == 0, planned.stdout + planned.stderr
     assert f"repository lab/shards@main: commit {newer[:12]}" in planned.stderr  # the next apply moves it
+
+
+def test_fetch_brings_a_repository_and_a_shard_changed_on_a_node_is_fetched_again(
+    lab: Lab, hub: Hub, tmp_path: Path
+) -> None:
+    commit = hub.repo.refs["main"]
+    file = cluster(lab, tmp_path, "lab/shards")
+    first = llmgw(hub, "fetch", "--yes", "-f", str(file))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "4 repository snapshot(s)" in first.stdout
+    files = hub.repo.commits[commit]
+    shard = sorted(n for n in files if n.endswith(".safetensors"))[1]
+    sha = hashlib.sha256(files[shard]).hexdigest()
+    sent = sum(int(e["sent"]) for e in hub.origin.log() if e["uri"] == f"/cdn/blobs/{sha}")
+    assert sent == SHARD_BYTES
+
+    # the same size, other bytes: the node's quick check sees the file changed since it was
+    # checked, hashes it, and replaces it by a verified copy (from a peer that holds it)
+    victim = lab.nodes[2].name
+    path = f"/data/models/hf/lab--shards/{commit}/{shard}"
+    lab.ssh(victim, f"printf 'XXXX' | dd of={path} bs=1 seek=1000 conv=notrunc status=none")
+    assert lab.ssh(victim, f"sha256sum {path}").stdout.split()[0] != sha
+    again = llmgw(hub, "fetch", "--yes", "-f", str(file), "--json")
+    assert again.returncode == 0, again.stdout + again.stderr
+    results = {r["node"]: r for r in json.loads(again.stdout)["results"]}
+    assert results[victim]["state"] == "done" and results[victim]["source"] != "origin", results[victim]
+    assert {n: r["state"] for n, r in results.items() if n != victim} == {
+        n.name: "present" for n in lab.nodes if n.name != victim
+    }
+    assert lab.ssh(victim, f"sha256sum {path}").stdout.split()[0] == sha
+    sent = sum(int(e["sent"]) for e in hub.origin.log() if e["uri"] == f"/cdn/blobs/{sha}")
+    assert sent == SHARD_BYTES  # the copy came from a peer: still one from the origin
