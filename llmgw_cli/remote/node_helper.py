@@ -240,14 +240,42 @@ def _write_unit(name: str, text: str) -> None:
         raise
 
 
-FETCH_MODES = {"fetch": "target", "poll": "target", "verify": "target", "serve": "file"}
+FETCH_MODES = {
+    "fetch": "target",
+    "poll": "target",
+    "verify": "target",
+    "serve": "file",
+    # whole repositories: the job names the repository's folder, W/hf/<org>--<name>
+    "snapshot": "folder",
+    "poll-snapshot": "folder",
+    "verify-snapshot": "folder",
+    "serve-snapshot": "folder",
+}
+_REPO_FOLDER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*--[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def _repo_folder_under_weights(path: str, config: dict[str, list[str]]) -> str:
+    """``path`` when it is ``<a weights folder>/hf/<org>--<name>``, else Refused: a snapshot
+    job writes only inside a repository's own folder of a weights folder."""
+    if not path.startswith("/") or os.path.normpath(path) != path:
+        raise Refused(f"{path!r} is not a plain absolute path")
+    for folder in config["weights"]:
+        root = folder.rstrip("/") + "/hf/"
+        rest = path[len(root) :]
+        if path.startswith(root) and _REPO_FOLDER.fullmatch(rest) and ".." not in rest:
+            return path
+    raise Refused(f"{path!r} is not a repository folder (hf/<org>--<name>) of a weights folder of this node")
 
 
 def _fetch(job: dict[str, Any], config: dict[str, list[str]]) -> int:
     mode = job.get("mode")
     if not isinstance(mode, str) or mode not in FETCH_MODES:
         raise Refused(f"fetch mode {mode!r} is not one of {', '.join(FETCH_MODES)}")
-    _under_weights(str(job.get(FETCH_MODES[mode], "")), config)
+    where = str(job.get(FETCH_MODES[mode], ""))
+    if FETCH_MODES[mode] == "folder":
+        _repo_folder_under_weights(where, config)
+    else:
+        _under_weights(where, config)
     namespace: dict[str, Any] = {"__name__": "llmgw_nodefetch"}
     # The root-owned copy apply installed, run in this process as ``python3 -`` would.
     with open(NODEFETCH, encoding="utf-8") as fh:

@@ -156,6 +156,12 @@ def test_fetch_only_into_the_weights_folders() -> None:
             node_helper._under_weights(path, cfg)
 
 
+def test_snapshot_jobs_only_in_a_repository_folder_of_a_weights_folder() -> None:
+    cfg = {"programs": [], "users": [], "weights": ["/data/models", "/scratch/w/"]}
+    for path in ("/data/models/hf/org--name", "/scratch/w/hf/Qwen--Qwen2.5-7B"):
+        assert node_helper._repo_folder_under_weights(path, cfg) == path
+
+
 def test_authorized_keys_line_restricts_the_key_to_the_helper() -> None:
     key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE0 llmgw-gateway@gw"
     assert node_access.valid_public_key(key)
@@ -173,6 +179,14 @@ def test_authorized_keys_line_restricts_the_key_to_the_helper() -> None:
         {"mode": "poll", "target": "/data/models/../../root/.ssh/id_ed25519"},
         {"mode": "run", "target": "/data/models/x"},
         {"target": "/data/models/x"},
+        {"mode": "snapshot", "folder": "/data/models"},
+        {"mode": "snapshot", "folder": "/data/models/hf"},
+        {"mode": "snapshot", "folder": "/etc/hf/org--name"},
+        {"mode": "snapshot", "folder": "/data/models/hf/org--name/x"},
+        {"mode": "serve-snapshot", "folder": "/data/models/hf/../../../etc--x"},
+        {"mode": "poll-snapshot", "folder": "/data/models/hf/noseparator"},
+        {"mode": "verify-snapshot", "target": "/data/models/hf/org--name"},
+        {"mode": "snapshot", "folder": "/data/models/hf/org..x--name"},
     ],
 )
 def test_fetch_jobs_outside_the_weights_folders_are_refused(job: dict[str, str]) -> None:
