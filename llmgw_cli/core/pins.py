@@ -77,7 +77,7 @@ def parse_pins(spec: ClusterSpec, text: str | bytes) -> dict[str, str]:
         return {}
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
         return {}
     models = data.get("models") if isinstance(data, dict) and data.get("format") == PINS_FORMAT else None
     if not isinstance(models, dict):

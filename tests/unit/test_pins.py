@@ -96,9 +96,11 @@ def pins(form: int, name: str, source: str, commit: str) -> str:
         pins(1, "nope", "org/big@main", C1),
         '{"format": 1, "models": []}',
         " " * (1 << 21),
+        "[" * 100_000,  # nested past the JSON parser's depth: no RecursionError escapes
+        b'{"format": 1, "models": {"fetched": "\xff"}}',  # not UTF-8
     ],
 )
-def test_a_pins_file_is_hostile_data(text: str) -> None:
+def test_a_pins_file_is_hostile_data(text: str | bytes) -> None:
     assert parse_pins(spec(), text) == {}
 
 
