@@ -26,6 +26,7 @@ from llmgw_cli.core.spec import ClusterSpec, Model
 
 PINS_FORMAT = 1
 MAX_PINS_BYTES = 1 << 20
+PINS_NAME = "pins.json"  # beside the cluster file: where apply puts it, where the gateway reads it
 
 
 def fetched_repo(model: Model) -> bool:
@@ -61,11 +62,13 @@ def pin(spec: ClusterSpec, commits: Mapping[str, str]) -> ClusterSpec:
 
 
 def pins_text(spec: ClusterSpec, commits: Mapping[str, str]) -> str:
-    """The pins file for the models of ``spec`` (unpinned sources) resolved to ``commits``."""
+    """The pins file for the models of ``spec`` (unpinned sources) resolved to ``commits``:
+    only the models that need a pin (one already at a commit carries its own)."""
+    wanted = {m.name for m in spec.models if needs_pin(m)}
     body = {
         name: {"source": spec.model(name).source, "commit": commit}
         for name, commit in sorted(commits.items())
-        if any(m.name == name for m in spec.models)
+        if name in wanted
     }
     return json.dumps({"format": PINS_FORMAT, "models": body}, indent=1, sort_keys=True) + "\n"
 
