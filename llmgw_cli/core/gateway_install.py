@@ -52,7 +52,7 @@ __all__ = ["ENGINE_KEYS_FILE"]  # re-exported: where callers have always found i
 GATEWAY_DIR = "/etc/llmgw/gateway"
 CLUSTER_FILE = f"{GATEWAY_DIR}/cluster.yaml"
 # The commits of the fetched repositories (core/pins.py): beside CLUSTER_FILE, where the
-# gateway reads it, re-read with it on SIGHUP.
+# gateway reads it (``core/pins.pins_file``), re-read with it on SIGHUP.
 PINS_FILE = f"{GATEWAY_DIR}/{PINS_NAME}"
 GATEWAY_KEY = f"{GATEWAY_DIR}/id_ed25519"
 # Where llmgw before the gateway had its own key put a copy of the operator's root key:

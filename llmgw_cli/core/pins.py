@@ -19,7 +19,10 @@ made for. Read back, it is hostile data like any file a node or a host holds: a 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Mapping
+from pathlib import Path
 
 from llmgw_cli.core.snapshot import COMMIT
 from llmgw_cli.core.spec import ClusterSpec, Model
@@ -95,3 +98,34 @@ def parse_pins(spec: ClusterSpec, text: str | bytes) -> dict[str, str]:
         if entry.get("source") == model.source and isinstance(commit, str) and COMMIT.fullmatch(commit):
             found[name] = commit
     return found
+
+
+def pins_file(cluster_file: Path) -> Path:
+    """Where the gateway looks for the pins of ``cluster_file``: beside it."""
+    return Path(cluster_file).with_name(PINS_NAME)
+
+
+def with_pins_file(spec: ClusterSpec, cluster_file: Path) -> ClusterSpec:
+    """``spec`` pinned by the pins file beside ``cluster_file``, as the gateway loads it (at
+    start and on SIGHUP). No file, one that cannot be read, or one whose content is not a
+    pins file for this spec pins nothing: the models it would have pinned stay unresolved
+    (``unpinned``), and the gateway refuses to start them rather than ask the Hub."""
+    try:
+        # not blocking on a FIFO, and never more than a pins file may hold
+        fd = os.open(pins_file(cluster_file), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return spec
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, a FIFO, a device: no pins
+            return spec
+        chunks: list[bytes] = []
+        while (got := sum(map(len, chunks))) <= MAX_PINS_BYTES:
+            chunk = os.read(fd, MAX_PINS_BYTES + 1 - got)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except OSError:
+        return spec
+    finally:
+        os.close(fd)
+    return pin(spec, parse_pins(spec, b"".join(chunks)))
