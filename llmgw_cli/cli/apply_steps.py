@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.text import Text
 
 from llmgw_cli.cli.common import confirm, probe_with_progress, read_cluster
-from llmgw_cli.cli.repos import pinned
+from llmgw_cli.cli.repos import gateway_pins, pinned
 from llmgw_cli.cli.views import plan_view, progress_line, progress_view
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.journal import split_ref
@@ -328,12 +328,17 @@ def plan(file: Path, save: Path | None, replace: list[str], *, json_out: bool = 
     """``llmgw plan``: probe the nodes and show what `apply` would do, changing nothing.
     ``json_out``: the plan on stdout as ``--out`` saves it, the rest on stderr."""
     said = err if json_out else out
-    spec, _ = pinned(read_cluster(file), err)
+    as_written = read_cluster(file)
+    spec, snapshots = pinned(as_written, err)
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, None, err, session)
         facts = {f.node: f for f in snapshot.nodes}
         result = make_plan(spec, facts, replace=replacements(replace, facts))
-        gateway = session.run(preview(spec, session.conns, file.read_text(encoding="utf-8")))
+        gateway = session.run(
+            preview(
+                spec, session.conns, file.read_text(encoding="utf-8"), gateway_pins(as_written, snapshots)
+            )
+        )
         if json_out:
             sys.stdout.write(result.model_dump_json(indent=2) + "\n")
         else:
@@ -405,14 +410,20 @@ def apply(
     no_lock: bool,
 ) -> None:
     """``llmgw apply`` (its help says what it does)."""
-    spec, _ = pinned(read_cluster(file), err)
+    as_written = read_cluster(file)
+    spec, snapshots = pinned(as_written, err)
     # One session for every step: each node is connected to once, from the probe to the
     # gateway's install (the confirmation waits between two steps).
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, None, err, session)
         facts = {f.node: f for f in snapshot.nodes}
         chosen, wanted = _choose(spec, facts, saved, replace)
-        gateway = session.run(preview(spec, session.conns, file.read_text(encoding="utf-8")))
+        # the gateway gets the commits of this plan (its pins file), never resolving them itself
+        gateway = session.run(
+            preview(
+                spec, session.conns, file.read_text(encoding="utf-8"), gateway_pins(as_written, snapshots)
+            )
+        )
         out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
         unreachable = [f.node for f in snapshot.nodes if not f.reachable]
         if unreachable:

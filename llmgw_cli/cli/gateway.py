@@ -150,19 +150,21 @@ def run(
         raise typer.BadParameter("--follow reads the published replica set: not with --replicas")
 
     runner = _runner(event_loop)
-
-    def load() -> ClusterSpec:
-        spec = read_cluster(file)
-        ssh = {"known_hosts": str(known_hosts.absolute())} if known_hosts is not None else {}
-        return spec.model_copy(update={"ssh": spec.ssh.model_copy(update=ssh)}) if ssh else spec
-
-    spec = load()
-    count = workers or spec.gateway.workers or default_count()
     logging.basicConfig(
         stream=sys.stderr,
         level=logging.INFO,
         format="%(message)s" if worker is None else f"[worker {worker}] %(message)s",
     )
+
+    def load() -> ClusterSpec:
+        # the commits apply chose, from the pins file beside the cluster file: at start and
+        # on SIGHUP, never asked of the Hub
+        spec = load_pinned(file)
+        ssh = {"known_hosts": str(known_hosts.absolute())} if known_hosts is not None else {}
+        return spec.model_copy(update={"ssh": spec.ssh.model_copy(update=ssh)}) if ssh else spec
+
+    spec = load()
+    count = workers or spec.gateway.workers or default_count()
     if worker is None and count > 1:
         # This process supervises; each worker runs this command line with --worker I.
         raise typer.Exit(supervise([sys.executable, *sys.orig_argv[1:]], count, spec.gateway.state_dir))
@@ -219,6 +221,27 @@ def run(
         routes=Path(routes_dir(spec.gateway.state_dir)),
     )
     runner(serve(gateway, worker=worker))
+
+
+def load_pinned(file: Path) -> ClusterSpec:
+    """The cluster file as the gateway runs it: each repository llmgw fetches at the commit
+    of the pins file beside it (``core/pins.with_pins_file``). One left unresolved (no pins
+    file, as for a gateway run by hand before any apply, or no valid pin for its source)
+    is logged: the gateway will not start it, every other model runs."""
+    import logging
+
+    from llmgw_cli.core.pins import pins_file, unpinned, with_pins_file
+
+    spec = with_pins_file(read_cluster(file), file)
+    for name in unpinned(spec):
+        logging.getLogger("llmgw.gateway").warning(
+            "model %s: %s is not resolved to a commit (no pin for it in %s): the gateway will not "
+            "start it; run `llmgw apply`, which pins it",
+            name,
+            spec.model(name).source,
+            pins_file(file),
+        )
+    return spec
 
 
 class Intervals(TypedDict):

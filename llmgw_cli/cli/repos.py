@@ -5,6 +5,8 @@ model that llmgw fetches from a Hugging Face repository (``fetch: {...}``) is as
 Hub (``$HF_ENDPOINT``, else huggingface.co; ``$HF_TOKEN`` for a gated or private one), its
 revision becomes the commit it names now, and the command goes on with that pinned spec
 (``core/pins.py``). Each resolution is printed, so the plan says which commit it starts.
+``gateway_pins`` is the pins file apply installs beside the gateway's cluster file, so the
+gateway's own starts use the same commits.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from rich.text import Text
 from llmgw_cli.errors import InputError
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from rich.console import Console
 
     from llmgw_cli.core.snapshot import Snapshot
@@ -46,3 +50,12 @@ def pinned(
         )
         console.print(Text(line, style="dim"), highlight=False, soft_wrap=True)
     return pin(spec, {n: s.commit for n, s in snapshots.items()}), snapshots
+
+
+def gateway_pins(spec: ClusterSpec, snapshots: Mapping[str, Snapshot]) -> str:
+    """The pins file for the gateway: the commit ``pinned`` chose for each model of
+    ``spec`` (the cluster file as read, before ``pinned``) that needs one. No model to pin:
+    a file that pins nothing, written all the same so that no older one is left."""
+    from llmgw_cli.core.pins import pins_text
+
+    return pins_text(spec, {name: snap.commit for name, snap in snapshots.items()})

@@ -4,6 +4,10 @@ The gateway runs as ``llmgw-gateway.service`` under its own account, ``llmgw-gat
 (never the engines' account, never root), from files under ``/etc/llmgw/gateway``:
 
 - ``cluster.yaml``: the cluster file as the operator wrote it (comments included);
+- ``pins.json``: the commit apply chose for each repository llmgw fetches (``core/pins.py``),
+  beside the cluster file, which is where the gateway looks for it: its on-demand starts
+  use those commits and never ask the Hub. Written on every apply, empty when no model
+  needs a pin, so a stale one never outlives the models it was made for;
 - ``id_ed25519``: the gateway's own SSH key, made on the gateway host by ``apply``
   (``ssh-keygen`` there, llmgw-gateway 0600; only its public half is read back). Each
   node lets it in as ``llmgw-gateway`` and runs the node helper for it, nothing else
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 
 from llmgw_cli.core.engines import UNIT_DIR
 from llmgw_cli.core.paths import ENGINE_KEYS_FILE
+from llmgw_cli.core.pins import PINS_NAME
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.core.units import (
     GATEWAY_HANDOVER_UNIT,
@@ -46,6 +51,9 @@ __all__ = ["ENGINE_KEYS_FILE"]  # re-exported: where callers have always found i
 
 GATEWAY_DIR = "/etc/llmgw/gateway"
 CLUSTER_FILE = f"{GATEWAY_DIR}/cluster.yaml"
+# The commits of the fetched repositories (core/pins.py): beside CLUSTER_FILE, where the
+# gateway reads it (``core/pins.pins_file``), re-read with it on SIGHUP.
+PINS_FILE = f"{GATEWAY_DIR}/{PINS_NAME}"
 GATEWAY_KEY = f"{GATEWAY_DIR}/id_ed25519"
 # Where llmgw before the gateway had its own key put a copy of the operator's root key:
 # apply deletes it.
@@ -59,6 +67,8 @@ UNIT_FILE = f"{UNIT_DIR}/{GATEWAY_UNIT}"
 SOCKET_FILE = f"{UNIT_DIR}/{GATEWAY_SOCKET}"
 HANDOVER_FILE = f"{UNIT_DIR}/{GATEWAY_HANDOVER_UNIT}"
 UNIT_FILES = (SOCKET_FILE, UNIT_FILE, HANDOVER_FILE)
+# What a running gateway takes by SIGHUP: a change of these alone is a reload.
+RELOADED = frozenset({CLUSTER_FILE, PINS_FILE})
 
 
 def installed_gateway_unit(spec: ClusterSpec, *, llmgw_bin: str, handover: bool = False) -> str:
@@ -100,11 +110,13 @@ def gateway_files(
     spec: ClusterSpec,
     *,
     cluster_text: str,
+    pins_text: str,
     llmgw_bin: str,
     known_hosts: str,
     store_password: str | None = None,
 ) -> tuple[GatewayFile, ...]:
-    """The files of one gateway host. ``store_password``: the text of the store's password
+    """The files of one gateway host. ``pins_text``: the pins file of the spec apply
+    planned (``core/pins.pins_text``). ``store_password``: the text of the store's password
     file as the machine running apply has it (None: not there, not copied)."""
     units = {
         handover: installed_gateway_unit(spec, llmgw_bin=llmgw_bin, handover=handover)
@@ -112,6 +124,7 @@ def gateway_files(
     }
     files = [
         GatewayFile(CLUSTER_FILE, cluster_text, 0o644),
+        GatewayFile(PINS_FILE, pins_text, 0o644),
         GatewayFile(KNOWN_HOSTS, known_hosts, 0o644),
         GatewayFile(SOCKET_FILE, gateway_socket_unit(spec), 0o644),
         GatewayFile(UNIT_FILE, units[False], 0o644),
@@ -134,7 +147,7 @@ class GatewayChange:
 
     ``how``:
     - ``none``: nothing;
-    - ``reload``: SIGHUP (the cluster file only; connections stay);
+    - ``reload``: SIGHUP (the cluster file, the pins file, or both; connections stay);
     - ``handover``: a second gateway process starts on the same sockets, the first
       restarts while it serves, then it stops: no connection refused, none cut;
     - ``restart``: stop, then start (with the socket unit first). For a gateway that runs,
@@ -162,8 +175,8 @@ def gateway_change(
 ) -> GatewayChange:
     """Compare the wanted files with what was found on the host (``current``, by path: each
     file's ``GatewayFile.state``).
-    A changed cluster file of a running gateway is a reload (SIGHUP keeps connections),
-    unless its listener addresses changed; anything else (a new key, unit) is a hand-over
+    A changed cluster file or pins file (or both) of a running gateway is a reload (SIGHUP
+    reads both again and keeps connections), unless its listener addresses changed; anything else (a new key, unit) is a hand-over
     to a new gateway process on the same sockets, unless the sockets themselves change
     (new listener addresses, or no socket unit running yet: the gateway bound its ports
     itself), which needs a restart; a gateway that is not running is started."""
@@ -173,7 +186,7 @@ def gateway_change(
     rebind = not socket_active or any(f.path == SOCKET_FILE for f in write)
     if not write:
         return GatewayChange((), "none" if active else "restart", active, rebind)
-    if active and not listeners_changed and all(f.path == CLUSTER_FILE for f in write):
+    if active and not listeners_changed and all(f.path in RELOADED for f in write):
         return GatewayChange(write, "reload", active, rebind)
     if active and not rebind:
         return GatewayChange(write, "handover", active, rebind)

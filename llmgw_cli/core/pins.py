@@ -19,13 +19,17 @@ made for. Read back, it is hostile data like any file a node or a host holds: a 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Mapping
+from pathlib import Path
 
 from llmgw_cli.core.snapshot import COMMIT
 from llmgw_cli.core.spec import ClusterSpec, Model
 
 PINS_FORMAT = 1
 MAX_PINS_BYTES = 1 << 20
+PINS_NAME = "pins.json"  # beside the cluster file: where apply puts it, where the gateway reads it
 
 
 def fetched_repo(model: Model) -> bool:
@@ -61,11 +65,13 @@ def pin(spec: ClusterSpec, commits: Mapping[str, str]) -> ClusterSpec:
 
 
 def pins_text(spec: ClusterSpec, commits: Mapping[str, str]) -> str:
-    """The pins file for the models of ``spec`` (unpinned sources) resolved to ``commits``."""
+    """The pins file for the models of ``spec`` (unpinned sources) resolved to ``commits``:
+    only the models that need a pin (one already at a commit carries its own)."""
+    wanted = {m.name for m in spec.models if needs_pin(m)}
     body = {
         name: {"source": spec.model(name).source, "commit": commit}
         for name, commit in sorted(commits.items())
-        if any(m.name == name for m in spec.models)
+        if name in wanted
     }
     return json.dumps({"format": PINS_FORMAT, "models": body}, indent=1, sort_keys=True) + "\n"
 
@@ -77,7 +83,7 @@ def parse_pins(spec: ClusterSpec, text: str | bytes) -> dict[str, str]:
         return {}
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
         return {}
     models = data.get("models") if isinstance(data, dict) and data.get("format") == PINS_FORMAT else None
     if not isinstance(models, dict):
@@ -92,3 +98,34 @@ def parse_pins(spec: ClusterSpec, text: str | bytes) -> dict[str, str]:
         if entry.get("source") == model.source and isinstance(commit, str) and COMMIT.fullmatch(commit):
             found[name] = commit
     return found
+
+
+def pins_file(cluster_file: Path) -> Path:
+    """Where the gateway looks for the pins of ``cluster_file``: beside it."""
+    return Path(cluster_file).with_name(PINS_NAME)
+
+
+def with_pins_file(spec: ClusterSpec, cluster_file: Path) -> ClusterSpec:
+    """``spec`` pinned by the pins file beside ``cluster_file``, as the gateway loads it (at
+    start and on SIGHUP). No file, one that cannot be read, or one whose content is not a
+    pins file for this spec pins nothing: the models it would have pinned stay unresolved
+    (``unpinned``), and the gateway refuses to start them rather than ask the Hub."""
+    try:
+        # not blocking on a FIFO, and never more than a pins file may hold
+        fd = os.open(pins_file(cluster_file), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return spec
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, a FIFO, a device: no pins
+            return spec
+        chunks: list[bytes] = []
+        while (got := sum(map(len, chunks))) <= MAX_PINS_BYTES:
+            chunk = os.read(fd, MAX_PINS_BYTES + 1 - got)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except OSError:
+        return spec
+    finally:
+        os.close(fd)
+    return pin(spec, parse_pins(spec, b"".join(chunks)))

@@ -28,7 +28,10 @@ meanwhile; write and start the units. Then, outside the lock, watch the replica'
 (every ``WATCH_EVERY``) and its head unit (every ``UNIT_EVERY``, ``UnitWatch``): an engine
 that exits, or one not ready within the profile's ``start_timeout``, fails the start at
 once: its units are stopped, the failure is recorded with the journal's last lines, and
-the requests waiting for it are answered ``model_start_failed``.
+the requests waiting for it are answered ``model_start_failed``. A repository llmgw
+fetches that no pin resolves to a commit (``core/pins.py``: the pins file apply installs
+beside the cluster file) is never placed: its start fails at once, saying to run apply,
+and every other model starts as before.
 
 A restart of a replica failing its health check starts its successor first when one fits
 besides the cards it holds (``grow_plan``, as any start), and stops the old replica once
@@ -93,6 +96,7 @@ from llmgw_cli.core.controller import (
 )
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.lifecycle import eviction_candidate, known_last_use
+from llmgw_cli.core.pins import needs_pin
 from llmgw_cli.core.plan import Action, Plan, Running, conflicts, grow_plan, running_replicas, stop_plan
 from llmgw_cli.core.routing import Health, Pool, RoutedReplica, serving_address
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
@@ -645,6 +649,9 @@ class Controller:
         assert self.nodes is not None
         spec, model = self.spec(), restart.model
         mc = self.model(model)
+        unresolved = _unresolved(spec, model)
+        if unresolved:
+            return unresolved
         async with self.lock.hold(f"place a successor of {model}#{restart.replica}"):
             facts = await self._probe(spec)
             plan = grow_plan(spec, facts, model, reserved=self._reserved())
@@ -933,6 +940,9 @@ class Controller:
     ) -> tuple[Action, str]:
         assert self.nodes is not None
         model = start.model
+        unresolved = _unresolved(spec, model)
+        if unresolved:
+            raise StartFailed(unresolved)
         ticket = next(self._tickets)
         async with self.lock.hold(f"place a replica of {model}"):
             facts = await self._probe(spec)
@@ -1194,6 +1204,20 @@ def _published_phase(state: ModelState, mode: ScalingMode, now: float) -> Phase:
     ):
         return Phase.stopped
     return phase
+
+
+def _unresolved(spec: ClusterSpec, model: str) -> str:
+    """Why ``model`` cannot be started by the gateway: a repository llmgw fetches whose
+    revision no pin resolves (no pins file beside the cluster file, or none for its source
+    as written now). The gateway never asks the Hub itself: the commit is apply's to
+    choose. "" when it can be started."""
+    m = spec.model(model)
+    if not needs_pin(m):
+        return ""
+    return (
+        f"{m.source} is not resolved to a commit: run `llmgw apply`, which pins it "
+        "(the gateway starts a fetched repository only at the commit apply chose)"
+    )
 
 
 class _Broken(StartFailed):

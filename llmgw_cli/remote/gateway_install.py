@@ -219,17 +219,29 @@ def store_password(spec: ClusterSpec) -> str | None:
         ) from None
 
 
-async def preview(spec: ClusterSpec, conns: Connections, cluster_text: str) -> GatewayPreviews:
-    """What installing the gateway would change on every gateway host; contacts those hosts only."""
+async def preview(
+    spec: ClusterSpec, conns: Connections, cluster_text: str, pins_text: str
+) -> GatewayPreviews:
+    """What installing the gateway would change on every gateway host; contacts those hosts
+    only. ``pins_text``: the pins file of the plan (``core/pins.pins_text``)."""
     password = store_password(spec) if spec.gateway.install else None
     found = await asyncio.gather(
-        *(preview_host(spec, conns, cluster_text, host, password) for host in spec.gateway.all_hosts)
+        *(
+            preview_host(spec, conns, cluster_text, host, password, pins_text=pins_text)
+            for host in spec.gateway.all_hosts
+        )
     )
     return GatewayPreviews(tuple(found))
 
 
 async def preview_host(
-    spec: ClusterSpec, conns: Connections, cluster_text: str, host: str, password: str | None = None
+    spec: ClusterSpec,
+    conns: Connections,
+    cluster_text: str,
+    host: str,
+    password: str | None = None,
+    *,
+    pins_text: str,
 ) -> GatewayPreview:
     """What installing the gateway would change on ``host``."""
     if not spec.gateway.install:
@@ -257,6 +269,7 @@ async def preview_host(
     files = gateway_files(
         spec,
         cluster_text=cluster_text,
+        pins_text=pins_text,
         llmgw_bin=llmgw_bin,
         known_hosts=_read_local(resolve_path(spec.ssh.known_hosts, conns.base), "ssh.known_hosts"),
         store_password=password,

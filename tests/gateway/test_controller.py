@@ -14,14 +14,17 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from llmgw_cli.cli.gateway import load_pinned
 from llmgw_cli.core.controller import Phase, Unavailable
 from llmgw_cli.core.drain import DRAIN_GRACE
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.pins import pins_text
 from llmgw_cli.core.plan import Action, Plan, grow_plan, running_replicas
 from llmgw_cli.core.routing import Pool, RoutedReplica
 from llmgw_cli.core.spec import ClusterSpec
@@ -799,3 +802,71 @@ def test_a_start_whose_card_was_taken_while_it_fetched_is_placed_again_under_the
         assert isinstance(await asked, RoutedReplica)
 
     run(scenario)
+
+
+# --- repositories llmgw fetches: started at the commit apply pinned, never resolved here ----
+
+COMMIT = "c0ffee" + "0" * 34
+FETCHED = CLUSTER.replace("address: 10.0.0.1}", "address: 10.0.0.1, weights: [/w]}") + (
+    "  - {name: repo, source: org/big@main, profile: vllm, fetch: {},"
+    " scaling: {min: 0, max: 1, idle_timeout: 5m}}\n"
+)
+
+
+def fetched_world(tmp_path: Path, pins: str | None) -> World:
+    """A world whose spec is loaded as `llmgw gateway run` loads it: the cluster file
+    pinned by the pins file beside it (``pins``; None: no such file)."""
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(FETCHED)
+    if pins is not None:
+        (tmp_path / "pins.json").write_text(pins)
+    w = World(gpus=1, cluster=FETCHED)
+    w.spec = load_pinned(cluster)
+    return w
+
+
+def test_a_fetched_repository_starts_from_the_snapshot_of_the_pinned_commit(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        w = fetched_world(tmp_path, pins_text(parse_cluster(FETCHED), {"repo": COMMIT}))
+        ctl = w.controller
+        asked = asyncio.create_task(ctl.ensure_ready("repo", time.monotonic() + FOREVER))
+        await until(lambda: w.nodes.starts("repo"), "a start")
+        (action,) = w.nodes.starts("repo")
+        assert action.nodes == ("a",)  # the node with the weights folder (placed first)
+        (unit,) = action.write
+        assert f"/w/hf/org--big/{COMMIT} " in unit.text and "HF_HUB_OFFLINE=1" in unit.text
+        assert "org/big@main" not in unit.text and "--revision" not in unit.text
+        w.health[f"10.0.0.1:{action.port}"] = 200
+        assert isinstance(await asked, RoutedReplica)
+        await ctl.idle()
+
+    run(scenario)
+
+
+def test_an_unpinned_repository_is_refused_with_the_fix_and_other_models_still_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No pins file (a gateway run by hand before any apply): the model's start fails at
+    once without probing or placing anything, its 503 says to run apply; the others run."""
+    caplog.set_level(logging.WARNING)
+
+    async def scenario() -> None:
+        w = fetched_world(tmp_path, None)
+        ctl = w.controller
+        got = await ctl.ensure_ready("repo", time.monotonic() + FOREVER)
+        assert isinstance(got, Unavailable), got
+        assert (got.status, got.code) == (503, "model_start_failed")
+        assert "org/big@main is not resolved to a commit: run `llmgw apply`" in got.message
+        assert w.nodes.starts("repo") == [] and w.lock.whys == []  # nothing probed nor placed
+        error = json.loads(proxy._refused(got).body)["error"]  # type: ignore[arg-type]
+        assert "run `llmgw apply`" in error["message"] and error["code"] == "model_start_failed"
+        asked = asyncio.create_task(ctl.ensure_ready("lazy", time.monotonic() + FOREVER))
+        await until(lambda: w.nodes.starts("lazy"), "a start of another model")
+        (action,) = w.nodes.starts("lazy")
+        w.health[f"{w.spec.node(action.nodes[0]).address}:{action.port}"] = 200
+        assert isinstance(await asked, RoutedReplica)
+        await ctl.idle()
+
+    run(scenario)
+    assert "model repo: org/big@main is not resolved to a commit" in caplog.text
+    assert "repo: start failed: org/big@main is not resolved" in caplog.text

@@ -6,6 +6,7 @@ exits 0) and refused before anything changes unless `--allow-downtime` is given.
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +22,12 @@ from llmgw_cli.cli.views import plan_view
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.gateway_install import GatewayChange
 from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.pins import parse_pins
 from llmgw_cli.core.plan import Plan, make_plan
+from llmgw_cli.core.snapshot import Snapshot as RepoSnapshot
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import DowntimeRefused, InputError, UsageError
+from llmgw_cli.remote import hub
 from llmgw_cli.remote.execute import Outcome
 from llmgw_cli.remote.gateway_install import GatewayPreview, GatewayPreviews
 from llmgw_cli.remote.probe import Snapshot
@@ -126,6 +130,7 @@ class World:
     facts: dict[str, NodeFacts]
     executed: list[Plan] = field(default_factory=list)
     locks: int = 0
+    pins: list[str] = field(default_factory=list)  # the pins file each preview was given
 
 
 @pytest.fixture
@@ -135,7 +140,8 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     def probe(spec: ClusterSpec, file: Path, nodes: Any, console: Any, session: Any) -> Snapshot:
         return Snapshot(tuple(w.facts.values()), 0.0)
 
-    async def preview(spec: ClusterSpec, conns: Any, text: str) -> GatewayPreviews:
+    async def preview(spec: ClusterSpec, conns: Any, text: str, pins: str) -> GatewayPreviews:
+        w.pins.append(pins)
         return GatewayPreviews((GatewayPreview("gw.example", GatewayChange((), "none")),))
 
     async def no_nodes(*args: Any) -> list[str]:
@@ -228,3 +234,54 @@ def test_a_key_rotation_that_would_take_a_model_down_is_refused_unless_allowed(
     world.facts = running(4)  # a free pair: the successor starts first, nothing to refuse
     rolled = cli(tmp_path, "--x", "apply", "--yes", "--rotate-engine-key")
     assert rolled.exit_code == 0, rolled.output
+
+
+FETCHED = """\
+cluster: {name: t}
+nodes:
+  - {name: node01, address: 10.0.0.1, weights: [/w]}
+profiles:
+  vllm: {engine: vllm, ports: 8100-8199}
+gateway: {host: gw.example}
+models:
+  - {name: big, source: org/big@main, profile: vllm, fetch: {}, scaling: {min: 1, max: 1}}
+  - {name: fixed, source: "org/fixed@COMMIT", profile: vllm, fetch: {}, scaling: {min: 0, max: 1}}
+"""
+
+
+def test_plan_and_apply_give_the_gateway_the_commits_they_planned(
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pins file the gateway host gets holds the commit the plan's units run (the
+    resolution apply printed), for the cluster file's source as written; a model already
+    at a commit needs no pin. A cluster with nothing to pin still gets a pins file, an
+    empty one, so an older one does not survive."""
+    commit, fixed = "c0" * 20, "f1" * 20
+
+    def resolve_models(spec: ClusterSpec, token: Any, endpoint: str) -> dict[str, RepoSnapshot]:
+        return {
+            "big": RepoSnapshot("org/big", commit, (), revision="main"),
+            "fixed": RepoSnapshot("org/fixed", fixed, (), revision=fixed),
+        }
+
+    monkeypatch.setattr(hub, "resolve_models", resolve_models)
+    world.facts = {"node01": node_facts("node01", gpus=1)}
+    cluster = tmp_path / "cluster.yaml"
+    text = FETCHED.replace("COMMIT", fixed)
+    cluster.write_text(text)
+    planned = CliRunner().invoke(app, ["plan", "-f", str(cluster)])
+    assert planned.exit_code == 0, planned.output
+    applied = CliRunner().invoke(app, ["apply", "--yes", "-f", str(cluster)])
+    assert applied.exit_code == 0, applied.output
+    (plan,) = world.executed
+    (unit,) = plan.changes[0].write
+    assert f"/w/hf/org--big/{commit}" in unit.text
+    assert len(world.pins) == 2 and world.pins[0] == world.pins[1]
+    assert json.loads(world.pins[1])["models"] == {"big": {"source": "org/big@main", "commit": commit}}
+    assert parse_pins(parse_cluster(text), world.pins[1]) == {"big": commit}
+    # nothing to pin: the file is written all the same, pinning nothing
+    world.pins.clear()
+    world.facts = running(8)
+    plain = cli(tmp_path, "--x", "plan")
+    assert plain.exit_code == 0, plain.output
+    assert [json.loads(p) for p in world.pins] == [{"format": 1, "models": {}}]

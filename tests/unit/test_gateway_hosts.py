@@ -107,13 +107,19 @@ def test_the_engine_firewall_lets_every_gateway_host_in() -> None:
 def test_the_store_password_is_copied_as_a_secret_of_the_gateways_group() -> None:
     s = spec()
     files = gateway_files(
-        s, cluster_text="x", llmgw_bin="/usr/bin/llmgw", known_hosts="", store_password="hunter2\n"
+        s,
+        cluster_text="x",
+        pins_text="",
+        llmgw_bin="/usr/bin/llmgw",
+        known_hosts="",
+        store_password="hunter2\n",
     )
     (password,) = [f for f in files if f.secret]
     assert password.path == "/etc/llmgw/store-password"
     assert (password.mode, password.group) == (0o640, GATEWAY_ACCOUNT)
     assert not any(
-        f.secret for f in gateway_files(s, cluster_text="x", llmgw_bin="/usr/bin/llmgw", known_hosts="")
+        f.secret
+        for f in gateway_files(s, cluster_text="x", pins_text="", llmgw_bin="/usr/bin/llmgw", known_hosts="")
     )
     # what a plan line says names the file, never its content
     change = GatewayChange((password,), "handover", active=True, rebind=False)
@@ -132,7 +138,14 @@ def test_the_store_password_is_copied_as_a_secret_of_the_gateways_group() -> Non
     assert gateway_change(files, found, active=True, listeners_changed=False).write == (password,)
     clash = parse_cluster(CLUSTER.replace("/etc/llmgw/store-password", CLUSTER_FILE))
     with pytest.raises(InputError, match="one of the gateway's own files"):
-        gateway_files(clash, cluster_text="x", llmgw_bin="/usr/bin/llmgw", known_hosts="", store_password="p")
+        gateway_files(
+            clash,
+            cluster_text="x",
+            pins_text="",
+            llmgw_bin="/usr/bin/llmgw",
+            known_hosts="",
+            store_password="p",
+        )
 
 
 # --- remote steps, with fake transports ------------------------------------------------------

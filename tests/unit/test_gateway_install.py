@@ -13,18 +13,28 @@ from llmgw_cli.core.gateway_install import (
     GATEWAY_KEY,
     HANDOVER_FILE,
     KNOWN_HOSTS,
+    PINS_FILE,
     SOCKET_FILE,
     UNIT_FILE,
     gateway_change,
     gateway_files,
 )
 from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.pins import PINS_NAME, pins_text
 
 TEXT = "cluster: {name: c}\ngateway: {host: localhost}\n"
+REPO = (
+    TEXT + "profiles: {v: {engine: vllm}}\nmodels: [{name: r, source: org/r@main, profile: v, fetch: {}}]\n"
+)
+NO_PINS = pins_text(parse_cluster(TEXT), {})
 
 
-def files(text: str = TEXT, known: str = "h k\n", llmgw_bin: str = "/usr/local/bin/llmgw"):  # type: ignore[no-untyped-def]
-    return gateway_files(parse_cluster(text), cluster_text=text, llmgw_bin=llmgw_bin, known_hosts=known)
+def files(  # type: ignore[no-untyped-def]
+    text: str = TEXT, known: str = "h k\n", llmgw_bin: str = "/usr/local/bin/llmgw", pins: str = NO_PINS
+):
+    return gateway_files(
+        parse_cluster(text), cluster_text=text, pins_text=pins, llmgw_bin=llmgw_bin, known_hosts=known
+    )
 
 
 def on_host(found) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -34,9 +44,14 @@ def on_host(found) -> dict[str, str]:  # type: ignore[no-untyped-def]
 def test_the_files_and_the_unit_that_uses_them() -> None:
     found = {f.path: f for f in files()}
     # No private key travels: the gateway's own is made on its host, the operator's stays home.
-    assert set(found) == {CLUSTER_FILE, KNOWN_HOSTS, SOCKET_FILE, UNIT_FILE, HANDOVER_FILE}
+    assert set(found) == {CLUSTER_FILE, PINS_FILE, KNOWN_HOSTS, SOCKET_FILE, UNIT_FILE, HANDOVER_FILE}
     assert not any(f.secret or "PRIVATE KEY" in f.text for f in found.values())
     assert found[CLUSTER_FILE].text == TEXT  # the operator's file, comments and all
+    # the pins beside it, where the gateway looks (world-readable: commits are no secret);
+    # written even when nothing is pinned, so an older file never stays
+    assert str(Path(CLUSTER_FILE).with_name(PINS_NAME)) == PINS_FILE
+    assert (found[PINS_FILE].text, found[PINS_FILE].mode) == (NO_PINS, 0o644)
+    assert '"models": {}' in NO_PINS
     unit = found[UNIT_FILE].text
     (exec_start,) = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
     assert exec_start.startswith(f"ExecStart=/usr/local/bin/llmgw gateway run -f {CLUSTER_FILE} ")
@@ -81,13 +96,32 @@ def test_a_changed_cluster_file_is_a_reload_unless_listeners_moved() -> None:
     assert gateway_change(changed, current, active=False, listeners_changed=False).how == "restart"
 
 
+def test_new_pins_alone_or_with_the_cluster_file_are_a_reload() -> None:
+    """apply resolved a branch to a newer commit: the running gateway reads its pins again
+    on SIGHUP, as it does the cluster file; no new process."""
+    current = on_host(files(REPO, pins=pins_text(parse_cluster(REPO), {"r": "a" * 40})))
+    moved = files(REPO, pins=pins_text(parse_cluster(REPO), {"r": "b" * 40}))
+    reload = gateway_change(moved, current, active=True, listeners_changed=False)
+    assert reload.how == "reload" and [f.path for f in reload.write] == [PINS_FILE]
+    both = files(REPO + "# a comment\n", pins=pins_text(parse_cluster(REPO), {"r": "b" * 40}))
+    reload = gateway_change(both, current, active=True, listeners_changed=False)
+    assert reload.how == "reload" and {f.path for f in reload.write} == {CLUSTER_FILE, PINS_FILE}
+    # with anything else the reload is not enough
+    upgraded = files(REPO, llmgw_bin="/b", pins=pins_text(parse_cluster(REPO), {"r": "b" * 40}))
+    assert gateway_change(upgraded, current, active=True, listeners_changed=False).how == "handover"
+    # a host from before pins files: the first one is a reload too
+    before = {p: d for p, d in on_host(files(REPO)).items() if p != PINS_FILE}
+    first = gateway_change(files(REPO), before, active=True, listeners_changed=False)
+    assert first.how == "reload" and [f.path for f in first.write] == [PINS_FILE]
+
+
 def test_new_host_keys_or_a_fresh_host_restarts() -> None:
     current = on_host(files())
     new_known = gateway_change(files(known="h2 k2\n"), current, active=True, listeners_changed=False)
     assert new_known.how == "handover" and [f.path for f in new_known.write] == [KNOWN_HOSTS]
     assert not new_known.interrupts
     fresh = gateway_change(files(), {}, active=False, listeners_changed=True)
-    assert fresh.how == "restart" and len(fresh.write) == 5 and not fresh.interrupts
+    assert fresh.how == "restart" and len(fresh.write) == 6 and not fresh.interrupts
 
 
 def test_a_changed_unit_of_a_running_gateway_is_a_hand_over() -> None:

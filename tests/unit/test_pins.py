@@ -4,12 +4,14 @@ the snapshot folder with the Hub switched off; ``fetch: engine`` keeps the repo 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
 from llmgw_cli.core.engines import Member, Unpinned, engine_args, environment, model_path
 from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.pins import parse_pins, pin, pins_text, unpinned
+from llmgw_cli.core.pins import parse_pins, pin, pins_file, pins_text, unpinned, with_pins_file
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import SpecError
 
@@ -96,9 +98,11 @@ def pins(form: int, name: str, source: str, commit: str) -> str:
         pins(1, "nope", "org/big@main", C1),
         '{"format": 1, "models": []}',
         " " * (1 << 21),
+        "[" * 100_000,  # nested past the JSON parser's depth: no RecursionError escapes
+        b'{"format": 1, "models": {"fetched": "\xff"}}',  # not UTF-8
     ],
 )
-def test_a_pins_file_is_hostile_data(text: str) -> None:
+def test_a_pins_file_is_hostile_data(text: str | bytes) -> None:
     assert parse_pins(spec(), text) == {}
 
 
@@ -125,3 +129,51 @@ def test_bad_fetch_settings_are_located_errors(model: str, message: str) -> None
     (problem,) = info.value.problems
     assert message in str(problem)
     assert str(problem).startswith("c.yaml:")
+
+
+# --- the gateway's load: the pins file beside the cluster file ---------------------------
+
+
+def planted(where: Path, how: str) -> None:
+    """A pins file at ``where`` that must pin nothing."""
+    good = pins_text(spec(), {"fetched": C1})
+    if how == "garbage":
+        where.write_bytes(b"\x00\xff{not json")
+    elif how == "nested":
+        where.write_text('{"format": 1, "models": ' + "[" * 100_000)
+    elif how == "too big":  # a valid file padded past the limit
+        where.write_text(good[:-2] + " " * (1 << 20) + good[-2:])
+    elif how == "other source":
+        where.write_text(good.replace("org/big@main", "org/big@v3"))
+    elif how == "directory":
+        where.mkdir()
+    elif how == "fifo":  # opened without waiting for a writer
+        os.mkfifo(where)
+    elif how == "device":
+        where.symlink_to("/dev/zero")
+    elif how == "unreadable":
+        where.write_text(good)
+        where.chmod(0)
+
+
+def test_the_gateway_pins_from_the_file_beside_its_cluster_file(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER)
+    assert pins_file(cluster) == tmp_path / "pins.json"
+    assert unpinned(with_pins_file(spec(), cluster)) == ["fetched", "defaults"]  # no file: no pins
+    pins_file(cluster).write_text(pins_text(spec(), {"fetched": C1, "defaults": C1}))
+    loaded = with_pins_file(spec(), cluster)
+    assert unpinned(loaded) == [] and loaded.model("fetched").source == f"org/big@{C1}"
+
+
+@pytest.mark.parametrize(
+    "how", ["garbage", "nested", "too big", "other source", "directory", "fifo", "device", "unreadable"]
+)
+def test_a_hostile_pins_file_beside_the_cluster_file_pins_nothing(tmp_path: Path, how: str) -> None:
+    if how == "unreadable" and os.geteuid() == 0:
+        pytest.skip("root reads a file of mode 0")
+    cluster = tmp_path / "cluster.yaml"
+    planted(pins_file(cluster), how)
+    loaded = with_pins_file(spec(), cluster)
+    assert unpinned(loaded) == ["fetched", "defaults"]
+    assert loaded.model("fetched").source == "org/big@main"
