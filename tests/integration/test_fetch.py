@@ -30,11 +30,11 @@ from llmgw_cli.remote.fetch import (
     Fetcher,
     FetchEvent,
     FetchResult,
-    ensure_for_plan,
     held_on_nodes,
     node_script,
 )
 from llmgw_cli.remote.nodefetch import side_files
+from llmgw_cli.remote.weights import ensure_for_plan
 from tests.integration.weights_origin import TOKEN, Origin, trusted_origin
 from tests.waiting import wait_until
 
