@@ -19,6 +19,7 @@ from llmgw_cli.cli.repos import gateway_pins, pinned
 from llmgw_cli.cli.views import plan_view, progress_line, progress_view
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.journal import split_ref
+from llmgw_cli.core.pins import moved, pinned_commits
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan, running_replicas
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, UsageError
@@ -364,6 +365,13 @@ def _choose(
         )
     chosen = Plan.model_validate_json(saved.read_text(encoding="utf-8"))
     _saved_still_holds(saved, chosen, facts)
+    changed = moved(chosen.commits, pinned_commits(spec))
+    if changed:
+        # its units would run the old commit while the gateway's pins say the new one
+        raise InputError(
+            f"{saved}: a repository moved since this plan was made ({'; '.join(changed)}); "
+            "run `llmgw plan` again"
+        )
     return chosen, frozenset()
 
 

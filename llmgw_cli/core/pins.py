@@ -129,3 +129,24 @@ def with_pins_file(spec: ClusterSpec, cluster_file: Path) -> ClusterSpec:
     finally:
         os.close(fd)
     return pin(spec, parse_pins(spec, b"".join(chunks)))
+
+
+def pinned_commits(spec: ClusterSpec) -> tuple[tuple[str, str], ...]:
+    """(model, commit) of each fetched repository of a pinned spec, by model name."""
+    found = []
+    for model in spec.models:
+        ref = model.repo_ref
+        if fetched_repo(model) and ref is not None and ref.pinned:
+            found.append((model.name, ref.revision))
+    return tuple(sorted(found))
+
+
+def moved(saved: tuple[tuple[str, str], ...], now: tuple[tuple[str, str], ...]) -> list[str]:
+    """A saved plan's commits against the commits resolved now: one line per repository
+    whose revision names another commit since the plan was made."""
+    current = dict(now)
+    return [
+        f"{name}: planned at commit {commit[:12]}, its revision names {current[name][:12]} now"
+        for name, commit in saved
+        if name in current and current[name] != commit
+    ]

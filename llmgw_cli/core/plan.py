@@ -29,6 +29,7 @@ from llmgw_cli.core.engines import Member, replica_unit, spec_hash
 from llmgw_cli.core.facts import Fact, GpuHealth, NodeFacts, ReplicaUnit
 from llmgw_cli.core.hardware import fabric_status
 from llmgw_cli.core.parse.units import replica_units
+from llmgw_cli.core.pins import pinned_commits
 from llmgw_cli.core.placement import PlacedReplica, Placement, Placer, Slot, place
 from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode
 
@@ -129,6 +130,9 @@ class Plan(Fact):
     unplaced: tuple[tuple[str, str], ...]  # (model, reason)
     warnings: tuple[str, ...]
     facts_digest: str
+    # (model, commit) of each repository llmgw fetches, as the plan was made for it: a saved
+    # plan is refused once a revision names another commit (``core/pins.py``)
+    commits: tuple[tuple[str, str], ...] = ()
 
     @property
     def changes(self) -> list[Action]:
@@ -483,7 +487,11 @@ def make_plan(
         dict.fromkeys([*roll.warnings, *(w for rep in placement.replicas for w in rep.warnings)])
     )
     return Plan(
-        actions=tuple(actions), unplaced=tuple(unplaced), warnings=warnings, facts_digest=facts_digest(facts)
+        actions=tuple(actions),
+        unplaced=tuple(unplaced),
+        warnings=warnings,
+        facts_digest=facts_digest(facts),
+        commits=pinned_commits(spec),
     )
 
 

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_cli.cli.apply_steps import _choose
 from llmgw_cli.core.engines import Member, Unpinned, engine_args, environment, model_path
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.pins import parse_pins, pin, pins_file, pins_text, unpinned, with_pins_file
+from llmgw_cli.core.plan import make_plan
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.errors import SpecError
+from llmgw_cli.errors import InputError, SpecError
 
 C1, C2 = "a1" * 20, "2" * 40
 
@@ -172,3 +174,21 @@ def test_a_hostile_pins_file_beside_the_cluster_file_pins_nothing(tmp_path: Path
     loaded = with_pins_file(spec(), cluster)
     assert unpinned(loaded) == ["fetched", "defaults"]
     assert loaded.model("fetched").source == "org/big@main"
+
+
+def test_a_saved_plan_is_refused_once_a_repository_names_another_commit(tmp_path: Path) -> None:
+    """`llmgw plan --out` then `llmgw apply PLAN`: the saved units name the commit resolved
+    when the plan was made; if the branch moved meanwhile, apply would give the gateway the
+    new commit's pins beside units of the old one, so it refuses and says to plan again."""
+    then = pin(spec(), {"fetched": C1, "defaults": C1})
+    saved = make_plan(then, {})
+    assert saved.commits == (("defaults", C1), ("fetched", C1), ("pinned", C2))
+    path = tmp_path / "plan.json"
+    path.write_text(saved.model_dump_json())
+    chosen, _ = _choose(then, {}, path, [])  # nothing moved: the saved plan goes ahead
+    assert chosen == saved
+    now = pin(spec(), {"fetched": C2, "defaults": C1})
+    with pytest.raises(
+        InputError, match=f"fetched: planned at commit {C1[:12]}, its revision names {C2[:12]} now"
+    ):
+        _choose(now, {}, path, [])
