@@ -1690,11 +1690,8 @@ def snapshot(config: dict[str, Any]) -> None:
         where = _snapshot_where(config)
         files = _snapshot_files(config.get("files"), urls=True)
         folder = open_folder(where[0], create=True)
-    except JobFailed as exc:
-        _error(exc.kind, str(exc))
-        return
-    except OSError as exc:
-        _error("node", f"cannot open {config.get('folder')}: {exc}")
+    except (JobFailed, OSError) as exc:
+        _snapshot_refused(exc, f"cannot open {config.get('folder')}")
         return
     try:
         _snapshot_in(folder, config, where, files)
@@ -1712,7 +1709,7 @@ def _snapshot_in(
         job = _snapshot_job(folder, config, where, files)
     except (JobFailed, OSError) as exc:
         os.close(lock)
-        _snapshot_refused(exc, where[0])
+        _snapshot_refused(exc, f"cannot prepare the snapshot in {where[0]}")
         return
     if job is None:
         os.close(lock)
@@ -1739,11 +1736,13 @@ def _snapshot_in(
         os._exit(0)
 
 
-def _snapshot_refused(exc: Exception, shown: str) -> None:
+def _snapshot_refused(exc: Exception, doing: str) -> None:
+    """Print a snapshot job's refusal: a JobFailed with its own kind, any other error as
+    kind ``node``, saying what could not be done."""
     if isinstance(exc, JobFailed):
         _error(exc.kind, str(exc))
     else:
-        _error("node", f"cannot prepare the snapshot in {shown}: {exc}")
+        _error("node", f"{doing}: {exc}")
 
 
 def _snapshot_present(answer: dict[str, Any]) -> bool:
@@ -1766,7 +1765,7 @@ def _snapshot_lock(folder: int, where: tuple[str, str, str], files: list[dict[st
             folder, names["lock"], os.O_RDWR | os.O_CREAT, f"{shown}/{names['lock']}", mode=0o600
         )
     except (JobFailed, OSError) as exc:
-        _snapshot_refused(exc, shown)
+        _snapshot_refused(exc, f"cannot prepare the snapshot in {shown}")
         return None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1829,11 +1828,8 @@ def verify_snapshot(config: dict[str, Any]) -> None:
             }
         )
         return
-    except JobFailed as exc:
-        _error(exc.kind, str(exc))
-        return
-    except OSError as exc:
-        _error("node", f"cannot open {config.get('folder')}: {exc}")
+    except (JobFailed, OSError) as exc:
+        _snapshot_refused(exc, f"cannot open {config.get('folder')}")
         return
     try:
         _emit(_check_snapshot(folder, shown, repo, commit, files, full=bool(config.get("full"))))
@@ -2058,11 +2054,8 @@ def serve_snapshot(config: dict[str, Any]) -> None:
         if not isinstance(secret, str) or not secret or "/" in secret:
             raise JobFailed("job", "secret is not a non-empty string without '/'")
         folder = open_folder(where[0], create=False)
-    except JobFailed as exc:
-        _error(exc.kind, str(exc))
-        return
-    except OSError as exc:
-        _error("node", f"cannot open {config.get('folder')}: {exc}")
+    except (JobFailed, OSError) as exc:
+        _snapshot_refused(exc, f"cannot open {config.get('folder')}")
         return
     shown, _, commit = where
     try:  # a planted link is refused now, not only request by request
@@ -2071,7 +2064,7 @@ def serve_snapshot(config: dict[str, Any]) -> None:
         pass  # not made yet: its job makes it, and files are served as they come
     except (JobFailed, OSError) as exc:
         os.close(folder)
-        _snapshot_refused(exc, shown)
+        _snapshot_refused(exc, f"cannot prepare the snapshot in {shown}")
         return
     activity = _Activity()
     _run_server(_snapshot_handler(folder, where, secret, activity), activity, config)
