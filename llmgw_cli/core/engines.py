@@ -78,13 +78,18 @@ class Unpinned(ValueError):
     snapshot folder is not known (``core/pins.py``)."""
 
 
+def weights_folder(node: Node) -> str:
+    """Where a node keeps what llmgw fetches: its first weights folder."""
+    return node.weights[0].path if node.weights else DEFAULT_WEIGHTS
+
+
 def model_path(model: Model, node: Node) -> str:
     """What the engine is given as the model: for a fetched repository, its snapshot folder
     at the pinned commit in the node's first weights folder; with ``fetch: engine``, the
     repo id (the engine downloads it); an absolute path as is; ``./x`` and downloaded URLs
     live in the node's first weights folder."""
     kind = model.source_kind
-    base = node.weights[0].path if node.weights else DEFAULT_WEIGHTS
+    base = weights_folder(node)
     ref = model.repo_ref
     if ref is not None:
         if model.selection is None:

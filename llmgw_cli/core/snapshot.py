@@ -606,6 +606,34 @@ def poll_snapshot_job(weights: str, repo: str, commit: str) -> dict[str, Any]:
     return {"mode": "poll-snapshot", "folder": repo_folder(weights, repo), "repo": repo, "commit": commit}
 
 
+def peer_snapshot_job(snapshot: Snapshot, weights: str, prefix: str) -> dict[str, Any]:
+    """The ``snapshot`` job that copies from a peer's ``serve-snapshot`` at ``prefix``
+    (``http://<peer>:<port>/<secret>/``): each file's URL is the prefix and its quoted
+    path, no token, and ``peer`` set (a 503 there means "not yet", not a failure)."""
+    job = snapshot_job(snapshot, weights)
+    for f in job["files"]:
+        f["url"] = prefix + quote(f["path"])
+    return {**job, "peer": True}
+
+
+def serve_snapshot_job(
+    weights: str, repo: str, commit: str, secret: str, idle: float, *, foreground: bool = False
+) -> dict[str, Any]:
+    """The node program's ``serve-snapshot`` job: the snapshot's files to peers at
+    ``/<secret>/<quoted path>``, until ``idle`` seconds without a request."""
+    if not COMMIT.fullmatch(commit):
+        raise ValueError(f"{commit!r} is not a 40-hex commit")
+    job: dict[str, Any] = {
+        "mode": "serve-snapshot",
+        "folder": repo_folder(weights, repo),
+        "repo": repo,
+        "commit": commit,
+        "secret": secret,
+        "idle": idle,
+    }
+    return {**job, "foreground": True} if foreground else job
+
+
 def _count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 

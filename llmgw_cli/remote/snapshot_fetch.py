@@ -23,9 +23,8 @@ import secrets
 import time
 from collections import defaultdict
 from typing import Any
-from urllib.parse import quote
 
-from llmgw_cli.core.engines import DEFAULT_WEIGHTS
+from llmgw_cli.core.engines import weights_folder
 from llmgw_cli.core.fetch import group_key
 from llmgw_cli.core.peers import Peers
 from llmgw_cli.core.snapshot import (
@@ -33,22 +32,18 @@ from llmgw_cli.core.snapshot import (
     Snapshot,
     parse_snapshot_check,
     parse_snapshot_status,
+    peer_snapshot_job,
     poll_snapshot_job,
-    repo_folder,
+    serve_snapshot_job,
     snapshot_folder,
     snapshot_job,
     verify_snapshot_job,
 )
-from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.fetch import POLL_SECONDS, SERVE_IDLE_SECONDS, Fetcher, FetchEvent, FetchResult, _host
 
 RESTARTS = 3  # times a job that died (node rebooted, killed) is started again
-
-
-def weights_of(node: Node) -> str:
-    """The weights folder a node keeps snapshots in: its first (what ``model_path`` uses)."""
-    return node.weights[0].path if node.weights else DEFAULT_WEIGHTS
 
 
 async def bring_snapshots(
@@ -63,7 +58,7 @@ async def bring_snapshots(
 ) -> list[FetchResult]:
     """Every (model, node) of ``wanted`` with its snapshot in place; one result each."""
     work = [
-        _group(_Run(fetcher, spec, model, snapshots[model], endpoint, token), nodes, peers)
+        _group(_Run(fetcher, spec, model, snapshots[model], endpoint, token), nodes)
         for model, nodes in wanted.items()
         for nodes in _groups(spec, nodes, peers).values()
     ]
@@ -78,7 +73,8 @@ def _groups(spec: ClusterSpec, nodes: list[str], peers: Peers) -> dict[str, list
     return groups
 
 
-async def _group(run: _Run, nodes: list[str], peers: Peers) -> list[FetchResult]:
+async def _group(run: _Run, nodes: list[str]) -> list[FetchResult]:
+    """One group's nodes (with ``Peers.off``, each node is a group of its own)."""
     fetcher, model, snap = run.fetcher, run.model, run.snap
     held = await asyncio.gather(*(run.complete(n) for n in nodes))
     results = [
@@ -89,8 +85,6 @@ async def _group(run: _Run, nodes: list[str], peers: Peers) -> list[FetchResult]
     needing = [n for n, ok in zip(nodes, held, strict=True) if not ok]
     if not needing:
         return results
-    if peers is Peers.off:
-        return results + list(await asyncio.gather(*(run.from_hub(n) for n in needing)))
     seed = next((n for n, ok in zip(nodes, held, strict=True) if ok), None)
     origin: asyncio.Task[FetchResult] | None = None
     if seed is None:
@@ -122,7 +116,7 @@ class _Run:
         self._started: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
     def _weights(self, node: str) -> str:
-        return weights_of(self.spec.node(node))
+        return weights_folder(self.spec.node(node))
 
     async def complete(self, node: str) -> bool:
         """Whether the node holds the snapshot complete (its manifest, every file in place)."""
@@ -145,11 +139,7 @@ class _Run:
         except NodeError as exc:
             why = exc.reason
         else:
-            job = snapshot_job(self.snap, self._weights(node))
-            for f in job["files"]:
-                f["url"] = prefix + quote(f["path"])
-            job["peer"] = True
-            r = await self._follow(node, job, seed)
+            r = await self._follow(node, peer_snapshot_job(self.snap, self._weights(node), prefix), seed)
             if r.ok or r.kind not in {"peer", "checksum", "interrupted", "node", "not-found", "http"}:
                 return r
             why = r.message
@@ -163,14 +153,9 @@ class _Run:
         async with self._serving:
             if self.server is None:
                 secret = secrets.token_urlsafe(24)
-                config = {
-                    "mode": "serve-snapshot",
-                    "folder": repo_folder(self._weights(seed), self.snap.repo),
-                    "repo": self.snap.repo,
-                    "commit": self.snap.commit,
-                    "secret": secret,
-                    "idle": SERVE_IDLE_SECONDS,
-                }
+                config = serve_snapshot_job(
+                    self._weights(seed), self.snap.repo, self.snap.commit, secret, SERVE_IDLE_SECONDS
+                )
                 out = await self.fetcher.call(seed, config)
                 port, pid = out.get("port"), out.get("pid")
                 if out.get("state") != "serving" or not isinstance(port, int) or not 0 < port < 65536:

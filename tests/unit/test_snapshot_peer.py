@@ -30,6 +30,7 @@ from llmgw_cli.remote import nodefetch
 from llmgw_cli.remote.fetch import node_script
 from llmgw_cli.remote.hub import resolve
 from tests.hub_standin import HubStandin
+from tests.unit.test_snapshot_fetch import files_under, manifest, snapshot_dir
 from tests.waiting import wait_until
 
 MiB = 1 << 20
@@ -115,18 +116,6 @@ def status(weights: Path, snap: Snapshot) -> dict[str, Any]:
     return data
 
 
-def snapshot_dir(weights: Path, snap: Snapshot) -> Path:
-    return Path(core.snapshot_folder(str(weights), snap.repo, snap.commit))
-
-
-def manifest(weights: Path, snap: Snapshot) -> Path:
-    return Path(core.manifest_path(str(weights), snap.repo, snap.commit))
-
-
-def files_under(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-
-
 def fetched(hub: HubStandin, snap: Snapshot, weights: Path) -> None:
     """The whole snapshot in ``weights``, from the Hub."""
     assert node({**snapshot_job(snap, str(weights), hub.url), "foreground": True}) == []
@@ -137,13 +126,7 @@ def fetched(hub: HubStandin, snap: Snapshot, weights: Path) -> None:
 def serving(weights: Path, snap: Snapshot, **options: Any) -> Iterator[int]:
     """``serve-snapshot`` of ``weights``' snapshot, in the foreground; its port."""
     job = {
-        "mode": "serve-snapshot",
-        "folder": core.repo_folder(str(weights), snap.repo),
-        "repo": snap.repo,
-        "commit": snap.commit,
-        "secret": SECRET,
-        "idle": 60,
-        "foreground": True,
+        **core.serve_snapshot_job(str(weights), snap.repo, snap.commit, SECRET, 60, foreground=True),
         **options,
     }
     proc = started(job)
@@ -185,9 +168,7 @@ def url(port: int, path: str) -> str:
 
 def copy_job(snap: Snapshot, weights: Path, port: int, *, peer: bool = True) -> dict[str, Any]:
     """The snapshot job of the copying node, its files' URLs on the peer."""
-    job = snapshot_job(snap, str(weights))
-    for f in job["files"]:
-        f["url"] = url(port, f["path"])
+    job = core.peer_snapshot_job(snap, str(weights), url(port, ""))
     return {**job, "peer": peer, "foreground": True}
 
 
@@ -318,14 +299,7 @@ def test_a_missing_file_is_503_while_the_job_runs_and_404_once_it_ended(
 def test_serve_snapshot_refuses_a_bad_job_and_a_planted_snapshot_folder(
     hub: HubStandin, snap: Snapshot, origin: Path, tmp_path: Path
 ) -> None:
-    base = {
-        "mode": "serve-snapshot",
-        "folder": core.repo_folder(str(origin), snap.repo),
-        "repo": snap.repo,
-        "commit": snap.commit,
-        "secret": SECRET,
-        "foreground": True,
-    }
+    base = core.serve_snapshot_job(str(origin), snap.repo, snap.commit, SECRET, 60, foreground=True)
     for bad in ({"commit": "main"}, {"folder": "/tmp/hf/other--repo"}, {"repo": "a/../b"}, {"secret": ""}):
         [answer] = node({**base, **bad})
         assert (answer["state"], answer["kind"]) == ("error", "job"), (bad, answer)
