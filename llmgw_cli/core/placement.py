@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from llmgw_cli.core.facts import GpuHealth, NodeFacts, Topology
 from llmgw_cli.core.hardware import fabric_status, gpu_class, same_class
+from llmgw_cli.core.snapshot import HF_FOLDER
 from llmgw_cli.core.spec import ClusterSpec, Model, Node
 
 # Closeness of a link for tensor parallelism, best first, as `nvidia-smi topo -m` names them:
@@ -85,7 +86,15 @@ class _NodeState:
 
 
 def _weights_name(model: Model) -> str:
-    """The folder or file name a model's weights have in a weights directory."""
+    """The name a model's weights have in a weights directory: a fetched repository's
+    snapshot ``hf/<org>--<name>/<commit>`` ("" before its revision is pinned: nobody holds
+    it yet), else the folder or file name."""
+    ref = model.repo_ref
+    if ref is not None and model.selection is not None:
+        if not ref.pinned:
+            return ""
+        org, name = ref.repo.split("/")
+        return f"{HF_FOLDER}/{org}--{name}/{ref.revision}"
     return model.source.rstrip("/").rsplit("/", 1)[-1]
 
 

@@ -34,7 +34,8 @@ from llmgw_cli.core.parse.nvidia_smi import HEALTH_FIELDS, QUERY_FIELDS, parse_h
 from llmgw_cli.core.parse.systemctl import parse_show, unit_state
 from llmgw_cli.core.parse.topo import parse_topology
 from llmgw_cli.core.parse.units import LABEL_PREFIX, UNIT_DIR, parse_labels
-from llmgw_cli.core.parse.weights import judge
+from llmgw_cli.core.parse.weights import judge, snapshots
+from llmgw_cli.core.snapshot import MANIFEST_SUFFIX
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.core.templates import render, render_text
 
@@ -128,12 +129,19 @@ def _weights(text: str, node: Node) -> tuple[WeightsDir, ...]:
     current: str | None = None
     entries: list[tuple[str, int, str]] = []
     shards: dict[str, set[str]] = defaultdict(set)
+    snap_entries: list[tuple[str, int, str]] = []
+    manifests: dict[str, str] = {}
     free: int | None = None
     present = True
 
     def flush() -> None:
         if current is not None:
-            models = judge(current, shared.get(current, False), entries, shards) if present else []
+            models = (
+                judge(current, shared.get(current, False), entries, shards)
+                + snapshots(current, shared.get(current, False), snap_entries, manifests)
+                if present
+                else []
+            )
             dirs.append(
                 WeightsDir(
                     path=current,
@@ -148,6 +156,7 @@ def _weights(text: str, node: Node) -> tuple[WeightsDir, ...]:
         if line.startswith("@dir "):
             flush()
             current, entries, shards, free, present = line[5:], [], defaultdict(set), None, True
+            snap_entries, manifests = [], {}
         elif current is None:
             continue
         elif line == "@absent":
@@ -157,6 +166,12 @@ def _weights(text: str, node: Node) -> tuple[WeightsDir, ...]:
             free = int(value) * 1024 if value.isascii() and value.isdigit() else None
         elif line.startswith("@entries "):
             entries.extend(_entries(line[9:]))
+        elif line.startswith("@snapentries "):
+            snap_entries.extend(_entries(line[13:]))
+        elif line.startswith("@manifest "):
+            fields = _fields(line[10:])
+            if fields and len(fields) == 2 and fields[0].endswith(MANIFEST_SUFFIX):
+                manifests[fields[0]] = fields[1]
         elif line.startswith("@shards "):
             fields = _fields(line[8:])
             if fields and fields[0] and "/" not in fields[0]:
@@ -344,6 +359,21 @@ if [ -d "$d" ]; then
         } | base64 -w0
         echo
       )
+    done
+    # repository snapshots: the whole hf/ tree (never through a symlink), then each
+    # manifest ("@manifest B64" = <org>--<name>/<commit>.manifest.json NUL its text)
+    [ -d hf ] && [ ! -L hf ] || exit 0
+    printf '@snapentries '
+    find hf -mindepth 1 -maxdepth 64 -printf '%y\\t%s\\t%P\\0' 2>/dev/null | head -c 67108864 | base64 -w0
+    echo
+    for m in hf/*/*.manifest.json; do
+      [ -f "$m" ] && [ ! -L "$m" ] && [ ! -L "${m%/*}" ] || continue
+      printf '@manifest '
+      {
+        printf '%s\\0' "${m#hf/}"
+        dd if="$m" iflag=nofollow,nonblock bs=1M count=64 status=none 2>/dev/null
+      } | base64 -w0
+      echo
     done
   )
 else
