@@ -22,6 +22,7 @@ import yaml
 
 from tests.hub_standin import HubStandin, Repo
 from tests.integration.weights_origin import Origin
+from tests.waiting import wait_until
 
 from .conftest import Lab
 from .lab_helpers import llmgw_units, origin_on_the_bridge, reset
@@ -191,3 +192,98 @@ def test_fetch_brings_a_repository_and_a_shard_changed_on_a_node_is_fetched_agai
     assert lab.ssh(victim, f"sha256sum {path}").stdout.split()[0] == sha
     sent = sum(int(e["sent"]) for e in hub.origin.log() if e["uri"] == f"/cdn/blobs/{sha}")
     assert sent == SHARD_BYTES  # the copy came from a peer: still one from the origin
+
+
+BIG_SHARD = 24 << 20  # four of them through nginx's /slow/ (24 MiB/s): about 4 s in all
+
+
+def job_status(lab: Lab, node: str, path: str) -> dict[str, object]:
+    """A snapshot job's status file on ``node`` (empty while there is none)."""
+    text = lab.ssh(node, f"cat {path} 2>/dev/null").stdout
+    try:
+        found = json.loads(text)
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def held(hub: Hub, file: Path, node: str) -> list[str]:
+    """What ``llmgw status`` says ``node`` holds, complete."""
+    shown = llmgw(hub, "status", "-f", str(file), "--json")
+    assert shown.returncode in (0, 1), shown.stdout + shown.stderr
+    (row,) = [n for n in json.loads(shown.stdout)["nodes"] if n["name"] == node]
+    return list(row["models"])
+
+
+def kill_fetch_midway(lab: Lab, hub: Hub, file: Path, status: str, past: int) -> None:
+    """Start ``llmgw fetch`` onto node01, and kill it and the node's job once ``past`` bytes
+    are in."""
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "SSL_CERT_FILE": str(hub.origin.cert)}
+    env.pop("HF_TOKEN", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw_cli", "fetch", "--yes", "-f", str(file), "--nodes", "node01"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        st = wait_until(
+            lambda: job_status(lab, "node01", status),
+            until=lambda st: int(str(st.get("bytes_done") or 0)) >= past and st.get("pid"),
+            timeout=120,
+            interval=0.2,
+            what=f"node01's snapshot job to have {past} bytes",
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+    lab.ssh("node01", f"kill -9 {st['pid']}")
+
+
+def test_a_killed_snapshot_download_resumes_and_a_partial_snapshot_is_not_placed(
+    lab: Lab, hub: Hub, tmp_path: Path
+) -> None:
+    rng = random.Random(3)
+    names = [f"model-{i:05d}-of-00004.safetensors" for i in range(1, 5)]
+    files = {
+        "config.json": b'{"architectures": ["LlamaForCausalLM"]}',
+        **{n: rng.randbytes(BIG_SHARD) for n in names},
+    }
+    commit = hub.standin.repo("lab/big").push(files)
+    hub.standin.write_blobs(hub.origin.www)
+    hub.standin.cdn_url = hub.origin.url("/slow").rstrip("/")
+    file = cluster(lab, tmp_path, "lab/big")
+    data = yaml.safe_load(file.read_text())
+    data["models"][0]["scaling"] = {"min": 1, "max": 1}
+    file.write_text(yaml.safe_dump(data, sort_keys=False))
+    repo = "/data/models/hf/lab--big"
+    name = f"hf/lab--big/{commit}"
+
+    # killed (the CLI and the node's job) in the middle of the second shard
+    kill_fetch_midway(lab, hub, file, f"{repo}/.{commit}.snapshot-status", BIG_SHARD + (8 << 20))
+    assert lab.ssh("node01", f"test -e {repo}/{commit}.manifest.json").returncode != 0
+    assert name not in held(hub, file, "node01")  # no manifest: partial, not held
+
+    hub.origin.clear_log()
+    done = llmgw(hub, "fetch", "--yes", "-f", str(file), "--nodes", "node01")
+    assert done.returncode == 0, done.stdout + done.stderr
+    sums = lab.ssh("node01", f"cd {repo}/{commit} && sha256sum {' '.join(names)}").stdout.split()
+    assert sums[0::2] == [hashlib.sha256(files[n]).hexdigest() for n in names]
+    gets = [e for e in hub.origin.log() if str(e["uri"]).startswith("/slow/blobs/")]
+    resumed = [e for e in gets if e["status"] == 206]
+    assert resumed, gets  # the shard cut off is asked for from where it stopped
+    start = int(str(resumed[0]["range"]).removeprefix("bytes=").rstrip("-"))
+    assert 0 < start < BIG_SHARD and resumed[0]["sent"] == BIG_SHARD - start
+    assert sum(int(str(e["sent"])) for e in gets) <= 3 * BIG_SHARD  # not the finished shards again
+    assert name in held(hub, file, "node01")
+
+    # node02 gets a whole copy; node01 loses a shard (its manifest stays): only node02 holds
+    # the snapshot, and the replica goes there (by name alone node01 would come first)
+    fetched = llmgw(hub, "fetch", "--yes", "-f", str(file), "--nodes", "node02")
+    assert fetched.returncode == 0, fetched.stdout + fetched.stderr
+    lab.ssh("node01", f"rm {repo}/{commit}/{names[2]}")
+    assert name not in held(hub, file, "node01") and name in held(hub, file, "node02")
+    planned = llmgw(hub, "plan", "-f", str(file), "--json")
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    starts = [a for a in json.loads(planned.stdout)["actions"] if a["model"] == "shards" and a["op"] != "="]
+    assert [c["nodes"] for c in starts] == [["node02"]], starts
