@@ -24,14 +24,14 @@ from llmgw_cli.core.engine_access import (
     secret_env_text,
     split_env,
 )
+from llmgw_cli.core.paths import DEFAULT_WEIGHTS
 from llmgw_cli.core.snapshot import snapshot_folder
-from llmgw_cli.core.spec import ClusterSpec, Engine, Model, Node, Profile, SourceKind
+from llmgw_cli.core.spec import ClusterSpec, Engine, Model, Node, Profile, SourceKind, download_name
 from llmgw_cli.core.templates import render
 
 __all__ = ["ENGINE_ENV_FILE", "ENGINE_KEY_VAR"]  # re-exported: where callers have always found them
 
 UNIT_DIR = "/etc/systemd/system"
-DEFAULT_WEIGHTS = "/var/lib/llmgw/models"  # a node's weights folder when it declares none
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def model_path(model: Model, node: Node) -> str:
         return snapshot_folder(base, ref.repo, ref.revision)
     if model.source.startswith("/"):
         return model.source
-    name = model.source.removeprefix("./") if kind is SourceKind.path else model.source.rsplit("/", 1)[-1]
+    name = model.source.removeprefix("./") if kind is SourceKind.path else download_name(model.source)
     return f"{base.rstrip('/')}/{name}"
 
 

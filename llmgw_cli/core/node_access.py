@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from llmgw_cli.core.engines import ray_program
 from llmgw_cli.core.facts import NodeAccess
 from llmgw_cli.core.gateway_install import GATEWAY_ACCOUNT
+from llmgw_cli.core.paths import DEFAULT_WEIGHTS
 from llmgw_cli.core.spec import ClusterSpec, Node
 
 GATEWAY_USER = GATEWAY_ACCOUNT
@@ -39,7 +40,6 @@ NODEFETCH = f"{LIBEXEC}/nodefetch.py"
 HELPER_CONFIG = "/etc/llmgw/node-helper.json"
 SUDOERS = "/etc/sudoers.d/llmgw-gateway"
 SHEBANG = "#!/usr/bin/python3 -I\n"  # -I: no PYTHON* variables, no user site, as root
-DEFAULT_WEIGHTS = "/var/lib/llmgw/models"  # where a node without weights folders fetches to
 
 
 @dataclass(frozen=True)

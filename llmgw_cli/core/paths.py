@@ -11,3 +11,5 @@ ENGINE_ENV_FILE = "/etc/llmgw/engine.env"
 ENGINE_KEY_VAR = "LLMGW_ENGINE_KEY"
 # The engine keys by node (JSON) beside the installed gateway's files (core/gateway_install.py).
 ENGINE_KEYS_FILE = "/etc/llmgw/gateway/engine-keys.json"
+# Where a node that declares no weights folder keeps the weights llmgw fetches.
+DEFAULT_WEIGHTS = "/var/lib/llmgw/models"

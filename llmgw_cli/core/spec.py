@@ -641,6 +641,12 @@ def classify_source(source: str) -> SourceKind:
     )
 
 
+def download_name(url: str) -> str:
+    """The file name a URL source is downloaded under (in a node's first weights folder):
+    the URL's last path segment."""
+    return url.rsplit("/", 1)[-1]
+
+
 class FetchFiles(Spec):
     """Which files of a repository are fetched onto the nodes (glob patterns matched against
     each file's path in the repository, ``*`` crossing ``/``)."""
