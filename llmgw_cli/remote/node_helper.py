@@ -40,7 +40,7 @@ folders and the path sources of the cluster's models as this node sees them.
 
 ``exists`` answers only about paths inside a weights folder or named exactly by a path
 source of that file. It runs as root, so without that bound the gateway's key could learn
-whether any file on the node exists, and how large it is, in folders its own account
+whether any file on the node exists, and whether it is empty, in folders its own account
 cannot even list (home folders, ``/root``, other services' state); with it, the key
 learns nothing about paths the cluster file does not already name. The cost is that a
 path source added to the cluster file is answered only once ``apply`` has written the
