@@ -144,8 +144,9 @@ def _without(chosen: Plan, failed: dict[str, str]) -> Plan:
 
 
 async def _fetch(spec: ClusterSpec, conns: Connections, chosen: Plan) -> dict[str, str]:
-    """The weights of the replicas ``chosen`` starts (URL sources), brought before apply
-    takes the cluster lock, so the gateway's starts do not wait for a download."""
+    """The weights of the replicas ``chosen`` starts (URL sources and repositories brought,
+    path sources checked on their nodes), before apply takes the cluster lock, so the
+    gateway's starts do not wait for a download."""
     return await _with_progress(lambda report: ensure_for_plan(spec, chosen, conns, report))
 
 

@@ -18,7 +18,9 @@ from urllib.parse import urlsplit
 from llmgw_cli.core.engines import model_path
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.hardware import gpu_class
+from llmgw_cli.core.path_sources import checks_for
 from llmgw_cli.core.peers import Peers
+from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.spec import ClusterSpec, Model, Node, ScalingMode, SourceKind
 
 __all__ = ["Peers"]  # re-exported: where callers have always found it
@@ -104,6 +106,41 @@ class FetchPlan:
     repos: tuple[RepoFetch, ...] = ()
 
 
+@dataclass(frozen=True)
+class PlanWeights:
+    """What the replicas a plan starts need on their nodes before their units start, each
+    model -> its nodes: files fetched from a URL, repository snapshots, and path sources,
+    which are only checked (``core/path_sources.py``)."""
+
+    files: dict[str, list[str]]
+    repos: dict[str, list[str]]
+    paths: dict[str, list[str]]
+
+
+def plan_weights(spec: ClusterSpec, plan: Plan) -> PlanWeights:
+    """The weights of every replica ``plan`` writes units for, on each of its nodes (a
+    replica of several nodes: on each); a repo id the engine downloads needs none."""
+    out = PlanWeights({}, {}, {})
+    for action in plan.changes:
+        model = next((m for m in spec.models if m.name == action.model), None)
+        if not action.write or model is None:
+            continue
+        kind = model.source_kind
+        into = (
+            out.files
+            if kind is SourceKind.url
+            else out.paths
+            if kind is SourceKind.path
+            else out.repos
+            if model.selection
+            else None
+        )
+        if into is not None:
+            nodes = into.setdefault(model.name, [])
+            nodes += [n for n in action.nodes if n not in nodes]
+    return out
+
+
 def select(
     spec: ClusterSpec,
     facts: dict[str, NodeFacts],
@@ -171,11 +208,11 @@ def plan_fetch(
                 repos.append(RepoFetch(name, model.source, reachable))
             continue
         if kind is not SourceKind.url:
-            for n in node_names:
-                if kind is SourceKind.path:
-                    checks.append((name, n, target_path(model, spec.node(n))))
-                else:
-                    skipped.append(Skip(name, n, "a Hugging Face repo id: the engine downloads it"))
+            checks += checks_for(spec, {name: node_names})
+            if kind is not SourceKind.path:
+                skipped += [
+                    Skip(name, n, "a Hugging Face repo id: the engine downloads it") for n in node_names
+                ]
             continue
         spreads_of, skips = _spreads(
             spec, model, node_names=node_names, held=held, unreachable=unreachable, peers=peers

@@ -5,8 +5,9 @@ On each node, as root over the operator's own transport:
 - ``/usr/local/libexec/llmgw/node-helper`` (root, 0755): the only program the gateway's
   key may run there (``remote/node_helper.py``), with the probe script rendered for the
   node beside it (``probe.sh``) and the weights fetcher (``nodefetch.py``);
-- ``/etc/llmgw/node-helper.json`` (root, 0644): what the helper lets the gateway start:
-  the cluster's engine programs and engine accounts, and the node's weights folders;
+- ``/etc/llmgw/node-helper.json`` (root, 0644): what the helper lets the gateway start
+  and look at: the cluster's engine programs and engine accounts, the node's weights
+  folders, and the path sources of the cluster's models as the node sees them;
 - the account ``llmgw-gateway`` (system, no password) whose ``authorized_keys`` (root,
   0644, in a root-owned home) holds one line per gateway host (``gateway.hosts``): that
   host's public key, restricted to the helper;
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from llmgw_cli.core.engines import ray_program
 from llmgw_cli.core.facts import NodeAccess
 from llmgw_cli.core.gateway_install import GATEWAY_ACCOUNT
+from llmgw_cli.core.path_sources import node_paths
 from llmgw_cli.core.paths import DEFAULT_WEIGHTS
 from llmgw_cli.core.spec import ClusterSpec, Node
 
@@ -69,7 +71,12 @@ def engine_programs(spec: ClusterSpec) -> list[str]:
 
 def helper_config(spec: ClusterSpec, node: Node) -> str:
     weights = [w.path.rstrip("/") or "/" for w in node.weights] or [DEFAULT_WEIGHTS]
-    doc = {"programs": engine_programs(spec), "users": engine_users(spec), "weights": weights}
+    doc = {
+        "programs": engine_programs(spec),
+        "users": engine_users(spec),
+        "weights": weights,
+        "paths": node_paths(spec, node),
+    }
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 

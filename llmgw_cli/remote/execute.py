@@ -341,7 +341,8 @@ async def execute(
     operator = conns.access is None
     transports = {name: conns.to(name) for name in work}
     keys = engine_keys or {}
-    # Weights first: a replica whose URL-sourced file is missing on a node waits for it.
+    # Weights first: a replica whose URL-sourced file is missing on a node waits for it; a
+    # node without a path source's file or folder fails here, before any unit is written.
     no_weights = await ensure_for_plan(spec, plan, conns, report) if fetch else {}
 
     async def one(node: Node, t: Transport) -> Outcome:

@@ -22,6 +22,7 @@ import secrets
 import shlex
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path, PurePosixPath
@@ -29,19 +30,25 @@ from typing import Any
 from urllib.parse import quote
 
 from llmgw_cli.core.fetch import FetchPlan, Spread, target_path, token_for
+from llmgw_cli.core.node_access import helper_config
+from llmgw_cli.core.path_sources import MAX_PATHS, Check, by_node, judge, not_there, parse_answer
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import FetchReport, Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.nodeops import NodeOps
-from llmgw_cli.remote.transport import CommandResult, Transport
+from llmgw_cli.remote.transport import Transport
 
 POLL_SECONDS = 0.5
 SERVE_IDLE_SECONDS = 120
 ORIGIN_FAULTS = ("not-found", "auth", "checksum", "size", "tls", "http")
 """Failures that every node would meet again at the origin: do not try the next node."""
+PATH_SOURCE = "path source"
+"""The ``source`` of a path source's check: checked where it is, brought from nowhere (a
+space, so never a peer's node name)."""
 
 SCRIPT = resources.files("llmgw_cli.remote").joinpath("nodefetch.py").read_text(encoding="utf-8")
+HELPER_SOURCE = resources.files("llmgw_cli.remote").joinpath("node_helper.py").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,18 @@ class FetchResult:
     bytes: int = 0
     seconds: float = 0.0
     sha256: str | None = None
+
+
+def piped_helper(words: Sequence[str], config: str) -> str:
+    """A program for ``python3 -I -`` as root: the node helper's own code (this package's,
+    not the node's installed copy) answering ``words`` with ``config`` (``helper_config``)
+    in place of its config file. Both travel as JSON string literals, never as code."""
+    return (
+        "import json, sys\n"
+        "namespace = {'__name__': 'llmgw_node_helper'}\n"
+        f"exec(compile({HELPER_SOURCE!r}, 'node-helper', 'exec'), namespace)\n"
+        f"sys.exit(namespace['piped'](json.loads({json.dumps(list(words))!r}), {config!r}))\n"
+    )
 
 
 def node_script(config: dict[str, Any]) -> str:
@@ -117,25 +136,49 @@ class Fetcher:
         for s in plan.spreads:
             for node in s.nodes:
                 self.report(FetchEvent(s.model, node, "waiting", "origin" if node == s.origin else "peer"))
-        groups = await asyncio.gather(
-            *(self._spread(s) for s in plan.spreads), *(self._check(*c) for c in plan.checks)
-        )
+        groups = await asyncio.gather(*(self._spread(s) for s in plan.spreads), self.check_paths(plan.checks))
         return [r for g in groups for r in g]
 
-    async def _check(self, model: str, node: str, path: str) -> list[FetchResult]:
-        try:
-            if self.helper:
-                held = await NodeOps(self.transport(node), root=False).call("held", path)
-                found = CommandResult(0 if held.stdout.strip() else 1, held.stdout, held.stderr)
+    async def check_paths(self, checks: Sequence[Check]) -> list[FetchResult]:
+        """Whether each path source of ``checks`` is on its node, a non-empty file or
+        folder (one question per node, all nodes at once); one result per check."""
+        asked = by_node(checks)
+        answers = dict(
+            zip(asked, await asyncio.gather(*(self._exists(n, p) for n, p in asked.items())), strict=True)
+        )
+        results = []
+        for model, node, path in checks:
+            answer = answers.get(node, {})
+            if isinstance(answer, NodeError):
+                why = f"cannot check {path}: {answer.reason}"
+                results.append(self.fail(model, node, PATH_SOURCE, why, "node"))
+            elif why := judge(answer, path):
+                results.append(self.fail(model, node, PATH_SOURCE, not_there(path, node, why), "missing"))
             else:
-                found = await self.transport(node).run(f"test -e {shlex.quote(path)}", root=True)
-        except NodeError as exc:
-            return [FetchResult(model, node, False, "failed", "path", exc.reason, "node")]
-        if found.ok:
-            return [FetchResult(model, node, True, "present", "path")]
-        return [
-            FetchResult(model, node, False, "failed", "path", f"{path} does not exist on {node}", "missing")
-        ]
+                results.append(FetchResult(model, node, True, "present", PATH_SOURCE))
+        return results
+
+    async def _exists(self, node: str, paths: list[str]) -> dict[str, object] | NodeError:
+        """The node's answer to ``exists PATHS`` (parsed, not judged), or why there is none,
+        at most MAX_PATHS paths a question. The gateway asks the installed helper; the
+        operator pipes the helper's code with the config apply writes for the node
+        (``node_helper.piped``)."""
+        answer: dict[str, object] = {}
+        for start in range(0, len(paths), MAX_PATHS):
+            words = ["exists", *paths[start : start + MAX_PATHS]]
+            try:
+                if self.helper:
+                    done = await NodeOps(self.transport(node), root=False).call(*words)
+                else:
+                    script = piped_helper(words, helper_config(self.spec, self.spec.node(node)))
+                    done = await self.transport(node).run("python3 -I -", root=True, stdin=script)
+            except NodeError as exc:
+                return exc
+            if not done.ok:
+                lines = (done.stderr or done.stdout).strip().splitlines()
+                return NodeError(node, "failed", lines[-1] if lines else f"exit status {done.exit_status}")
+            answer |= parse_answer(done.stdout)
+        return answer
 
     async def _spread(self, s: Spread) -> list[FetchResult]:
         results: list[FetchResult] = []
@@ -360,9 +403,9 @@ def _progress_lines(report: Report) -> FetchReport:
         if last.get(subject) == (e.state, tenth):
             return
         last[subject] = (e.state, tenth)
-        where = "origin" if e.source == "origin" else f"peer {e.source}"
+        where = {"origin": " from origin", PATH_SOURCE: ""}.get(e.source, f" from peer {e.source}")
         size = f" {e.bytes / 2**30:.2f}/{e.total / 2**30:.2f} GiB" if e.total else ""
         phase = _PHASES.get(e.state, Phase.working)
-        report(subject, f"weights {e.state} from {where}{size}{': ' + e.message if e.message else ''}", phase)
+        report(subject, f"weights {e.state}{where}{size}{': ' + e.message if e.message else ''}", phase)
 
     return on_event

@@ -28,11 +28,27 @@ Verbs (unit names must be ``llmgw-<model>-<replica>.service``, except that ``sho
 - ``daemon-reload``;
 - ``fetch``: a JSON job on stdin for the installed weights fetcher (fetch, poll, verify,
   serve; its file must lie directly in one of the node's weights folders);
-- ``held PATH...``: which of these files (in the weights folders) exist, not empty.
+- ``held PATH...``: which of these files (in the weights folders) exist, not empty;
+- ``exists PATH...``: what each path is, one JSON line ``{PATH: {"kind": K, "empty":
+  B}}`` with K one of ``file``, ``dir``, ``other`` (a device, a FIFO, a socket),
+  ``missing`` or ``unreadable``: whether a model's path source is there before its units
+  start (see ``exists``).
 
 What the gateway may run is bounded by ``/etc/llmgw/node-helper.json`` (root, written by
-``apply`` from the cluster file): the engine programs, the engine accounts and the
-weights folders.
+``apply`` from the cluster file): the engine programs, the engine accounts, the weights
+folders and the path sources of the cluster's models as this node sees them.
+
+``exists`` answers only about paths inside a weights folder or named exactly by a path
+source of that file. It runs as root, so without that bound the gateway's key could learn
+whether any file on the node exists, and whether it is empty, in folders its own account
+cannot even list (home folders, ``/root``, other services' state); with it, the key
+learns nothing about paths the cluster file does not already name. The cost is that a
+path source added to the cluster file is answered only once ``apply`` has written the
+new list, which it does before anything is started from that file.
+
+``apply`` reaches nodes on which the helper may not be installed yet, or holds an older
+list: it pipes this file to ``python3 -I -`` as root with the list it is about to write
+(``piped``), so both callers answer with this code and these bounds.
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ import json
 import os
 import re
 import shlex
+import stat
 import subprocess
 import sys
 from typing import Any
@@ -59,6 +76,8 @@ REPLICA_UNIT = re.compile(r"^llmgw-[a-z0-9.-]+-[0-9]+\.service$")
 SHOW_PROPERTIES = "Id,LoadState,ActiveState,SubState,Result,MainPID,NRestarts,ExecMainCode,ExecMainStatus"
 MAX_UNIT_BYTES = 64 * 1024
 MAX_JOURNAL_LINES = 1000
+MAX_PATHS = 64  # core/path_sources.py's
+MAX_PATH_CHARS = 4096
 
 # Exactly the directives llmgw's replica template writes, section by section. Anything
 # else (ExecStartPost, PAMName, RootDirectory, a drop-in's worth of surprises) is refused.
@@ -94,6 +113,7 @@ NOT_FOR_ENGINES = "/etc/llmgw/gateway/"  # the gateway host's own files
 # replica: only what the template names.
 DEPENDENCIES = frozenset({"network-online.target"})
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+PATH_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # tabs and newlines too
 
 
 class Refused(Exception):
@@ -106,11 +126,16 @@ def load_config(path: str = CONFIG) -> dict[str, list[str]]:
             data = json.load(fh)
     except (OSError, ValueError) as exc:
         raise Refused(f"cannot read {path} ({exc}): run llmgw apply") from None
+    return config_from(data, path)
+
+
+def config_from(data: object, where: str) -> dict[str, list[str]]:
+    """The config's lists (``paths`` absent in a config written before it existed)."""
     out: dict[str, list[str]] = {}
-    for key in ("programs", "users", "weights"):
+    for key in ("programs", "users", "weights", "paths"):
         value = data.get(key, []) if isinstance(data, dict) else []
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise Refused(f"{path}: {key} must be a list of strings")
+            raise Refused(f"{where}: {key} must be a list of strings")
         out[key] = value
     return out
 
@@ -215,6 +240,54 @@ def _under_weights(path: str, config: dict[str, list[str]]) -> str:
         if path.startswith(root) and "/" not in path[len(root) :]:
             return path
     raise Refused(f"{path!r} is not a file directly in a weights folder of this node")
+
+
+def plain_path(path: str) -> bool:
+    """Absolute and normalised (no ``.``, ``..``, ``//``, trailing ``/``), no control
+    character or NUL, at most MAX_PATH_CHARS (core/path_sources.py's rule)."""
+    return (
+        path.startswith("/")
+        and len(path) <= MAX_PATH_CHARS
+        and not PATH_CONTROL.search(path)
+        and "//" not in path
+        and (path == "/" or not path.endswith("/"))
+        and all(part not in (".", "..") for part in path.split("/"))
+    )
+
+
+def _may_ask(path: str, config: dict[str, list[str]]) -> str:
+    """``path`` when ``exists`` may answer about it: a path source of the cluster file
+    exactly, or anything inside a weights folder; else Refused."""
+    if path in config["paths"]:
+        return path
+    for folder in config["weights"]:
+        root = folder.rstrip("/") + "/"
+        if path.startswith(root) and len(path) > len(root):
+            return path
+    raise Refused(f"{path!r} is neither in a weights folder nor a path source of this node")
+
+
+def exists(path: str) -> dict[str, Any]:
+    """What is at ``path``, as data: its kind and whether it is empty. Only metadata is
+    read: ``stat`` (following links, as the engine will) and, for a folder, whether it
+    has one entry. Nothing at the path is opened, read or run, so a path naming a device,
+    a FIFO or a program does nothing (a device or FIFO answers ``other``)."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return {"kind": "missing", "empty": True}
+    except OSError:  # a loop of links, an unreachable mount
+        return {"kind": "unreadable", "empty": True}
+    if stat.S_ISREG(st.st_mode):
+        return {"kind": "file", "empty": st.st_size == 0}
+    if not stat.S_ISDIR(st.st_mode):
+        return {"kind": "other", "empty": True}
+    try:
+        with os.scandir(path) as entries:
+            empty = next(entries, None) is None
+    except OSError:
+        return {"kind": "unreadable", "empty": True}
+    return {"kind": "dir", "empty": empty}
 
 
 def _systemctl(*args: str) -> int:
@@ -333,6 +406,12 @@ def check_words(words: list[str]) -> None:
     elif verb == "held":
         if not args or not all(a.startswith("/") for a in args):
             raise Refused("held takes absolute paths")
+    elif verb == "exists":
+        if not 1 <= len(args) <= MAX_PATHS:
+            raise Refused(f"exists takes 1 to {MAX_PATHS} paths")
+        for a in args:
+            if not plain_path(a):
+                raise Refused(f"exists: {a[:200]!r} is not a plain absolute path")
     else:
         raise Refused(f"{verb!r} is not a node-helper verb")
 
@@ -397,6 +476,10 @@ def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
             if os.path.isfile(path) and os.path.getsize(path) > 0:
                 print(path)
         return 0
+    if verb == "exists":
+        paths = [_may_ask(a, config) for a in args]  # all, before any is looked at
+        print(json.dumps({p: exists(p) for p in paths}, sort_keys=True))
+        return 0
     raise Refused(f"{verb!r} is not a node-helper verb")
 
 
@@ -408,9 +491,30 @@ def main(argv: list[str]) -> int:
         if os.geteuid() != 0 and words[0] != "probe":
             sys.stdout.flush()
             os.execv(SUDO, ["sudo", "-n", HELPER, *words])
-        needs = ("write-unit", "fetch", "held")
+        needs = ("write-unit", "fetch", "held", "exists")
         config = load_config() if words[0] in needs else {}
         return run_verb(words, config)
+    except Refused as exc:
+        print(f"node-helper: refused: {exc}", file=sys.stderr)
+        return 2
+
+
+PIPED_VERBS = ("exists",)
+
+
+def piped(words: list[str], config_text: str) -> int:
+    """``apply``'s way to a verb that only reads, as root: this file's code, piped to
+    ``python3 -I -``, with the config ``apply`` is about to write in place of the file
+    (which may be missing or older). The same checks as ``main``; no sudo (already root)."""
+    try:
+        if not words or words[0] not in PIPED_VERBS:
+            raise Refused(f"only {', '.join(PIPED_VERBS)} may be piped")
+        check_words(words)
+        try:
+            data = json.loads(config_text)
+        except ValueError as exc:
+            raise Refused(f"the piped config is not JSON: {exc}") from None
+        return run_verb(words, config_from(data, "the piped config"))
     except Refused as exc:
         print(f"node-helper: refused: {exc}", file=sys.stderr)
         return 2

@@ -1,16 +1,18 @@
 """The weights a plan's new replicas need, brought onto their nodes before their units
 start: single files (``remote/fetch.py``) and whole repository snapshots
-(``remote/snapshot_fetch.py``), each from its origin once per fabric."""
+(``remote/snapshot_fetch.py``), each from its origin once per fabric; a path source is
+not brought but checked on each node (``core/path_sources.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 
-from llmgw_cli.core.fetch import Peers, plan_fetch
+from llmgw_cli.core.fetch import Peers, plan_fetch, plan_weights
+from llmgw_cli.core.path_sources import checks_for
 from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.snapshot import DEFAULT_ENDPOINT, Snapshot
-from llmgw_cli.core.spec import ClusterSpec, SourceKind
+from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import Fetcher, FetchResult, _progress_lines, held_on_nodes
@@ -21,19 +23,12 @@ from llmgw_cli.remote.snapshot_fetch import bring_snapshots
 async def ensure_for_plan(
     spec: ClusterSpec, plan: Plan, conns: Connections, report: Report
 ) -> dict[str, str]:
-    """Fetch the URL-sourced weights of every replica the plan starts, onto its nodes,
-    before its units start. Returns node -> why its weights could not be brought."""
-    wanted: dict[str, list[str]] = {}
-    repos: dict[str, list[str]] = {}
-    for action in plan.changes:
-        model = next((m for m in spec.models if m.name == action.model), None)
-        if not action.write or model is None:
-            continue
-        into = wanted if model.source_kind is SourceKind.url else repos if model.selection else None
-        if into is not None:
-            nodes = into.setdefault(model.name, [])
-            nodes += [n for n in action.nodes if n not in nodes]
-    if not wanted and not repos:
+    """Bring the weights of every replica the plan starts onto its nodes, before its units
+    start: URL-sourced files and repository snapshots are fetched, path sources are checked
+    on each node (a non-empty file or folder, ``core/path_sources.py``). Returns node ->
+    why its weights could not be brought (``weights of M: ...``)."""
+    need = plan_weights(spec, plan)
+    if not (need.files or need.repos or need.paths):
         return {}
     token, endpoint = os.environ.get("HF_TOKEN"), os.environ.get("HF_ENDPOINT")
     fetcher = Fetcher(
@@ -41,14 +36,20 @@ async def ensure_for_plan(
     )
     try:
         results: list[FetchResult] = []
-        if wanted:
-            held = await held_on_nodes(fetcher, spec, wanted)
-            results += await fetcher.run(plan_fetch(spec, wanted, held, set(), Peers.fabric))
-        if repos:
-            results += await _bring_repositories(fetcher, spec, repos, token, endpoint)
+        if need.paths:
+            results += await fetcher.check_paths(checks_for(spec, need.paths))
+        if need.files:
+            held = await held_on_nodes(fetcher, spec, need.files)
+            results += await fetcher.run(plan_fetch(spec, need.files, held, set(), Peers.fabric))
+        if need.repos:
+            results += await _bring_repositories(fetcher, spec, need.repos, token, endpoint)
     finally:
         await fetcher.close()
-    return {r.node: f"weights of {r.model}: {r.message}" for r in results if not r.ok}
+    failed: dict[str, str] = {}
+    for r in results:
+        if not r.ok:
+            failed.setdefault(r.node, f"weights of {r.model}: {r.message}")
+    return failed
 
 
 async def _bring_repositories(

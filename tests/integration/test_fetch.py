@@ -512,3 +512,45 @@ def test_apply_fetches_missing_weights_of_started_replicas(origin: Origin, tmp_p
     assert not (tmp_path / "n3" / "apply.gguf").exists()  # n3 runs nothing new of m
     assert len(origin.gets("apply.gguf")) == 1
     assert ("m@n1", "weights done from origin 0.01/0.01 GiB") in lines
+
+
+def test_apply_checks_path_sources_on_each_node_of_a_started_replica(tmp_path: Path) -> None:
+    """A path source is brought by nobody: before its units start, each node of the
+    replica is asked whether it is there (a non-empty file or folder); a node where it is
+    not fails, naming the path, and the others go on. No origin is involved."""
+    folder = tmp_path / "models" / "Qwen2.5-7B-Instruct"
+    spec = cluster(
+        tmp_path,
+        f"  - {{name: qwen, source: {folder}, profile: p}}\n  - {{name: smol, source: ./smol.gguf, profile: p}}\n",
+        nodes=3,
+    )
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    for i in (1, 2, 3):
+        (tmp_path / f"n{i}").mkdir()
+    (tmp_path / "n1" / "smol.gguf").write_bytes(b"GGUF")
+    (tmp_path / "n2" / "smol.gguf").write_bytes(b"")
+    unit = UnitFile(node="n1", name="llmgw-qwen-0.service", text="")
+    plan = Plan(
+        actions=(
+            Action(op="+", model="qwen", replica=0, nodes=("n1", "n2"), reason="new", write=(unit,)),
+            Action(op="+", model="smol", replica=0, nodes=("n1", "n2", "n3"), reason="new", write=(unit,)),
+        ),
+        unplaced=(),
+        warnings=(),
+        facts_digest="",
+    )
+
+    async def ensure() -> dict[str, str]:
+        async with Connections(spec, tmp_path) as conns:
+            return await ensure_for_plan(spec, plan, conns, lambda *_a: None)
+
+    assert asyncio.run(ensure()) == {
+        "n2": f"weights of smol: {tmp_path}/n2/smol.gguf is not on n2 (an empty file)",
+        "n3": f"weights of smol: {tmp_path}/n3/smol.gguf is not on n3 (missing)",
+    }
+    # the folder goes away: every node of its replica says so
+    (folder / "config.json").unlink()
+    folder.rmdir()
+    failed = asyncio.run(ensure())
+    assert failed["n1"] == f"weights of qwen: {folder} is not on n1 (missing)"

@@ -3,6 +3,9 @@ way a unit could run something else, or as someone else, is refused."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,7 @@ import pytest
 from llmgw_cli.core import drain, node_access
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.remote import node_helper
+from llmgw_cli.remote import fetch, node_helper
 from llmgw_cli.remote.node_helper import Refused, check_unit, check_words, parse_words
 from tests.rendered_units import every_replica_unit
 
@@ -225,3 +228,164 @@ def test_remove_deletes_the_unit_file_and_its_drain_marker_only(
     assert sorted(p.name for p in units.iterdir()) == ["llmgw-a-1.service"]
     assert sorted(p.name for p in markers.iterdir()) == ["llmgw-a-1.service"]
     assert node_helper.run_verb(["remove", "llmgw-a-0.service"], {}) == 0  # gone already: fine
+
+
+# --- exists: what a path source is, before its units start -------------------------------
+
+
+def exists_config(tmp_path: Path) -> dict[str, list[str]]:
+    return {"programs": [], "users": [], "weights": [str(tmp_path / "w")], "paths": [str(tmp_path / "src")]}
+
+
+def answer(
+    words: list[str], config: dict[str, list[str]], capsys: pytest.CaptureFixture[str]
+) -> dict[str, dict[str, object]]:
+    check_words(words)
+    assert node_helper.run_verb(words, config) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 1  # one JSON line, data only
+    parsed: dict[str, dict[str, object]] = json.loads(out)
+    return parsed
+
+
+def test_exists_says_what_is_at_each_path_without_opening_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    w = tmp_path / "w"
+    (w / "folder").mkdir(parents=True)
+    (w / "folder" / "config.json").write_text("{}")
+    (w / "bare").mkdir()
+    (w / "m.gguf").write_bytes(b"GGUF")
+    (w / "empty.gguf").write_bytes(b"")
+    os.mkfifo(w / "fifo")  # opening it would block: only stat is used
+    (w / "link").symlink_to(w / "m.gguf")  # followed, as the engine will
+    (w / "loop").symlink_to(w / "loop")
+    (w / "program").write_text("#!/bin/sh\ntouch " + str(tmp_path / "ran") + "\n")
+    (w / "program").chmod(0o755)
+    names = ["folder", "bare", "m.gguf", "empty.gguf", "fifo", "link", "loop", "program", "gone", "m.gguf/x"]
+    got = answer(["exists", *(str(w / n) for n in names)], exists_config(tmp_path), capsys)
+    assert {Path(p).relative_to(w).as_posix(): (a["kind"], a["empty"]) for p, a in got.items()} == {
+        "folder": ("dir", False),
+        "bare": ("dir", True),
+        "m.gguf": ("file", False),
+        "empty.gguf": ("file", True),
+        "fifo": ("other", True),
+        "link": ("file", False),
+        "loop": ("unreadable", True),
+        "program": ("file", False),
+        "gone": ("missing", True),
+        "m.gguf/x": ("missing", True),
+    }
+    assert not (tmp_path / "ran").exists()
+
+
+def test_exists_answers_about_a_path_source_of_the_cluster_file_outside_the_weights_folders(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.safetensors").write_bytes(b"x")
+    got = answer(["exists", str(tmp_path / "src")], exists_config(tmp_path), capsys)
+    assert got == {str(tmp_path / "src"): {"kind": "dir", "empty": False}}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/etc/shadow",  # neither in a weights folder nor a path source
+        "/root/.ssh/id_ed25519",
+        "{tmp}/src/inside",  # a path source is answered exactly, not what lies below it
+        "{tmp}/w",  # the weights folder itself: only what is inside it
+        "{tmp}/wx/m.gguf",  # a sibling folder whose name starts like the weights folder
+    ],
+)
+def test_exists_refuses_paths_the_cluster_file_does_not_name(
+    tmp_path: Path, path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    words = ["exists", str(tmp_path / "w" / "ok"), path.format(tmp=tmp_path)]
+    check_words(words)
+    with pytest.raises(Refused, match="neither in a weights folder nor a path source"):
+        node_helper.run_verb(words, exists_config(tmp_path))
+    assert capsys.readouterr().out == ""  # refused before anything is looked at
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        ["exists"],
+        ["exists", "data/models/x"],
+        ["exists", "/data/models/../../etc/shadow"],
+        ["exists", "/data/models/./x"],
+        ["exists", "/data//models/x"],
+        ["exists", "//data/models/x"],
+        ["exists", "/data/models/x/"],
+        ["exists", "/data/models/x\x00"],
+        ["exists", "/data/models/x\n/etc/shadow"],
+        ["exists", "/" + "a" * 4096],
+        ["exists", *[f"/data/models/{i}" for i in range(65)]],
+    ],
+)
+def test_exists_refuses_paths_that_are_not_plain_and_too_many(words: list[str]) -> None:
+    with pytest.raises(Refused, match="exists"):
+        check_words(words)
+
+
+def test_exists_through_the_forced_command_line_is_checked_like_argv() -> None:
+    check_words(parse_words([], f"{node_helper.HELPER} exists /data/models/a /data/models/b"))
+    for line in ("exists /data/models/../x", "exists '/data/models/x;id'/..", "exists $(id)"):
+        with pytest.raises(Refused):
+            check_words(parse_words([], line))
+
+
+def test_a_config_written_before_path_sources_were_listed_still_loads(tmp_path: Path) -> None:
+    old = tmp_path / "node-helper.json"
+    old.write_text(json.dumps({"programs": ["/bin/x"], "users": ["llmgw"], "weights": ["/w"]}))
+    assert node_helper.load_config(str(old))["paths"] == []
+    old.write_text(json.dumps({"programs": [], "users": [], "weights": [], "paths": "/etc"}))
+    with pytest.raises(Refused, match="paths must be a list"):
+        node_helper.load_config(str(old))
+
+
+def run_piped(words: list[str], config: str) -> subprocess.CompletedProcess[str]:
+    """What apply runs on a node as root: the helper's code on stdin of ``python3 -I -``."""
+    script = fetch.piped_helper(words, config)
+    return subprocess.run(
+        ["python3", "-I", "-"], input=script, capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+def test_apply_pipes_the_same_helper_with_the_config_it_writes(tmp_path: Path) -> None:
+    """No helper installed and no config file on the node: apply's question gets the
+    helper's answer, bounded by the configuration apply is about to write."""
+    spec = parse_cluster(
+        f"cluster: {{name: t}}\nnodes:\n  - {{name: n1, address: 10.0.0.1, weights: [{tmp_path}/w]}}\n"
+        f"profiles: {{p: {{engine: llama-server}}}}\nmodels:\n"
+        f"  - {{name: a, source: {tmp_path}/src.gguf, profile: p}}\n"
+        "  - {name: b, source: ./b.gguf, profile: p}\n"
+    )
+    (tmp_path / "w").mkdir()
+    (tmp_path / "src.gguf").write_bytes(b"GGUF")
+    config = node_access.helper_config(spec, spec.node("n1"))
+    done = run_piped(["exists", f"{tmp_path}/src.gguf", f"{tmp_path}/w/b.gguf"], config)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        f"{tmp_path}/src.gguf": {"kind": "file", "empty": False},
+        f"{tmp_path}/w/b.gguf": {"kind": "missing", "empty": True},
+    }
+    refused = run_piped(["exists", "/etc/shadow"], config)
+    assert refused.returncode == 2 and "node-helper: refused" in refused.stderr and refused.stdout == ""
+    bad = run_piped(["exists", f"{tmp_path}/w/../src.gguf"], config)
+    assert bad.returncode == 2 and "not a plain absolute path" in bad.stderr
+    # only the reading verbs may be piped: nothing that writes or starts
+    other = run_piped(["start", "llmgw-a-0.service"], config)
+    assert other.returncode == 2 and "may be piped" in other.stderr
+
+
+def test_hostile_paths_travel_to_the_piped_helper_as_data(tmp_path: Path) -> None:
+    """Quotes and code in a path reach the helper as one word, which it refuses or
+    answers about; they never run."""
+    hostile = f"{tmp_path}/w/x'); import os; os.system('touch {tmp_path}/ran'); ('"
+    config = json.dumps({"programs": [], "users": [], "weights": [f"{tmp_path}/w"], "paths": []})
+    done = run_piped(["exists", hostile], config)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {hostile: {"kind": "missing", "empty": True}}
+    assert not (tmp_path / "ran").exists()
