@@ -19,10 +19,12 @@ from llmgw_cli.remote.snapshot_fetch import bring_snapshots
 
 
 async def ensure_for_plan(
-    spec: ClusterSpec, plan: Plan, conns: Connections, report: Report
+    spec: ClusterSpec, plan: Plan, conns: Connections, report: Report, *, by_model: bool = False
 ) -> dict[str, str]:
     """Fetch the URL-sourced weights of every replica the plan starts, onto its nodes,
-    before its units start. Returns node -> why its weights could not be brought."""
+    before its units start. Returns node -> why its weights could not be brought.
+    ``by_model``: progress lines about the least advanced node of each model, not one row
+    per node (``_progress_lines``)."""
     wanted: dict[str, list[str]] = {}
     repos: dict[str, list[str]] = {}
     for action in plan.changes:
@@ -37,7 +39,12 @@ async def ensure_for_plan(
         return {}
     token, endpoint = os.environ.get("HF_TOKEN"), os.environ.get("HF_ENDPOINT")
     fetcher = Fetcher(
-        spec, conns.base, _progress_lines(report), token=token, hf_endpoint=endpoint, conns=conns
+        spec,
+        conns.base,
+        _progress_lines(report, by_model=by_model),
+        token=token,
+        hf_endpoint=endpoint,
+        conns=conns,
     )
     try:
         results: list[FetchResult] = []
