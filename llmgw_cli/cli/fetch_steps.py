@@ -55,7 +55,8 @@ def _progress() -> tuple[Progress, Callable[[FetchEvent], None]]:
     def on_event(e: FetchEvent) -> None:
         key = (e.model, e.node)
         where = "origin" if e.source == "origin" else f"from {e.source}"
-        state = f"{e.state} ({where})" + (f": {e.message}" if e.message else "")
+        files = f": {e.files or 0}/{e.files_total} files" if e.files_total is not None else ""
+        state = f"{e.state} ({where}){files}" + (f": {e.message}" if e.message else "")
         if key not in tasks:
             tasks[key] = bars.add_task(f"{e.model} -> {e.node}", total=None, state=state)
         bars.update(tasks[key], completed=e.bytes, total=e.total, state=state)

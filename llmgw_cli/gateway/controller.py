@@ -185,7 +185,9 @@ class RemoteNodes:
         return await self.source.probe(spec, skip_lost=True)
 
     async def fetch(self, spec: ClusterSpec, plan: Plan, report: Report) -> dict[str, str]:
-        return await ensure_for_plan(spec, plan, await self.source.connections(spec), report)
+        # One progress text per model (what a waiting client reads): its least advanced node.
+        conns = await self.source.connections(spec)
+        return await ensure_for_plan(spec, plan, conns, report, by_model=True)
 
     async def execute(
         self, spec: ClusterSpec, plan: Plan, report: Report, *, fetch: bool = False

@@ -44,6 +44,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from llmgw_cli.core.controller import Phase
 from llmgw_cli.core.keys import bearer
 from llmgw_cli.core.spec import GatewayTls
 from llmgw_cli.errors import LlmgwError
@@ -64,7 +65,8 @@ async def models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     if gw.authenticate(bearer(request.headers.get("Authorization"))) is None:
         return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
-    phases = gw.controller.phases()
+    controller = gw.controller
+    phases = controller.phases()
     data = [
         {
             "id": m.name,
@@ -73,6 +75,8 @@ async def models(request: web.Request) -> web.Response:
             "owned_by": "llmgw",
             "state": phases[m.name].value,
             "mode": m.mode.value,
+            # what its start does now (fetching, engine loading); empty unless starting
+            "progress": controller.progress(m.name) if phases[m.name] is Phase.starting else "",
         }
         for m in gw.catalog.values()
     ]

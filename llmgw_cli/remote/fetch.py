@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import quote
 
 from llmgw_cli.core.fetch import FetchPlan, Spread, target_path, token_for
+from llmgw_cli.core.fetch_progress import NodeProgress, amounts, least_advanced, progress_text
 from llmgw_cli.core.node_access import helper_config
 from llmgw_cli.core.path_sources import MAX_PATHS, Check, by_node, judge, not_there, parse_answer
 from llmgw_cli.core.spec import ClusterSpec
@@ -59,7 +60,9 @@ class FetchEvent:
     source: str  # "origin" or the name of the peer copied from
     bytes: int = 0
     total: int | None = None
-    message: str = ""
+    message: str = ""  # a remark (a peer that failed and why), not the progress
+    files: int | None = None  # a snapshot's files done; None for a single file
+    files_total: int | None = None  # and how many it has
 
 
 @dataclass(frozen=True)
@@ -391,21 +394,65 @@ async def held_on_nodes(
 
 
 _PHASES = {"present": Phase.done, "done": Phase.done, "failed": Phase.failed}  # by FetchEvent.state
+_UNDER_WAY = ("waiting", "fetching")
 
 
-def _progress_lines(report: Report) -> FetchReport:
-    """Fetch events as the executor's (subject, message) lines, at most one per 10%."""
-    last: dict[str, tuple[str, int]] = {}
+def _where(source: str) -> str:
+    return {"origin": "origin", "disk": "disk", "peer": "a peer"}.get(source, f"peer {source}")
+
+
+def _progress_lines(report: Report, *, by_model: bool = False) -> FetchReport:
+    """Fetch events as the executor's (subject, message) lines: ``model@node: fetching
+    142/191 files, 512 of 810 GB from origin`` (``core/fetch_progress.py`` says how).
+
+    By node (``apply``, a row per node): a line for each state a node enters, and one per
+    10% of its bytes. By model (the gateway, whose model has one progress text): the line
+    of the least advanced node of the model whose fetch is under way, ``(the least
+    advanced of 3 nodes)`` when several are, one per 1% of it; a node that ends (done,
+    failed) says so in a line of its own, then the least advanced of those left is said
+    again: while any fetch is under way, the last line is about one."""
+    steps = 100 if by_model else 10
+    last: dict[str, tuple[object, ...]] = {}
+    under_way: dict[str, dict[str, tuple[NodeProgress, str]]] = {}  # model -> node -> (progress, tail)
+
+    def say(
+        model: str, node: str, key: tuple[object, ...], message: str, phase: Phase, *, again: bool
+    ) -> None:
+        subject = model if by_model and phase is Phase.working else f"{model}@{node}"
+        if last.get(subject) == key and not again:
+            return
+        last[subject] = key
+        report(f"{model}@{node}", message, phase)
+
+    def slowest(model: str, *, again: bool = False) -> None:
+        nodes = under_way.get(model, {})
+        node = least_advanced({n: p for n, (p, _) in nodes.items()})
+        if node is None:
+            return
+        p, tail = nodes[node]
+        among = f" (the least advanced of {len(nodes)} nodes)" if len(nodes) > 1 else ""
+        key = (node, p.state, int(p.fraction * steps), len(nodes), tail)
+        say(model, node, key, progress_text(p) + tail + among, Phase.working, again=again)
 
     def on_event(e: FetchEvent) -> None:
-        subject = f"{e.model}@{e.node}"
-        tenth = e.bytes * 10 // e.total if e.total else -1
-        if last.get(subject) == (e.state, tenth):
+        remark = f": {e.message}" if e.message else ""
+        if e.state in _UNDER_WAY:
+            p = NodeProgress(e.state, e.bytes, e.total, e.files, e.files_total)
+            tail = f" from {_where(e.source)}{remark}"
+            under_way.setdefault(e.model, {})[e.node] = (p, tail)
+            if by_model:
+                slowest(e.model)
+            else:
+                key = (p.state, int(p.fraction * steps), remark)
+                say(e.model, e.node, key, progress_text(p) + tail, Phase.working, again=False)
             return
-        last[subject] = (e.state, tenth)
-        where = {"origin": " from origin", PATH_SOURCE: ""}.get(e.source, f" from peer {e.source}")
-        size = f" {e.bytes / 2**30:.2f}/{e.total / 2**30:.2f} GiB" if e.total else ""
-        phase = _PHASES.get(e.state, Phase.working)
-        report(subject, f"weights {e.state}{where}{size}{': ' + e.message if e.message else ''}", phase)
+        nodes = under_way.get(e.model, {})
+        nodes.pop(e.node, None)
+        size = f", {amounts(e.bytes, None)}" if e.bytes else ""
+        where = "" if e.source == PATH_SOURCE else f" from {_where(e.source)}"  # said in the remark
+        message = f"weights {e.state}{where}{size}{remark}"
+        say(e.model, e.node, (e.state,), message, _PHASES.get(e.state, Phase.working), again=False)
+        if by_model and nodes:
+            slowest(e.model, again=True)
 
     return on_event

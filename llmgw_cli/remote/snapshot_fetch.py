@@ -80,8 +80,11 @@ async def _group(run: _Run, nodes: list[str]) -> list[FetchResult]:
     results = [
         FetchResult(model, n, True, "present", "disk") for n, ok in zip(nodes, held, strict=True) if ok
     ]
+    count = len(snap.files)
     for r in results:
-        fetcher.report(FetchEvent(model, r.node, "present", "disk", snap.total_bytes, snap.total_bytes))
+        fetcher.report(
+            FetchEvent(model, r.node, "present", "disk", snap.total_bytes, snap.total_bytes, "", count, count)
+        )
     needing = [n for n, ok in zip(nodes, held, strict=True) if not ok]
     if not needing:
         return results
@@ -177,7 +180,8 @@ class _Run:
         died, up to RESTARTS times."""
         began = time.monotonic()
         total = self.snap.total_bytes
-        self.fetcher.report(FetchEvent(self.model, node, "fetching", source, 0, total))
+        files = len(self.snap.files)
+        self.fetcher.report(FetchEvent(self.model, node, "fetching", source, 0, total, "", 0, files))
         poll = poll_snapshot_job(self._weights(node), self.snap.repo, self.snap.commit)
         try:
             for _ in range(RESTARTS):
@@ -202,9 +206,17 @@ class _Run:
                         return self._ok(node, "done", source, began)
                     if status.state == "error" and (free or status.finished):
                         return self._failed(node, source, {"kind": status.kind, "message": status.message})
-                    progress = f"{status.files_done}/{status.files_total} files"
                     self.fetcher.report(
-                        FetchEvent(self.model, node, "fetching", source, status.bytes_done, total, progress)
+                        FetchEvent(
+                            self.model,
+                            node,
+                            "fetching",
+                            source,
+                            min(status.bytes_done, total),  # the node's counts, bounded by
+                            total,  # the snapshot's own (from the Hub, not the node)
+                            files=min(status.files_done, files),
+                            files_total=files,
+                        )
                     )
                     if free and polls > 10:
                         break  # nobody holds the lock and it is not finished: the job died
@@ -215,8 +227,8 @@ class _Run:
         return self._failed(node, source, {"kind": "interrupted", "message": "the job stopped 3 times"})
 
     def _ok(self, node: str, state: str, source: str, began: float) -> FetchResult:
-        size = self.snap.total_bytes
-        self.fetcher.report(FetchEvent(self.model, node, state, source, size, size))
+        size, files = self.snap.total_bytes, len(self.snap.files)
+        self.fetcher.report(FetchEvent(self.model, node, state, source, size, size, "", files, files))
         return FetchResult(
             self.model, node, True, state, source, "", "", size, time.monotonic() - began, None
         )

@@ -21,18 +21,25 @@ from llmgw_cli.remote.snapshot_fetch import bring_snapshots
 
 
 async def ensure_for_plan(
-    spec: ClusterSpec, plan: Plan, conns: Connections, report: Report
+    spec: ClusterSpec, plan: Plan, conns: Connections, report: Report, *, by_model: bool = False
 ) -> dict[str, str]:
     """Bring the weights of every replica the plan starts onto its nodes, before its units
     start: URL-sourced files and repository snapshots are fetched, path sources are checked
     on each node (a non-empty file or folder, ``core/path_sources.py``). Returns node ->
-    why its weights could not be brought (``weights of M: ...``)."""
+    why its weights could not be brought (``weights of M: ...``). ``by_model``: progress
+    lines about the least advanced node of each model, not one row per node
+    (``_progress_lines``)."""
     need = plan_weights(spec, plan)
     if not (need.files or need.repos or need.paths):
         return {}
     token, endpoint = os.environ.get("HF_TOKEN"), os.environ.get("HF_ENDPOINT")
     fetcher = Fetcher(
-        spec, conns.base, _progress_lines(report), token=token, hf_endpoint=endpoint, conns=conns
+        spec,
+        conns.base,
+        _progress_lines(report, by_model=by_model),
+        token=token,
+        hf_endpoint=endpoint,
+        conns=conns,
     )
     try:
         results: list[FetchResult] = []

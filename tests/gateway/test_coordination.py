@@ -12,6 +12,7 @@ keeps the leader from an idle stop; the published set is hostile data.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ from typing import Any
 
 import openai
 import pytest
+from aiohttp import web
 
 from llmgw_cli.core.controller import Phase
 from llmgw_cli.core.facts import NodeFacts
@@ -30,14 +32,15 @@ from llmgw_cli.core.routing import serving_address
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NotLeader
 from llmgw_cli.gateway import controller as controller_module
-from llmgw_cli.gateway import coordination
+from llmgw_cli.gateway import coordination, server
 from llmgw_cli.gateway.pgstore import PostgresStore
 from llmgw_cli.gateway.sources import PublishedSource
 from llmgw_cli.gateway.state import Gateway
 from llmgw_cli.gateway.store import ModelState, SqliteStore, Store
-from llmgw_cli.progress import silent
+from llmgw_cli.progress import Report, silent
 from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.execute import Outcome
+from llmgw_cli.remote.fetch import FetchEvent, _progress_lines
 from tests.gateway import harness
 from tests.pg import Postgres
 from tests.unit.facts_factory import node_facts, with_units
@@ -70,6 +73,11 @@ class Fleet:
         self.health: dict[str, int] = {}
         self.actions: list[tuple[str, Action]] = []  # (member that executed it, action)
         self.discover_delay = 0.0  # seconds a discovery takes (a slow probe of the nodes)
+        # What a start's weights fetch reports (about the node the start goes to), and an
+        # event it then waits for (None: it ends at once); the node it went to.
+        self.fetch_events: list[FetchEvent] = []
+        self.fetch_gate: asyncio.Event | None = None
+        self.fetched_on: str | None = None
 
     def address(self, action: Action) -> str:
         assert action.port is not None
@@ -111,9 +119,16 @@ class FakeNodes:
         self.facts = dict(self.fleet.truth)
         return self.facts
 
-    async def fetch(
-        self, spec: ClusterSpec, plan: Plan, report: Callable[[str, str], None]
-    ) -> dict[str, str]:
+    async def fetch(self, spec: ClusterSpec, plan: Plan, report: Report) -> dict[str, str]:
+        """The fetch events become lines as the gateway's remote nodes have them made
+        (``ensure_for_plan(..., by_model=True)``), into the controller's report."""
+        node = plan.changes[0].nodes[0]
+        self.fleet.fetched_on = node
+        on_event = _progress_lines(report, by_model=True)
+        for e in self.fleet.fetch_events:
+            on_event(dataclasses.replace(e, node=node))
+        if self.fleet.fetch_gate is not None:
+            await self.fleet.fetch_gate.wait()
         return {}
 
     async def execute(
@@ -233,6 +248,22 @@ async def started(*gws: Gateway) -> AsyncIterator[None]:
 
 def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(scenario())
+
+
+@asynccontextmanager
+async def serving(gw: Gateway, key: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The gateway's public API on a loopback port, and the official client to it."""
+    runner = web.AppRunner(server.public_app(gw))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await runner.cleanup()
 
 
 def test_one_leads_the_other_follows_and_a_followers_request_is_started_by_the_leader(fleet: Fleet) -> None:
@@ -531,3 +562,59 @@ def test_a_follow_process_routes_to_the_published_replicas_and_needs_no_ssh_key(
         engine.stop()
     log = gw.log.read_text()
     assert "ssh" not in log.lower(), log
+
+
+def test_a_start_fetching_a_repository_says_how_far_in_its_503_and_in_v1_models(fleet: Fleet) -> None:
+    """A start whose fetch reports a snapshot's files and bytes: its progress text reaches
+    the 503 ``model_loading`` message and ``/v1/models`` (read by the official client) of
+    the leader, and of a follower through the leader's publication; it is gone once the
+    model is ready."""
+    fleet.spec = parse_cluster(
+        CLUSTER.replace("STATE", str(fleet.spec.gateway.state_dir)).replace("load_wait: 60s", "load_wait: 1s")
+    )
+    gb = 10**9
+    fleet.fetch_events = [
+        FetchEvent("lazy", "", "fetching", "origin", 0, 810 * gb, files=0, files_total=191),
+        FetchEvent("lazy", "", "fetching", "origin", 512 * gb, 810 * gb, files=142, files_total=191),
+    ]
+    messages: list[Any] = [{"role": "user", "content": "hi"}]
+
+    async def loading(client: openai.AsyncOpenAI) -> tuple[int, object, str]:
+        """A chat request's refusal: status, code and message (the client's own
+        ``message`` puts the status before it)."""
+        with pytest.raises(openai.InternalServerError) as refused:
+            await client.chat.completions.create(model="lazy", messages=messages)
+        error = refused.value
+        assert isinstance(error.body, dict)
+        return error.status_code, error.code, str(error.body["message"])
+
+    async def listed(client: openai.AsyncOpenAI) -> dict[str, object]:
+        (model,) = (await client.models.list()).data
+        return dict(model.model_extra or {})
+
+    async def scenario() -> None:
+        fleet.fetch_gate = asyncio.Event()
+        admin = fleet.store()
+        await admin.add_key(ApiKey(name="k1", digest=hash_token("secret-1"), models=()))
+        await admin.close()
+        leader, follower = gateway(fleet), gateway(fleet, follow=True)
+        async with (
+            started(leader, follower),
+            serving(leader, "secret-1") as to_leader,
+            serving(follower, "secret-1") as to_follower,
+        ):
+            assert (await listed(to_leader))["progress"] == ""  # stopped: nothing to say
+            refused = await loading(to_leader)  # began the start, waited load_wait
+            said = f"lazy@{fleet.fetched_on}: fetching 142/191 files, 512 of 810 GB from origin"
+            assert refused == (503, "model_loading", f"The model `lazy` is loading ({said}); retry shortly.")
+            assert await listed(to_leader) == {"state": "starting", "mode": "on-demand", "progress": said}
+            end = time.monotonic() + WAIT
+            while (await listed(to_follower)).get("progress") != said:  # once published
+                assert time.monotonic() < end, "the follower never said the leader's progress"
+                await asyncio.sleep(0.05)
+            assert await loading(to_follower) == refused
+            fleet.fetch_gate.set()
+            await until(lambda: leader.controller.phases()["lazy"] is Phase.ready, "ready")
+            assert await listed(to_leader) == {"state": "ready", "mode": "on-demand", "progress": ""}
+
+    run(scenario)
