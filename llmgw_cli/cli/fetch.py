@@ -41,7 +41,7 @@ def fetch(
     ] = False,
 ) -> None:
     """Download the weights of models onto the nodes: https URLs, and Hugging Face
-    repositories that say `fetch: {...}` (their snapshot at the commit the revision names now).
+    repositories (their snapshot at the commit the revision names now; not those that say `fetch: engine`).
 
     Each file is written as NAME.part and renamed only once its size and sha256 check out.
 
@@ -51,7 +51,7 @@ def fetch(
 
     A repository's files come from the Hub once per fabric too; each is copied from a peer as soon as the peer has it, and checked against the Hub's sha256.
 
-    Any other Hugging Face repo id is left to the engine; a path is only checked.
+    A repo id with `fetch: engine` is left to the engine; a path is only checked.
 
     The token ($HF_TOKEN) goes only to huggingface.co or $HF_ENDPOINT, and is never printed.
 

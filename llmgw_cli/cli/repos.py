@@ -1,7 +1,7 @@
 """The repositories a command works on, resolved to commits before it plans anything.
 
 ``plan``, ``apply`` and ``fetch`` call ``pinned`` right after reading the cluster file: a
-model that llmgw fetches from a Hugging Face repository (``fetch: {...}``) is asked of the
+model that llmgw fetches from a Hugging Face repository (any not ``fetch: engine``) is asked of the
 Hub (``$HF_ENDPOINT``, else huggingface.co; ``$HF_TOKEN`` for a gated or private one), its
 revision becomes the commit it names now, and the command goes on with that pinned spec
 (``core/pins.py``). Each resolution is printed, so the plan says which commit it starts.

@@ -1,7 +1,7 @@
 """Which weights go where, and from whom: the pure decisions behind `llmgw fetch`.
 
-https sources and repositories that say ``fetch: {...}`` are fetched; any other Hugging
-Face repo id goes to the engine untouched and a path is only checked. A file is downloaded from the origin once per group of nodes (a
+https sources and repositories are fetched (unless a repository says ``fetch: engine``:
+that repo id goes to the engine untouched), and a path is only checked. A file is downloaded from the origin once per group of nodes (a
 fabric by default): the first node that needs it fetches it from the origin, the others
 copy it from a peer that has it, over the nodes' own network. Nodes whose weights folder
 is shared storage count once per (fabric, folder).

@@ -706,11 +706,11 @@ class Model(Spec):
     )
     fetch: FetchSetting | None = Field(
         None,
-        description="A repo id source only: `{include, exclude}` (or `{}` for the default "
-        "files) has llmgw fetch the repository onto the nodes at the commit its revision had "
-        "when the plan was made, and the engine run from that local copy with the Hub "
-        "switched off. Unset or `engine`: llmgw fetches nothing and the engine downloads "
-        "the repository itself when it starts.",
+        description="A repo id source only: which files of the repository llmgw fetches "
+        "onto the nodes, at the commit its revision had when the plan was made; the engine "
+        "runs from that local copy with the Hub switched off. Unset or `{}`: safetensors "
+        "weights, configs and tokenizer files; `{include, exclude}`: those files. `engine`: "
+        "llmgw fetches nothing and the engine downloads the repository itself when it starts.",
     )
     scaling: Scaling | None = Field(None, description="Replica counts; unset: the model is off.")
     drain_timeout: Duration | None = Field(
@@ -752,11 +752,12 @@ class Model(Spec):
 
     @property
     def selection(self) -> Selection | None:
-        """The files llmgw fetches of a repo id source that says ``fetch: {...}``; None
-        when llmgw fetches none (a URL or a path source, ``fetch`` unset or ``engine``)."""
-        if self.source_kind is not SourceKind.hf_repo or not isinstance(self.fetch, FetchFiles):
+        """The files llmgw fetches of a repo id source: the default files with ``fetch``
+        unset (as ``fetch: {}``), those ``fetch: {include, exclude}`` names; None when llmgw
+        fetches none (a URL or a path source, or ``fetch: engine``)."""
+        if self.source_kind is not SourceKind.hf_repo or self.fetch == "engine":
             return None
-        return self.fetch.selection()
+        return (self.fetch if isinstance(self.fetch, FetchFiles) else FetchFiles()).selection()
 
     @property
     def mode(self) -> ScalingMode:

@@ -215,7 +215,7 @@ def _hub_error(e: Exception, ref: RepoRef, endpoint: str, token: str | None) -> 
 def resolve_models(
     spec: ClusterSpec, token: str | None, endpoint: str = DEFAULT_ENDPOINT
 ) -> dict[str, Snapshot]:
-    """The snapshot of every model llmgw fetches from a repository (``fetch: {...}``), at
+    """The snapshot of every model llmgw fetches from a repository (not ``fetch: engine``), at
     the commit its revision names now (a pinned one at its own), asked in parallel; the
     first HubError, its model named, if any cannot be resolved."""
     models = [m for m in spec.models if m.selection is not None and m.repo_ref is not None]

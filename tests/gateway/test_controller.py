@@ -45,10 +45,10 @@ profiles:
   vllm: {engine: vllm, ports: 8100-8199, readiness: {start_timeout: 10m}}
 gateway: {model_concurrency: 2}
 models:
-  - {name: lazy, source: org/lazy, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
-  - {name: other, source: org/other, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+  - {name: lazy, source: org/lazy, fetch: engine, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+  - {name: other, source: org/other, fetch: engine, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
 """
-DUO = CLUSTER + "  - {name: duo, source: org/duo, profile: vllm, scaling: {min: 2, max: 2}}\n"
+DUO = CLUSTER + "  - {name: duo, source: org/duo, fetch: engine, profile: vllm, scaling: {min: 2, max: 2}}\n"
 
 T0 = 1_000_000.0
 FOREVER = 3600.0  # a deadline no test reaches: an answer before it came from an event
@@ -725,7 +725,9 @@ def test_a_draining_replica_is_neither_stopped_when_idle_nor_evicted() -> None:
 
 SCALE = CLUSTER.replace(
     "gateway: {model_concurrency: 2}", "gateway: {model_concurrency: 1, scale_out_wait: 0s}"
-) + ("  - {name: busy, source: org/busy, profile: vllm, scaling: {min: 0, max: 2, idle_timeout: 5m}}\n")
+) + (
+    "  - {name: busy, source: org/busy, fetch: engine, profile: vllm, scaling: {min: 0, max: 2, idle_timeout: 5m}}\n"
+)
 
 
 def test_a_saturated_model_scales_out_and_the_start_is_counted_as_one() -> None:

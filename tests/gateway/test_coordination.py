@@ -55,7 +55,7 @@ profiles:
   vllm: {engine: vllm, ports: 8100-8199, readiness: {start_timeout: 10m}}
 gateway: {model_concurrency: 2, load_wait: 60s, state_dir: STATE}
 models:
-  - {name: lazy, source: org/lazy, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+  - {name: lazy, source: org/lazy, fetch: engine, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
 """
 
 WAIT = 20.0  # seconds a test waits for something that takes a fraction of one (a broken one ends)
@@ -511,6 +511,7 @@ def test_a_follow_process_routes_to_the_published_replicas_and_needs_no_ssh_key(
     model = {
         "name": "m",
         "source": "org/m",
+        "fetch": "engine",
         "profile": "sim",
         "scaling": {"min": 0, "max": 1, "idle_timeout": "5m"},
     }

@@ -65,7 +65,7 @@ def lingering_engine() -> Iterator[int]:
 
 
 MODELS: list[dict[str, object]] = [
-    {"name": "m", "source": "org/m", "profile": "sim", "scaling": {"min": 1, "max": 1}}
+    {"name": "m", "source": "org/m", "fetch": "engine", "profile": "sim", "scaling": {"min": 1, "max": 1}}
 ]
 
 

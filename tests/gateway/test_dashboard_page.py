@@ -25,8 +25,8 @@ nodes:
   - {name: a, address: 10.0.0.1}
 profiles: {vllm: {engine: vllm}}
 models:
-  - {name: quiet, source: org/quiet, profile: vllm}
-  - {name: chat, source: org/chat, profile: vllm}
+  - {name: quiet, source: org/quiet, fetch: engine, profile: vllm}
+  - {name: chat, source: org/chat, fetch: engine, profile: vllm}
 """
 )
 

@@ -25,7 +25,7 @@ CLUSTER = """\
 cluster: {name: t}
 profiles: {vllm: {engine: vllm}}
 models:
-  - {name: m, source: org/m, profile: vllm, scaling: {min: 1, max: 1}}
+  - {name: m, source: org/m, fetch: engine, profile: vllm, scaling: {min: 1, max: 1}}
 """
 
 

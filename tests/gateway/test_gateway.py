@@ -26,7 +26,7 @@ MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user",
 
 def model(name: str, mode: str) -> dict[str, object]:
     scaling = {"always": {"min": 1, "max": 2}, "on-demand": {"min": 0, "max": 1}, "off": None}[mode]
-    entry: dict[str, object] = {"name": name, "source": f"org/{name}", "profile": "sim"}
+    entry: dict[str, object] = {"name": name, "source": f"org/{name}", "fetch": "engine", "profile": "sim"}
     if scaling:
         entry["scaling"] = scaling
     return entry

@@ -67,7 +67,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     directory = tmp_path_factory.mktemp("traffic")
     engine = Engine(directory, "chat")
     gw = Gateway(
-        directory, [{"name": "chat", "source": "org/chat", "profile": "sim"}], {"chat": [engine.address]}
+        directory,
+        [{"name": "chat", "source": "org/chat", "fetch": "engine", "profile": "sim"}],
+        {"chat": [engine.address]},
     )
     key = gw.cli("keys", "create", "--name", "alice")
     gw.start()
@@ -81,7 +83,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         engine.stop()
     # Probing: the fleet metrics. A model without scaling is off, so nothing is started.
     directory = tmp_path_factory.mktemp("fleet")
-    fleet = Gateway(directory, [{"name": "dark", "source": "org/dark", "profile": "sim"}], {})
+    fleet = Gateway(
+        directory, [{"name": "dark", "source": "org/dark", "fetch": "engine", "profile": "sim"}], {}
+    )
     options = ("--engine-key-file", str(directory / "engine.env"), "--health-every", "0.3")
     proc = start_gateway(fleet.cluster, fleet.log, *options, port=fleet.port)
     try:

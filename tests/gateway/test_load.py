@@ -18,7 +18,7 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.any_loop]  # the tests' load generator
 
 MODELS: list[dict[str, object]] = [
-    {"name": "m", "source": "org/m", "profile": "sim", "scaling": {"min": 1, "max": 1}}
+    {"name": "m", "source": "org/m", "fetch": "engine", "profile": "sim", "scaling": {"min": 1, "max": 1}}
 ]
 
 

@@ -33,7 +33,7 @@ nodes:
   - {name: d, address: 10.0.0.4}
 profiles: {vllm: {engine: vllm}}
 models:
-  - {name: big, source: org/a, profile: vllm, scaling: {min: 1, max: 1}}
+  - {name: big, source: org/a, fetch: engine, profile: vllm, scaling: {min: 1, max: 1}}
 """
 )
 

@@ -26,7 +26,7 @@ OUTPUT = Path(__file__).resolve().parents[2] / "test-output"  # git-ignored; CI 
 
 
 def model(name: str, scaling: dict[str, int] | None) -> dict[str, object]:
-    entry: dict[str, object] = {"name": name, "source": f"org/{name}", "profile": "sim"}
+    entry: dict[str, object] = {"name": name, "source": f"org/{name}", "fetch": "engine", "profile": "sim"}
     if scaling:
         entry["scaling"] = scaling
     return entry

@@ -33,7 +33,13 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-MODEL = {"name": "chat", "source": "org/chat", "profile": "sim", "scaling": {"min": 1, "max": 2}}
+MODEL = {
+    "name": "chat",
+    "source": "org/chat",
+    "fetch": "engine",
+    "profile": "sim",
+    "scaling": {"min": 1, "max": 2},
+}
 
 
 def read(path: Path) -> Routes | None:
@@ -120,7 +126,7 @@ nodes:
   - {name: a, address: 127.0.0.1}
 profiles: {vllm: {engine: vllm}}
 models:
-  - {name: m, source: org/m, profile: vllm, scaling: {min: 2, max: 2}}
+  - {name: m, source: org/m, fetch: engine, profile: vllm, scaling: {min: 2, max: 2}}
 """
 
 

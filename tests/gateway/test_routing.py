@@ -17,9 +17,9 @@ nodes:
 profiles:
   p: {engine: vllm}
 models:
-  - {name: "on", source: o/on, profile: p, scaling: {min: 1, max: 2}}
-  - {name: lazy, source: o/lazy, profile: p, scaling: {min: 0, max: 1}}
-  - {name: "off", source: o/off, profile: p}
+  - {name: "on", source: o/on, fetch: engine, profile: p, scaling: {min: 1, max: 2}}
+  - {name: lazy, source: o/lazy, fetch: engine, profile: p, scaling: {min: 0, max: 1}}
+  - {name: "off", source: o/off, fetch: engine, profile: p}
 """
 
 

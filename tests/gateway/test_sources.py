@@ -27,8 +27,8 @@ nodes:
 profiles:
   p: {engine: vllm}
 models:
-  - {name: big, source: o/big, profile: p, nodes: 2, scaling: {min: 1, max: 1}}
-  - {name: small, source: o/small, profile: p, scaling: {min: 1, max: 2}}
+  - {name: big, source: o/big, fetch: engine, profile: p, nodes: 2, scaling: {min: 1, max: 1}}
+  - {name: small, source: o/small, fetch: engine, profile: p, scaling: {min: 1, max: 2}}
 """
 
 

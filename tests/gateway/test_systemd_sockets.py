@@ -24,7 +24,7 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-MODELS: list[dict[str, object]] = [{"name": "m", "source": "org/m", "profile": "sim"}]
+MODELS: list[dict[str, object]] = [{"name": "m", "source": "org/m", "fetch": "engine", "profile": "sim"}]
 
 
 def listening(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

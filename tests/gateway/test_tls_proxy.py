@@ -65,7 +65,13 @@ def proxied(tmp_path: Path) -> Iterator[tuple[Gateway, str, int, Path]]:
     if not Path(NGINX).exists():
         pytest.fail("nginx is not installed (Debian's nginx package)")
     engine = Engine(tmp_path, "m", tokens_per_second=200)
-    model = {"name": "m", "source": "org/m", "profile": "sim", "scaling": {"min": 1, "max": 1}}
+    model = {
+        "name": "m",
+        "source": "org/m",
+        "fetch": "engine",
+        "profile": "sim",
+        "scaling": {"min": 1, "max": 1},
+    }
     gw = Gateway(tmp_path, [model], {"m": [engine.address]})
     key = gw.cli("keys", "create", "--name", "user")
     gw.start()

@@ -24,7 +24,7 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-MODELS: list[dict[str, object]] = [{"name": "m", "source": "org/m", "profile": "sim"}]
+MODELS: list[dict[str, object]] = [{"name": "m", "source": "org/m", "fetch": "engine", "profile": "sim"}]
 STARTED = re.compile(r"^worker (\d+) started \(pid (\d+)\)$", re.M)
 
 

@@ -262,7 +262,7 @@ def test_gateway_sends_each_node_its_key_and_rides_out_a_rotation(tmp_path: Path
         f"state_dir: '{tmp_path / 'state'}', manage_replicas: false}}\n"
         "nodes: [{name: n1, address: 127.0.0.1, connection: local}, {name: n2, address: 127.0.0.2, connection: local}]\n"
         "profiles: {sim: {engine: vllm}}\n"
-        "models: [{name: m, source: org/m, profile: sim, scaling: {min: 1, max: 3}}]\n"
+        "models: [{name: m, source: org/m, fetch: engine, profile: sim, scaling: {min: 1, max: 3}}]\n"
     )
     replicas = tmp_path / "replicas.json"
     replicas.write_text(json.dumps({"m": [address for _, address in engines]}))

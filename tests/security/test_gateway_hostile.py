@@ -43,7 +43,13 @@ FAST = {"header": "2s", "body": "2s", "write": "1s"}
 
 
 def _model(name: str) -> dict[str, object]:
-    return {"name": name, "source": f"org/{name}", "profile": "sim", "scaling": {"min": 1, "max": 1}}
+    return {
+        "name": name,
+        "source": f"org/{name}",
+        "fetch": "engine",
+        "profile": "sim",
+        "scaling": {"min": 1, "max": 1},
+    }
 
 
 def _no_traceback(gw: Gateway) -> None:

@@ -39,8 +39,8 @@ profiles:
   vllm: {engine: vllm, ports: 8100-8199}
 gateway: {host: gw.example}
 models:
-  - {name: steady, source: org/steady, profile: vllm, scaling: {min: 1, max: 1}}
-  - {name: lazy, source: org/lazy, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+  - {name: steady, source: org/steady, fetch: engine, profile: vllm, scaling: {min: 1, max: 1}}
+  - {name: lazy, source: org/lazy, fetch: engine, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
 """
 
 

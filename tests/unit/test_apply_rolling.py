@@ -43,7 +43,7 @@ profiles:
   vllm: {{engine: vllm, ports: 8100-8199}}
 gateway: {{host: gw.example}}
 models:
-  - {{name: m, source: org/m, profile: vllm, tensor_parallel: 2, args: [{arg}], gpu_class: H100-80GB,
+  - {{name: m, source: org/m, fetch: engine, profile: vllm, tensor_parallel: 2, args: [{arg}], gpu_class: H100-80GB,
       scaling: {{min: {min}, max: 4}}}}
 """
 

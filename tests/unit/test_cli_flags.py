@@ -124,7 +124,7 @@ nodes:
 profiles: {{llama: {{engine: llama-server}}, vllm: {{engine: vllm}}}}
 models:
   - {{name: tiny, source: "https://example.invalid/tiny.gguf", profile: llama, scaling: {{min: 1, max: 1}}}}
-  - {{name: hub, source: org/hub, profile: vllm, scaling: {{min: 0, max: 1}}}}
+  - {{name: hub, source: org/hub, fetch: engine, profile: vllm, scaling: {{min: 0, max: 1}}}}
 """
     )
     return file

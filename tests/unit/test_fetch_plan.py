@@ -21,7 +21,7 @@ URL = "https://huggingface.co/org/repo/resolve/0123456789abcdef0123456789abcdef0
 def spec(nodes: str, models: str | None = None) -> ClusterSpec:
     models = models or (
         f"  - {{name: big, source: '{URL}', profile: p, scaling: {{min: 1, max: 1}}}}\n"
-        "  - {name: repo, source: Qwen/Qwen2.5-7B-Instruct, profile: v, scaling: {min: 1, max: 1}}\n"
+        "  - {name: repo, source: Qwen/Qwen2.5-7B-Instruct, fetch: engine, profile: v, scaling: {min: 1, max: 1}}\n"
         "  - {name: local, source: ./local.gguf, profile: p, scaling: {min: 1, max: 1}}\n"
         f"  - {{name: unused, source: '{URL}x', profile: p}}\n"
         f"  - {{name: h100, source: '{URL}', profile: p, gpu_class: H100-80GB, scaling: {{min: 0, max: 1}}}}\n"

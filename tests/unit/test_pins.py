@@ -14,6 +14,7 @@ from llmgw_cli.core.engines import Member, Unpinned, engine_args, environment, m
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.pins import parse_pins, pin, pins_file, pins_text, unpinned, with_pins_file
 from llmgw_cli.core.plan import make_plan
+from llmgw_cli.core.snapshot import Selection
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import InputError, SpecError
 
@@ -31,7 +32,7 @@ models:
   - {name: defaults, source: org/small, profile: sglang, fetch: {}}
   - {name: pinned, source: "org/fixed@COMMIT", profile: vllm, fetch: {}}
   - {name: engine, source: org/own@v2, profile: vllm, fetch: engine}
-  - {name: unset, source: org/plain, profile: sglang}
+  - {name: engine-main, source: org/plain, profile: sglang, fetch: engine}
 """.replace("COMMIT", C2)
 
 
@@ -46,6 +47,20 @@ def argv(s: ClusterSpec, name: str) -> list[str]:
 
 def test_only_fetched_repositories_at_a_branch_need_a_pin() -> None:
     assert unpinned(spec()) == ["fetched", "defaults"]
+
+
+def test_a_repository_with_fetch_unset_is_fetched_like_fetch_braces() -> None:
+    s = parse_cluster(CLUSTER + "  - {name: unset, source: org/plain, profile: sglang}\n")
+    unset = s.model("unset")
+    assert unset.fetch is None
+    assert unset.selection == s.model("defaults").selection == Selection()
+    assert unpinned(s) == ["fetched", "defaults", "unset"]
+    with pytest.raises(Unpinned, match="unset: org/plain is not resolved"):
+        model_path(unset, s.node("a"))
+    s = pin(s, {"unset": C1})
+    assert argv(s, "unset")[argv(s, "unset").index("--model-path") + 1] == f"/data/w/hf/org--plain/{C1}"
+    member = Member(s.node("a"), 0, ("GPU-0",))
+    assert environment(s, s.model("unset"), member)["HF_HUB_OFFLINE"] == "1"
 
 
 def test_a_pinned_model_runs_from_its_snapshot_folder_with_the_hub_off() -> None:
@@ -71,7 +86,7 @@ def test_an_engine_that_downloads_itself_gets_the_repo_id_and_its_revision() -> 
     args = argv(s, "engine")
     assert args[2] == "org/own"
     assert args[args.index("--revision") + 1] == "v2"
-    assert "--revision" not in argv(s, "unset")  # main: the engine's own default
+    assert "--revision" not in argv(s, "engine-main")  # main: the engine's own default
     member = Member(s.node("a"), 0, ("GPU-0",))
     assert "HF_HUB_OFFLINE" not in environment(s, s.model("engine"), member)
 

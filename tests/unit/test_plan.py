@@ -31,10 +31,10 @@ nodes:
 profiles:
   vllm: {engine: vllm, ports: 8100-8199}
 models:
-  - {name: small, source: org/small, profile: vllm, scaling: {min: 2, max: 3}}
-  - {name: mid, source: org/mid, profile: vllm, tensor_parallel: 4, args: [--x], scaling: {min: 1, max: 1}}
-  - {name: big, source: org/big, profile: vllm, tensor_parallel: 8, nodes: 2, scaling: {min: 1, max: 1}}
-  - {name: lazy, source: org/lazy, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+  - {name: small, source: org/small, fetch: engine, profile: vllm, scaling: {min: 2, max: 3}}
+  - {name: mid, source: org/mid, fetch: engine, profile: vllm, tensor_parallel: 4, args: [--x], scaling: {min: 1, max: 1}}
+  - {name: big, source: org/big, fetch: engine, profile: vllm, tensor_parallel: 8, nodes: 2, scaling: {min: 1, max: 1}}
+  - {name: lazy, source: org/lazy, fetch: engine, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
 """
 
 
@@ -295,7 +295,7 @@ nodes:
 profiles:
   vllm: {{engine: vllm, ports: 8100-8199}}
 models:
-  - {{name: m, source: org/m, profile: vllm, tensor_parallel: 2, args: [{arg}]{extra},
+  - {{name: m, source: org/m, fetch: engine, profile: vllm, tensor_parallel: 2, args: [{arg}]{extra},
       scaling: {{min: {min}, max: 4}}}}
 """
 
@@ -454,7 +454,7 @@ def test_another_models_retired_cards_wait_for_it() -> None:
     # Models are replaced side by side: one model's successor never takes the cards of
     # another model's old replica, which may still run.
     text = ROLLING.format(arg="--x", min=1, extra="") + (
-        "  - {name: n, source: org/n, profile: vllm, tensor_parallel: 2, args: [--x],"
+        "  - {name: n, source: org/n, fetch: engine, profile: vllm, tensor_parallel: 2, args: [--x],"
         " scaling: {min: 1, max: 1}}\n"
     )
     facts = settled(parse_cluster(text), cluster(6))

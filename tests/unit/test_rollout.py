@@ -41,8 +41,8 @@ profiles:
   vllm: {engine: vllm, ports: 8100-8199}
 gateway: {host: gw.example, state_dir: /var/lib/llmgw/gateway, drain_timeout: 1s}
 models:
-  - {name: m, source: org/m, profile: vllm, scaling: {min: 2, max: 2}}
-  - {name: n, source: org/n, profile: vllm, scaling: {min: 1, max: 1}}
+  - {name: m, source: org/m, fetch: engine, profile: vllm, scaling: {min: 2, max: 2}}
+  - {name: n, source: org/n, fetch: engine, profile: vllm, scaling: {min: 1, max: 1}}
 """
 CLOCK = 1700000000
 GATEWAY_PID = 4242

@@ -25,9 +25,9 @@ nodes:
 profiles:
   vllm: {engine: vllm, ports: 8100-8199}
 models:
-  - {name: small, source: org/small, profile: vllm, tensor_parallel: 8, scaling: {min: 2, max: 3}}
-  - {name: big, source: org/big, profile: vllm, tensor_parallel: 8, nodes: 2, scaling: {min: 1, max: 1}}
-  - {name: lazy, source: org/lazy, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
+  - {name: small, source: org/small, fetch: engine, profile: vllm, tensor_parallel: 8, scaling: {min: 2, max: 3}}
+  - {name: big, source: org/big, fetch: engine, profile: vllm, tensor_parallel: 8, nodes: 2, scaling: {min: 1, max: 1}}
+  - {name: lazy, source: org/lazy, fetch: engine, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
 """
 )
 
