@@ -23,7 +23,12 @@ The gateway runs as ``llmgw-gateway.service`` under its own account, ``llmgw-gat
 - the PostgreSQL password file (``gateway.store_password_file``), root:llmgw-gateway
   0640, when the machine that runs ``apply`` has that file: apply copies it to the same
   path on every gateway host and never prints it. Without it there, the file is the
-  operator's to put on each gateway host.
+  operator's to put on each gateway host;
+- ``hub.env`` (``HF_ENDPOINT``, ``HF_TOKEN``), root:llmgw-gateway 0640, when the machine
+  that runs ``apply`` has either in its environment: the gateway's on-demand starts fetch
+  repositories from that Hub with that token, as apply does. Without either there, the
+  file is left as it is (the operator may put it on the gateway host); a change of it is a
+  hand-over, since a process reads its environment when it starts.
 
 With several gateway hosts (``gateway.hosts``) every host gets the same files, each its
 own SSH key (every node's ``authorized_keys`` lets each of them in).
@@ -32,6 +37,8 @@ own SSH key (every node's ``authorized_keys`` lets each of them in).
 from __future__ import annotations
 
 import hashlib
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from llmgw_cli.core.engines import UNIT_DIR
@@ -42,6 +49,7 @@ from llmgw_cli.core.units import (
     GATEWAY_HANDOVER_UNIT,
     GATEWAY_SOCKET,
     GATEWAY_UNIT,
+    HUB_ENV_NAME,
     gateway_socket_unit,
     gateway_unit,
 )
@@ -59,6 +67,11 @@ GATEWAY_KEY = f"{GATEWAY_DIR}/id_ed25519"
 # apply deletes it.
 OLD_OPERATOR_KEY = f"{GATEWAY_DIR}/ssh-key"
 KNOWN_HOSTS = f"{GATEWAY_DIR}/known_hosts"
+HUB_ENV_FILE = f"{GATEWAY_DIR}/{HUB_ENV_NAME}"  # the unit's EnvironmentFile=
+HUB_VARIABLES = ("HF_ENDPOINT", "HF_TOKEN")
+# What a Hub URL or token may hold in a systemd environment file: no quote, backslash,
+# dollar, space or control character (each would be read as syntax, or end the line)
+_HUB_VALUE = re.compile(r"[A-Za-z0-9._~:/?#\[\]@!&()*+,;=%-]{1,4096}")
 # The engine keys by node (JSON), root:<the gateway's account> 0640, re-read on SIGHUP:
 # ENGINE_KEYS_FILE (core/paths.py), in GATEWAY_DIR, the same path as in units.py.
 # The gateway's own account: never the engines' (which must not read every node's key).
@@ -69,6 +82,23 @@ HANDOVER_FILE = f"{UNIT_DIR}/{GATEWAY_HANDOVER_UNIT}"
 UNIT_FILES = (SOCKET_FILE, UNIT_FILE, HANDOVER_FILE)
 # What a running gateway takes by SIGHUP: a change of these alone is a reload.
 RELOADED = frozenset({CLUSTER_FILE, PINS_FILE})
+
+
+def hub_env_text(environ: Mapping[str, str]) -> str | None:
+    """``hub.env`` for the gateway from apply's own ``HF_ENDPOINT`` and ``HF_TOKEN`` (None
+    when neither is set); InputError for a value an environment file cannot hold as is."""
+    lines = []
+    for name in HUB_VARIABLES:
+        value = environ.get(name)
+        if not value:
+            continue
+        if not _HUB_VALUE.fullmatch(value):
+            raise InputError(
+                f"${name} holds a space, quote, backslash, '$' or control character (or is over "
+                "4096 characters): the gateway's environment file cannot carry it; fix the variable"
+            )
+        lines.append(f"{name}={value}\n")
+    return "".join(lines) or None
 
 
 def installed_gateway_unit(spec: ClusterSpec, *, llmgw_bin: str, handover: bool = False) -> str:
@@ -114,10 +144,12 @@ def gateway_files(
     llmgw_bin: str,
     known_hosts: str,
     store_password: str | None = None,
+    hub_env: str | None = None,
 ) -> tuple[GatewayFile, ...]:
     """The files of one gateway host. ``pins_text``: the pins file of the spec apply
     planned (``core/pins.pins_text``). ``store_password``: the text of the store's password
-    file as the machine running apply has it (None: not there, not copied)."""
+    file as the machine running apply has it (None: not there, not copied). ``hub_env``:
+    ``hub_env_text`` of apply's environment (None: not written)."""
     units = {
         handover: installed_gateway_unit(spec, llmgw_bin=llmgw_bin, handover=handover)
         for handover in (False, True)
@@ -130,6 +162,8 @@ def gateway_files(
         GatewayFile(UNIT_FILE, units[False], 0o644),
         GatewayFile(HANDOVER_FILE, units[True], 0o644),
     ]
+    if hub_env is not None:
+        files.append(GatewayFile(HUB_ENV_FILE, hub_env, 0o640, secret=True, group=GATEWAY_ACCOUNT))
     password_file = spec.gateway.store_password_file
     if password_file in (*(f.path for f in files), ENGINE_KEYS_FILE, GATEWAY_KEY, GATEWAY_KEY + ".pub"):
         raise InputError(

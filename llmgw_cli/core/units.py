@@ -17,6 +17,9 @@ GATEWAY_HANDOVER_UNIT = "llmgw-gateway-handover.service"
 GATEWAY_DIR = "/etc/llmgw/gateway"  # core/gateway_install.py imports this module: the path lives here
 
 
+HUB_ENV_NAME = "hub.env"  # HF_ENDPOINT and HF_TOKEN for the gateway's own repository fetches
+
+
 def gateway_unit(
     spec: ClusterSpec,
     *,
@@ -43,6 +46,7 @@ def gateway_unit(
         state_dir=state_dir,
         state_directory=managed,
         engine_keys_file=f"{GATEWAY_DIR}/engine-keys.json",
+        hub_env_file=f"{GATEWAY_DIR}/{HUB_ENV_NAME}",
         ssh_key=ssh_key,
         known_hosts=known_hosts,
         handover=handover,

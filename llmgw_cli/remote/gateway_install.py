@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from llmgw_cli.core.gateway_install import (
     GatewayFile,
     gateway_change,
     gateway_files,
+    hub_env_text,
 )
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.node_access import valid_public_key
@@ -273,6 +275,7 @@ async def preview_host(
         llmgw_bin=llmgw_bin,
         known_hosts=_read_local(resolve_path(spec.ssh.known_hosts, conns.base), "ssh.known_hosts"),
         store_password=password,
+        hub_env=hub_env_text(os.environ),
     )
     on_host = await _host_state(t, files)
     wanted = (spec.gateway.listen, spec.gateway.admin_listen, spec.gateway.metrics_listen)

@@ -19,9 +19,11 @@ from llmgw_cli.core.engine_access import allowed_addresses, gateway_sources
 from llmgw_cli.core.gateway_install import (
     CLUSTER_FILE,
     GATEWAY_ACCOUNT,
+    HUB_ENV_FILE,
     GatewayChange,
     gateway_change,
     gateway_files,
+    hub_env_text,
 )
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.monitoring import PROMETHEUS_FILE, monitoring_files, scrape_targets
@@ -338,3 +340,25 @@ def test_prometheus_scrapes_every_gateway_host() -> None:
     assert scrape_targets(s) == ["10.0.0.12:9100", "10.0.0.11:9100", "192.0.2.7:9100", "gw.example.net:9100"]
     job = yaml.safe_load(monitoring_files(s, "/k")[PROMETHEUS_FILE])["scrape_configs"][0]
     assert job["static_configs"] == [{"targets": scrape_targets(s)}]
+
+
+def test_the_hub_endpoint_and_token_reach_the_gateway_as_a_secret_environment_file() -> None:
+    s = spec()
+    text = hub_env_text(
+        {"HF_ENDPOINT": "https://hub.example/mirror", "HF_TOKEN": "hf_abc123", "HOME": "/root"}
+    )
+    assert text == "HF_ENDPOINT=https://hub.example/mirror\nHF_TOKEN=hf_abc123\n"
+    assert hub_env_text({"HOME": "/root"}) is None  # none of them: the file is left as it is
+    files = gateway_files(
+        s, cluster_text="x", pins_text="", llmgw_bin="/usr/bin/llmgw", known_hosts="", hub_env=text
+    )
+    (env,) = [f for f in files if f.path == HUB_ENV_FILE]
+    assert (env.secret, env.mode, env.group) == (True, 0o640, GATEWAY_ACCOUNT)
+    unit = next(f.text for f in files if f.path.endswith("/llmgw-gateway.service"))
+    assert f"\nEnvironmentFile=-{HUB_ENV_FILE}\n" in unit
+    # a change of it alone is a hand-over: a process reads its environment when it starts
+    current = {f.path: f.state for f in files if f.path != HUB_ENV_FILE}
+    assert gateway_change(files, current, active=True, listeners_changed=False).how == "handover"
+    for bad in ("hf_x\nExecStartPre=/bin/sh", "a b", 'hf_"x', "$HOME", "hf\\x", "x" * 5000):
+        with pytest.raises(InputError, match="HF_TOKEN"):
+            hub_env_text({"HF_TOKEN": bad})
