@@ -9,11 +9,17 @@ from llmgw_cli.core.spec import ClusterSpec
 MADE_UP_COMMIT = "c0ffee" * 6 + "c0ff"  # what a plan would resolve a repository's revision to
 
 
+def pinned(spec: ClusterSpec) -> ClusterSpec:
+    """``spec`` with each repository llmgw fetches pinned at a made-up commit, as a plan
+    would pin it after asking the Hub."""
+    return pin(spec, dict.fromkeys(unpinned(spec), MADE_UP_COMMIT))
+
+
 def every_replica_unit(spec: ClusterSpec) -> list[ReplicaUnit]:
     """Replica i of each model i, with port 8100 + i: a multi-node model on the fabric's
     nodes (one unit per member), any other on the first node; GPU uuids made up, and each
     repository llmgw fetches pinned at a made-up commit (a plan asks the Hub for it)."""
-    spec = pin(spec, dict.fromkeys(unpinned(spec), MADE_UP_COMMIT))
+    spec = pinned(spec)
     out = []
     fabric_nodes = [n for n in spec.nodes if n.fabric] or spec.nodes
     for i, model in enumerate(spec.models):

@@ -14,7 +14,7 @@ import pytest
 from llmgw_cli.core.engines import Member, ReplicaUnit, ray_program, replica_unit
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
-from tests.rendered_units import every_replica_unit
+from tests.rendered_units import every_replica_unit, pinned
 from tests.security.hostile_values import HOSTILE_ARGS, exec_argv, unit_keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def test_every_model_unit_verifies(inventory: str, tmp_path: Path) -> None:
 
 
 def test_verify_catches_a_broken_replica_unit(tmp_path: Path) -> None:
-    spec = parse_cluster((ROOT / "inventories/single-box.yaml").read_text())
+    spec = pinned(parse_cluster((ROOT / "inventories/single-box.yaml").read_text()))
     root = scratch_root(tmp_path, spec)
     node = spec.nodes[0]
     model = spec.models[0]
@@ -84,7 +84,7 @@ def test_hostile_args_add_no_directive_to_any_engine_unit(inventory: str, tmp_pa
     """Every engine and shape (multi-node, Ray head) with args that mean something to
     systemd or a shell: the unit still verifies, has the directives of the clean unit, and
     its ExecStart= gives the engine each arg verbatim."""
-    spec = parse_cluster((ROOT / "inventories" / inventory).read_text())
+    spec = pinned(parse_cluster((ROOT / "inventories" / inventory).read_text()))
     root = scratch_root(tmp_path, spec)
     for profile in spec.profiles.values():  # Ray heads and workers run `ray` beside the engine
         ray = root / ray_program(profile).lstrip("/")
