@@ -18,6 +18,7 @@ from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import SpecError
 from tests.integration.test_replica_units_verify import assert_verifies, scratch_root
+from tests.rendered_units import pinned
 from tests.security.hostile_values import HOSTILE_ARGS, exec_argv, unit_keys, yaml_quoted
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -444,12 +445,14 @@ def test_hostile_but_legal_args_render_a_unit_systemd_accepts_with_no_extra_dire
     profile: str, tmp_path: Path
 ) -> None:
     inventory = (ROOT / "inventories/single-box.yaml").read_text()
-    clean = parse_cluster(inventory)
+    clean = pinned(parse_cluster(inventory))
     args = "[" + ", ".join(yaml_quoted(a) for a in HOSTILE_ARGS) + "]"
-    hostile = parse_cluster(
-        inventory.replace("profile: llama-cpp\n", "profile: llama-cpp\n    args: " + args + "\n").replace(
-            "profile: vllm\n    scaling: {min: 1",
-            "profile: vllm\n    args: " + args + "\n    scaling: {min: 1",
+    hostile = pinned(
+        parse_cluster(
+            inventory.replace("profile: llama-cpp\n", "profile: llama-cpp\n    args: " + args + "\n").replace(
+                "profile: vllm\n    scaling: {min: 1",
+                "profile: vllm\n    args: " + args + "\n    scaling: {min: 1",
+            )
         )
     )
     name = "qwen2.5-7b-instruct" if profile == "vllm" else "smollm2-135m"

@@ -32,7 +32,7 @@ def cluster(tmp_path: Path) -> ClusterSpec:
         + "profiles: {p: {engine: llama-server}, v: {engine: vllm}}\nmodels:\n"
         f"  - {{name: qwen, source: {tmp_path}/shared/Qwen2.5-7B-Instruct, profile: v}}\n"
         "  - {name: smol, source: ./smol.gguf, profile: p}\n"
-        "  - {name: hub, source: org/engine-downloads, profile: v}\n"
+        "  - {name: hub, source: org/engine-downloads, profile: v, fetch: engine}\n"
     )
 
 

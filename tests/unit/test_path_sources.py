@@ -37,7 +37,7 @@ def spec() -> ClusterSpec:
         "  - {name: abs, source: /data/models/Qwen2.5-7B-Instruct/, profile: v}\n"
         "  - {name: rel, source: ./smol.gguf, profile: p}\n"
         f"  - {{name: url, source: '{URL}', profile: p}}\n"
-        "  - {name: hub, source: org/engine-downloads, profile: v}\n"
+        "  - {name: hub, source: org/engine-downloads, profile: v, fetch: engine}\n"
         "  - {name: snap, source: org/snap@0123456789abcdef0123456789abcdef01234567, profile: v, fetch: {}}\n"
     )
 
