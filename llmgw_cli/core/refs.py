@@ -215,10 +215,10 @@ def _landings(
                     _Read(i, name, f"{prefix}{name} (in the first weights folder of node {node})", source)
                 )
         return None, reads, None
-    fetch = model.get("fetch")
+    fetch = model.get("fetch", {})  # unset: the default files, as `fetch: {}`
     selection = _selection(fetch) if isinstance(fetch, dict) else None
     if selection is None:
-        return None, [], None  # `fetch: engine` or unset: llmgw puts nothing on the nodes
+        return None, [], None  # `fetch: engine` (or a value validation refuses): nothing on the nodes
     try:
         ref = parse_repo_ref(source)
     except ValueError:

@@ -119,6 +119,20 @@ def test_one_repository_revision_with_two_selections_is_refused() -> None:
     assert "fetches org/r@main as models[0] ('a') does, with other files" in message
     assert "<first weights folder>/hf/org--r/<commit> and its manifest" in message
     assert "give both models the same `fetch`" in message
+    # `fetch` unset is the default selection: llmgw fetches that repository too
+    (message,) = problems(
+        """\
+        - {name: a, source: org/r, profile: vllm, fetch: {include: ["*.json"]}}
+        - {name: b, source: org/r, profile: vllm}
+        """
+    )
+    assert "fetches org/r@main as models[0] ('a') does, with other files" in message
+    accepted(
+        """\
+        - {name: a, source: org/r, profile: vllm, fetch: {}}
+        - {name: b, source: org/r, profile: vllm}
+        """
+    )
 
 
 def test_a_url_named_like_the_repositories_folder_is_refused_beside_a_fetched_repository() -> None:
@@ -139,7 +153,6 @@ def test_what_shares_files_harmlessly_is_accepted() -> None:
         - {{name: b, source: org/r, profile: vllm, fetch: {{include: ["*.safetensors", "*.json"]}}}}
         - {{name: c, source: org/r@v1, profile: vllm, fetch: {{}}}}
         - {{name: d, source: org/r, profile: vllm, fetch: engine}}
-        - {{name: e, source: org/r, profile: vllm}}
         - {{name: f, source: "https://a.example/m.gguf", profile: cpp, sha256: {SHA_A}}}
         - {{name: g, source: "https://a.example/m.gguf", profile: cpp, sha256: {SHA_A}}}
         - {{name: h, source: "https://a.example/m.gguf", profile: cpp}}
