@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from llmgw_cli.core.facts import GpuHealth, NodeFacts, Topology
 from llmgw_cli.core.hardware import fabric_status, gpu_class, same_class
-from llmgw_cli.core.snapshot import HF_FOLDER
+from llmgw_cli.core.snapshot import snapshot_name
 from llmgw_cli.core.spec import ClusterSpec, Model, Node
 
 # Closeness of a link for tensor parallelism, best first, as `nvidia-smi topo -m` names them:
@@ -91,10 +91,7 @@ def _weights_name(model: Model) -> str:
     it yet), else the folder or file name."""
     ref = model.repo_ref
     if ref is not None and model.selection is not None:
-        if not ref.pinned:
-            return ""
-        org, name = ref.repo.split("/")
-        return f"{HF_FOLDER}/{org}--{name}/{ref.revision}"
+        return snapshot_name(ref.repo, ref.revision) if ref.pinned else ""
     return model.source.rstrip("/").rsplit("/", 1)[-1]
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw_cli.core.paths import DEFAULT_WEIGHTS
-from llmgw_cli.core.snapshot import HF_FOLDER, RepoRef, parse_repo_ref
+from llmgw_cli.core.snapshot import HF_FOLDER, RepoRef, parse_repo_ref, repo_folder_name
 from llmgw_cli.core.spec import HF_REPO_PATTERN, SourceKind, classify_source, download_name, is_address
 
 Loc = tuple[str | int, ...]
@@ -325,13 +325,13 @@ def _clash(
     if snapshot is not None:
         s = _first_other(earlier.selections.get(snapshot.ref, []), snapshot.selection)
         if s is not None:
-            org, name = snapshot.ref.org, snapshot.ref.name
+            folder = f"{FIRST}/{HF_FOLDER}/{repo_folder_name(snapshot.ref.repo)}/<commit>"
             yield (
                 s.index,
                 (
                     f"fetches {snapshot.ref} as {label[s.index]} does, with other files (its `fetch` "
                     f"include and exclude differ): both would fill the one snapshot folder "
-                    f"{FIRST}/{HF_FOLDER}/{org}--{name}/<commit> and its manifest, each with its own "
+                    f"{folder} and its manifest, each with its own "
                     "files; give both models the same `fetch`, one that keeps the files both need"
                 ),
             )

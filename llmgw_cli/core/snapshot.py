@@ -398,12 +398,25 @@ class Snapshot:
         return weight_format(f.path for f in self.files)
 
 
+def repo_folder_name(repo: str) -> str:
+    """``<org>--<name>``: the folder of one repo in a weights folder's ``hf/``."""
+    org, name = check_repo_id(repo).split("/")
+    return f"{org}--{name}"
+
+
+def snapshot_name(repo: str, commit: str) -> str:
+    """``hf/<org>--<name>/<commit>``: a snapshot's path inside a weights folder (what the
+    probe lists it as)."""
+    if not COMMIT.fullmatch(commit):
+        raise ValueError(f"{commit!r} is not a 40-hex commit")
+    return f"{HF_FOLDER}/{repo_folder_name(repo)}/{commit}"
+
+
 def repo_folder(weights: str, repo: str) -> str:
     """``W/hf/<org>--<name>``: every commit of one repo lives in it."""
     if not weights.startswith("/"):
         raise ValueError(f"{weights!r}: a weights folder is an absolute path")
-    org, name = check_repo_id(repo).split("/")
-    return f"{weights.rstrip('/')}/{HF_FOLDER}/{org}--{name}"
+    return f"{weights.rstrip('/')}/{HF_FOLDER}/{repo_folder_name(repo)}"
 
 
 def snapshot_folder(weights: str, repo: str, commit: str) -> str:

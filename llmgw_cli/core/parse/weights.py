@@ -28,6 +28,7 @@ from llmgw_cli.core.snapshot import (
     OnDisk,
     complete_snapshot,
     parse_manifest,
+    repo_folder_name,
 )
 
 PARTIAL_SUFFIXES = (".part", ".incomplete", ".llmgw-tmp")
@@ -99,7 +100,7 @@ def _snapshot_reason(folder: str, commit: str, manifest: str | None, files: dict
         found = parse_manifest(manifest)
     except ValueError as e:
         return f"manifest unreadable: {e}"
-    if found.commit != commit or found.repo.replace("/", "--", 1) != folder:
+    if found.commit != commit or repo_folder_name(found.repo) != folder:
         return f"manifest is of {found.repo}@{found.commit}"
     check = complete_snapshot(files, found)
     if check.missing:
