@@ -126,18 +126,16 @@ def plan_weights(spec: ClusterSpec, plan: Plan) -> PlanWeights:
         if not action.write or model is None:
             continue
         kind = model.source_kind
-        into = (
-            out.files
-            if kind is SourceKind.url
-            else out.paths
-            if kind is SourceKind.path
-            else out.repos
-            if model.selection
-            else None
-        )
-        if into is not None:
-            nodes = into.setdefault(model.name, [])
-            nodes += [n for n in action.nodes if n not in nodes]
+        if kind is SourceKind.url:
+            into = out.files
+        elif kind is SourceKind.path:
+            into = out.paths
+        elif model.selection is not None:
+            into = out.repos
+        else:
+            continue
+        nodes = into.setdefault(model.name, [])
+        nodes += [n for n in action.nodes if n not in nodes]
     return out
 
 
