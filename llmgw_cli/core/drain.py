@@ -30,7 +30,10 @@ from dataclasses import dataclass
 
 from llmgw_cli.core.spec import ClusterSpec, Model
 
-DRAIN_DIR = "/var/lib/llmgw/draining"
+# Root writes the markers, so they live in a folder of root's alone (0755: the gateway's
+# unprivileged probe reads them), never inside a state folder another account owns: that
+# account could swap the folder or a file in it for a link between root's steps.
+DRAIN_DIR = "/var/lib/llmgw-drain"
 DRAIN_GRACE = 60.0  # seconds past a marker's deadline after which its retirement is abandoned
 PROBE_NOW_SIGNAL = "USR1"  # a gateway that gets it probes the nodes at once
 ROUTES_DIR_NAME = "routes"

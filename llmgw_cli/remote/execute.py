@@ -39,7 +39,7 @@ from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.nodeops import NodeOps, ShellOps
-from llmgw_cli.remote.transport import Transport
+from llmgw_cli.remote.transport import Transport, remove_command
 from llmgw_cli.remote.weights import ensure_for_plan
 
 
@@ -115,9 +115,10 @@ async def ensure_engine_key(t: Transport, key: str, sglang_users: Iterable[str] 
         return False
     for user, path in sglang.items():
         await ensure_account(t, user)
-        await t.write_file(path, sglang_key_text(key), mode=0o600, root=True)
-        q = shlex.quote
-        await must(t, f'chgrp "$(id -g {q(user)})" {q(path)} && chmod 440 {q(path)}', f"give {user} its key")
+        gid = (await t.run(f"id -g {shlex.quote(user)}")).stdout.strip()
+        if not gid.isdigit():
+            raise NodeError(t.node, "failed", f"give {user} its key: no group id for {user}")
+        await t.write_file(path, sglang_key_text(key), mode=0o440, root=True, group=gid)
     await t.write_file(ENGINE_ENV_FILE, engine_env_text(key), mode=0o600, root=True)
     return True
 
@@ -184,7 +185,7 @@ async def clear_markers(t: Transport, units: list[str]) -> None:
     """Remove the drain markers of ``units`` (``core/drain.py``), as root."""
     paths = [marker_path(u) for u in units if REPLICA_UNIT.match(u)]
     if paths:
-        await must(t, f"rm -f {shlex.join(paths)}", "remove the drain markers")
+        await must(t, remove_command(*paths), "remove the drain markers")
 
 
 async def must(t: Transport, command: str, what: str) -> None:

@@ -66,7 +66,7 @@ from llmgw_cli.remote.execute import Outcome, UnitWatch, ensure_account, must
 from llmgw_cli.remote.local import LocalTransport
 from llmgw_cli.remote.node_access import ensure_gateway_account
 from llmgw_cli.remote.nodeops import ShellOps
-from llmgw_cli.remote.transport import Transport
+from llmgw_cli.remote.transport import Transport, write_command
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 SUBJECT = "gateway"
@@ -363,27 +363,27 @@ async def sync_engine_keys(
 ) -> bool:
     """Write the map node -> engine keys for the gateway; True when it changed. Installed:
     root:<the gateway unit's account> 0640 (``group`` ""; no other account reads it);
-    ``group`` None: ``owner``'s alone, 0600. The gateway re-reads it when it changes (and
+    ``group`` None: ``owner``'s alone, 0600, written as ``owner`` (its own state folder). The gateway re-reads it when it changes (and
     on SIGHUP). The gateway host itself needs no engine key file."""
     text = json.dumps({node: list(keys) for node, keys in sorted(engine_keys.items())}, indent=1) + "\n"
     digest = hashlib.sha256(text.encode()).hexdigest()
-    q = shlex.quote
-    current = await t.run(f"sha256sum {q(path)} 2>/dev/null", root=True)
+    # A state folder of another account's: read and written as that account (runuser), so
+    # a link or FIFO it planted there can only point root's hand at its own files.
+    as_user = owner if group is None and owner != "root" else None
+    read = f"sha256sum {shlex.quote(path)} 2>/dev/null"
+    current = await t.run(
+        shlex.join(["runuser", "-u", as_user, "--", "sh", "-c", read]) if as_user else read, root=True
+    )
     if current.stdout.split(" ", 1)[0] == digest:
         return False
     if group == "":
         shown = await t.run(f"systemctl show -p User --value {GATEWAY_UNIT} 2>/dev/null")
         group = shown.stdout.strip() or GATEWAY_ACCOUNT
         await ensure_account(t, group)
-    folder = str(Path(path).parent)
-    await must(t, f"mkdir -p {q(folder)}", f"create {folder}")
-    await t.write_file(path, text, mode=0o600, root=True)
-    if group is not None:
-        await must(
-            t, f"chgrp {q(group)} {q(path)} && chmod 640 {q(path)}", "give the gateway its engine keys"
-        )
-    else:
-        await must(t, f"chown {q(owner)} {q(path)}", "give the gateway its engine keys")
+    mode = 0o600 if group is None else 0o640
+    result = await t.run(write_command(path, mode, group=group, as_user=as_user), root=True, stdin=text)
+    if not result.ok:
+        raise NodeError(t.node, "failed", f"give the gateway its engine keys: {result.stderr.strip()}")
     return True
 
 
@@ -397,18 +397,8 @@ async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, repor
         f"create {GATEWAY_DIR}",
     )
     for f in change.write:
-        if f.group:
-            # a secret: root's alone until the gateway's group is set
-            await must(
-                t, f"mkdir -p {shlex.quote(str(Path(f.path).parent))}", f"create {Path(f.path).parent}"
-            )
-            await t.write_file(f.path, f.text, mode=0o600, root=True)
-            q = shlex.quote(f.path)
-            await must(
-                t, f"chgrp {shlex.quote(f.group)} {q} && chmod {f.mode:o} {q}", f"give {f.group} {f.path}"
-            )
-        else:
-            await t.write_file(f.path, f.text, mode=f.mode, root=True)
+        # a secret gets the gateway's group before it takes its name: never readable by more
+        await t.write_file(f.path, f.text, mode=f.mode, root=True, group=f.group or None)
     report(who, "files in place")
     if any(f.path in UNIT_FILES for f in change.write):
         await must(t, "systemctl daemon-reload", "systemctl daemon-reload")

@@ -6,7 +6,7 @@ import asyncio
 import os
 
 from llmgw_cli.errors import NodeError
-from llmgw_cli.remote.transport import CommandResult, atomic_write_command
+from llmgw_cli.remote.transport import CommandResult, write_command
 
 
 class LocalTransport:
@@ -50,8 +50,10 @@ class LocalTransport:
         )
         return LocalSpawned(proc)
 
-    async def write_file(self, path: str, content: str, *, mode: int = 0o644, root: bool = False) -> None:
-        result = await self.run(atomic_write_command(path, mode), root=root, stdin=content)
+    async def write_file(
+        self, path: str, content: str, *, mode: int = 0o644, root: bool = False, group: str | None = None
+    ) -> None:
+        result = await self.run(write_command(path, mode, group=group), root=root, stdin=content)
         if not result.ok:
             raise NodeError(self.node, "failed", f"cannot write {path}: {result.stderr.strip()}")
 

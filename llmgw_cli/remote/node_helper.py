@@ -67,7 +67,7 @@ PROBE = "/usr/local/libexec/llmgw/probe.sh"
 NODEFETCH = "/usr/local/libexec/llmgw/nodefetch.py"
 CONFIG = "/etc/llmgw/node-helper.json"
 UNIT_DIR = "/etc/systemd/system"
-DRAIN_DIR = "/var/lib/llmgw/draining"  # core/drain.py's
+DRAIN_DIR = "/var/lib/llmgw-drain"  # core/drain.py's
 SUDO = "/usr/bin/sudo"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 

@@ -68,7 +68,7 @@ from llmgw_cli.remote.execute import Outcome, execute, wait_started
 from llmgw_cli.remote.gateway_install import gateway_transport
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.probe import gather
-from llmgw_cli.remote.transport import Transport
+from llmgw_cli.remote.transport import Transport, remove_command
 from llmgw_cli.remote.weights import ensure_for_plan
 
 POLL = 0.5  # seconds between two looks at the routes files or the connection count
@@ -450,10 +450,9 @@ class _Roller:
         failed = [why for why in await asyncio.gather(*(one(n) for n in old.nodes)) if why]
         if not failed:
             return None
-        path = shlex.quote(marker_path(old.unit))
         for node in old.nodes:
             with contextlib.suppress(NodeError):
-                await self.conns.to(node).run(f"rm -f {path}", root=True)
+                await self.conns.to(node).run(remove_command(marker_path(old.unit)), root=True)
         return "; ".join(failed)
 
     def stopped(self, action: Action, drained: tuple[int, float]) -> Outcome:

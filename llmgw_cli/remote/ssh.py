@@ -23,7 +23,7 @@ import asyncssh
 
 from llmgw_cli.core.spec import Become, SshSettings
 from llmgw_cli.errors import NodeError
-from llmgw_cli.remote.transport import CommandResult, atomic_write_command
+from llmgw_cli.remote.transport import CommandResult, write_command
 
 
 @dataclass(frozen=True)
@@ -248,8 +248,10 @@ class SshTransport:
         full = f"sudo -n sh -c {shlex.quote(merged)}" if sudo else f"sh -c {shlex.quote(merged)}"
         return SshSpawned(self.node, await self._session(full, None))
 
-    async def write_file(self, path: str, content: str, *, mode: int = 0o644, root: bool = False) -> None:
-        result = await self.run(atomic_write_command(path, mode), root=root, stdin=content)
+    async def write_file(
+        self, path: str, content: str, *, mode: int = 0o644, root: bool = False, group: str | None = None
+    ) -> None:
+        result = await self.run(write_command(path, mode, group=group), root=root, stdin=content)
         if not result.ok:
             raise NodeError(self.node, "failed", f"cannot write {path}: {result.stderr.strip()}")
 

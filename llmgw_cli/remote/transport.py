@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
+
+from llmgw_cli.remote import rootwrite
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,12 @@ class Transport(Protocol):
         the node's login is not root."""
         ...
 
-    async def write_file(self, path: str, content: str, *, mode: int = 0o644, root: bool = False) -> None:
-        """Write ``content`` to ``path`` atomically: a temporary file beside it, then rename."""
+    async def write_file(
+        self, path: str, content: str, *, mode: int = 0o644, root: bool = False, group: str | None = None
+    ) -> None:
+        """Write ``content`` to ``path`` atomically (``write_command``: a temporary file
+        beside it, then a rename, never through a folder another account can change);
+        ``group``: the file's group, set before it appears under its name."""
         ...
 
     async def close(self) -> None: ...
@@ -64,14 +71,26 @@ class Spawns(Protocol):
     async def spawn(self, command: str, *, root: bool = False) -> Spawned: ...
 
 
-def atomic_write_command(path: str, mode: int) -> str:
-    """Shell that copies stdin into ``path`` through a temporary file and a rename, so a
-    reader (or an interrupted run) never sees a half-written file. Missing parent folders
-    get the usual umask (a 0700 /etc/llmgw would lock the gateway's account out); only the
-    temporary file is private until its mode is set."""
-    q = shlex.quote(path)
-    tmp = shlex.quote(f"{path}.llmgw-tmp")
-    return (
-        f'mkdir -p "$(dirname {q})" && umask 077 && cat > {tmp} && chmod {mode:o} {tmp} '
-        f"&& mv -f {tmp} {q} || {{ rc=$?; rm -f {tmp}; exit $rc; }}"
-    )
+def _rootwrite_source() -> str:
+    return Path(rootwrite.__file__).read_text(encoding="utf-8")
+
+
+def write_command(path: str, mode: int, *, group: str | None = None, as_user: str | None = None) -> str:
+    """Shell that copies stdin into ``path`` through a temporary file and a rename inside
+    the folder's own descriptor (``rootwrite``: no folder on the way may be changeable by
+    another account, no link is followed), so a reader never sees a half-written file and
+    an account that owns a folder on the way cannot turn root's write into a write
+    elsewhere. ``group``: the file's group, set before it takes its name (a secret shared
+    with one account); ``as_user``: written as that account (``runuser``), for a folder it
+    owns. Missing folders are made 0755."""
+    words = ["python3", "-I", "-c", _rootwrite_source(), "write", path, f"{mode:o}"]
+    if group:
+        words.append(group)
+    if as_user:
+        words = ["runuser", "-u", as_user, "--", *words]
+    return shlex.join(words)
+
+
+def remove_command(*paths: str) -> str:
+    """Shell that removes the files ``paths`` by the same rule as ``write_command``."""
+    return shlex.join(["python3", "-I", "-c", _rootwrite_source(), "remove", *paths])

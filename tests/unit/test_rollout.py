@@ -121,8 +121,8 @@ class Host:
             w.must_not_hold("connections counted")
             w.event(f"count {self.node}:{port}={count}")
             return CommandResult(0, "ESTAB 0 0 x y\n" * count, "")
-        if words[:2] == ["rm", "-f"]:
-            for path in words[2:]:
+        if words[:2] == ["python3", "-I"] and words[4] == "remove":
+            for path in words[5:]:
                 w.markers.pop((self.node, path), None)
             return CommandResult(0, "", "")
         raise AssertionError(f"{self.node}: unexpected command {command!r}")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_cli.core.drain import DRAIN_DIR
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Action, Plan
 from llmgw_cli.progress import silent
@@ -33,6 +34,7 @@ class FakeNode:
     props: dict[str, str] = field(default_factory=dict)
     journal: list[str] = field(default_factory=list)
     commands: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)  # drain markers, by path
 
     def set(self, active: str, sub: str, result: str = "success", restarts: int = 0, status: int = 0) -> None:
         self.props = {
@@ -59,7 +61,9 @@ class FakeNode:
             if verb == "journal":
                 return CommandResult(0, "".join(f"{line}\n" for line in self.journal), "")
             return CommandResult(0, "", "")
-        if words[:2] == ["rm", "-f"] and all(w.startswith("/var/lib/llmgw/draining/") for w in words[2:]):
+        if words[:2] == ["python3", "-I"] and words[4] == "remove":
+            assert all(w.startswith(DRAIN_DIR + "/") for w in words[5:])
+            self.removed += words[5:]
             return CommandResult(0, "", "")
         if words[:2] == ["cat", "/etc/llmgw/engine.env"]:
             return CommandResult(0, f"LLMGW_ENGINE_KEY={KEY}\n", "")
@@ -220,7 +224,7 @@ def test_execute_brings_weights_unless_told_its_caller_did(
     asyncio.run(scenario())
     assert calls == ([stop] if fetch else [])
     # a removed unit takes its drain marker with it: a later replica of the same name is not retired
-    assert f"rm -f /var/lib/llmgw/draining/{UNIT}" in node.commands
+    assert node.removed == [f"{DRAIN_DIR}/{UNIT}"]
 
 
 def test_the_journal_is_read_from_before_the_start_when_the_watch_began_later() -> None:
