@@ -123,15 +123,32 @@ def cut_text(seconds: float, open_connections: int) -> str:
 # --- the gateways' routing views -----------------------------------------------------
 
 
+def as_folder_owner(directory: str, script: str) -> str:
+    """Shell that runs ``script`` as the account that owns ``directory``: root only when
+    the folder is root's and no one else may write in it; ``nobody`` when it is writable
+    by group or others, or is a link. The routes folder belongs to the gateway's account,
+    which can put any file name and content there: read and acted on as that account, a
+    planted pid or a link to a root file gains it nothing it could not do itself (the
+    kernel refuses a signal to another account's process)."""
+    d, inner = shlex.quote(directory), shlex.quote(script)
+    return (
+        f"o=$(stat -c %U {d} 2>/dev/null) || exit 0; "
+        f'[ -n "$(find {d} -maxdepth 0 \\( -type l -o -perm /022 \\) 2>/dev/null)" ] && o=nobody; '
+        f'if [ "$o" = root ]; then sh -c {inner}; else runuser -u "$o" -- sh -c {inner}; fi'
+    )
+
+
 def _views_script(directory: str) -> str:
     """Shell printing ``PID BASE64`` for each routes file whose process is alive and is an
-    llmgw process (a pid a dead gateway left may have been given to anything since)."""
+    llmgw process (a pid a dead gateway left may have been given to anything since), run
+    as the folder's owner (``as_folder_owner``)."""
     d = shlex.quote(directory)
-    return (
+    return as_folder_owner(
+        directory,
         f'for f in {d}/*.json; do [ -f "$f" ] || continue; p=$(basename "$f" .json); '
         'case "$p" in ""|*[!0-9]*) continue;; esac; kill -0 "$p" 2>/dev/null || continue; '
         'tr "\\000" " " < /proc/$p/cmdline 2>/dev/null | grep -q llmgw || continue; '
-        'printf "%s " "$p"; base64 -w0 "$f"; echo; done; true'
+        'printf "%s " "$p"; base64 -w0 "$f"; echo; done; true',
     )
 
 
@@ -199,9 +216,8 @@ class Gateways:
 
         async def one(t: Transport, pids: list[int]) -> None:
             with contextlib.suppress(NodeError):
-                await t.run(
-                    f"kill -{PROBE_NOW_SIGNAL} {' '.join(map(str, pids))} 2>/dev/null; true", root=True
-                )
+                kill = f"kill -{PROBE_NOW_SIGNAL} {' '.join(map(str, pids))} 2>/dev/null; true"
+                await t.run(as_folder_owner(self.directory, kill), root=True)
 
         await asyncio.gather(*(one(t, pids) for t, pids in by_host.values()))
 

@@ -71,6 +71,9 @@ class Spawns(Protocol):
     async def spawn(self, command: str, *, root: bool = False) -> Spawned: ...
 
 
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 def _rootwrite_source() -> str:
     return Path(rootwrite.__file__).read_text(encoding="utf-8")
 
@@ -87,7 +90,8 @@ def write_command(path: str, mode: int, *, group: str | None = None, as_user: st
     if group:
         words.append(group)
     if as_user:
-        words = ["runuser", "-u", as_user, "--", *words]
+        # a system PATH: the caller's may name folders the account cannot read, or owns
+        words = ["runuser", "-u", as_user, "--", "env", f"PATH={SYSTEM_PATH}", *words]
     return shlex.join(words)
 
 

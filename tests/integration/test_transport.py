@@ -73,7 +73,7 @@ def test_one_connection_runs_many_commands_and_writes_atomically(sshd: Sshd, tmp
     assert asyncio.run(scenario()) == ["0", "1", "2", "3"]
     assert target.read_text() == "[Unit]\n"
     assert oct(target.stat().st_mode & 0o777) == "0o600"
-    assert not list(target.parent.glob("*.llmgw-tmp"))
+    assert [p.name for p in target.parent.iterdir()] == ["unit.service"]  # no temporary file left
 
 
 def test_an_empty_file_is_written_too(sshd: Sshd, tmp_path: Path) -> None:
