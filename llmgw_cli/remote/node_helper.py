@@ -151,7 +151,7 @@ def config_from(data: object, where: str) -> dict[str, list[str]]:
 
 def check_unit_name(name: str, *, replica: bool = True) -> str:
     pattern = REPLICA_UNIT if replica else ANY_UNIT
-    if not pattern.match(name):
+    if not pattern.fullmatch(name):  # match() would let a trailing newline through
         raise Refused(f"unit name {name!r} is not an llmgw replica unit ({pattern.pattern})")
     return name
 
@@ -186,7 +186,7 @@ def environment_files(unit: str) -> frozenset[str]:
     unit name's, core/engines.py's ``unit_name``). systemd reads these as root, expands
     globs and ``%``-specifiers in them and skips a missing one when it starts with ``-``:
     anything but these exact strings could hand an engine another model's secrets."""
-    match = REPLICA_UNIT.match(unit)
+    match = REPLICA_UNIT.fullmatch(unit)
     if match is None:
         raise Refused(f"unit name {unit!r} is not an llmgw replica unit ({REPLICA_UNIT.pattern})")
     return frozenset({ENGINE_ENV_FILE, f"{SECRET_ENV_DIR}/{match.group(1)}.env"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -255,11 +256,12 @@ def test_a_model_reads_its_own_secrets_and_no_other_models() -> None:
         "llmgw-a-0.socket",
         "llmgw-a-0.service.wants",
         "llmgw-a-0.service x.conf",
+        "llmgw-a-0.service\n",
     ],
 )
 def test_write_unit_writes_a_replica_unit_file_and_nothing_else(unit: str) -> None:
     with pytest.raises(Refused):
-        check_words(parse_words([], f"write-unit {unit}"))
+        check_words(parse_words([], f"write-unit {shlex.quote(unit)}"))
     with pytest.raises(Refused):
         check_words(["write-unit", unit])
 
