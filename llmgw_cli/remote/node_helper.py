@@ -60,6 +60,7 @@ import shlex
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 HELPER = "/usr/local/libexec/llmgw/node-helper"
@@ -72,7 +73,7 @@ SUDO = "/usr/bin/sudo"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 ANY_UNIT = re.compile(r"^llmgw-[a-z0-9.-]+\.service$")
-REPLICA_UNIT = re.compile(r"^llmgw-[a-z0-9.-]+-[0-9]+\.service$")
+REPLICA_UNIT = re.compile(r"^llmgw-([a-z0-9.-]+)-[0-9]+\.service$")
 SHOW_PROPERTIES = "Id,LoadState,ActiveState,SubState,Result,MainPID,NRestarts,ExecMainCode,ExecMainStatus"
 MAX_UNIT_BYTES = 64 * 1024
 MAX_JOURNAL_LINES = 1000
@@ -80,7 +81,9 @@ MAX_PATHS = 64  # core/path_sources.py's
 MAX_PATH_CHARS = 4096
 
 # Exactly the directives llmgw's replica template writes, section by section. Anything
-# else (ExecStartPost, PAMName, RootDirectory, a drop-in's worth of surprises) is refused.
+# else (ExecStartPost, PAMName, RootDirectory, BindPaths, LoadCredential, a drop-in's
+# worth of surprises) is refused: systemd ignores no directive it knows, so a list of what
+# to refuse would miss the next one it learns.
 SECTIONS: dict[str, frozenset[str]] = {
     "Unit": frozenset({"Description", "After", "Wants", "StartLimitIntervalSec", "StartLimitBurst"}),
     "Service": frozenset(
@@ -100,18 +103,24 @@ SECTIONS: dict[str, frozenset[str]] = {
             "LimitNOFILE",
             "IPAddressAllow",
             "IPAddressDeny",
-            "LoadCredential",
         }
     ),
     "Install": frozenset({"WantedBy"}),
 }
 LABEL = re.compile(r"^X-Llmgw-[A-Za-z-]+$")
 EXEC_PREFIXES = "+!@-:|"
-ENV_DIR = "/etc/llmgw/"
-NOT_FOR_ENGINES = "/etc/llmgw/gateway/"  # the gateway host's own files
+# systemd's WHITESPACE: what it strips around a line, a key and a value, and splits Exec
+# words on. Python's own strip() also takes NBSP and other Unicode spaces, which systemd
+# keeps: " User=x" with an NBSP would count here and be an unknown key there.
+WHITESPACE = " \t\n\r"
+# The files the template hands an engine through EnvironmentFile= (core/paths.py's and
+# core/engine_access.py's): the node's engine key and this unit's model's secrets.
+ENGINE_ENV_FILE = "/etc/llmgw/engine.env"
+SECRET_ENV_DIR = "/etc/llmgw/env"
 # Wants= would start any unit (a root shell on a console, a rescue target) along with the
 # replica: only what the template names.
 DEPENDENCIES = frozenset({"network-online.target"})
+INSTALL_TARGETS = frozenset({"multi-user.target"})
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 PATH_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # tabs and newlines too
 
@@ -142,9 +151,14 @@ def config_from(data: object, where: str) -> dict[str, list[str]]:
 
 def check_unit_name(name: str, *, replica: bool = True) -> str:
     pattern = REPLICA_UNIT if replica else ANY_UNIT
-    if not pattern.match(name):
+    if not pattern.fullmatch(name):  # match() would let a trailing newline through
         raise Refused(f"unit name {name!r} is not an llmgw replica unit ({pattern.pattern})")
     return name
+
+
+def _words(value: str) -> list[str]:
+    """``value`` split where systemd splits it: on its WHITESPACE only."""
+    return [w for w in re.split(f"[{WHITESPACE}]+", value) if w]
 
 
 def _exec_words(key: str, value: str, programs: list[str], lineno: int) -> None:
@@ -153,7 +167,7 @@ def _exec_words(key: str, value: str, programs: list[str], lineno: int) -> None:
     # The program is compared as written, so it must be a word that systemd reads the same
     # way: no quotes, backslash escapes, %-specifiers or $-variables, which systemd would
     # turn into another path than the one checked here. The arguments are the engine's.
-    words = value.split()
+    words = _words(value)
     program = words[0]
     if any(c in program for c in "\\\"'%$"):
         raise Refused(f"line {lineno}: {key}= names its program with quotes, escapes or variables")
@@ -166,33 +180,29 @@ def _exec_words(key: str, value: str, programs: list[str], lineno: int) -> None:
         raise Refused(f"line {lineno}: {key}= holds a second command (';')")
 
 
-def _llmgw_file(key: str, path: str, lineno: int) -> None:
-    """Files systemd reads as root for the engine: llmgw's own under /etc/llmgw only."""
-    if (
-        not path.startswith(ENV_DIR)
-        or path.startswith(NOT_FOR_ENGINES)
-        or os.path.normpath(path) != path
-        or "\\" in path
-        or "%" in path
-    ):
-        raise Refused(f"line {lineno}: {key}= names {path!r}, which is not a file under {ENV_DIR}")
+def environment_files(unit: str) -> frozenset[str]:
+    """The files ``unit`` may name in ``EnvironmentFile=``, exactly as the template writes
+    them: the node's engine key and the secrets of the unit's own model (its slug is the
+    unit name's, core/engines.py's ``unit_name``). systemd reads these as root, expands
+    globs and ``%``-specifiers in them and skips a missing one when it starts with ``-``:
+    anything but these exact strings could hand an engine another model's secrets."""
+    match = REPLICA_UNIT.fullmatch(unit)
+    if match is None:
+        raise Refused(f"unit name {unit!r} is not an llmgw replica unit ({REPLICA_UNIT.pattern})")
+    return frozenset({ENGINE_ENV_FILE, f"{SECRET_ENV_DIR}/{match.group(1)}.env"})
 
 
-def check_unit(text: str, config: dict[str, list[str]]) -> None:
-    """Refuse a unit that could do more than run an allowed engine program as an allowed
-    engine account. Checked: the whole text (printable, no line continuation), every
-    section and directive, ``User=`` (exactly once, an engine account, never root), the
-    program of every ``Exec`` line (no ``+ ! @ - :`` prefixes, no second command), and
-    ``EnvironmentFile=`` (only under /etc/llmgw/)."""
-    if len(text.encode("utf-8")) > MAX_UNIT_BYTES:
-        raise Refused(f"the unit is larger than {MAX_UNIT_BYTES} bytes")
+def _assignments(text: str) -> Iterator[tuple[int, str, str, str]]:
+    """(line, section, key, value) of every assignment, read as systemd's unit parser
+    reads them (comments, sections, ``KEY=VALUE`` stripped of its WHITESPACE). What the
+    two could read differently is refused: control characters (systemd also ends a line
+    at CR or NUL), line continuations, a repeated or unknown section."""
     section = ""
-    users: list[str] = []
     seen: set[str] = set()
     for lineno, raw in enumerate(text.split("\n"), 1):
         if CONTROL.search(raw):
             raise Refused(f"line {lineno}: control character")
-        line = raw.strip()
+        line = raw.strip(WHITESPACE)
         if line.endswith("\\"):
             raise Refused(f"line {lineno}: line continuations are not allowed")
         if not line or line[0] in "#;":
@@ -204,32 +214,61 @@ def check_unit(text: str, config: dict[str, list[str]]) -> None:
             seen.add(section)
             continue
         key, eq, value = line.partition("=")
-        key, value = key.strip(), value.strip()
         if not eq or not section:
             raise Refused(f"line {lineno}: expected KEY=VALUE inside a section")
-        allowed = key in SECTIONS[section] or (section == "Unit" and LABEL.match(key) is not None)
+        yield lineno, section, key.strip(WHITESPACE), value.strip(WHITESPACE)
+    if "Service" not in seen:
+        raise Refused("the unit has no [Service] section")
+
+
+def _names_only(key: str, value: str, names: frozenset[str], lineno: int) -> None:
+    if not value or not set(_words(value)) <= names:
+        raise Refused(f"line {lineno}: {key}= may name only {', '.join(sorted(names))}")
+
+
+def _check_value(
+    key: str, value: str, config: dict[str, list[str]], env_files: frozenset[str], n: int
+) -> None:
+    if key in ("ExecStart", "ExecStartPre"):
+        _exec_words(key, value, config["programs"], n)
+    elif key in ("Wants", "After"):
+        _names_only(key, value, DEPENDENCIES, n)
+    elif key == "WantedBy":
+        _names_only(key, value, INSTALL_TARGETS, n)
+    elif key == "EnvironmentFile" and value not in env_files:
+        raise Refused(
+            f"line {n}: EnvironmentFile={value[:200]!r} is not one this unit may read: only "
+            f"{' or '.join(sorted(env_files))}, exactly (no '-', glob, %-specifier or folder)"
+        )
+
+
+def check_unit(text: str, config: dict[str, list[str]], unit: str) -> None:
+    """Refuse a unit that could do more than run an allowed engine program as an allowed
+    engine account with its own secrets. Checked: the whole text (UTF-8, printable, no
+    line continuation), every section and directive (only the template's), ``User=``
+    (exactly once, an engine account, never root), the program of every ``Exec`` line (no
+    ``+ ! @ - :`` prefixes, no second command), the units it pulls in, and
+    ``EnvironmentFile=`` (only ``environment_files(unit)``, exactly)."""
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise Refused("the unit is not UTF-8 text") from None
+    if size > MAX_UNIT_BYTES:
+        raise Refused(f"the unit is larger than {MAX_UNIT_BYTES} bytes")
+    env_files = environment_files(unit)
+    users: list[str] = []
+    for lineno, section, key, value in _assignments(text):
+        allowed = key in SECTIONS[section] or (section == "Unit" and LABEL.fullmatch(key) is not None)
         if not allowed:
             raise Refused(f"line {lineno}: {key}= is not allowed in [{section}]")
         if key == "User":
             users.append(value)
-        elif key in ("ExecStart", "ExecStartPre"):
-            _exec_words(key, value, config["programs"], lineno)
-        elif key in ("Wants", "After"):
-            if not value or not set(value.split()) <= DEPENDENCIES:
-                raise Refused(f"line {lineno}: {key}= may name only {', '.join(sorted(DEPENDENCIES))}")
-        elif key == "EnvironmentFile":
-            _llmgw_file(key, value[1:] if value.startswith("-") else value, lineno)
-        elif key == "LoadCredential":
-            name, colon, path = value.partition(":")
-            if not colon or not re.match(r"^[A-Za-z0-9_.-]+$", name):
-                raise Refused(f"line {lineno}: LoadCredential= must be NAME:PATH")
-            _llmgw_file(key, path, lineno)
+        else:
+            _check_value(key, value, config, env_files, lineno)
     if len(users) != 1:
         raise Refused("the unit must name exactly one User= (an engine account)")
     if users[0] in ("root", "0") or users[0] not in config["users"]:
         raise Refused(f"User={users[0]!r} is not an engine account of this cluster")
-    if "Service" not in seen:
-        raise Refused("the unit has no [Service] section")
 
 
 def _under_weights(path: str, config: dict[str, list[str]]) -> str:
@@ -457,7 +496,7 @@ def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
         return 0
     if verb == "write-unit":
         text = sys.stdin.read(MAX_UNIT_BYTES + 1)
-        check_unit(text, config)
+        check_unit(text, config, args[0])
         _write_unit(args[0], text)
         return 0
     if verb == "daemon-reload":

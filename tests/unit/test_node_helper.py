@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from llmgw_cli.core import drain, node_access
+from llmgw_cli.core.engine_access import ENGINE_ENV_FILE, SECRET_ENV_DIR, secret_env_file
+from llmgw_cli.core.engines import unit_name
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.remote import fetch, node_helper
@@ -32,8 +36,13 @@ def config(spec: ClusterSpec) -> dict[str, list[str]]:
     }
 
 
-def units(spec: ClusterSpec) -> list[str]:
-    return [unit.text for unit in every_replica_unit(spec)]
+def units(spec: ClusterSpec) -> list[tuple[str, str]]:
+    """(unit name, text) of every replica unit ``spec`` renders."""
+    return [(unit.name, unit.text) for unit in every_replica_unit(spec)]
+
+
+def vllm_unit(spec: ClusterSpec) -> tuple[str, str]:
+    return next((name, text) for name, text in units(spec) if "/opt/vllm/bin/vllm" in text)
 
 
 def test_the_helper_and_apply_agree_on_paths() -> None:
@@ -42,6 +51,12 @@ def test_the_helper_and_apply_agree_on_paths() -> None:
     assert node_helper.PROBE == node_access.PROBE
     assert node_helper.NODEFETCH == node_access.NODEFETCH
     assert node_helper.CONFIG == node_access.HELPER_CONFIG
+    assert node_helper.ENGINE_ENV_FILE == ENGINE_ENV_FILE
+    assert node_helper.SECRET_ENV_DIR == SECRET_ENV_DIR
+    assert node_helper.environment_files(unit_name("Org/Some_Model.v2", 3)) == {
+        ENGINE_ENV_FILE,
+        secret_env_file("Org/Some_Model.v2"),
+    }
 
 
 @pytest.mark.parametrize("inventory", ["hgx-two-fabrics.yaml", "single-box.yaml", "lab.yaml"])
@@ -49,8 +64,8 @@ def test_every_unit_llmgw_renders_is_accepted(inventory: str) -> None:
     spec = parse_cluster((ROOT / "inventories" / inventory).read_text())
     rendered = units(spec)
     assert rendered
-    for text in rendered:
-        check_unit(text, config(spec))
+    for name, text in rendered:
+        check_unit(text, config(spec), name)
 
 
 @pytest.mark.parametrize(
@@ -70,11 +85,11 @@ def test_every_unit_llmgw_renders_is_accepted(inventory: str) -> None:
         (("Type=exec", "Type=exec\nExecStartPost=/bin/sh -c id"), "not allowed"),
         (("Type=exec", "Type=exec\nPAMName=login"), "not allowed"),
         (("Type=exec", "Type=exec\nGroup=root"), "not allowed"),
-        (("EnvironmentFile=/etc/llmgw/engine.env", "EnvironmentFile=/root/.ssh/id_ed25519"), "under"),
-        (("EnvironmentFile=/etc/llmgw/engine.env", "EnvironmentFile=/etc/llmgw/../shadow"), "under"),
+        (("EnvironmentFile=/etc/llmgw/engine.env", "EnvironmentFile=/root/.ssh/id_ed25519"), "may read"),
+        (("EnvironmentFile=/etc/llmgw/engine.env", "EnvironmentFile=/etc/llmgw/../shadow"), "may read"),
         (("Type=exec", "Type=exec \\\n"), "continuation"),
         (("Type=exec", "Type=exec\r"), "control"),
-        (("Type=exec", "Type=exec\nLoadCredential=k:/etc/shadow"), "not a file under"),
+        (("Type=exec", "Type=exec\nLoadCredential=k:/etc/shadow"), "LoadCredential= is not allowed"),
         (("Wants=network-online.target", "Wants=debug-shell.service"), "may name only"),
         (
             ("After=network-online.target", "After=network-online.target\nRequires=rescue.target"),
@@ -82,7 +97,7 @@ def test_every_unit_llmgw_renders_is_accepted(inventory: str) -> None:
         ),
         (
             ("EnvironmentFile=/etc/llmgw/engine.env", "EnvironmentFile=/etc/llmgw/gateway/id_ed25519"),
-            "not a file",
+            "may read",
         ),
         # shell rules would read these programs as the allowed one; systemd reads another path
         (("ExecStart=/opt/vllm/bin/vllm", "ExecStart=/opt/vllm/bin/vl\\lm"), "quotes, escapes"),
@@ -94,20 +109,161 @@ def test_every_unit_llmgw_renders_is_accepted(inventory: str) -> None:
 )
 def test_hostile_unit_is_refused(edit: tuple[str, str], why: str) -> None:
     spec = lab_spec()
-    text = next(u for u in units(spec) if "/opt/vllm/bin/vllm" in u)
+    name, text = vllm_unit(spec)
     old, new = edit
     assert old in text
     with pytest.raises(Refused, match=why):
-        check_unit(text.replace(old, new, 1), config(spec))
+        check_unit(text.replace(old, new, 1), config(spec), name)
 
 
 def test_a_quoted_semicolon_is_an_argument_not_a_second_command() -> None:
     spec = lab_spec()
-    text = next(u for u in units(spec) if "/opt/vllm/bin/vllm" in u)
+    name, text = vllm_unit(spec)
     check_unit(
         text.replace("ExecStart=/opt/vllm/bin/vllm serve", 'ExecStart=/opt/vllm/bin/vllm serve ";"', 1),
         config(spec),
+        name,
     )
+
+
+ENGINE_KEY_LINE = "EnvironmentFile=/etc/llmgw/engine.env"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # globs: systemd reads every file they match, as root
+        "EnvironmentFile=/etc/llmgw/env/*.env",
+        "EnvironmentFile=/etc/llmgw/engine.en?",
+        "EnvironmentFile=/etc/llmgw/env/[a-z]*.env",
+        "EnvironmentFile=/etc/llmgw/*/*",
+        # '-' makes a file optional; the template never writes it, even for its own files
+        "EnvironmentFile=-/etc/llmgw/env/qwen2.5-7b-instruct.env",
+        "EnvironmentFile=-/etc/llmgw/gateway/hub.env",
+        "EnvironmentFile=-/etc/llmgw/engine.env",
+        # another model's secrets, a folder, specifiers, spellings systemd simplifies
+        "EnvironmentFile=/etc/llmgw/env/qwen2.5-7b-instruct.env",
+        "EnvironmentFile=/etc/llmgw/env",
+        "EnvironmentFile=/etc/llmgw/env/%N.env",
+        "EnvironmentFile=%E/llmgw/engine.env",
+        "EnvironmentFile=/etc/llmgw//engine.env",
+        "EnvironmentFile=/etc/llmgw/./engine.env",
+        'EnvironmentFile="/etc/llmgw/engine.env"',
+        # an empty assignment resets the list systemd built so far
+        "EnvironmentFile=",
+    ],
+)
+def test_environment_files_only_exactly_as_the_template_writes_them(line: str) -> None:
+    spec = lab_spec()
+    name, text = vllm_unit(spec)
+    assert ENGINE_KEY_LINE in text
+    with pytest.raises(Refused, match=r"EnvironmentFile=.* is not one this unit may read"):
+        check_unit(text.replace(ENGINE_KEY_LINE, f"{ENGINE_KEY_LINE}\n{line}", 1), config(spec), name)
+
+
+@pytest.mark.parametrize(
+    ("section", "line"),
+    [
+        # a folder loads every file in it as a credential the engine can read
+        ("Service", "LoadCredential=k:/etc/llmgw/gateway"),
+        ("Service", "LoadCredential=k:/etc/llmgw/env"),
+        ("Service", "LoadCredential=k:/etc/llmgw"),
+        ("Service", "LoadCredential=k:/etc/llmgw/engine.env"),
+        ("Service", "LoadCredentialEncrypted=k:/etc/llmgw/env"),
+        ("Service", "ImportCredential=*"),
+        ("Service", "SetCredential=k:v"),
+        ("Service", "BindPaths=/etc/llmgw:/tmp/x"),
+        ("Service", "BindReadOnlyPaths=/etc/llmgw/gateway"),
+        ("Service", "ReadWritePaths=/etc"),
+        ("Service", "WorkingDirectory=/etc/llmgw"),
+        ("Service", "RootDirectory=/srv/root"),
+        ("Service", "RootImage=/srv/root.img"),
+        ("Service", "TemporaryFileSystem=/etc/llmgw:rw"),
+        ("Service", "PassEnvironment=SSH_AUTH_SOCK"),
+        ("Service", "StandardInput=file:/etc/llmgw/engine.env"),
+        ("Service", "ExecStartPost=/opt/vllm/bin/vllm"),
+        ("Service", "ExecCondition=/opt/vllm/bin/vllm"),
+        ("Service", "ExecStopPost=/opt/vllm/bin/vllm"),
+        ("Unit", "ConditionPathExists=/etc/llmgw/engine.env"),
+        ("Unit", "SourcePath=/etc/llmgw/engine.env"),
+        ("Unit", "OnFailure=debug-shell.service"),
+        ("Install", "Alias=sshd.service"),
+        ("Install", "Also=debug-shell.service"),
+    ],
+)
+def test_directives_the_template_never_writes_are_refused(section: str, line: str) -> None:
+    spec = lab_spec()
+    name, text = vllm_unit(spec)
+    key = line.partition("=")[0]
+    hostile = text.replace(f"[{section}]\n", f"[{section}]\n{line}\n", 1)
+    assert hostile != text
+    with pytest.raises(Refused, match=rf"{key}= is not allowed in \[{section}\]"):
+        check_unit(hostile, config(spec), name)
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        # systemd strips only space, tab, CR and LF: with an NBSP or NEL around it the key
+        # is unknown to systemd, which would ignore User= and run the engine as root
+        (("User=llmgw", "\u00a0User=llmgw"), "is not allowed"),
+        (("User=llmgw", "User\u00a0=llmgw"), "is not allowed"),
+        (("User=llmgw", "\x85User=llmgw"), "is not allowed"),
+        (("User=llmgw", "User=llmgw\u00a0"), "not an engine account"),
+        (("ExecStart=/opt/vllm/bin/vllm", "ExecStart=/opt/vllm/bin/vllm\u00a0x"), "not an engine program"),
+        (("WantedBy=multi-user.target", "WantedBy=rescue.target"), "WantedBy= may name only"),
+        (
+            ("WantedBy=multi-user.target", "WantedBy=multi-user.target sshd.service"),
+            "WantedBy= may name only",
+        ),
+        (("Type=exec", "Type=exec\udcff"), "not UTF-8"),
+    ],
+)
+def test_what_systemd_reads_differently_is_refused(edit: tuple[str, str], why: str) -> None:
+    spec = lab_spec()
+    name, text = vllm_unit(spec)
+    old, new = edit
+    assert old in text
+    with pytest.raises(Refused, match=why):
+        check_unit(text.replace(old, new, 1), config(spec), name)
+
+
+def test_a_model_reads_its_own_secrets_and_no_other_models() -> None:
+    data = yaml.safe_load((ROOT / "inventories/lab.yaml").read_text())
+    for model in data["models"]:
+        model["env"] = {**model.get("env", {}), "HF_TOKEN": "hf_x"}
+    spec = parse_cluster(yaml.safe_dump(data))
+    rendered = units(spec)
+    own = [(name, text) for name, text in rendered if "EnvironmentFile=/etc/llmgw/env/" in text]
+    assert len(own) == len(rendered)
+    for name, text in own:
+        check_unit(text, config(spec), name)
+    (name, text), (other, _) = own[0], next(u for u in own if u[0] != own[0][0])
+    with pytest.raises(Refused, match="EnvironmentFile="):
+        check_unit(text, config(spec), other)
+
+
+@pytest.mark.parametrize(
+    "unit",
+    [
+        "llmgw-a-0.service.d/override.conf",
+        "llmgw-a-0.service.d",
+        "llmgw-.service.d/override.conf",
+        "llmgw-a-.service.d/x.conf",
+        "llmgw-a-0.service/../x.conf",
+        "../llmgw-a-0.service",
+        "llmgw-a@-0.service",
+        "llmgw-a-0.socket",
+        "llmgw-a-0.service.wants",
+        "llmgw-a-0.service x.conf",
+        "llmgw-a-0.service\n",
+    ],
+)
+def test_write_unit_writes_a_replica_unit_file_and_nothing_else(unit: str) -> None:
+    with pytest.raises(Refused):
+        check_words(parse_words([], f"write-unit {shlex.quote(unit)}"))
+    with pytest.raises(Refused):
+        check_words(["write-unit", unit])
 
 
 @pytest.mark.parametrize(
