@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from llmgw_cli.core.doctor.facts import Disk, DoctorFacts, GpuFabric, Limit, Listener
 from llmgw_cli.core.parse.probe import probe_script, split_sections
-from llmgw_cli.core.root_folders import ROOT_FOLDERS, Owned
 from llmgw_cli.core.parse.systemctl import parse_show
+from llmgw_cli.core.root_folders import ROOT_FOLDERS, Owned
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.core.templates import render
 
