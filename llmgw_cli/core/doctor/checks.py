@@ -404,7 +404,7 @@ def check_root_folders(spec: ClusterSpec, node: Node, c: Collected) -> list[Find
                 node,
                 "node.root-folder",
                 Severity.error,
-                f"{entry.path} is {wrong}; {_holds(entry.path)}: that account could swap the "
+                f"{entry.path} is {wrong}; {_holds(entry.path)}: another account could swap the "
                 "files root writes there (or plant a link root writes through) and so act as root",
                 f"`{fix(entry)}` on {node.name}",
             )
