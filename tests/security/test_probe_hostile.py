@@ -21,10 +21,9 @@ from collections.abc import Iterator
 import pytest
 
 from llmgw_cli.cli.common import read_cluster
-from llmgw_cli.core.doctor.collect import parse_doctor
+from llmgw_cli.core.doctor.collect import doctor_part, parse_doctor
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.parse.probe import parse_probe
-from llmgw_cli.core.templates import render
 from llmgw_cli.gateway.sources import ProbeSource
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.probe import Snapshot, gather
@@ -136,7 +135,7 @@ def test_process_name_forges_no_doctor_section_with_the_real_ss() -> None:
         try:
             assert proc.stdout is not None
             port = int(proc.stdout.readline())
-            script = render("doctor.sh.j2", weight_dirs=[])
+            script = doctor_part([])
             out = subprocess.run(
                 ["sh", "-s"], input=script, capture_output=True, text=True, check=True
             ).stdout

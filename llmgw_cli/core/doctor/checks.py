@@ -11,6 +11,7 @@ from llmgw_cli.core.facts import GpuHealth, IbPort, PortState
 from llmgw_cli.core.hardware import gpu_class, same_class
 from llmgw_cli.core.parse.probe import engine_binaries
 from llmgw_cli.core.parse.units import replica_units
+from llmgw_cli.core.root_folders import ROOT_FOLDERS, ancestors, fix, problem
 from llmgw_cli.core.spec import ClusterSpec, Node, ScalingMode
 
 Check = Callable[[ClusterSpec, Node, Collected], list[Finding]]
@@ -378,6 +379,39 @@ def check_gpus(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
     return findings
 
 
+def _holds(path: str) -> str:
+    """Which folders root writes in ``path`` is, or holds."""
+    if path in ROOT_FOLDERS:
+        return "root writes in it"
+    held = [f for f in ROOT_FOLDERS if path in ancestors(f)]
+    if held:
+        return f"it holds {', '.join(held)}, where root writes"
+    return "a link on the way to a folder root writes in leads through it"
+
+
+def check_root_folders(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
+    """Root writes units, the helper, secrets and drain markers in folders that only root
+    may change. A folder (or one above it) that another account owns or may write lets
+    that account swap the folder or its files, or plant a link root then writes through:
+    root's next `llmgw apply` writes where that account chose. Folders not there are fine."""
+    findings = []
+    for entry in c.doctor.root_folders:
+        wrong = problem(entry)
+        if wrong is None:
+            continue
+        findings.append(
+            _finding(
+                node,
+                "node.root-folder",
+                Severity.error,
+                f"{entry.path} is {wrong}; {_holds(entry.path)}: another account could swap the "
+                "files root writes there (or plant a link root writes through) and so act as root",
+                f"`{fix(entry)}` on {node.name}",
+            )
+        )
+    return findings
+
+
 NODE_CHECKS: tuple[Check, ...] = (
     check_engines,
     check_cpu,
@@ -387,6 +421,7 @@ NODE_CHECKS: tuple[Check, ...] = (
     check_fabric,
     check_weights,
     check_ports,
+    check_root_folders,
 )
 
 

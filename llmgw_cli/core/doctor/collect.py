@@ -9,10 +9,12 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Sequence
 
 from llmgw_cli.core.doctor.facts import Disk, DoctorFacts, GpuFabric, Limit, Listener
 from llmgw_cli.core.parse.probe import probe_script, split_sections
 from llmgw_cli.core.parse.systemctl import parse_show
+from llmgw_cli.core.root_folders import ROOT_FOLDERS, Owned
 from llmgw_cli.core.spec import ClusterSpec, Node
 from llmgw_cli.core.templates import render
 
@@ -20,13 +22,20 @@ from llmgw_cli.core.templates import render
 # kernel's, whatever a name holds (a name may itself read ``x",pid=1,fd=1)``).
 _USERS = re.compile(r'users:\(\("(.*)",pid=([0-9]+),fd=[0-9]+\)\)', re.S)
 _USERS_DONE = re.compile(r"pid=[0-9]+,fd=[0-9]+\)\)")
+_UID = re.compile(r"[0-9]{1,10}")
+_MODE = re.compile(r"[0-7]{1,4}")  # stat's %a
 UNLIMITED_BYTES = 2**64 - 1  # what systemctl shows for infinity on some versions
+MAX_OWNED = 256  # paths read of doctor-root-folders (about 60 on a usual node)
+
+
+def doctor_part(weight_dirs: Sequence[str], root_folders: Sequence[str] = ROOT_FOLDERS) -> str:
+    """The doctor's own sections (``templates/doctor.sh.j2``), run after the probe's."""
+    return render("doctor.sh.j2", weight_dirs=list(weight_dirs), root_folders=list(root_folders))
 
 
 def doctor_script(spec: ClusterSpec, node: Node) -> str:
     """The probe script followed by the doctor's extra sections."""
-    extra = render("doctor.sh.j2", weight_dirs=[w.path for w in node.weights])
-    return probe_script(spec, node) + extra
+    return probe_script(spec, node) + doctor_part([w.path for w in node.weights])
 
 
 def parse_limit(value: str, unit: int = 1) -> Limit | None:
@@ -180,6 +189,39 @@ def _clock(text: str) -> float | None:
         return None
 
 
+def _owned(fields: list[str]) -> Owned | None:
+    """One ``@path`` record: path, uid, owner, octal mode, ``stat``'s file type."""
+    if len(fields) != 5:
+        return None
+    path, uid, owner, mode, kind = fields
+    if not (
+        path.startswith("/")
+        and path.isprintable()
+        and owner.isprintable()
+        and _UID.fullmatch(uid)
+        and _MODE.fullmatch(mode)
+    ):
+        return None
+    return Owned(path=path, uid=int(uid), owner=owner, mode=int(mode, 8), link=kind == "symbolic link")
+
+
+def parse_owned(text: str) -> tuple[Owned, ...]:
+    """The ``@path`` lines of doctor-root-folders, each path once, in the order printed. A
+    path with a control character is left out: it would reach the operator's terminal."""
+    found: dict[str, Owned] = {}
+    for line in text.split("\n")[:MAX_OWNED]:
+        if not line.startswith("@path "):
+            continue
+        try:
+            raw = base64.b64decode(line[6:].strip(), validate=True)
+        except (binascii.Error, ValueError):
+            continue
+        entry = _owned(raw.decode("utf-8", "replace").split("\0"))
+        if entry is not None:
+            found.setdefault(entry.path, entry)
+    return tuple(found.values())
+
+
 def parse_doctor(node: str, text: str) -> DoctorFacts:
     """DoctorFacts from the script's output (the probe's sections are ignored here). Output
     the probe's parser refuses (a section printed twice) gives nothing to check."""
@@ -199,5 +241,6 @@ def parse_doctor(node: str, text: str) -> DoctorFacts:
         listeners=listeners,
         listeners_known=known,
         disks=_disks(sections.get("doctor-disks", "")),
+        root_folders=parse_owned(sections.get("doctor-root-folders", "")),
         clock_end=_clock(sections.get("doctor-clock", "")),
     )

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from llmgw_cli.core.facts import Fact, NodeFacts
+from llmgw_cli.core.root_folders import Owned
 
 Limit = int | Literal["unlimited"]
 """A resource limit in bytes, or ``unlimited``."""
@@ -69,6 +70,7 @@ class DoctorFacts(Fact):
     listeners: tuple[Listener, ...] = ()
     listeners_known: bool = False  # False: neither ss nor /proc/net/tcp could be read
     disks: tuple[Disk, ...] = ()
+    root_folders: tuple[Owned, ...] = ()  # the folders root writes in, and those above them
     clock_end: float | None = None  # the node's clock at the end of the script
 
 

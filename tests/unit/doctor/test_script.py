@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.doctor.collect import doctor_script, parse_doctor, parse_fabric
+from llmgw_cli.core.doctor.collect import doctor_part, doctor_script, parse_doctor, parse_fabric
 from llmgw_cli.core.parse.probe import parse_probe, split_sections
-from llmgw_cli.core.templates import render
 from tests.unit.doctor.conftest import FIXTURES, spec
 
 
@@ -23,7 +22,7 @@ def run_section(tmp_path: Path, q_output: str) -> str:
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f'#!/bin/sh\n[ "$1" = "-q" ] && cat {tmp_path / "q.txt"}\n')
     smi.chmod(0o755)
-    script = render("doctor.sh.j2", weight_dirs=[])
+    script = doctor_part([])
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     done = subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True, env=env, check=True)
     return split_sections(done.stdout)["doctor-fabric"]

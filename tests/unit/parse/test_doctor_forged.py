@@ -11,9 +11,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from llmgw_cli.core.doctor.collect import parse_doctor
+from llmgw_cli.core.doctor.collect import doctor_part, parse_doctor
 from llmgw_cli.core.parse.probe import parse_probe, split_sections
-from llmgw_cli.core.templates import render
 from tests.unit.parse.test_probe_forged import NODE, probe_output
 
 # What ss prints for three sockets: one owned by a process whose name forges probe
@@ -32,7 +31,7 @@ def run_doctor_sections(tmp_path: Path) -> str:
     ss = tmp_path / "ss"
     ss.write_text(f'#!/bin/sh\ncat "{tmp_path / "ss.txt"}"\n')
     ss.chmod(0o755)
-    script = render("doctor.sh.j2", weight_dirs=[])  # the doctor part alone keeps the caller's PATH
+    script = doctor_part([])  # the doctor part alone keeps the caller's PATH
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     done = subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True, env=env, check=True)
     return done.stdout
