@@ -55,14 +55,21 @@ def wanted(spec: ClusterSpec, node: Node, public_keys: Sequence[str]) -> tuple[N
 async def ensure_gateway_account(t: Transport) -> None:
     """``llmgw-gateway``: a system account that may log in by key only (``*``: no
     password, not locked, so sshd lets its key in), with a root-owned home so that it can
-    never edit its own ``authorized_keys``."""
+    never edit its own ``authorized_keys``.
+
+    The home is taken first (its parent is root's: it cannot be swapped); from then on the
+    account can change nothing in it, and a ``.ssh`` it left there as a link is not
+    followed (``chown -h``; no ``chmod``, which would follow it): the key's write refuses
+    it, naming it."""
     q = shlex.quote
     home, ssh = q(GATEWAY_HOME), q(f"{GATEWAY_HOME}/.ssh")
     await must(
         t,
         f"id -u {GATEWAY_USER} >/dev/null 2>&1 || useradd --system --home-dir {home} --no-create-home "
         f"--shell /bin/sh {GATEWAY_USER}; usermod -p '*' {GATEWAY_USER} && "
-        f"mkdir -p {ssh} && chown root:root {home} {ssh} && chmod 755 {home} {ssh}",
+        f"{{ [ ! -L {home} ] || {{ echo {home} is a link >&2; exit 3; }}; }} && "
+        f"mkdir -p {home} && chown root:root {home} && chmod 755 {home} && "
+        f"{{ [ -L {ssh} ] || {{ mkdir -p {ssh} && chown root:root {ssh} && chmod 755 {ssh}; }}; }}",
         f"create the account {GATEWAY_USER}",
     )
 
