@@ -23,7 +23,7 @@ from llmgw_cli.core.fetch import Peers, plan_fetch
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.parse.probe import parse_probe
 from llmgw_cli.remote import connect, fetch
-from llmgw_cli.remote.transport import atomic_write_command
+from llmgw_cli.remote.transport import write_command
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import origin_on_the_bridge, reset, run
 from tests.integration.weights_origin import Origin
@@ -123,12 +123,12 @@ def test_gateway_key_reaches_only_the_helper_as_llmgw_gateway(installed: Install
 
 
 def test_the_gateways_probe_sees_a_drain_marker_as_apply_writes_it(lab: Lab, installed: Installed) -> None:
-    # apply writes a marker as root (mode 0644, the folder made with the usual umask); the
+    # apply writes a marker as root (mode 0644, its root-only folder made 0755); the
     # gateway's probe runs unprivileged through the helper and must still read it, or it
     # would route a replica being retired
     unit = "llmgw-smollm2-135m-7.service"
     path = marker_path(unit)
-    write = atomic_write_command(path, 0o644)
+    write = write_command(path, 0o644)
     try:
         wrote = lab.ssh(
             "node01", f"printf %s {shlex.quote(marker_text(1700000000.5))} | sh -c {shlex.quote(write)}"
