@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import json
 import secrets
+import shlex
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import yaml
 
+from llmgw_cli.core.node_access import AUTHORIZED_KEYS, authorized_key_line
 from tests.integration.conftest import Lab
-from tests.security.test_least_privilege import Installed, installed
+from tests.integration.lab_helpers import reset, run
+from tests.security.test_least_privilege import Installed
 
 pytestmark = pytest.mark.integration
-
-__all__ = ["installed"]  # apply, then the gateway's key (test_least_privilege's fixture)
 
 NODE = "node01"
 PEER = "node02"
@@ -43,6 +47,33 @@ def snapshot_job(url: str, **more: object) -> dict[str, object]:
 def serve_job(bind: str | None, secret: str) -> dict[str, object]:
     job = {"mode": "serve-snapshot", "folder": FOLDER, "repo": REPO, "commit": COMMIT, "secret": secret}
     return {**job, "idle": 30} if bind is None else {**job, "idle": 30, "bind": bind}
+
+
+@pytest.fixture(scope="module")
+def installed(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    """The node helper as ``apply`` installs it, and a key that reaches it on NODE as a
+    gateway host's key does: the ``authorized_keys`` line apply writes for one (no gateway
+    is started: what it does with its key is the attacker's choice here)."""
+    folder = tmp_path_factory.mktemp("fetch-bounds")
+    data = yaml.safe_load(lab.cluster_file.read_text())
+    for model in data["models"]:
+        model["scaling"] = {**model.get("scaling", {}), "min": 0}
+    data["gateway"] = {**data["gateway"], "install": False}
+    cluster = folder / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump(data, sort_keys=False))
+    reset(lab)
+    applied = run("apply", "-f", str(cluster), "--yes")
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    key = folder / "gateway-key"
+    made = subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=False)
+    assert made.returncode == 0
+    line = shlex.quote(authorized_key_line(Path(f"{key}.pub").read_text()))
+    assert lab.ssh(NODE, f"printf %s {line} >> {AUTHORIZED_KEYS}").returncode == 0
+    try:
+        yield Installed(cluster, key, lab.known_hosts, {n.name: n.ip for n in lab.nodes})
+    finally:
+        lab.ssh(NODE, f": > {AUTHORIZED_KEYS}")
+        reset(lab)
 
 
 @pytest.fixture
