@@ -27,7 +27,9 @@ Verbs (unit names must be ``llmgw-<model>-<replica>.service``, except that ``sho
   llmgw's replica template produces (see ``check_unit``), then written atomically;
 - ``daemon-reload``;
 - ``fetch``: a JSON job on stdin for the installed weights fetcher (fetch, poll, verify,
-  serve; its file must lie directly in one of the node's weights folders);
+  serve; its file must lie directly in one of the node's weights folders; its URLs must be
+  the cluster's origins or this node's fabric peers, and its servers listen on this
+  node's own address with a long secret: see ``check_job_bounds``);
 - ``held PATH...``: which of these files (in the weights folders) exist, not empty;
 - ``exists PATH...``: what each path is, one JSON line ``{PATH: {"kind": K, "empty":
   B}}`` with K one of ``file``, ``dir``, ``other`` (a device, a FIFO, a socket),
@@ -36,7 +38,12 @@ Verbs (unit names must be ``llmgw-<model>-<replica>.service``, except that ``sho
 
 What the gateway may run is bounded by ``/etc/llmgw/node-helper.json`` (root, written by
 ``apply`` from the cluster file): the engine programs, the engine accounts, the weights
-folders and the path sources of the cluster's models as this node sees them.
+folders and the path sources of the cluster's models as this node sees them, the origins
+weights are downloaded from, the addresses of this node's fabric peers and its own.
+
+``fetch`` runs as root, so without those lists the gateway's key could have root download
+``file:`` URLs, services on the node's loopback or the cloud's metadata address
+(169.254.169.254) into a weights folder, and serve a folder on every interface.
 
 ``exists`` answers only about paths inside a weights folder or named exactly by a path
 source of that file. It runs as root, so without that bound the gateway's key could learn

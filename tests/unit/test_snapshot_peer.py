@@ -127,7 +127,9 @@ def fetched(hub: HubStandin, snap: Snapshot, weights: Path) -> None:
 def serving(weights: Path, snap: Snapshot, **options: Any) -> Iterator[int]:
     """``serve-snapshot`` of ``weights``' snapshot, in the foreground; its port."""
     job = {
-        **core.serve_snapshot_job(str(weights), snap.repo, snap.commit, SECRET, 60, bind=BIND, foreground=True),
+        **core.serve_snapshot_job(
+            str(weights), snap.repo, snap.commit, SECRET, 60, bind=BIND, foreground=True
+        ),
         **options,
     }
     proc = started(job)
@@ -300,7 +302,9 @@ def test_a_missing_file_is_503_while_the_job_runs_and_404_once_it_ended(
 def test_serve_snapshot_refuses_a_bad_job_and_a_planted_snapshot_folder(
     hub: HubStandin, snap: Snapshot, origin: Path, tmp_path: Path
 ) -> None:
-    base = core.serve_snapshot_job(str(origin), snap.repo, snap.commit, SECRET, 60, bind=BIND, foreground=True)
+    base = core.serve_snapshot_job(
+        str(origin), snap.repo, snap.commit, SECRET, 60, bind=BIND, foreground=True
+    )
     for bad in ({"commit": "main"}, {"folder": "/tmp/hf/other--repo"}, {"repo": "a/../b"}, {"secret": ""}):
         [answer] = node({**base, **bad})
         assert (answer["state"], answer["kind"]) == ("error", "job"), (bad, answer)
@@ -333,7 +337,13 @@ def test_serve_still_serves_one_file_with_ranges(tmp_path: Path) -> None:
     data = os.urandom(100_000)
     (tmp_path / "one.bin").write_bytes(data)
     proc = started(
-        {"mode": "serve", "file": str(tmp_path / "one.bin"), "secret": SECRET, "bind": BIND, "foreground": True}
+        {
+            "mode": "serve",
+            "file": str(tmp_path / "one.bin"),
+            "secret": SECRET,
+            "bind": BIND,
+            "foreground": True,
+        }
     )
     try:
         assert proc.stdout is not None
