@@ -5,9 +5,11 @@ On each node, as root over the operator's own transport:
 - ``/usr/local/libexec/llmgw/node-helper`` (root, 0755): the only program the gateway's
   key may run there (``remote/node_helper.py``), with the probe script rendered for the
   node beside it (``probe.sh``) and the weights fetcher (``nodefetch.py``);
-- ``/etc/llmgw/node-helper.json`` (root, 0644): what the helper lets the gateway start
-  and look at: the cluster's engine programs and engine accounts, the node's weights
-  folders, and the path sources of the cluster's models as the node sees them;
+- ``/etc/llmgw/node-helper.json`` (root, 0644): what the helper lets the gateway start,
+  look at and fetch: the cluster's engine programs and engine accounts, the node's weights
+  folders, the path sources of the cluster's models as the node sees them, the origins
+  weights come from (``fetch_origins``), the node's fabric peers (``fabric_peers``) and
+  its own address, the only one its peer servers listen on;
 - the account ``llmgw-gateway`` (system, no password) whose ``authorized_keys`` (root,
   0644, in a root-owned home) holds one line per gateway host (``gateway.hosts``): that
   host's public key, restricted to the helper;
@@ -20,6 +22,7 @@ public halves are ever read back.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Sequence
@@ -30,7 +33,8 @@ from llmgw_cli.core.facts import NodeAccess
 from llmgw_cli.core.gateway_install import GATEWAY_ACCOUNT
 from llmgw_cli.core.path_sources import node_paths
 from llmgw_cli.core.paths import DEFAULT_WEIGHTS
-from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.core.snapshot import DEFAULT_ENDPOINT, check_endpoint
+from llmgw_cli.core.spec import ClusterSpec, Node, SourceKind
 
 GATEWAY_USER = GATEWAY_ACCOUNT
 GATEWAY_HOME = "/var/lib/llmgw-gateway"
@@ -69,13 +73,37 @@ def engine_programs(spec: ClusterSpec) -> list[str]:
     return sorted(programs)
 
 
-def helper_config(spec: ClusterSpec, node: Node) -> str:
+def fetch_origins(spec: ClusterSpec, hub: str | None = None) -> list[str]:
+    """Where a node may download weights from as root: every URL source of the cluster's
+    models exactly, and everything under the Hub endpoint (``hub``, else huggingface.co)
+    when a repository is fetched by llmgw. A prefix ends in ``/``, so that the endpoint's
+    host cannot be extended into another one's (``huggingface.co.example``)."""
+    origins = {m.source for m in spec.models if m.source_kind is SourceKind.url}
+    if any(m.selection is not None for m in spec.models):
+        # an endpoint that is not one lets nothing be fetched: the Hub's listing says why
+        with contextlib.suppress(ValueError):
+            origins.add(check_endpoint(hub or DEFAULT_ENDPOINT) + "/")
+    return sorted(origins)
+
+
+def fabric_peers(spec: ClusterSpec, node: Node) -> list[str]:
+    """The addresses ``node`` may copy weights from: those of the other nodes of its
+    fabric (nodes without one form one group), as their peer servers' URLs name them."""
+    return sorted({n.engine_host for n in spec.nodes if n.fabric == node.fabric and n.name != node.name})
+
+
+def helper_config(spec: ClusterSpec, node: Node, hub: str | None = None) -> str:
+    """``/etc/llmgw/node-helper.json`` for ``node``; ``hub``: the Hub endpoint in use
+    (``HF_ENDPOINT``), which a repository's files are downloaded from."""
     weights = [w.path.rstrip("/") or "/" for w in node.weights] or [DEFAULT_WEIGHTS]
     doc = {
         "programs": engine_programs(spec),
         "users": engine_users(spec),
         "weights": weights,
         "paths": node_paths(spec, node),
+        "origins": fetch_origins(spec, hub),
+        "peers": fabric_peers(spec, node),
+        "addresses": [node.engine_host],
     }
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
@@ -106,16 +134,18 @@ def node_files(
     nodefetch_source: str,
     probe_source: str,
     public_keys: Sequence[str],
+    hub: str | None = None,
 ) -> tuple[NodeFile, ...]:
     """Every file ``apply`` keeps on ``node`` for the helper (the sudoers rule apart: it is
     checked with ``visudo`` before it takes effect). ``probe_source``: the node's probe
     script (``core/parse/probe.py``, which reads these files' digests back);
-    ``public_keys``: every gateway host's key (none yet: an empty ``authorized_keys``)."""
+    ``public_keys``: every gateway host's key (none yet: an empty ``authorized_keys``);
+    ``hub``: the Hub endpoint in use (``helper_config``)."""
     files = [
         NodeFile(HELPER, SHEBANG + helper_source, 0o755),
         NodeFile(PROBE, probe_source, 0o644),
         NodeFile(NODEFETCH, nodefetch_source, 0o644),
-        NodeFile(HELPER_CONFIG, helper_config(spec, node), 0o644),
+        NodeFile(HELPER_CONFIG, helper_config(spec, node, hub), 0o644),
         NodeFile(AUTHORIZED_KEYS, authorized_keys_text(public_keys), 0o644),
     ]
     return tuple(files)

@@ -630,10 +630,19 @@ def peer_snapshot_job(snapshot: Snapshot, weights: str, prefix: str) -> dict[str
 
 
 def serve_snapshot_job(
-    weights: str, repo: str, commit: str, secret: str, idle: float, *, foreground: bool = False
+    weights: str,
+    repo: str,
+    commit: str,
+    secret: str,
+    idle: float,
+    *,
+    bind: str,
+    foreground: bool = False,
 ) -> dict[str, Any]:
     """The node program's ``serve-snapshot`` job: the snapshot's files to peers at
-    ``/<secret>/<quoted path>``, until ``idle`` seconds without a request."""
+    ``/<secret>/<quoted path>``, until ``idle`` seconds without a request, listening on
+    ``bind`` only: the address peers reach the node at (``Node.engine_host``), which their
+    URLs name; the node refuses every interface."""
     if not COMMIT.fullmatch(commit):
         raise ValueError(f"{commit!r} is not a 40-hex commit")
     job: dict[str, Any] = {
@@ -643,6 +652,7 @@ def serve_snapshot_job(
         "commit": commit,
         "secret": secret,
         "idle": idle,
+        "bind": bind,
     }
     return {**job, "foreground": True} if foreground else job
 

@@ -173,7 +173,8 @@ class Fetcher:
                 if self.helper:
                     done = await NodeOps(self.transport(node), root=False).call(*words)
                 else:
-                    script = piped_helper(words, helper_config(self.spec, self.spec.node(node)))
+                    config = helper_config(self.spec, self.spec.node(node), self._endpoint)
+                    script = piped_helper(words, config)
                     done = await self.transport(node).run("python3 -I -", root=True, stdin=script)
             except NodeError as exc:
                 return exc
@@ -246,15 +247,15 @@ class Fetcher:
 
     async def _serve(self, seed: str, path: str) -> tuple[str, int]:
         secret = secrets.token_urlsafe(24)
-        config = {"mode": "serve", "file": path, "secret": secret, "idle": SERVE_IDLE_SECONDS}
+        bind = self.spec.node(seed).engine_host  # where peers reach it: the URL below names it
+        config = {"mode": "serve", "file": path, "secret": secret, "idle": SERVE_IDLE_SECONDS, "bind": bind}
         out = await self.call(seed, config)
         if out.get("state") != "serving":
             raise NodeError(seed, "failed", f"could not serve {path} to peers: {out}")
         port, pid = _count(out.get("port")), _count(out.get("pid"))
         if not 0 < port < 65536 or not pid:
             raise NodeError(seed, "failed", f"the peer server on {seed} gave no usable port and pid")
-        address = _host(self.spec.node(seed).address)
-        return f"http://{address}:{port}/{secret}/", pid
+        return f"http://{_host(bind)}:{port}/{secret}/", pid
 
     async def _stop(self, seed: str, pid: int) -> None:
         if self.helper:

@@ -9,6 +9,7 @@ the probe could not read them; nothing changed); ``install`` writes what differs
 from __future__ import annotations
 
 import asyncio
+import os
 import shlex
 from collections.abc import Mapping, Sequence
 from importlib import resources
@@ -42,6 +43,8 @@ NODE_ACCESS = "node-access"  # the probe's section
 
 
 def wanted(spec: ClusterSpec, node: Node, public_keys: Sequence[str]) -> tuple[NodeFile, ...]:
+    """The helper's files for ``node``; its config lets the node fetch from the Hub
+    endpoint in use (``HF_ENDPOINT``, as the gateway's ``hub.env`` is written from it)."""
     return node_files(
         spec,
         node,
@@ -49,6 +52,7 @@ def wanted(spec: ClusterSpec, node: Node, public_keys: Sequence[str]) -> tuple[N
         nodefetch_source=NODEFETCH_SOURCE,
         probe_source=probe_script(spec, node),
         public_keys=public_keys,
+        hub=os.environ.get("HF_ENDPOINT") or None,
     )
 
 

@@ -27,7 +27,9 @@ Verbs (unit names must be ``llmgw-<model>-<replica>.service``, except that ``sho
   llmgw's replica template produces (see ``check_unit``), then written atomically;
 - ``daemon-reload``;
 - ``fetch``: a JSON job on stdin for the installed weights fetcher (fetch, poll, verify,
-  serve; its file must lie directly in one of the node's weights folders);
+  serve; its file must lie directly in one of the node's weights folders; its URLs must be
+  the cluster's origins or this node's fabric peers, and its servers listen on this
+  node's own address with a long secret: see ``check_job_bounds``);
 - ``held PATH...``: which of these files (in the weights folders) exist, not empty;
 - ``exists PATH...``: what each path is, one JSON line ``{PATH: {"kind": K, "empty":
   B}}`` with K one of ``file``, ``dir``, ``other`` (a device, a FIFO, a socket),
@@ -36,7 +38,12 @@ Verbs (unit names must be ``llmgw-<model>-<replica>.service``, except that ``sho
 
 What the gateway may run is bounded by ``/etc/llmgw/node-helper.json`` (root, written by
 ``apply`` from the cluster file): the engine programs, the engine accounts, the weights
-folders and the path sources of the cluster's models as this node sees them.
+folders and the path sources of the cluster's models as this node sees them, the origins
+weights are downloaded from, the addresses of this node's fabric peers and its own.
+
+``fetch`` runs as root, so without those lists the gateway's key could have root download
+``file:`` URLs, services on the node's loopback or the cloud's metadata address
+(169.254.169.254) into a weights folder, and serve a folder on every interface.
 
 ``exists`` answers only about paths inside a weights folder or named exactly by a path
 source of that file. It runs as root, so without that bound the gateway's key could learn
@@ -53,15 +60,18 @@ list: it pipes this file to ``python3 -I -`` as root with the list it is about t
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
 import shlex
+import socket
 import stat
 import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 HELPER = "/usr/local/libexec/llmgw/node-helper"
 PROBE = "/usr/local/libexec/llmgw/probe.sh"
@@ -139,9 +149,10 @@ def load_config(path: str = CONFIG) -> dict[str, list[str]]:
 
 
 def config_from(data: object, where: str) -> dict[str, list[str]]:
-    """The config's lists (``paths`` absent in a config written before it existed)."""
+    """The config's lists (``paths``, ``origins``, ``peers`` and ``addresses`` absent in a
+    config written before they existed: nothing allowed)."""
     out: dict[str, list[str]] = {}
-    for key in ("programs", "users", "weights", "paths"):
+    for key in ("programs", "users", "weights", "paths", "origins", "peers", "addresses"):
         value = data.get(key, []) if isinstance(data, dict) else []
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise Refused(f"{where}: {key} must be a list of strings")
@@ -379,6 +390,94 @@ def _repo_folder_under_weights(path: str, config: dict[str, list[str]]) -> str:
     raise Refused(f"{path!r} is not a repository folder (hf/<org>--<name>) of a weights folder of this node")
 
 
+SECRET = re.compile(r"[A-Za-z0-9_-]{32,256}")  # nodefetch.py's: what secrets.token_urlsafe(24) makes
+INET_ATON = re.compile(r"(0[xX][0-9a-fA-F]*|[0-9]+)(\.(0[xX][0-9a-fA-F]*|[0-9]+)){0,3}")
+URL_CHARS = re.compile(r"[\x21-\x7e]{1,8192}")  # printable ASCII, no space: quoted as llmgw quotes
+
+
+def literal_host_refused(host: str) -> str | None:
+    """Why a URL's host, as written, names this node or the cloud's metadata service
+    (loopback, link-local, unspecified), or None. Numbers in the forms the resolver also
+    reads (``127.1``, ``2130706433``, ``0x7f.0.0.1``) count as the address they spell."""
+    if host.lower().rstrip(".") == "localhost" or host.lower().endswith(".localhost"):
+        return "names this node itself (localhost)"
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        if not INET_ATON.fullmatch(host):
+            return None  # a host name: the origins and peers listed in the config decide
+        try:
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    if address.is_loopback or address.is_unspecified:
+        return f"{host} is this node itself (loopback or unspecified)"
+    if address.is_link_local:
+        return f"{host} is link-local (where clouds answer metadata and credentials)"
+    return None
+
+
+def check_url(url: object, config: dict[str, list[str]]) -> str:
+    """``url`` when a fetch job may download it as root, else Refused with why: http or
+    https only, no user name or password, no loopback, link-local or unspecified address
+    as its host, and either one of the cluster's origins (``origins``: a URL exactly, or
+    any URL under a prefix that ends in ``/``) or a peer of this node's fabric (``peers``:
+    ``http://<peer>:<port>/<secret>/...``, a secret such as the servers are given). Both
+    lists come from the config apply wrote as root, never from the job."""
+    if not isinstance(url, str) or not URL_CHARS.fullmatch(url):
+        raise Refused(f"fetch: {str(url)[:200]!r} is not a URL of printable characters")
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port
+    except ValueError as exc:
+        raise Refused(f"fetch: {url[:200]!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise Refused(f"fetch: {url[:200]!r}: only http and https URLs are fetched")
+    if "@" in parts.netloc:
+        raise Refused(f"fetch: {url[:200]!r} carries a user name or password")
+    if why := literal_host_refused(host):
+        raise Refused(f"fetch: {url[:200]!r}: {why}")
+    for prefix in config["origins"]:
+        if url == prefix or (prefix.endswith("/") and url.startswith(prefix)):
+            return url
+    secret = parts.path.split("/")[1] if parts.path.count("/") >= 2 else ""
+    if host.lower() in (p.lower() for p in config["peers"]):
+        if parts.scheme != "http" or port is None or parts.query or parts.fragment:
+            raise Refused(f"fetch: {url[:200]!r}: a peer is asked at http://<peer>:<port>/<secret>/<name>")
+        if not SECRET.fullmatch(secret):
+            raise Refused(f"fetch: {url[:200]!r}: a peer's URL carries a secret of 32 to 256 characters")
+        return url
+    raise Refused(
+        f"fetch: {url[:200]!r} is neither an origin of this cluster's models nor a peer of this "
+        "node's fabric (run llmgw apply after changing the cluster file or HF_ENDPOINT)"
+    )
+
+
+def check_job_bounds(job: dict[str, Any], config: dict[str, list[str]]) -> None:
+    """What a fetch job may reach, from the config: every URL it downloads (``check_url``),
+    and for a server, its address (this node's own, ``addresses``) and secret."""
+    mode = job.get("mode")
+    if mode == "fetch":
+        check_url(job.get("url"), config)
+    elif mode == "snapshot":
+        files = job.get("files")
+        if not isinstance(files, list):
+            raise Refused("fetch: a snapshot job's files are a list")
+        for entry in files:
+            check_url(entry.get("url") if isinstance(entry, dict) else None, config)
+    elif mode in ("serve", "serve-snapshot"):
+        if job.get("bind") not in config["addresses"]:
+            raise Refused(
+                f"fetch: {mode} listens on this node's own address ({', '.join(config['addresses'])}) only"
+            )
+        secret = job.get("secret")
+        if not isinstance(secret, str) or not SECRET.fullmatch(secret):
+            raise Refused(f"fetch: {mode} needs a secret of 32 to 256 characters of A-Z a-z 0-9 _ -")
+
+
 def _fetch(job: dict[str, Any], config: dict[str, list[str]]) -> int:
     mode = job.get("mode")
     if not isinstance(mode, str) or mode not in FETCH_MODES:
@@ -388,6 +487,7 @@ def _fetch(job: dict[str, Any], config: dict[str, list[str]]) -> int:
         _repo_folder_under_weights(where, config)
     else:
         _under_weights(where, config)
+    check_job_bounds(job, config)
     namespace: dict[str, Any] = {"__name__": "llmgw_nodefetch"}
     # The root-owned copy apply installed, run in this process as ``python3 -`` would.
     with open(NODEFETCH, encoding="utf-8") as fh:

@@ -25,8 +25,9 @@ remembered). Hashing a large file takes minutes, so a hashed file is remembered 
 ``.name.fetch-verified`` together with its inode, size, mtime and ctime; no account but
 root can set a ctime back, so a changed file is always hashed again.
 
-``serve``: a read-only HTTP server on an ephemeral port that answers only
-``/<secret>/<name>`` with that one file (HEAD, GET, single ranges, If-Range), and exits
+``serve``: a read-only HTTP server on an ephemeral port of the job's ``bind`` address
+(the node's address on its fabric; never every interface) that answers only
+``/<secret>/<name>`` (a secret of at least 32 characters) with that one file (HEAD, GET, single ranges, If-Range), and exits
 after ``idle`` seconds without a request, or when killed. Peers copy from it.
 
 ``snapshot`` (a whole Hugging Face repository at one commit; not used by ``llmgw fetch``
@@ -76,9 +77,11 @@ import fcntl
 import hashlib
 import hmac
 import http.client
+import ipaddress
 import json
 import os
 import re
+import socket
 import ssl
 import stat
 import sys
@@ -1980,10 +1983,45 @@ def _handler(path: str, folder: int, secret: str, activity: _Activity) -> type[_
     return Handler
 
 
+SECRET = re.compile(r"[A-Za-z0-9_-]{32,256}")
+"""A peer server's secret: what ``secrets.token_urlsafe(24)`` makes (32 characters) or
+longer. An empty or short one would let anyone who reaches the port guess the route."""
+
+
+def check_secret(value: object) -> str:
+    """``value`` when it may be a peer server's secret, else JobFailed (kind ``job``)."""
+    if not isinstance(value, str) or not SECRET.fullmatch(value):
+        raise JobFailed("job", "the secret must be 32 to 256 characters of A-Z a-z 0-9 _ -")
+    return value
+
+
+def check_bind(value: object) -> str:
+    """The address a peer server listens on: the node's own address on its fabric, never
+    every interface (``0.0.0.0``, ``::``, empty), else JobFailed (kind ``job``)."""
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > 253
+        or not re.fullmatch(r"[A-Za-z0-9.:_-]+", value)
+    ):
+        raise JobFailed("job", f"bind {value!r}: the job must name the address peers reach this node at")
+    try:
+        unspecified = ipaddress.ip_address(value).is_unspecified
+    except ValueError:
+        unspecified = False  # a host name: resolved by bind(2) to one address
+    if unspecified:
+        raise JobFailed("job", f"bind {value!r}: a peer server never listens on every interface")
+    return value
+
+
 def serve(config: dict[str, Any]) -> None:
     """Serve one file until idle; prints ``{"state": "serving", "port": N, "pid": P}``."""
-    path = config["file"]
+    path = config.get("file")
     try:
+        if not isinstance(path, str):
+            raise JobFailed("job", "file is not a path")
+        check_secret(config.get("secret"))
+        check_bind(config.get("bind"))
         folder = open_folder(os.path.dirname(path), create=False)
         inspect(folder, path)
         os.close(open_file(folder, os.path.basename(path), os.O_RDONLY, path, strict=False))
@@ -1997,11 +2035,17 @@ def serve(config: dict[str, Any]) -> None:
     _run_server(_handler(path, folder, config["secret"], activity), activity, config)
 
 
+class _Server6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 def _run_server(handler: type[_FileHandler], activity: _Activity, config: dict[str, Any]) -> None:
-    """Serve on an ephemeral port of every address until ``idle`` seconds (default 120)
-    pass without a request; detached unless ``foreground``. Prints ``{"state": "serving",
-    "port": N, "pid": P}`` once the server listens (P: the process to kill to stop it)."""
-    server = ThreadingHTTPServer(("0.0.0.0", 0), handler)
+    """Serve on an ephemeral port of the job's ``bind`` address (checked: ``check_bind``)
+    until ``idle`` seconds (default 120) pass without a request; detached unless
+    ``foreground``. Prints ``{"state": "serving", "port": N, "pid": P}`` once the server
+    listens (P: the process to kill to stop it)."""
+    bind = check_bind(config.get("bind"))
+    server = (_Server6 if ":" in bind else ThreadingHTTPServer)((bind, 0), handler)
     server.daemon_threads = True
     port = server.server_address[1]
     idle = float(config.get("idle", 120))
@@ -2051,8 +2095,8 @@ def serve_snapshot(config: dict[str, Any]) -> None:
     secret = config.get("secret")
     try:
         where = _snapshot_where(config)
-        if not isinstance(secret, str) or not secret or "/" in secret:
-            raise JobFailed("job", "secret is not a non-empty string without '/'")
+        secret = check_secret(secret)
+        check_bind(config.get("bind"))
         folder = open_folder(where[0], create=False)
     except (JobFailed, OSError) as exc:
         _snapshot_refused(exc, f"cannot open {config.get('folder')}")

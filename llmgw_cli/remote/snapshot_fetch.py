@@ -156,14 +156,20 @@ class _Run:
         async with self._serving:
             if self.server is None:
                 secret = secrets.token_urlsafe(24)
+                address = self.spec.node(seed).engine_host  # where peers reach it: its URL names it
                 config = serve_snapshot_job(
-                    self._weights(seed), self.snap.repo, self.snap.commit, secret, SERVE_IDLE_SECONDS
+                    self._weights(seed),
+                    self.snap.repo,
+                    self.snap.commit,
+                    secret,
+                    SERVE_IDLE_SECONDS,
+                    bind=address,
                 )
                 out = await self.fetcher.call(seed, config)
                 port, pid = out.get("port"), out.get("pid")
                 if out.get("state") != "serving" or not isinstance(port, int) or not 0 < port < 65536:
                     raise NodeError(seed, "failed", f"could not serve its snapshot to peers: {out}")
-                address = _host(self.spec.node(seed).address)
+                address = _host(address)
                 self.server = (seed, f"http://{address}:{port}/{secret}/", pid if isinstance(pid, int) else 0)
             return self.server[1]
 

@@ -21,6 +21,7 @@ import yaml
 from llmgw_cli.core.drain import marker_path, marker_text
 from llmgw_cli.core.fetch import Peers, plan_fetch
 from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.node_access import HELPER_CONFIG, helper_config
 from llmgw_cli.core.parse.probe import parse_probe
 from llmgw_cli.remote import connect, fetch
 from llmgw_cli.remote.transport import write_command
@@ -260,7 +261,11 @@ def test_gateway_fetches_weights_only_into_the_weights_folders(
             fetcher = fetch.Fetcher(spec, base, lambda _event: None, conns=conns)
             return await fetcher.run(plan_fetch(spec, {"gw": nodes}, set(), set(), Peers.fabric))
 
+    configs = {n: lab.ssh(n, f"cat {HELPER_CONFIG}").stdout for n in nodes}
     try:
+        for node in nodes:  # what apply writes for this cluster file: the origin is one of its
+            config = shlex.quote(helper_config(spec, spec.node(node)))
+            assert lab.ssh(node, f"printf %s {config} > {HELPER_CONFIG}").returncode == 0
         results = asyncio.run(gateway_fetch())
         assert all(r.ok for r in results) and len(results) == 2, results
         for node in nodes:
@@ -273,3 +278,4 @@ def test_gateway_fetches_weights_only_into_the_weights_folders(
     finally:
         for node in nodes:
             lab.ssh(node, f"rm -f /data/models/{name} /data/models/{name}.part /data/models/.{name}.*")
+            lab.ssh(node, f"printf %s {shlex.quote(configs[node])} > {HELPER_CONFIG}")

@@ -35,7 +35,8 @@ from tests.waiting import wait_until
 
 MiB = 1 << 20
 REPO = "acme/tiny"
-SECRET = "s3cr3t-0123456789abcdef"
+SECRET = "s3cr3t-0123456789abcdef-0123456789abcdef"
+BIND = "127.0.0.1"  # this machine plays every node: its loopback is their fabric
 TOKEN = "hf_secret_token"
 FILES = {
     "config.json": b'{"model_type": "llama"}\n',  # a git file: checked by its blob id
@@ -126,7 +127,9 @@ def fetched(hub: HubStandin, snap: Snapshot, weights: Path) -> None:
 def serving(weights: Path, snap: Snapshot, **options: Any) -> Iterator[int]:
     """``serve-snapshot`` of ``weights``' snapshot, in the foreground; its port."""
     job = {
-        **core.serve_snapshot_job(str(weights), snap.repo, snap.commit, SECRET, 60, foreground=True),
+        **core.serve_snapshot_job(
+            str(weights), snap.repo, snap.commit, SECRET, 60, bind=BIND, foreground=True
+        ),
         **options,
     }
     proc = started(job)
@@ -299,7 +302,9 @@ def test_a_missing_file_is_503_while_the_job_runs_and_404_once_it_ended(
 def test_serve_snapshot_refuses_a_bad_job_and_a_planted_snapshot_folder(
     hub: HubStandin, snap: Snapshot, origin: Path, tmp_path: Path
 ) -> None:
-    base = core.serve_snapshot_job(str(origin), snap.repo, snap.commit, SECRET, 60, foreground=True)
+    base = core.serve_snapshot_job(
+        str(origin), snap.repo, snap.commit, SECRET, 60, bind=BIND, foreground=True
+    )
     for bad in ({"commit": "main"}, {"folder": "/tmp/hf/other--repo"}, {"repo": "a/../b"}, {"secret": ""}):
         [answer] = node({**base, **bad})
         assert (answer["state"], answer["kind"]) == ("error", "job"), (bad, answer)
@@ -314,7 +319,7 @@ def test_serve_snapshot_refuses_a_bad_job_and_a_planted_snapshot_folder(
 def test_an_idle_serve_snapshot_ends_by_itself(snap: Snapshot, origin: Path) -> None:
     folder = core.repo_folder(str(origin), snap.repo)
     Path(folder).mkdir(parents=True)
-    job = {"mode": "serve-snapshot", "folder": folder, "repo": snap.repo, "commit": snap.commit}
+    job = {"mode": "serve-snapshot", "folder": folder, "repo": snap.repo, "commit": snap.commit, "bind": BIND}
     proc = started({**job, "secret": SECRET, "idle": 0.5, "foreground": True})
     try:
         assert proc.stdout is not None
@@ -331,7 +336,15 @@ def test_serve_still_serves_one_file_with_ranges(tmp_path: Path) -> None:
     """``serve`` shares its answer with ``serve-snapshot``."""
     data = os.urandom(100_000)
     (tmp_path / "one.bin").write_bytes(data)
-    proc = started({"mode": "serve", "file": str(tmp_path / "one.bin"), "secret": SECRET, "foreground": True})
+    proc = started(
+        {
+            "mode": "serve",
+            "file": str(tmp_path / "one.bin"),
+            "secret": SECRET,
+            "bind": BIND,
+            "foreground": True,
+        }
+    )
     try:
         assert proc.stdout is not None
         port = json.loads(proc.stdout.readline())["port"]
