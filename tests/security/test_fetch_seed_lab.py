@@ -2,10 +2,10 @@
 uid 4242) rewrites the seed's file in place (same size, other bytes) after the seed
 downloaded it from the origin. Nothing pins the file's sha256, so the only witness of
 what the origin sent is the seed's record of its own download; the other nodes must never
-end up with the engines' bytes. Over SSH, as `llmgw fetch` runs: first with the file
-changed between two fetches (the seed is checked, found changed and downloaded again),
-then changed after that check, the moment before the seed serves it (every peer refuses
-its copy and keeps nothing)."""
+end up with the engines' bytes. Over SSH, as `llmgw fetch` runs: the file changed between
+two fetches (the seed is checked, found changed and downloaded again before it seeds), and
+changed after that check, the moment before the seed serves it (every peer refuses its
+copy and keeps nothing)."""
 
 from __future__ import annotations
 
@@ -51,9 +51,8 @@ def engine_account_rewrites(lab: Lab, node: str) -> None:
     assert done.returncode == 0 and done.stdout.strip() == size, done.stdout + done.stderr
 
 
-def test_peers_never_take_a_seed_file_the_engine_account_changed(
-    lab: Lab, origin: Origin, tmp_path: Path, cleanup: None
-) -> None:
+def fetched_on_the_seed(lab: Lab, origin: Origin, tmp_path: Path) -> tuple[Path, str]:
+    """The cluster file of one unpinned model, its file fetched onto the seed only."""
     digest = origin.add(NAME, 8 * MiB, seed=11)
     model = {
         "name": "seeded",
@@ -64,18 +63,25 @@ def test_peers_never_take_a_seed_file_the_engine_account_changed(
     cluster = _cluster(lab, tmp_path, [model])
     done = fetch(cluster, "seeded", "--nodes", SEED)
     assert done.returncode == 0, done.stdout + done.stderr
+    return cluster, digest
 
-    # Changed between two fetches: its record no longer matches, so it seeds nothing as is.
+
+def test_a_seed_changed_between_two_fetches_is_downloaded_again_before_it_seeds(
+    lab: Lab, origin: Origin, tmp_path: Path, cleanup: None
+) -> None:
+    cluster, digest = fetched_on_the_seed(lab, origin, tmp_path)
     engine_account_rewrites(lab, SEED)
     done = fetch(cluster, "seeded")
     assert done.returncode == 0, done.stdout + done.stderr
-    for node in [SEED, *PEERS]:
+    for node in [*PEERS, SEED]:
         assert node_sha(lab, node, TARGET) == digest, node
     assert len(origin.gets(NAME)) == 2  # the seed downloaded it again, once
 
-    # Changed after the seed was checked, as it starts serving: every copy is refused.
-    for node in PEERS:
-        lab.ssh(node, f"rm -f {TARGET} /data/models/.{NAME}.*")
+
+def test_a_seed_changed_as_it_starts_serving_is_refused_by_every_peer(
+    lab: Lab, origin: Origin, tmp_path: Path, cleanup: None
+) -> None:
+    cluster, digest = fetched_on_the_seed(lab, origin, tmp_path)
     spec = parse_cluster(cluster.read_text())
     results = fetch_tampering(
         spec, cluster.parent, {"seeded": PEERS}, lambda node, _path: engine_account_rewrites(lab, node)
@@ -86,4 +92,4 @@ def test_peers_never_take_a_seed_file_the_engine_account_changed(
         assert TARGET in r.message and SEED in r.message and digest in r.message, r.message
         there = lab.ssh(r.node, f"ls -a /data/models | grep -F {NAME}").stdout.split()
         assert NAME not in there and f"{NAME}.part" not in there, (r.node, there)
-    assert len(origin.gets(NAME)) == 2  # refused, not made up for from the origin
+    assert len(origin.gets(NAME)) == 1  # refused, not made up for from the origin
