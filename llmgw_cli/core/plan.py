@@ -31,7 +31,7 @@ from llmgw_cli.core.hardware import fabric_status
 from llmgw_cli.core.parse.units import replica_units
 from llmgw_cli.core.pins import pinned_commits
 from llmgw_cli.core.placement import PlacedReplica, Placement, Placer, Slot, place
-from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode
+from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode, SourceKind
 
 Op = Literal["+", "~", "-", "="]
 
@@ -484,7 +484,13 @@ def make_plan(
     order = {"-": 0, "~": 1, "+": 2, "=": 3}
     actions.sort(key=lambda a: (order[a.op], a.model, a.retire.replica if a.retire else a.replica))
     warnings = tuple(
-        dict.fromkeys([*roll.warnings, *(w for rep in placement.replicas for w in rep.warnings)])
+        dict.fromkeys(
+            [
+                *roll.warnings,
+                *(w for rep in placement.replicas for w in rep.warnings),
+                *unpinned_warnings(spec),
+            ]
+        )
     )
     return Plan(
         actions=tuple(actions),
@@ -635,6 +641,18 @@ class _Rolling:
             surge=surge,
             downtime=downtime,
         )
+
+
+def unpinned_warnings(spec: ClusterSpec) -> list[str]:
+    """One line per model whose URL source pins no sha256: its file is then checked only
+    against what the node that downloaded it (the seed) received from the origin."""
+    return [
+        f"{m.name}: {m.source} has no sha256: the copies between nodes are checked only against "
+        "what the seed node downloaded, not against a known file; pin it with `sha256: <hex>` "
+        "beside the model's source"
+        for m in spec.models
+        if m.source_kind is SourceKind.url and not m.sha256
+    ]
 
 
 def _cause(spec: ClusterSpec, model: Model, old: Running) -> str:

@@ -66,6 +66,16 @@ class FetchEvent:
 
 
 @dataclass(frozen=True)
+class Served:
+    """A seed's peer server: the URL prefix its file is under, the process to stop, and
+    the seed's origin record, which every copy from it is checked against."""
+
+    prefix: str
+    pid: int
+    origin: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
 class FetchResult:
     model: str
     node: str
@@ -77,6 +87,7 @@ class FetchResult:
     bytes: int = 0
     seconds: float = 0.0
     sha256: str | None = None
+    origin: dict[str, Any] | None = None  # what the origin sent: {"url", "size", "sha256", ...}
 
 
 def piped_helper(words: Sequence[str], config: str) -> str:
@@ -194,15 +205,14 @@ class Fetcher:
             r = await self._job(s, candidate, s.url, sha, "origin")
             results.append(r)
             if r.ok:
-                seeds.append(candidate)
-                sha = sha or r.sha256
+                seeds.append(candidate)  # its copies are checked against its origin record
                 break
             if r.kind in ORIGIN_FAULTS or not waiting:
                 for node in waiting:  # the origin would answer every node the same way
                     results.append(self.fail(s.model, node, "origin", f"not tried: {r.message}", r.kind))
                 return results
             candidate = waiting.popleft()  # this node's own problem (disk full...): the next one tries
-        servers: dict[str, tuple[str, int]] = {}  # seed -> (url prefix, server pid)
+        servers: dict[str, Served] = {}
         tasks: set[asyncio.Task[None]] = set()
 
         async def serve_from(seed: str) -> None:
@@ -224,20 +234,26 @@ class Fetcher:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*(self._stop(seed, pid) for seed, (_, pid) in servers.items()))
+            await asyncio.gather(*(self._stop(seed, served.pid) for seed, served in servers.items()))
         return results
 
     async def _copy(
-        self, s: Spread, seed: str, node: str, sha: str | None, servers: dict[str, tuple[str, int]]
+        self, s: Spread, seed: str, node: str, sha: str | None, servers: dict[str, Served]
     ) -> FetchResult:
-        """Copy from ``seed``; when the peer cannot serve, fall back to the origin."""
+        """Copy from ``seed``, checked against what the seed's origin download recorded (and
+        the pinned sha256); when the peer cannot serve, fall back to the origin. A copy
+        that does not match fails: the seed's file changed, and the origin is not asked to
+        make up for a weights folder someone else writes."""
         why = ""
         try:
             if seed not in servers:
                 servers[seed] = await self._serve(seed, s.paths[seed])
-            prefix = servers[seed][0]
-            r = await self._job(s, node, prefix + quote(PurePosixPath(s.paths[node]).name), sha, seed)
-            if r.ok or r.kind == "disk-full":
+            served = servers[seed]
+            if served.origin is None and not sha:
+                raise NodeError(seed, "failed", f"{s.paths[seed]} has no record of what the origin sent")
+            url = served.prefix + quote(PurePosixPath(s.paths[node]).name)
+            r = await self._job(s, node, url, sha, seed, origin=served.origin)
+            if r.ok or r.kind in ("disk-full", "seed-changed"):
                 return r
             why = r.message
         except NodeError as exc:
@@ -245,7 +261,7 @@ class Fetcher:
         self.report(FetchEvent(s.model, node, "fetching", "origin", message=f"peer {seed} failed: {why}"))
         return await self._job(s, node, s.url, sha, "origin")
 
-    async def _serve(self, seed: str, path: str) -> tuple[str, int]:
+    async def _serve(self, seed: str, path: str) -> Served:
         secret = secrets.token_urlsafe(24)
         bind = self.spec.node(seed).engine_host  # where peers reach it: the URL below names it
         config = {"mode": "serve", "file": path, "secret": secret, "idle": SERVE_IDLE_SECONDS, "bind": bind}
@@ -255,7 +271,10 @@ class Fetcher:
         port, pid = _count(out.get("port")), _count(out.get("pid"))
         if not 0 < port < 65536 or not pid:
             raise NodeError(seed, "failed", f"the peer server on {seed} gave no usable port and pid")
-        return f"http://{_host(bind)}:{port}/{secret}/", pid
+        origin = out.get("origin")
+        return Served(
+            f"http://{_host(bind)}:{port}/{secret}/", pid, origin if isinstance(origin, dict) else None
+        )
 
     async def _stop(self, seed: str, pid: int) -> None:
         if self.helper:
@@ -284,16 +303,27 @@ class Fetcher:
         self.report(FetchEvent(model, node, "failed", source, message=message))
         return FetchResult(model, node, False, "failed", source, message, kind)
 
-    async def _job(self, s: Spread, node: str, url: str, sha: str | None, source: str) -> FetchResult:
+    async def _job(
+        self,
+        s: Spread,
+        node: str,
+        url: str,
+        sha: str | None,
+        source: str,
+        *,
+        origin: dict[str, Any] | None = None,
+    ) -> FetchResult:
         started = time.monotonic()
         self.report(FetchEvent(s.model, node, "fetching", source))
-        config = {
+        config: dict[str, Any] = {
             "mode": "fetch",
             "url": url,
             "target": s.paths[node],
             "sha256": sha,
             "token": token_for(url, self._token, self._endpoint),
         }
+        if source != "origin":  # a peer's copy: checked against the seed's origin record
+            config |= {"seed": source, "origin": origin}
         try:
             final = await self._follow(node, config, s.model, source)
         except NodeError as exc:
@@ -303,8 +333,19 @@ class Fetcher:
         if state in ("present", "done"):
             size = _count(final.get("bytes"))
             self.report(FetchEvent(s.model, node, str(state), source, size, size))
+            origin = final.get("origin")
             return FetchResult(
-                s.model, node, True, str(state), source, "", "", size, seconds, final.get("sha256")
+                s.model,
+                node,
+                True,
+                str(state),
+                source,
+                "",
+                "",
+                size,
+                seconds,
+                final.get("sha256"),
+                origin if isinstance(origin, dict) else None,
             )
         kind = str(final.get("kind") or "failed")
         message = str(final.get("message") or "failed")
@@ -347,17 +388,19 @@ class Fetcher:
 
 async def verified(fetcher: Fetcher, spec: ClusterSpec, held: set[tuple[str, str]]) -> set[tuple[str, str]]:
     """The ``held`` pairs that may be trusted, as the node program sees them: a regular
-    file (not a link, nothing planted beside it) and, when its model pins a sha256, one
-    the node remembers having checked against it (by inode, size, mtime and ctime). Any
-    other gets a fetch job: the node hashes a never-checked file there (detached: that can
-    take longer than one command may run) and keeps it when it matches; a wrong file is
-    replaced only by a verified download; a planted one fails with the node's reason."""
+    file (not a link, nothing planted beside it) that the node remembers having checked
+    (by inode, size, mtime and ctime) against its model's pinned sha256, else against the
+    size and sha256 its origin record says the origin sent. Any other gets a fetch job:
+    the node hashes a never-checked file there (detached: that can take longer than one
+    command may run) and keeps it when it matches; a wrong file, or one without a pin or
+    a record, is replaced only by a complete download; a planted one fails with the
+    node's reason."""
 
     async def one(model: str, node: str) -> bool:
-        sha = spec.model(model).sha256
+        sha, url = spec.model(model).sha256, spec.model(model).source
         target = target_path(spec.model(model), spec.node(node))
         try:
-            job = {"mode": "verify", "target": target, "sha256": sha, "quick": True}
+            job = {"mode": "verify", "target": target, "sha256": sha, "url": url, "quick": True}
             out = await fetcher.call(node, job)
         except NodeError:
             return False

@@ -131,7 +131,24 @@ def side_files(target: str) -> dict[str, str]:
         "status": hidden + ".fetch-status",
         "lock": hidden + ".fetch-lock",
         "verified": hidden + ".fetch-verified",
+        "origin": hidden + ".fetch-origin",
     }
+
+
+def origin_record(folder: int, target: str, url: str | None) -> dict[str, Any] | None:
+    """What the origin sent when this node downloaded ``target`` (or what the seed it
+    copied from had recorded): ``{"url", "size", "sha256", "etag", "last_modified"}``,
+    from the root-owned ``.fetch-origin`` beside it; None when there is none, or it is of
+    another URL than ``url`` (when given) or not well formed."""
+    record = _read_json(folder, os.path.basename(side_files(target)["origin"]))
+    size, digest = record.get("size"), record.get("sha256")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return None
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return None
+    if url is not None and record.get("url") != url:
+        return None
+    return record
 
 
 # --- the weights folder, opened without trusting it -----------------------------------
@@ -491,6 +508,14 @@ def _validator(resp: http.client.HTTPResponse) -> str | None:
     return resp.getheader("Last-Modified")
 
 
+def _with_validators(meta: dict[str, Any], resp: http.client.HTTPResponse, total: int) -> dict[str, Any]:
+    """``meta`` updated with what the origin said of its file: the validator a resume's
+    If-Range carries, and the ETag and Last-Modified its origin record keeps."""
+    etag, modified = resp.getheader("ETag"), resp.getheader("Last-Modified")
+    meta.update(validator=_validator(resp), total=total, etag=etag, last_modified=modified)
+    return meta
+
+
 # --- verify ---------------------------------------------------------------------------
 
 
@@ -622,11 +647,16 @@ class Download:
         self.work = folder if work is None else work
         self.remember = work is None  # a snapshot keeps its own record of what was checked
         self.name = os.path.basename(self.target)
-        self.expected_sha: str | None = config.get("sha256")
         self.expected_git: str | None = config.get("git_sha1")
-        size = config.get("size")
+        # A peer's copy must be what the seed's origin download recorded, bytes and size.
+        self.seed: str | None = config.get("seed")
+        origin = config.get("origin")
+        self.origin: dict[str, Any] | None = origin if isinstance(origin, dict) else None
+        self.expected_sha: str | None = config.get("sha256") or (self.origin or {}).get("sha256")
+        size = (self.origin or {}).get("size", config.get("size"))
         self.size: int | None = size if isinstance(size, int) and not isinstance(size, bool) else None
-        self.check = bool(config.get("check")) and bool(self.expected_sha)
+        self.keep_sha: str | None = config.get("keep_sha256") or self.expected_sha
+        self.check = bool(config.get("check")) and bool(self.keep_sha)
         token = config.get("token")
         self.auth = {"Authorization": "Bearer " + token} if token else {}
         self.token_origin: str | None = config.get("token_origin")
@@ -676,10 +706,20 @@ class Download:
         size = _size(self.folder, self.name)
         self.report(True, state="verifying", bytes=0, total=size)
         digest = hash_target(self.folder, self.target, lambda done: self.report(bytes=done))
-        if digest == self.expected_sha:
-            self.report(True, state="present", bytes=size, total=size, sha256=digest, finished=time.time())
+        if digest == self.keep_sha:
+            record = origin_record(self.folder, self.target, None)
+            self.report(
+                True,
+                state="present",
+                bytes=size,
+                total=size,
+                sha256=digest,
+                finished=time.time(),
+                **({"origin": record} if record else {}),
+            )
             return True
-        why = f"{self.target} has sha256 {digest}, not the pinned {self.expected_sha}: downloading it again"
+        pinned = "the pinned" if self.expected_sha else "what the origin sent,"
+        why = f"{self.target} has sha256 {digest}, not {pinned} {self.keep_sha}: downloading it again"
         self.report(
             True, state="running", bytes=_size(self.work, self.names["part"]), total=None, replacing=why
         )
@@ -704,8 +744,8 @@ class Download:
             if linked_size is not None and linked_size != total:
                 raise JobFailed("size", f"the origin announced {linked_size} bytes but served {total}")
             if self.size is not None and total != self.size:
-                self._discard()
-                raise JobFailed("size", f"the origin served {total} bytes, expected {self.size}; refused")
+                why = f"the origin served {total} bytes, expected {self.size}; refused"
+                raise self._refused_copy("size", why, f"{total} bytes")
             if have != total:
                 raise JobFailed(
                     "size", f"got {have} of {total} bytes; the partial file was kept for a resume"
@@ -715,11 +755,8 @@ class Download:
             hashes = self._hash if self._hash is not None else _hash_file(fd, self._git_size(total))
             digest = hashes.hexdigest()
             if expected and digest != expected:
-                self._discard()
-                raise JobFailed(
-                    "checksum",
-                    f"sha256 of the download is {digest}, expected {expected}; the partial file was removed",
-                )
+                why = f"sha256 of the download is {digest}, expected {expected}; the partial file was removed"
+                raise self._refused_copy("checksum", why, f"sha256 {digest}")
             git = hashes.git_sha1()
             if self.expected_git and git != self.expected_git:
                 self._discard()
@@ -732,13 +769,43 @@ class Download:
             os.fsync(fd)
         finally:
             os.close(fd)
+        record = self.origin or {
+            "url": self.url,
+            "size": total,
+            "sha256": digest,
+            "etag": meta.get("etag"),
+            "last_modified": meta.get("last_modified"),
+        }
+        if self.remember:  # before the rename: a target in place always has its record
+            _write_json(self.folder, self.names["origin"], record)
         os.replace(self.names["part"], self.name, src_dir_fd=self.work, dst_dir_fd=self.folder)
         os.fsync(self.folder)
         _unlink(self.work, self.names["meta"])
         if self.remember:
             with contextlib.suppress(OSError):
                 _remember(self.folder, self.target, digest)  # the next run's check is then cheap
-        self.report(True, state="done", bytes=total, total=total, sha256=digest, finished=time.time())
+        done = {"sha256": digest, **({"origin": record} if self.remember else {})}
+        self.report(True, state="done", bytes=total, total=total, finished=time.time(), **done)
+
+    def _refused_copy(self, kind: str, message: str, differs: str) -> JobFailed:
+        """A download that is not the file expected, its partial file removed. From a peer
+        (``seed``): the seed's file is not what its origin download recorded (or the pin),
+        said with what differed (``differs``, e.g. ``sha256 <hex>``)."""
+        self._discard()
+        if self.seed is None:
+            return JobFailed(kind, message)
+        o = self.origin or {}
+        came = (
+            f"{o.get('url')} sent {o.get('size')} bytes with sha256 {o.get('sha256')} when it was downloaded"
+        )
+        if not self.origin:
+            came = f"the pinned sha256 is {self.expected_sha}"
+        return JobFailed(
+            "seed-changed",
+            f"{self.target}: the copy from {self.seed} has {differs}, but {came}: the file on "
+            f"{self.seed} changed since; refused, nothing was kept; find out who can write "
+            f"{self.seed}'s weights folder",
+        )
 
     def _transfer_retried(self, url: str, meta: dict[str, Any]) -> int:
         """``_transfer``, tried again after a network failure (``RETRIES`` times in a row,
@@ -817,9 +884,9 @@ class Download:
             else:
                 raise self._refused(resp, url)
             if self.size is not None and total not in (-1, self.size):
-                raise JobFailed("size", f"{url} announced {total} bytes, expected {self.size}; refused")
-            meta.update(validator=_validator(resp), total=total)
-            _write_json(self.work, self.names["meta"], meta)
+                why = f"{url} announced {total} bytes, expected {self.size}; refused"
+                raise self._refused_copy("size", why, f"{total} bytes")
+            _write_json(self.work, self.names["meta"], _with_validators(meta, resp, total))
             self._check_space(total - have if total >= 0 else 0)
             self.status.pop("waiting", None)
             self.report(True, bytes=have, total=total if total >= 0 else None, resumed_from=have)
@@ -854,8 +921,8 @@ class Download:
                 break
             if self.size is not None and have + len(chunk) > self.size:
                 out.close()
-                self._discard()
-                raise JobFailed("size", f"{self.url} sent more than the {self.size} bytes expected; refused")
+                why = f"{self.url} sent more than the {self.size} bytes expected; refused"
+                raise self._refused_copy("size", why, f"more than {self.size} bytes")
             out.write(chunk)
             self._hash.update(chunk)  # hashing while writing spares reading the file again
             have += len(chunk)
@@ -931,24 +998,54 @@ def _total_from_range(value: str | None) -> int | None:
 
 def _present(folder: int, config: dict[str, Any]) -> dict[str, Any] | None:
     """What to answer at once when the target exists and may be kept; None when a job must
-    run: the target is absent or empty, its remembered sha256 is not the pinned one (a
-    verified download replaces it), or it was never hashed (``config["check"]``: the
-    detached job hashes it first, as that may take longer than a command may run)."""
+    run: the target is absent or empty, its remembered sha256 is not the one it must have
+    (a verified download replaces it), or it was never hashed (``config["check"]``: the
+    detached job hashes it first, as that may take longer than a command may run).
+
+    The sha256 it must have is the pinned one, else the one its origin record says the
+    origin sent (``keep_sha256``); a file without either (put there by hand, or fetched
+    before records were kept) or of another size than the record's is downloaded again."""
     target = config["target"]
     size = _size(folder, os.path.basename(target))
     if size <= 0:
         return None
-    expected = config.get("sha256")
-    if not expected:
-        return {"state": "present", "bytes": size}
+    expected, why = _must_have(folder, target, config, size)
+    if expected is None:
+        config["replacing"] = why
+        return None
+    config["keep_sha256"] = expected
     known = remembered(folder, target)
     if known is None:
         config["check"] = True
         return None
     if known != expected:
-        config["replacing"] = f"{target} has sha256 {known}, not the pinned {expected}: downloading it again"
+        config["replacing"] = f"{target} has sha256 {known}, not {why} {expected}: downloading it again"
         return None
-    return {"state": "present", "bytes": size, "sha256": known, "verified": True}
+    record = origin_record(folder, target, None)
+    return {"state": "present", "bytes": size, "sha256": known, "verified": True} | (
+        {"origin": record} if record else {}
+    )
+
+
+def _must_have(folder: int, target: str, config: dict[str, Any], size: int) -> tuple[str | None, str]:
+    """(the sha256 an existing target must have, what it is); (None, why the target is to
+    be downloaded again) when nothing says which content it should be."""
+    if config.get("sha256"):
+        return config["sha256"], "the pinned"
+    origin = config.get("origin")
+    url = origin.get("url") if isinstance(origin, dict) else config.get("url")
+    record = origin_record(folder, target, url)
+    if record is None:
+        return None, (
+            f"{target} has no pinned sha256 and no record of an origin download of {url}: "
+            "downloading it again"
+        )
+    if record["size"] != size:
+        return None, (
+            f"{target} has {size} bytes, but {url} sent {record['size']} when it was fetched: "
+            "downloading it again"
+        )
+    return record["sha256"], "what the origin sent,"
 
 
 def _error(kind: str, message: str) -> None:
@@ -1061,10 +1158,11 @@ def _job(folder: int, config: dict[str, Any], lock: int) -> Download | None:
 
 
 def verify(config: dict[str, Any]) -> None:
-    """Print whether the target exists and matches ``sha256``: ``verified``, ``mismatch``
-    (with the sha256 found), ``absent``, or an error (a link, someone else's bookkeeping);
-    ``present`` without a sha256 to check. With ``quick``, a file that would have to be
-    hashed (never checked, or changed since) is ``unchecked`` instead."""
+    """Print whether the target exists and matches ``sha256`` (without one: the size and
+    sha256 its origin record gives, for ``url``): ``verified``, ``mismatch`` (with the
+    sha256 found, or why it cannot be checked), ``absent``, or an error (a link, someone
+    else's bookkeeping). With ``quick``, a file that would have to be hashed (never
+    checked, or changed since) is ``unchecked`` instead."""
     target = config["target"]
     folder = _target_folder(target, create=False, missing={"state": "absent"})
     if folder is None:
@@ -1074,15 +1172,18 @@ def verify(config: dict[str, Any]) -> None:
         if _size(folder, os.path.basename(target)) <= 0:
             _emit({"state": "absent"})
             return
-        if not config.get("sha256"):
-            _emit({"state": "present"})  # nothing to check it against: a regular file is all
+        expected, why = _must_have(folder, target, config, _size(folder, os.path.basename(target)))
+        if expected is None:
+            _emit({"state": "mismatch", "message": why})  # a fetch job downloads it again
             return
         digest = remembered(folder, target)
         if digest is None and config.get("quick"):
             _emit({"state": "unchecked"})  # never hashed, or changed since: a fetch job hashes it
             return
         digest = digest or hash_target(folder, target)
-        _emit({"state": "verified" if digest == config["sha256"] else "mismatch", "sha256": digest})
+        record = origin_record(folder, target, None)
+        state = "verified" if digest == expected else "mismatch"
+        _emit({"state": state, "sha256": digest} | ({"origin": record} if record else {}))
     except JobFailed as exc:
         _error(exc.kind, str(exc))
     except OSError as exc:
@@ -2015,7 +2116,8 @@ def check_bind(value: object) -> str:
 
 
 def serve(config: dict[str, Any]) -> None:
-    """Serve one file until idle; prints ``{"state": "serving", "port": N, "pid": P}``."""
+    """Serve one file until idle; prints ``{"state": "serving", "port": N, "pid": P,
+    "origin": <its origin record, when it has one>}``."""
     path = config.get("file")
     try:
         if not isinstance(path, str):
@@ -2032,18 +2134,25 @@ def serve(config: dict[str, Any]) -> None:
         _error("node", f"cannot serve {path}: {exc}")
         return
     activity = _Activity()
-    _run_server(_handler(path, folder, config["secret"], activity), activity, config)
+    record = origin_record(folder, path, None)  # what the origin sent: the peers check their copy against it
+    handler = _handler(path, folder, config["secret"], activity)
+    _run_server(handler, activity, config, {"origin": record} if record else {})
 
 
 class _Server6(ThreadingHTTPServer):
     address_family = socket.AF_INET6
 
 
-def _run_server(handler: type[_FileHandler], activity: _Activity, config: dict[str, Any]) -> None:
+def _run_server(
+    handler: type[_FileHandler],
+    activity: _Activity,
+    config: dict[str, Any],
+    said: dict[str, Any] | None = None,
+) -> None:
     """Serve on an ephemeral port of the job's ``bind`` address (checked: ``check_bind``)
     until ``idle`` seconds (default 120) pass without a request; detached unless
-    ``foreground``. Prints ``{"state": "serving", "port": N, "pid": P}`` once the server
-    listens (P: the process to kill to stop it)."""
+    ``foreground``. Prints ``{"state": "serving", "port": N, "pid": P}`` (and ``said``)
+    once the server listens (P: the process to kill to stop it)."""
     bind = check_bind(config.get("bind"))
     server = (_Server6 if ":" in bind else ThreadingHTTPServer)((bind, 0), handler)
     server.daemon_threads = True
@@ -2051,14 +2160,14 @@ def _run_server(handler: type[_FileHandler], activity: _Activity, config: dict[s
     idle = float(config.get("idle", 120))
     foreground = bool(config.get("foreground"))
     if foreground:
-        _emit({"state": "serving", "port": port, "pid": os.getpid()})
+        _emit({"state": "serving", "port": port, "pid": os.getpid(), **(said or {})})
     else:
         read_end, write_end = os.pipe()
         if not _detach():
             os.close(write_end)
             with os.fdopen(read_end) as pipe:
                 pid = int(pipe.read().strip() or 0)  # the detached server's pid, once it is up
-            _emit({"state": "serving", "port": port, "pid": pid})
+            _emit({"state": "serving", "port": port, "pid": pid, **(said or {})})
             return
         os.close(read_end)
         os.write(write_end, str(os.getpid()).encode())

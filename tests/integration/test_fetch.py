@@ -382,14 +382,47 @@ def test_two_fabrics_download_once_each_and_peers_off_every_node(origin: Origin,
 
 
 def test_a_node_that_holds_the_file_seeds_the_others(origin: Origin, tmp_path: Path) -> None:
+    """A file put on a node by hand seeds its peers once it matches the pinned sha256."""
     digest = origin.add("seed.gguf", 8 * MiB)
-    spec = cluster(tmp_path, model("m", origin.url("seed.gguf")), nodes=2)
+    spec = cluster(tmp_path, model("m", origin.url("seed.gguf"), digest), nodes=2)
     (tmp_path / "n2").mkdir()
     (tmp_path / "n2" / "seed.gguf").write_bytes((origin.www / "seed.gguf").read_bytes())
+    [kept] = fetch(spec, tmp_path, {"m": ["n2"]})
+    assert kept.ok and kept.state == "present", kept  # hashed on n2, and remembered
     [result] = fetch(spec, tmp_path, {"m": ["n1"]})
     assert result.ok and result.source == "n2", result
     assert sha(tmp_path / "n1" / "seed.gguf") == digest
     assert origin.gets("seed.gguf") == []
+
+
+def test_a_fetched_unpinned_file_seeds_the_others_with_its_origin_record(
+    origin: Origin, tmp_path: Path
+) -> None:
+    digest = origin.add("record.gguf", 8 * MiB)
+    spec = cluster(tmp_path, model("m", origin.url("record.gguf")), nodes=2)
+    [first] = fetch(spec, tmp_path, {"m": ["n2"]})
+    assert first.ok and first.source == "origin" and first.origin, first
+    assert first.origin["size"] == 8 * MiB and first.origin["sha256"] == digest
+    assert first.origin["etag"] and first.origin["last_modified"]
+    [result] = fetch(spec, tmp_path, {"m": ["n1"]})
+    assert result.ok and result.source == "n2", result
+    assert result.origin == first.origin  # carried to the copy, which can seed in turn
+    assert len(origin.gets("record.gguf")) == 1
+
+
+def test_an_unpinned_file_put_there_by_hand_is_downloaded_again(origin: Origin, tmp_path: Path) -> None:
+    """Without a pin or a record of its download, nothing says which file it should be."""
+    digest = origin.add("byhand.gguf", 2 * MiB)
+    spec = cluster(tmp_path, model("m", origin.url("byhand.gguf")), nodes=2)
+    for node in ("n1", "n2"):
+        (tmp_path / node).mkdir()
+    (tmp_path / "n2" / "byhand.gguf").write_bytes(b"\1" * (2 * MiB))
+    [result] = fetch(spec, tmp_path, {"m": ["n1"]})
+    assert result.ok and result.source == "origin", result  # n2 seeds nothing
+    assert sha(tmp_path / "n1" / "byhand.gguf") == digest
+    [again] = fetch(spec, tmp_path, {"m": ["n2"]})
+    assert again.ok and again.source == "n1", again  # replaced, from the peer that has the record
+    assert sha(tmp_path / "n2" / "byhand.gguf") == digest
 
 
 # --- disk full ------------------------------------------------------------------------

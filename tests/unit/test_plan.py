@@ -477,3 +477,17 @@ def test_a_saved_plan_without_the_rolling_fields_still_loads() -> None:
     (action,) = loaded.changes
     assert action.retire is None and not action.surge and action.downtime == ""
     assert Plan.model_validate_json(plan.model_dump_json()) == plan
+
+
+def test_a_url_source_without_sha256_is_warned_about_once_per_model() -> None:
+    url = "https://example.org/w/m.gguf"
+    text = CLUSTER + (
+        f"  - {{name: loose, source: '{url}', profile: vllm}}\n"
+        f"  - {{name: pinned, source: '{url}p', sha256: '{'ab' * 32}', profile: vllm}}\n"
+        f"  - {{name: loose2, source: '{url}q', profile: vllm, scaling: {{min: 0, max: 1}}}}\n"
+    )
+    warnings = [w for w in make_plan(spec(text), fresh()).warnings if "sha256" in w]
+    assert [w.split(":")[0] for w in warnings] == ["loose", "loose2"]
+    assert "checked only against what the seed node downloaded" in warnings[0]
+    assert "`sha256: <hex>`" in warnings[0] and url in warnings[0]
+    assert not [w for w in make_plan(spec(), fresh()).warnings if "sha256" in w]  # repo ids: none
