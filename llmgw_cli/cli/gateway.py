@@ -138,7 +138,7 @@ def run(
 
     from llmgw_cli.core.drain import routes_dir
     from llmgw_cli.gateway.accesslog import LIMIT, AccessLog
-    from llmgw_cli.gateway.server import serve
+    from llmgw_cli.gateway.server import redact_log, serve
     from llmgw_cli.gateway.sources import ProbeSource, PublishedSource, ReplicaSource, StaticSource
     from llmgw_cli.gateway.state import Gateway, read_engine_key, read_engine_keys
     from llmgw_cli.gateway.store import open_store
@@ -220,6 +220,8 @@ def run(
         # what it routes, for apply (core/drain.py): <state_dir>/routes/<pid>.json
         routes=Path(routes_dir(spec.gateway.state_dir)),
     )
+    for handler in logging.getLogger().handlers:  # no secret in the journal (core/redact.py)
+        redact_log(handler, gateway)
     runner(serve(gateway, worker=worker))
 
 

@@ -41,6 +41,7 @@ At most one start per model per call: the shell marks the model busy while it ac
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
@@ -335,14 +336,48 @@ def phase(
     return Phase.stopped
 
 
+# A fetch's progress as ``core/fetch_progress.progress_text`` writes it, after the subject.
+_FETCH = re.compile(
+    r": (fetching|waiting)(?: (\d+/\d+ files))?(?:,? ?(\d+(?:\.\d+)? (?:of \d+(?:\.\d+)? )?[GM]B))?"
+)
+# What the controller says of a start (``gateway/controller.py``), by the words it begins with.
+_STEPS = (
+    ("probing the nodes", "placing a replica"),
+    ("starting on ", "starting the engine"),
+    ("engine loading", "engine loading"),
+)
+
+
+def public_progress(progress: str) -> str:
+    """What a client may read of a start's progress: a phrase of a fixed vocabulary, with
+    at most the numbers of a fetch (``fetching weights: 12/40 files, 3 of 9 GB``). The
+    progress text itself quotes nodes, peers and whatever a node's fetch job said: the
+    gateway's log and the admin dashboard show it, never a client."""
+    if not progress:
+        return ""
+    for start, phrase in _STEPS:
+        if progress.startswith(start):
+            return phrase
+    fetch = _FETCH.search(progress)
+    if fetch is None:
+        return "fetching weights" if "weights" in progress else "starting"
+    if fetch[1] == "waiting":
+        return "waiting for weights"
+    numbers = [n for n in (fetch[2], fetch[3]) if n]
+    return "fetching weights" + (": " + ", ".join(numbers) if numbers else "")
+
+
 @dataclass(frozen=True)
 class Unavailable:
-    """What a request gets when no replica of its model is ready in time."""
+    """What a request gets when no replica of its model is ready in time. ``message`` is
+    for the client: fixed phrases, the model's name and numbers only. ``detail`` is what
+    the gateway knows of why (a start's failure, its progress), for its log only."""
 
     status: int  # 503, or 404 for a model that is switched off
     code: str  # model_loading | model_start_failed | model_unavailable | model_off
     message: str
     retry_after: float  # seconds, at least 1
+    detail: str = ""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -370,12 +405,16 @@ def unavailable(
         return Unavailable(
             503,
             "model_start_failed",
-            f"The model `{name}` could not be started: {attempts.reason}",
+            f"The model `{name}` could not be started; it is tried again after a back-off.",
             max(1.0, left),
+            attempts.reason,
         )
     if phase is Phase.starting:
-        doing = f" ({progress})" if progress else ""
-        return Unavailable(503, "model_loading", f"The model `{name}` is loading{doing}; retry shortly.", 5.0)
+        public = public_progress(progress)
+        doing = f" ({public})" if public else ""
+        return Unavailable(
+            503, "model_loading", f"The model `{name}` is loading{doing}; retry shortly.", 5.0, progress
+        )
     if phase is Phase.stopped and model.mode is ScalingMode.on_demand and not manages:
         return Unavailable(
             503,

@@ -318,7 +318,8 @@ class GatewaySettings(Spec):
         5.0,
         description="After a failed start, the gateway waits this long before it starts the "
         "model again; the wait doubles with each failure in a row, up to 5 minutes. Requests "
-        "meanwhile get 503 `model_start_failed` with the reason and Retry-After.",
+        "meanwhile get 503 `model_start_failed` with Retry-After and a request id (the reason is in "
+        "the gateway's log under it).",
     )
     discover_every: PositiveDuration = Field(
         15.0,

@@ -72,7 +72,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -98,6 +98,7 @@ from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.lifecycle import eviction_candidate, known_last_use
 from llmgw_cli.core.pins import needs_pin
 from llmgw_cli.core.plan import Action, Plan, Running, conflicts, grow_plan, running_replicas, stop_plan
+from llmgw_cli.core.redact import redact
 from llmgw_cli.core.routing import Health, Pool, RoutedReplica, serving_address
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
 from llmgw_cli.errors import NodeError, NotLeader, StartFailed
@@ -280,13 +281,15 @@ class _Start:
 
 @dataclass
 class _Sink:
-    """Where a start's reports go: the log and the model's progress text."""
+    """Where a start's reports go: the log and the model's progress text (which the
+    dashboard shows and the leader publishes: without secrets)."""
 
     model: ModelController
+    secrets: Callable[[], Iterable[str]]
 
     def __call__(self, subject: str, message: str, phase: ReportPhase = ReportPhase.working, /) -> None:
         _log_report(subject, message, phase)
-        self.model.progress = f"{subject}: {message}"
+        self.model.progress = redact(f"{subject}: {message}", self.secrets())
 
 
 @dataclass
@@ -347,6 +350,8 @@ class Controller:
         # how drain deadlines, written on the node's clock, read on this gateway's.
         self._clocks: dict[str, tuple[float, float]] = {}
         self.changed: Callable[[], None] | None = None  # called by every ``observe``
+        # Secrets the gateway holds by value (its engine keys): never in a recorded failure.
+        self.secrets: Callable[[], Iterable[str]] = tuple
         self._tasks: set[asyncio.Task[object]] = set()
         self.members = 1  # live gateway processes sharing every replica's concurrency
         self.following: Following | None = None  # set while another process leads
@@ -908,6 +913,8 @@ class Controller:
                     self.pool.remove(model, address)
             except Exception:
                 log.exception("%s: could not stop the replica whose start failed", model)
+        # Recorded, shown on the dashboard and published to the followers: without secrets.
+        why = redact(why, self.secrets())
         mc.attempts = mc.attempts.failed(why, self.clock())
         self.metrics.loaded(model, time.monotonic() - began, ok=False)
         log.error("%s: start failed: %s", model, why)
@@ -953,7 +960,7 @@ class Controller:
                 plan = await self._evict_for(spec, facts, plan, start, mc)
             action = plan.changes[0]
             self._fetching[ticket] = _Start(action, plan)
-        sink = _Sink(mc)
+        sink = _Sink(mc, self.secrets)
         try:
             missing = await self.nodes.fetch(spec, plan, sink)
             if missing:

@@ -3,15 +3,43 @@
 ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status and any headers
 (``Retry-After``) the caller gives. Clients (the official ``openai`` library among them)
 read ``type`` and ``code``; ``message`` is for people.
+
+Every answer of the public listener carries a request id (``x-request-id``, the header
+OpenAI's API answers with, which its client reads as ``request_id``). An answer that
+withholds what the gateway knows (why a start failed, what an engine said) names that id
+in its message, and the gateway's log line with the detail carries it too: the client
+reads a reason, the operator finds the rest.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 
 from aiohttp import web
 
 from llmgw_cli.errors import BadRequest
+
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = web.RequestKey("request_id", str)
+
+
+def request_id(request: web.Request) -> str:
+    """This request's id, made on first use: ``req_`` and 24 hex digits."""
+    found = request.get(_REQUEST_ID)
+    if found is None:
+        found = request[_REQUEST_ID] = "req_" + secrets.token_hex(12)
+    return found
+
+
+async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the id in every answer's head, a stream's too."""
+    response.headers[REQUEST_ID_HEADER] = request_id(request)
+
+
+def withheld(message: str, rid: str) -> str:
+    """A client's message whose detail went to the log under ``rid``."""
+    return f"{message} (request id {rid})"
 
 
 def error(

@@ -10,6 +10,7 @@ OpenAI format of ``openai_error``. Here: the request's path through the gateway,
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -19,10 +20,10 @@ from aiohttp import web
 from llmgw_cli.core.controller import Unavailable
 from llmgw_cli.core.keys import ApiKey, bearer
 from llmgw_cli.errors import BadRequest, ConnectFailed, Disconnected, UpstreamError
-from llmgw_cli.gateway.openai_error import bad_request, error
+from llmgw_cli.gateway.openai_error import bad_request, error, request_id, withheld
 from llmgw_cli.gateway.request_body import parse_body, with_include_usage
 from llmgw_cli.gateway.sse import StreamRelay, body_usage
-from llmgw_cli.gateway.state import Gateway
+from llmgw_cli.gateway.state import Gateway, log
 from llmgw_cli.gateway.upstream import Answer
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
@@ -98,6 +99,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
             gw.access_log.write(
                 {
                     "ts": round(time.time(), 3),
+                    "request_id": request_id(request),  # as the answer's x-request-id says
                     "path": request.path,
                     "key": record.key,
                     "model": record.model,
@@ -196,11 +198,32 @@ async def _forward(
         gw.admission.leave(name)
 
 
-def _refused(why: Unavailable) -> web.Response:
-    """The answer to a request for a model that has no ready replica in time."""
+def _refused(why: Unavailable, rid: str) -> web.Response:
+    """The answer to a request for a model that has no ready replica in time. What the
+    gateway knows of why goes to its log, under the request id the answer names."""
     if why.status == 404:
         return error(why.status, why.message, "invalid_request_error", why.code)
-    return error(why.status, why.message, "server_error", why.code, why.headers)
+    message = why.message
+    if why.detail:
+        loading = why.code == "model_loading"  # a start's progress, not a fault
+        _log_detail(logging.INFO if loading else logging.WARNING, rid, why.code, why.detail)
+        message = withheld(message, rid)
+    return error(why.status, message, "server_error", why.code, why.headers)
+
+
+def _upstream_failed(request: web.Request, gw: Gateway, reason: str, detail: str) -> web.Response:
+    """A 502: ``reason`` for the client, ``detail`` (an engine's address, what broke) for
+    the log, under the request id the answer names."""
+    rid = request_id(request)
+    _log_detail(logging.WARNING, rid, reason, gw.redact(detail))
+    return error(502, withheld(reason, rid), "server_error", "upstream_error")
+
+
+def _log_detail(level: int, rid: str, what: str, detail: str) -> None:
+    """One log record; each of its lines (a journal's, a traceback's) begins with the
+    request id, so a search for the id finds them all."""
+    lines = detail.splitlines() or [""]
+    log.log(level, "\n".join(f"request {rid}: {what}: {line}" for line in lines))
 
 
 async def _route(
@@ -214,7 +237,7 @@ async def _route(
         # None ready: the controller starts one if it may, and waits up to load_wait.
         found = await gw.controller.ensure_ready(name, started + gw.spec.gateway.load_wait)
         if isinstance(found, Unavailable):
-            return _refused(found)
+            return _refused(found, request_id(request))
         replica = found
     last_error = ""
     stale_retried = False
@@ -244,22 +267,22 @@ async def _route(
                 replica = gw.pool.pick(name, time.monotonic(), frozenset(tried))
                 continue
             except UpstreamError as exc:
-                return error(502, f"The engine did not answer: {exc}", "server_error", "upstream_error")
+                return _upstream_failed(request, gw, "The engine did not answer.", str(exc))
             gw.pool.succeeded(replica)
             record.first_byte_ms = (time.monotonic() - started) * 1000
             try:
-                return await _relay(request, upstream, record)
+                return await _relay(request, gw, upstream, record)
             finally:
                 upstream.release()  # closes the connection unless the answer was read to its end
         finally:
             current.outstanding -= 1
             current.last_used = time.time()  # a stream counts as use until it ends
-    return error(
-        502, f"No replica of `{name}` could be reached: {last_error}", "server_error", "upstream_error"
-    )
+    return _upstream_failed(request, gw, f"No replica of `{name}` could be reached.", last_error)
 
 
-async def _relay(request: web.Request, upstream: Answer, record: RequestRecord) -> web.StreamResponse:
+async def _relay(
+    request: web.Request, gw: Gateway, upstream: Answer, record: RequestRecord
+) -> web.StreamResponse:
     if upstream.status == 401:
         return error(502, "The engine refused the gateway's engine key.", "server_error", "upstream_auth")
     content_type = upstream.content_type or "application/json"
@@ -267,7 +290,7 @@ async def _relay(request: web.Request, upstream: Answer, record: RequestRecord) 
         try:
             data = await upstream.read()
         except UpstreamError as exc:
-            return error(502, f"The engine broke off its answer: {exc}", "server_error", "upstream_error")
+            return _upstream_failed(request, gw, "The engine broke off its answer.", str(exc))
         if upstream.status == 200:
             record.prompt, record.completion = body_usage(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})

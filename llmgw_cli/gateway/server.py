@@ -39,18 +39,20 @@ import signal
 import socket
 import ssl
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from llmgw_cli.core.controller import Phase
+from llmgw_cli.core.controller import Phase, public_progress
 from llmgw_cli.core.keys import bearer
+from llmgw_cli.core.redact import redact
 from llmgw_cli.core.spec import GatewayTls
 from llmgw_cli.errors import LlmgwError
 from llmgw_cli.gateway import admin, systemd
 from llmgw_cli.gateway.fleet import FleetCollector
-from llmgw_cli.gateway.openai_error import error
+from llmgw_cli.gateway.openai_error import add_request_id, error, request_id
 from llmgw_cli.gateway.proxy import GATEWAY, forward
 from llmgw_cli.gateway.state import Gateway, log
 from llmgw_cli.gateway.store import ModelState
@@ -67,6 +69,7 @@ async def models(request: web.Request) -> web.Response:
         return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
     controller = gw.controller
     phases = controller.phases()
+    progress = {name: controller.progress(name) for name, phase in phases.items() if phase is Phase.starting}
     data = [
         {
             "id": m.name,
@@ -75,11 +78,15 @@ async def models(request: web.Request) -> web.Response:
             "owned_by": "llmgw",
             "state": phases[m.name].value,
             "mode": m.mode.value,
-            # what its start does now (fetching, engine loading); empty unless starting
-            "progress": controller.progress(m.name) if phases[m.name] is Phase.starting else "",
+            # what its start does now, in a few fixed words (fetching weights: 3/9 files,
+            # engine loading); empty unless starting
+            "progress": public_progress(progress.get(m.name, "")),
         }
         for m in gw.catalog.values()
     ]
+    withheld = "; ".join(f"{name}: {text}" for name, text in progress.items() if text)
+    if withheld:  # the whole progress text, for the operator, under the answer's request id
+        log.info("request %s: /v1/models: %s", request_id(request), withheld)
     return web.json_response({"object": "list", "data": data})
 
 
@@ -88,6 +95,7 @@ def public_app(gw: Gateway) -> web.Application:
     # OpenAI error format.
     app = web.Application(client_max_size=gw.spec.gateway.max_request_size)
     app[GATEWAY] = gw
+    app.on_response_prepare.append(add_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
@@ -176,6 +184,33 @@ class ClientMistakes(logging.Filter):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
+
+
+class RedactLog(logging.Filter):
+    """On a handler of the gateway's log: every line it writes, a traceback's too, without
+    the secrets ``core/redact.py`` knows and those ``secrets`` returns (the engine keys).
+    A start's failure and a fetch's progress quote what nodes and engines said."""
+
+    def __init__(self, secrets: Callable[[], Iterable[str]]) -> None:
+        super().__init__()
+        self.secrets = secrets
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        known = tuple(self.secrets())
+        record.msg, record.args = redact(record.getMessage(), known), ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text, known)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info, known)
+        return True
+
+
+def redact_log(handler: logging.Handler, gw: Gateway) -> None:
+    """Put ``RedactLog`` on ``handler`` (once) for ``gw``'s secrets."""
+    if not any(isinstance(f, RedactLog) for f in handler.filters):
+        handler.addFilter(RedactLog(gw.known_secrets))
 
 
 class WriteWatch:

@@ -40,6 +40,7 @@ import aiohttp
 from llmgw_cli.core.drain import Routes, routes_text
 from llmgw_cli.core.keys import ApiKey, hash_token
 from llmgw_cli.core.parse.engine_env import engine_key
+from llmgw_cli.core.redact import redact
 from llmgw_cli.core.routing import Health, Pool
 from llmgw_cli.core.spec import ClusterSpec, GatewaySettings, Model
 from llmgw_cli.errors import InputError
@@ -199,8 +200,17 @@ class Gateway:
             lock=lock,
         )
         self.controller.changed = self._routing_changed
+        self.controller.secrets = self.known_secrets
         self.access_log = access_log
         self._upstream_settings()
+
+    def known_secrets(self) -> tuple[str, ...]:
+        """The secrets this process holds by value: the engine keys."""
+        return (self.engine_key, *(k for keys in self.engine_keys.values() for k in keys))
+
+    def redact(self, text: str) -> str:
+        """``text`` without any secret (``core/redact.py``), these keys included."""
+        return redact(text, self.known_secrets())
 
     def _upstream_settings(self) -> None:
         """What every upstream request shares, built once per configuration, not per request."""

@@ -301,7 +301,7 @@ def test_a_start_whose_engine_exits_answers_model_start_failed_at_once_then_back
         got = await ctl.ensure_ready("lazy", time.monotonic() + FOREVER)
         assert isinstance(got, Unavailable), got
         assert got.status == 503 and got.code == "model_start_failed"
-        assert "ValueError: no such model" in got.message
+        assert "ValueError: no such model" in got.detail and "ValueError" not in got.message
         assert got.retry_after >= 1
         # its units were stopped: the card came back
         assert len(w.nodes.stops("lazy")) == 1 and not running_replicas(w.nodes.truth)
@@ -501,7 +501,7 @@ def test_an_eviction_for_a_failing_start_is_not_repeated() -> None:
         w.clock.now += 3600
         got = await w.controller.ensure_ready("lazy", time.monotonic() + FOREVER)
         assert isinstance(got, Unavailable) and got.code == "model_start_failed"
-        assert "eviction" in got.message
+        assert "eviction" in got.detail
         assert [a.model for a in w.nodes.stops()] == ["other", "lazy"]  # not evicted again
 
     run(scenario)
@@ -717,7 +717,7 @@ def test_a_draining_replica_is_neither_stopped_when_idle_nor_evicted() -> None:
         assert not w.nodes.plans
         got = await w.controller.ensure_ready("other", time.monotonic() + FOREVER)
         assert isinstance(got, Unavailable) and got.code == "model_start_failed"
-        assert "no idle on-demand replica may be evicted" in got.message
+        assert "no idle on-demand replica may be evicted" in got.detail
         assert not w.nodes.stops()
 
     run(scenario)
@@ -756,14 +756,14 @@ def test_a_saturated_model_scales_out_and_the_start_is_counted_as_one() -> None:
 
 def test_a_failed_start_is_answered_in_the_openai_shape_with_the_back_off_left() -> None:
     answer = proxy._refused(
-        Unavailable(503, "model_start_failed", "The model `m` could not be started: exit 1", 7.2)
+        Unavailable(503, "model_start_failed", "The model `m` could not be started.", 7.2, "exit 1"), "req_1"
     )
     assert answer.status == 503 and answer.headers["Retry-After"] == "8"
     assert isinstance(answer.body, bytes)
     error = json.loads(answer.body)["error"]
     assert error["code"] == "model_start_failed" and error["type"] == "server_error"
-    assert error["message"].endswith("exit 1")
-    off = proxy._refused(Unavailable(404, "model_off", "The model `m` is switched off.", 30.0))
+    assert error["message"] == "The model `m` could not be started. (request id req_1)"
+    off = proxy._refused(Unavailable(404, "model_off", "The model `m` is switched off.", 30.0), "req_2")
     assert off.status == 404 and "Retry-After" not in off.headers
 
 
@@ -849,7 +849,8 @@ def test_an_unpinned_repository_is_refused_with_the_fix_and_other_models_still_s
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """No pins file (a gateway run by hand before any apply): the model's start fails at
-    once without probing or placing anything, its 503 says to run apply; the others run."""
+    once without probing or placing anything, its 503 gives a request id under which the
+    gateway's log says to run apply; the others run."""
     caplog.set_level(logging.WARNING)
 
     async def scenario() -> None:
@@ -858,10 +859,12 @@ def test_an_unpinned_repository_is_refused_with_the_fix_and_other_models_still_s
         got = await ctl.ensure_ready("repo", time.monotonic() + FOREVER)
         assert isinstance(got, Unavailable), got
         assert (got.status, got.code) == (503, "model_start_failed")
-        assert "org/big@main is not resolved to a commit: run `llmgw apply`" in got.message
+        assert "org/big@main is not resolved to a commit: run `llmgw apply`" in got.detail
         assert w.nodes.starts("repo") == [] and w.lock.whys == []  # nothing probed nor placed
-        error = json.loads(proxy._refused(got).body)["error"]  # type: ignore[arg-type]
-        assert "run `llmgw apply`" in error["message"] and error["code"] == "model_start_failed"
+        error = json.loads(proxy._refused(got, "req_1").body)["error"]  # type: ignore[arg-type]
+        # the client reads a reason; the operator finds what to do in the log, under its id
+        assert error["message"].endswith("(request id req_1)") and error["code"] == "model_start_failed"
+        assert "request req_1: model_start_failed: org/big@main is not resolved" in caplog.text
         asked = asyncio.create_task(ctl.ensure_ready("lazy", time.monotonic() + FOREVER))
         await until(lambda: w.nodes.starts("lazy"), "a start of another model")
         (action,) = w.nodes.starts("lazy")

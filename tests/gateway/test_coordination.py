@@ -550,26 +550,30 @@ def test_a_follow_process_routes_to_the_published_replicas_and_needs_no_ssh_key(
         )
         asyncio.run(publish({}, {"m": failed}))
 
-        def refused() -> bool:
+        def refused() -> str | None:
+            """The request id of a 503 model_start_failed, once the follower answers one."""
             try:
                 client.chat.completions.create(model="m", messages=messages)
             except openai.APIStatusError as exc:
-                return exc.status_code == 503 and "no room on any node" in str(exc.body)
-            return False
+                if exc.status_code == 503 and exc.code == "model_start_failed":
+                    return exc.request_id
+            return None
 
-        wait_until(refused, timeout=WAIT, what="the leader's start failure through the follower")
+        rid = wait_until(refused, timeout=WAIT, what="the leader's start failure through the follower")
     finally:
         assert gw.stop() == 0
         engine.stop()
     log = gw.log.read_text()
     assert "ssh" not in log.lower(), log
+    # why, under the request id the client was given
+    assert f"request {rid}: model_start_failed: no room on any node" in log, log
 
 
 def test_a_start_fetching_a_repository_says_how_far_in_its_503_and_in_v1_models(fleet: Fleet) -> None:
-    """A start whose fetch reports a snapshot's files and bytes: its progress text reaches
-    the 503 ``model_loading`` message and ``/v1/models`` (read by the official client) of
-    the leader, and of a follower through the leader's publication; it is gone once the
-    model is ready."""
+    """A start whose fetch reports a snapshot's files and bytes: how far it is, in fixed
+    words, reaches the 503 ``model_loading`` message and ``/v1/models`` (read by the
+    official client) of the leader, and of a follower through the leader's publication; it
+    is gone once the model is ready."""
     fleet.spec = parse_cluster(
         CLUSTER.replace("STATE", str(fleet.spec.gateway.state_dir)).replace("load_wait: 60s", "load_wait: 1s")
     )
@@ -587,7 +591,9 @@ def test_a_start_fetching_a_repository_says_how_far_in_its_503_and_in_v1_models(
             await client.chat.completions.create(model="lazy", messages=messages)
         error = refused.value
         assert isinstance(error.body, dict)
-        return error.status_code, error.code, str(error.body["message"])
+        # without the request id the message ends with (each answer has its own)
+        message = str(error.body["message"]).removesuffix(f" (request id {error.request_id})")
+        return error.status_code, error.code, message
 
     async def listed(client: openai.AsyncOpenAI) -> dict[str, object]:
         (model,) = (await client.models.list()).data
@@ -606,9 +612,12 @@ def test_a_start_fetching_a_repository_says_how_far_in_its_503_and_in_v1_models(
         ):
             assert (await listed(to_leader))["progress"] == ""  # stopped: nothing to say
             refused = await loading(to_leader)  # began the start, waited load_wait
-            said = f"lazy@{fleet.fetched_on}: fetching 142/191 files, 512 of 810 GB from origin"
+            said = "fetching weights: 142/191 files, 512 of 810 GB"  # in fixed words, without nodes
             assert refused == (503, "model_loading", f"The model `lazy` is loading ({said}); retry shortly.")
             assert await listed(to_leader) == {"state": "starting", "mode": "on-demand", "progress": said}
+            # the whole text, for the operator (the dashboard, the log)
+            whole = f"lazy@{fleet.fetched_on}: fetching 142/191 files, 512 of 810 GB from origin"
+            assert leader.controller.model_state("lazy").progress == whole
             end = time.monotonic() + WAIT
             while (await listed(to_follower)).get("progress") != said:  # once published
                 assert time.monotonic() < end, "the follower never said the leader's progress"

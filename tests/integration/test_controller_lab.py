@@ -335,7 +335,13 @@ def test_an_engine_that_exits_at_once_is_reported_within_seconds(lab: Lab, gw: G
         status, _, message = refusal(first)
         assert status == 503
         assert message.startswith("The model `broken` could not be started"), message
-        assert "--no-such-flag" in message, message  # the engine's own complaint, from its journal
+        # the engine's own complaint, from its journal: in the gateway's log, under the
+        # request id the client was given, never in the answer
+        assert "--no-such-flag" not in message, message
+        rid = first.request_id
+        assert rid is not None and f"(request id {rid})" in message, message
+        logged = [line for line in gw.log_text(mark).splitlines() if rid in line]
+        assert any("--no-such-flag" in line for line in logged), gw.tail(mark)
         retry_after = first.response.headers.get("Retry-After")
         assert retry_after is not None and 1 <= float(retry_after) <= 11, retry_after  # start_backoff 10s
         assert seconds < 15, seconds
@@ -346,7 +352,7 @@ def test_an_engine_that_exits_at_once_is_reported_within_seconds(lab: Lab, gw: G
             ask(client, "broken")
         at_once = time.monotonic() - asked
         assert refusal(again.value)[:2] == (503, "model_start_failed"), refusal(again.value)
-        assert "--no-such-flag" in refusal(again.value)[2]
+        assert "--no-such-flag" not in refusal(again.value)[2]
         assert again.value.response.headers.get("Retry-After")
         assert at_once < 2, at_once
 

@@ -265,13 +265,13 @@ def test_phase(model: str, replicas: list[Seen], attempts: Attempts, starting: b
     )
 
 
-def test_a_failed_start_is_told_with_its_reason_and_the_back_off_left() -> None:
+def test_a_failed_start_is_told_with_the_back_off_left_and_its_reason_kept_for_the_log() -> None:
     attempts = Attempts().failed("llmgw-lazy-0.service failed\nerror: unknown flag", T0 - 2)
     answer = unavailable(
         MODELS["lazy"], Phase.failed, attempts, progress="", manages=True, now=T0, backoff_first=BACKOFF
     )
     assert (answer.status, answer.code) == (503, "model_start_failed")
-    assert "unknown flag" in answer.message
+    assert "unknown flag" not in answer.message and "unknown flag" in answer.detail
     assert answer.headers == {"Retry-After": "3"}
 
 
