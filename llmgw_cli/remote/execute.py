@@ -264,7 +264,8 @@ def went_wrong(state: UnitState, restarts: int | None = None) -> bool:
 
 
 JOURNAL_RETRIES = 12
-JOURNAL_RETRY_EVERY = 0.25  # seconds: at most 3 s more for a failure's journal lines (a loaded node's journald lags)
+# seconds: at most 3 s more for a failure's journal lines (a loaded node's journald lags)
+JOURNAL_RETRY_EVERY = 0.25
 
 
 async def unit_failure(
