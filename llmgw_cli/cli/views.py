@@ -8,6 +8,7 @@ would forge a hyperlink."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -167,12 +168,20 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
 _OP_STYLE = {"+": "green", "~": "yellow", "-": "red", "=": "dim"}
 
 
-def plan_view(plan: Plan, *, show_unchanged: bool = True) -> RenderableType:
+def plan_view(
+    plan: Plan, *, show_unchanged: bool = True, journal: Mapping[tuple[str, int], str] | None = None
+) -> RenderableType:
     """The plan terraform-style: one line per replica, then what could not be placed and
-    what would leave a model with no serving replica (``apply`` refuses that unless told)."""
+    what would leave a model with no serving replica (``apply`` refuses that unless told).
+    A replica that is not ready nor starting gets a ``!`` line: its state and the last
+    line of its journal (``journal``: (model, replica) -> line, when read)."""
     lines: list[RenderableType] = []
     for a in plan.actions:
-        if a.op == "=" and not show_unchanged:
+        if a.unhealthy:
+            last = (journal or {}).get((a.model, a.retire.replica if a.retire else a.replica), "")
+            said = f"! {a.model}#{a.retire.replica if a.retire else a.replica} {a.unhealthy}"
+            lines.append(Text(f"{said}: {last}" if last else said, style="bold red"))
+        if a.op == "=" and not (show_unchanged or a.starting):
             continue
         where = ", ".join(a.nodes)
         port = f":{a.port}" if a.port else ""
@@ -191,7 +200,10 @@ def plan_view(plan: Plan, *, show_unchanged: bool = True) -> RenderableType:
             f"{counts['=']} unchanged."
         )
     else:
-        summary = f"No changes. {counts['=']} replica(s) as they should be."
+        starting = sum(1 for a in plan.actions if a.starting)
+        summary = f"No changes. {counts['='] - starting} replica(s) as they should be."
+        if starting:
+            summary += f" {starting} starting: not seen ready yet."
     if plan.unplaced:
         summary += f" {len(plan.unplaced)} replica(s) cannot be placed (see !)."
     if plan.downtime:
