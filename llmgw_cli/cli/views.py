@@ -150,11 +150,12 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
         models.add_column(col)
     for m in summary.models:
         # `min` counts the whole fleet: on some nodes only, fewer is no shortfall
-        style = "red" if m.running < m.desired and not scoped else ""
+        style = "red" if m.short and not scoped else ""
+        counts = "".join(f", {n} {state}" for state, n in m.not_ready.items())
         models.add_row(
             plain(m.name),
             plain(m.mode),
-            Text(f"{m.running} / {m.desired}", style=style),
+            Text(f"{m.running} / {m.desired} running{counts}", style=style),
             str(m.maximum),
             plain(", ".join(m.where) or "-"),
         )
@@ -162,7 +163,27 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
     if findings.row_count:
         parts.append(findings)
     parts += [t for t in (classes, fabrics) if t.row_count]
-    return Group(*parts, models)
+    return Group(*parts, models, _health_table(summary))
+
+
+_STATE_STYLE = {"ready": "green", "starting": "yellow"}
+
+
+def _health_table(summary: Summary) -> Table:
+    """Each replica's state as its units say (``core/health.py``), with the last journal
+    line of one not ready."""
+    table = Table(title="Replicas", title_justify="left")
+    for col in ("replica", "where", "state", "restarts", "last journal line"):
+        table.add_column(col, overflow="fold" if col == "last journal line" else "ellipsis")
+    for r in summary.health:
+        table.add_row(
+            plain(f"{r.model}#{r.replica}"),
+            plain(f"{', '.join(r.nodes)}:{r.port}"),
+            Text(r.state, style=_STATE_STYLE.get(r.state, "red")),
+            str(r.restarts),
+            plain(r.journal or "-"),
+        )
+    return table
 
 
 _OP_STYLE = {"+": "green", "~": "yellow", "-": "red", "=": "dim"}
