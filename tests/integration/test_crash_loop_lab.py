@@ -101,3 +101,27 @@ def test_a_crash_looping_replica_is_named_stopped_and_holds_no_cards(clean: Lab,
     assert (BAD, "failed") in states
     assert {s for m, s in states if m != BAD} == {"ready"}, after["health"]
     assert used_cards(after) == cards_free
+
+
+GGUF = "/data/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_weights_the_engine_account_cannot_read_are_refused_before_the_start(clean: Lab) -> None:
+    """A path source readable only by root: apply names the file, its owner and mode, and
+    starts no unit for it (the engine would die with PermissionError)."""
+    modes = {n.name: clean.ssh(n.name, f"stat -c '%u:%g %a' {GGUF}").stdout.split() for n in clean.nodes}
+    try:
+        for n in clean.nodes:
+            # the account apply makes (after this check, on a node that never had a replica)
+            clean.ssh(
+                n.name, "id -u llmgw || useradd --system --no-create-home --shell /usr/sbin/nologin llmgw"
+            )
+            clean.ssh(n.name, f"chown root {GGUF} && chmod 600 {GGUF}")
+        done = run("apply", "-f", str(clean.cluster_file), "--yes")
+        said = done.stdout + done.stderr
+        assert done.returncode == 1, said
+        assert f"is not readable by llmgw, the engine's account: {GGUF} (owner root, mode 0600)" in said
+        assert all("llmgw-smollm2-135m-0.service" not in units for units in llmgw_units(clean).values())
+    finally:
+        for name, (owner, mode) in modes.items():
+            clean.ssh(name, f"chown {owner} {GGUF} && chmod {mode} {GGUF}")
