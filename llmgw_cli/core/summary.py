@@ -29,7 +29,7 @@ from llmgw_cli.core.hardware import fabric_status, gpu_class
 from llmgw_cli.core.health import ReplicaState, worst
 from llmgw_cli.core.parse.units import replica_units
 from llmgw_cli.core.plan import Answers, Running, running_replicas
-from llmgw_cli.core.routing import Health, RoutedReplica
+from llmgw_cli.core.routing import Health, RoutedReplica, serving_address
 from llmgw_cli.core.spec import ClusterSpec, Node
 
 # A replica of a model without `scaling.idle_timeout` counts as held idle after this long
@@ -277,6 +277,23 @@ def _key_rows(usage: tuple[UseRow, ...]) -> tuple[KeyRow, ...]:
     )
 
 
+def _answers(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None) -> Answers:
+    """The gateway's health checks (``live``) as answers by replica: ready, or loading
+    (not ready yet), for each replica whose head's address the gateway checks."""
+    if live is None:
+        return {}
+    health = {(r.model, r.address): r.health for r in live.replicas}
+    hosts = {n.name: n.engine_host for n in spec.nodes}
+    out = {}
+    for r in running_replicas(facts):
+        head = r.members[0] if r.members else ""
+        said = health.get((r.model, serving_address(hosts.get(head, ""), r.port)))
+        # loading: it never answered ready yet; failing (ready before) is not a start
+        if said in (Health.ready.value, Health.loading.value):
+            out[(r.model, r.replica)] = said == Health.ready.value
+    return out
+
+
 def _state(replica: Running, scope: set[str] | None, healthy: bool | None) -> ReplicaState:
     """``replica.health``; within ``scope``, that of its members there (members left out of
     it were not looked at)."""
@@ -356,6 +373,10 @@ def summarize(
             )
         )
     declared = {n.name for n in nodes}
+    pool: dict[str, list[RoutedReplica]] = defaultdict(list)
+    for r in live.replicas if live else ():
+        pool[r.model].append(RoutedReplica(r.model, r.address, health=Health(r.health)))
+    answers = answers if answers is not None else _answers(spec, facts, live)
     running: dict[str, list[Running]] = defaultdict(list)
     not_ready: dict[str, Counter[str]] = defaultdict(Counter)
     found: set[str] = set()  # models with a unit on these nodes, running or not
@@ -369,9 +390,6 @@ def summarize(
             running[replica.model].append(replica)
         else:
             not_ready[replica.model][state.value] += 1
-    pool: dict[str, list[RoutedReplica]] = defaultdict(list)
-    for r in live.replicas if live else ():
-        pool[r.model].append(RoutedReplica(r.model, r.address, health=Health(r.health)))
     model_rows = tuple(
         ModelRow(
             name=m.name,
