@@ -163,7 +163,8 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
     if findings.row_count:
         parts.append(findings)
     parts += [t for t in (classes, fabrics) if t.row_count]
-    return Group(*parts, models, _health_table(summary))
+    replicas = _health_table(summary)
+    return Group(*parts, models, *([replicas] if replicas.row_count else []))
 
 
 _STATE_STYLE = {"ready": "green", "starting": "yellow"}
