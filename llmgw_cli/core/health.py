@@ -22,6 +22,7 @@ are restarted by ``apply`` (once) and replaced by the gateway.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -100,3 +101,21 @@ def describe(state: ReplicaState, unit: UnitState | None) -> str:
     if state is not ReplicaState.starting and unit.exec_main_status:
         how.append(f"exit status {unit.exec_main_status}")
     return f"{state.value} ({', '.join(how)})" if how else state.value
+
+
+# systemd's own lines about a unit, which the journal of a replica holds beside the engine's
+_MANAGER = re.compile(r"^(llmgw-[^ ]*\.service: |(Started|Stopped|Starting|Stopping|Failed to start) llmgw )")
+_TELLING = re.compile(r"error|exception|fatal|denied|not found|no such|unrecognized|invalid", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def telling_line(journal: str) -> str:
+    """The line of a replica's journal tail that says best why it is not ready: the
+    engine's last line naming an error, else its last line (systemd's own lines, ``...:
+    Failed with result 'exit-code'.``, say only that it failed), with control characters
+    shown as ``\\xNN`` (the journal is the node's data)."""
+    lines = [ln.strip() for ln in journal.splitlines() if ln.strip()]
+    engine = [ln for ln in lines if not _MANAGER.match(ln)]
+    found = next((ln for ln in reversed(engine) if _TELLING.search(ln)), engine[-1] if engine else "")
+    found = found or (lines[-1] if lines else "")
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", found)[:500]

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Iterable
 
 from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.health import ReplicaState
+from llmgw_cli.core.health import ReplicaState, telling_line
 from llmgw_cli.core.plan import Answers, Running, running_replicas
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
@@ -20,6 +20,7 @@ from llmgw_cli.remote.execute import read_engine_key, ready_status, redact_keys
 from llmgw_cli.remote.nodeops import NodeOps
 
 Key = tuple[str, int]  # (model, replica)
+JOURNAL_LINES = 30  # read of a replica's journal for the line that says why (``telling_line``)
 
 
 async def health_answers(spec: ClusterSpec, conns: Connections, facts: dict[str, NodeFacts]) -> Answers:
@@ -48,19 +49,19 @@ async def health_answers(spec: ClusterSpec, conns: Connections, facts: dict[str,
 
 
 async def last_lines(conns: Connections, replicas: Iterable[Running]) -> dict[Key, str]:
-    """(model, replica) -> the last journal line of its worst member's unit (engine keys
-    replaced), for each of ``replicas``; left out where the journal could not be read."""
+    """(model, replica) -> the line of its worst member's journal that says why it is not
+    ready (``core/health.telling_line``; engine keys replaced), for each of
+    ``replicas``; left out where the journal could not be read."""
 
     async def one(r: Running) -> tuple[Key, str]:
         node = next((n for n in r.members if n in r.units and not r.units[n].up), r.members[0])
         try:
             t = conns.to(node)
-            tail = await NodeOps(t).journal(r.unit, "-", 1)
+            tail = await NodeOps(t).journal(r.unit, "-", JOURNAL_LINES)
             key = await read_engine_key(t)
         except NodeError:
             return (r.model, r.replica), ""
-        lines = redact_keys(tail, [key] if key else []).strip().splitlines()
-        return (r.model, r.replica), lines[-1].strip() if lines else ""
+        return (r.model, r.replica), telling_line(redact_keys(tail, [key] if key else []))
 
     found = await asyncio.gather(*(one(r) for r in replicas))
     return {key: line for key, line in found if line}

@@ -75,7 +75,7 @@ def test_a_crash_looping_replica_is_named_stopped_and_holds_no_cards(clean: Lab,
     (row,) = [r for r in looping["health"] if r["model"] == BAD]
     assert row["state"] == "crash-looping", row
     assert row["restarts"] >= 1 and row["exit_status"] == 2
-    assert "unrecognized arguments" in row["journal"]
+    assert "unrecognized arguments: --no-such-flag" in row["journal"]
     (model,) = [m for m in looping["models"] if m["name"] == BAD]
     assert (model["running"], model["not_ready"]) == (0, {"crash-looping": 1})
     assert used_cards(looping) == cards_free  # its cards are not held
@@ -103,25 +103,29 @@ def test_a_crash_looping_replica_is_named_stopped_and_holds_no_cards(clean: Lab,
     assert used_cards(after) == cards_free
 
 
-GGUF = "/data/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+# a path source in the nodes' own weights folder (the GGUF is a read-only bind mount)
+CONFIG = "/data/models/Llama-3.1-8B-Instruct/config.json"
 
 
 def test_weights_the_engine_account_cannot_read_are_refused_before_the_start(clean: Lab) -> None:
-    """A path source readable only by root: apply names the file, its owner and mode, and
-    starts no unit for it (the engine would die with PermissionError)."""
-    modes = {n.name: clean.ssh(n.name, f"stat -c '%u:%g %a' {GGUF}").stdout.split() for n in clean.nodes}
+    """A file of a path source readable only by root: apply names it with its owner and
+    mode and starts no unit of that model (the engine would die with PermissionError)."""
+    was = {n.name: clean.ssh(n.name, f"stat -c '%u:%g %a' {CONFIG}").stdout.split() for n in clean.nodes}
     try:
         for n in clean.nodes:
             # the account apply makes (after this check, on a node that never had a replica)
             clean.ssh(
                 n.name, "id -u llmgw || useradd --system --no-create-home --shell /usr/sbin/nologin llmgw"
             )
-            clean.ssh(n.name, f"chown root {GGUF} && chmod 600 {GGUF}")
-        done = run("apply", "-f", str(clean.cluster_file), "--yes")
-        said = done.stdout + done.stderr
-        assert done.returncode == 1, said
-        assert f"is not readable by llmgw, the engine's account: {GGUF} (owner root, mode 0600)" in said
-        assert all("llmgw-smollm2-135m-0.service" not in units for units in llmgw_units(clean).values())
+            done = clean.ssh(n.name, f"chown root {CONFIG} && chmod 600 {CONFIG}")
+            assert done.returncode == 0, done.stderr
+        applied = run("apply", "-f", str(clean.cluster_file), "--yes")
+        said = applied.stdout + applied.stderr
+        assert applied.returncode == 1, said
+        assert f"is not readable by llmgw, the engine's account: {CONFIG} (owner root, mode 0600)" in said
+        assert all(
+            "llmgw-llama-3.1-8b-instruct-0.service" not in units for units in llmgw_units(clean).values()
+        )
     finally:
-        for name, (owner, mode) in modes.items():
-            clean.ssh(name, f"chown {owner} {GGUF} && chmod {mode} {GGUF}")
+        for name, (owner, mode) in was.items():
+            clean.ssh(name, f"chown {owner} {CONFIG} && chmod {mode} {CONFIG}")

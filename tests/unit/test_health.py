@@ -3,10 +3,12 @@ systemd 252 prints it for the properties the probe asks (order not the asked one
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from llmgw_cli.core.facts import UnitState
-from llmgw_cli.core.health import ReplicaState, describe, unit_health, worst
+from llmgw_cli.core.health import ReplicaState, describe, telling_line, unit_health, worst
 from llmgw_cli.core.parse.probe import _parse_units
 from llmgw_cli.core.parse.systemctl import parse_show, unit_state
 from llmgw_cli.core.spec import Node
@@ -168,3 +170,60 @@ def test_describe_says_restarts_and_exit_status() -> None:
     )
     assert describe(ReplicaState.ready, shown(SERVING)) == "ready"
     assert describe(ReplicaState.stopped, None) == "stopped"
+
+
+# --- captured on the lab ----------------------------------------------------------------
+
+CAPTURED = Path(__file__).parents[1] / "fixtures" / "systemctl_show_crash_loop_lab.txt"
+
+
+def captured() -> dict[str, str]:
+    """Block name -> its text (comment lines dropped)."""
+    text = "\n".join(ln for ln in CAPTURED.read_text().splitlines() if not ln.startswith("# "))
+    return {b.partition("\n")[0]: b.partition("\n")[2] for b in text.split("## ") if b.strip()}
+
+
+def lab_unit(name: str) -> UnitState:
+    uptime, _, show = captured()[name].partition("\n")
+    return unit_state(parse_show(show)[0], float(uptime.split()[0]))
+
+
+@pytest.mark.parametrize(
+    ("name", "expected", "restarts"),
+    [
+        ("running", ReplicaState.starting, 0),  # 4.6 s old: nobody asked its health check
+        ("stopped-after-failing", ReplicaState.failed, 0),
+        ("auto-restart-no-restart-yet", ReplicaState.crash_looping, 0),
+        ("auto-restart-after-3-restarts", ReplicaState.crash_looping, 3),
+    ],
+)
+def test_the_states_of_units_captured_on_the_lab(name: str, expected: ReplicaState, restarts: int) -> None:
+    unit = lab_unit(name)
+    assert unit_health(unit, 120.0) is expected
+    assert unit.n_restarts == restarts
+
+
+def test_a_captured_running_unit_is_ready_once_answered_or_past_its_start_timeout() -> None:
+    unit = lab_unit("running")
+    assert unit.age == pytest.approx(4.59, abs=0.01)
+    assert unit_health(unit, 120.0, healthy=True) is ReplicaState.ready
+    assert unit_health(unit, 2.0) is ReplicaState.ready
+
+
+def test_a_captured_crash_looping_unit_lived_a_fraction_of_a_second() -> None:
+    unit = lab_unit("auto-restart-after-3-restarts")
+    assert unit.lived == pytest.approx(0.126, abs=0.001) and unit.exec_main_status == 2
+    assert describe(ReplicaState.crash_looping, unit) == "crash-looping (3 restarts, exit status 2)"
+
+
+def test_the_telling_line_of_a_journal_is_the_engines_not_systemds() -> None:
+    tail = captured()["journal"]
+    assert "Failed with result" in tail
+    assert telling_line(tail) == "[model_tag]"  # the engine's last line; no error named in these 5
+    said = "vllm serve: error: unrecognized arguments: --no-such-flag\n  [model_tag]\n" + tail
+    assert telling_line(said) == "vllm serve: error: unrecognized arguments: --no-such-flag"
+    assert telling_line("llmgw-a-0.service: Failed with result 'exit-code'.") == (
+        "llmgw-a-0.service: Failed with result 'exit-code'."
+    )  # nothing of the engine's: systemd's word is better than none
+    assert telling_line("Error: \x1b[31mbad") == "Error: \\x1b[31mbad"
+    assert telling_line("") == ""
