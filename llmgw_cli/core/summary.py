@@ -107,7 +107,7 @@ class HealthRow(Fact):
     state: str  # ReplicaState value
     restarts: int  # by systemd, since its last start by llmgw (its worst unit's)
     exit_status: int | None  # of its worst unit's last engine process
-    journal: str = ""  # the last line of its journal, for one not ready, when read
+    journal: str = ""  # for one not ready, the journal line that says why (health.telling_line), when read
 
 
 class LiveReplica(Fact):
