@@ -175,7 +175,7 @@ def _health_table(summary: Summary) -> Table:
     line of one not ready."""
     table = Table(title="Replicas", title_justify="left")
     for col in ("replica", "where", "state", "restarts", "last journal line"):
-        table.add_column(col, overflow="fold" if col == "last journal line" else "ellipsis")
+        table.add_column(col, overflow="fold")
     for r in summary.health:
         table.add_row(
             plain(f"{r.model}#{r.replica}"),

@@ -5,6 +5,9 @@ it with its journal, and its cards are not counted as held (``core/health.py``).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,7 +82,13 @@ def test_a_crash_looping_replica_is_named_stopped_and_holds_no_cards(clean: Lab,
     (model,) = [m for m in looping["models"] if m["name"] == BAD]
     assert (model["running"], model["not_ready"]) == (0, {"crash-looping": 1})
     assert used_cards(looping) == cards_free  # its cards are not held
-    shown = run("status", "-f", str(cluster))
+    wide = {**os.environ, "COLUMNS": "200"}  # one table row a line
+    shown = subprocess.run(
+        [sys.executable, "-m", "llmgw_cli", "status", "-f", str(cluster)],
+        capture_output=True,
+        text=True,
+        env=wide,
+    )
     assert "0 / 1 running, 1 crash-looping" in shown.stdout, shown.stdout
 
     dry = run("apply", "-f", str(cluster), "--dry-run")
