@@ -32,10 +32,11 @@ from llmgw_cli.remote.engine_keys import (
     rotate_engine_keys,
     rotation_plan,
 )
-from llmgw_cli.remote.execute import Outcome
+from llmgw_cli.remote.execute import NOT_READY, Outcome
 from llmgw_cli.remote.gateway_install import GatewayPreviews, install, preview
 from llmgw_cli.remote.node_setup import prepare, stale_nodes
 from llmgw_cli.remote.probe import Snapshot
+from llmgw_cli.remote.replica_health import health_answers, last_lines
 from llmgw_cli.remote.rollout import TakeLock, carry_out
 from llmgw_cli.remote.transport import Transport
 from llmgw_cli.remote.weights import ensure_for_plan
@@ -335,7 +336,8 @@ def plan(file: Path, save: Path | None, replace: list[str], *, json_out: bool = 
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, None, err, session)
         facts = {f.node: f for f in snapshot.nodes}
-        result = make_plan(spec, facts, replace=replacements(replace, facts))
+        answers = session.run(health_answers(spec, session.conns, facts))
+        result = make_plan(spec, facts, replace=replacements(replace, facts), answers=answers)
         gateway = session.run(
             preview(
                 spec, session.conns, file.read_text(encoding="utf-8"), gateway_pins(as_written, snapshots)
@@ -344,21 +346,35 @@ def plan(file: Path, save: Path | None, replace: list[str], *, json_out: bool = 
         if json_out:
             sys.stdout.write(result.model_dump_json(indent=2) + "\n")
         else:
-            out.print(plan_view(result), soft_wrap=True)
+            out.print(plan_view(result, journal=_journals(session, result, facts)), soft_wrap=True)
         _show_host_changes(spec, session, snapshot, gateway, said)
     if save:
         save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
         said.print(Text(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}"), highlight=False)
 
 
+def _journals(session: Session, chosen: Plan, facts: dict[str, NodeFacts]) -> dict[tuple[str, int], str]:
+    """The last journal line of each replica ``chosen`` starts again because it is not
+    ready nor starting, for its ``!`` line."""
+    ailing = {(a.model, a.retire.replica) for a in chosen.actions if a.unhealthy and a.retire}
+    found = [r for r in running_replicas(facts) if (r.model, r.replica) in ailing]
+    return session.run(last_lines(session.conns, found)) if found else {}
+
+
 def _choose(
-    spec: ClusterSpec, facts: dict[str, NodeFacts], saved: Path | None, replace: list[str]
+    spec: ClusterSpec,
+    facts: dict[str, NodeFacts],
+    saved: Path | None,
+    replace: list[str],
+    session: Session | None = None,
 ) -> tuple[Plan, frozenset[tuple[str, int]]]:
     """The plan to apply (the saved one, checked against the nodes, or a new one) and the
     replicas it was told to replace."""
     if saved is None:
         wanted = replacements(replace, facts)
-        return make_plan(spec, facts, replace=wanted), wanted
+        # the health checks of replicas still starting (``core/health.py``)
+        answers = session.run(health_answers(spec, session.conns, facts)) if session else {}
+        return make_plan(spec, facts, replace=wanted, answers=answers), wanted
     if replace:
         raise UsageError(
             "--replace makes a new plan; a saved plan carries its own: "
@@ -426,14 +442,16 @@ def apply(
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, None, err, session)
         facts = {f.node: f for f in snapshot.nodes}
-        chosen, wanted = _choose(spec, facts, saved, replace)
+        chosen, wanted = _choose(spec, facts, saved, replace, session)
         # the gateway gets the commits of this plan (its pins file), never resolving them itself
         gateway = session.run(
             preview(
                 spec, session.conns, file.read_text(encoding="utf-8"), gateway_pins(as_written, snapshots)
             )
         )
-        out.print(plan_view(chosen, show_unchanged=False), soft_wrap=True)
+        out.print(
+            plan_view(chosen, show_unchanged=False, journal=_journals(session, chosen, facts)), soft_wrap=True
+        )
         unreachable = [f.node for f in snapshot.nodes if not f.reachable]
         if unreachable:
             err.print(Text(f"unreachable, left out: {', '.join(unreachable)}", style="yellow"))
@@ -487,10 +505,24 @@ def apply(
     for o in failed:
         err.print(Text(f"FAILED {o.subject}: {o.message}", style="red"))
     if failed:
-        raise ApplyFailed(f"{len(failed)} of {len(outcomes)} steps failed; fix them and run apply again")
+        raise ApplyFailed(_failed_said(failed, len(outcomes)))
     _unplaced_is_failure(chosen)
     done = f"Applied: {len(chosen.changes)} change(s), every started replica is ready."
     out.print(Text(done + _gateways_said(outcomes), style="green"), soft_wrap=True)
+
+
+def _failed_said(failed: list[Outcome], steps: int) -> str:
+    """Apply's last word on a failure: ``1 replica not ready (m#0), stopped`` first, as the
+    operator's next step is its journal above; then the other failed steps."""
+    said = []
+    not_ready = [o.subject for o in failed if o.message.startswith(NOT_READY)]
+    if not_ready:
+        n = len(not_ready)
+        said.append(f"{n} replica{'s' if n != 1 else ''} not ready ({', '.join(not_ready)}), stopped")
+    others = len(failed) - len(not_ready)
+    if others:
+        said.append(f"{others} of {steps} steps failed")
+    return "; ".join(said) + "; fix them and run apply again"
 
 
 def _gateways_said(outcomes: list[Outcome]) -> str:

@@ -1,8 +1,10 @@
 """`llmgw status`: probe every node and show the fleet."""
 
+from __future__ import annotations
+
 import json as json_module
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -15,6 +17,13 @@ from llmgw_cli.cli.common import (
     read_cluster,
     stdout_console,
 )
+from llmgw_cli.errors import ExitCode
+
+if TYPE_CHECKING:
+    from llmgw_cli.core.facts import NodeFacts
+    from llmgw_cli.core.plan import Answers
+    from llmgw_cli.core.spec import ClusterSpec
+    from llmgw_cli.remote.connect import Session
 
 
 def status(
@@ -22,23 +31,44 @@ def status(
     nodes: NodesOption = None,
     json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON, for scripts.")] = False,
 ) -> None:
-    """Probe every node over SSH and show nodes, GPUs by class, fabrics and models.
+    """Probe every node over SSH and show nodes, GPUs by class, fabrics, models and each
+    replica's state (ready, starting, crash-looping, failed, stopped).
 
     With --nodes, only those nodes are probed and shown, with what runs on them.
-    Unreachable nodes are listed with the reason. Exit code 0 even when some nodes fail:
-    the table says which; use --json to act on it in scripts.
+    Unreachable nodes are listed with the reason. Exit code 1 when a model has fewer ready
+    replicas than its min (not with --nodes: a part of the fleet is no shortfall), else 0,
+    even when some nodes fail: the table says which; use --json to act on it in scripts.
     """
     from rich.console import Console
 
     from llmgw_cli.cli.views import status_view
     from llmgw_cli.core.summary import summarize
+    from llmgw_cli.remote.connect import Session
 
     spec = read_cluster(file)
     chosen = chosen_nodes(spec, nodes, file)  # a wrong name stops here, before any probe
-    snapshot = probe_with_progress(spec, file, chosen, Console(stderr=True))
-    summary = summarize(spec, {f.node: f for f in snapshot.nodes}, scope=chosen)
+    with Session(spec, file.resolve().parent) as session:
+        snapshot = probe_with_progress(spec, file, chosen, Console(stderr=True), session)
+        facts = {f.node: f for f in snapshot.nodes}
+        answers, journal = session.run(_health(spec, session, facts))
+    summary = summarize(spec, facts, scope=chosen, answers=answers, journal=journal)
     if json:
         report = {"probe_seconds": round(snapshot.seconds, 3), **summary.model_dump(mode="json")}
         sys.stdout.write(json_module.dumps(report, indent=2) + "\n")
-        return
-    stdout_console().print(status_view(summary, snapshot.seconds))
+    else:
+        stdout_console().print(status_view(summary, snapshot.seconds))
+    if chosen is None and any(m.short for m in summary.models):
+        raise typer.Exit(ExitCode.failed)
+
+
+async def _health(
+    spec: ClusterSpec, session: Session, facts: dict[str, NodeFacts]
+) -> tuple[Answers, dict[tuple[str, int], str]]:
+    """What the probe cannot say (``remote/replica_health.py``): the health checks of the
+    replicas still starting, and the last journal line of those not ready."""
+    from llmgw_cli.core.plan import running_replicas
+    from llmgw_cli.remote.replica_health import health_answers, last_lines
+
+    answers = await health_answers(spec, session.conns, facts)
+    ailing = [r for r in running_replicas(facts) if not r.health(answers.get((r.model, r.replica))).alive]
+    return answers, await last_lines(session.conns, ailing)

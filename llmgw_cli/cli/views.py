@@ -8,6 +8,7 @@ would forge a hyperlink."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -149,11 +150,12 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
         models.add_column(col)
     for m in summary.models:
         # `min` counts the whole fleet: on some nodes only, fewer is no shortfall
-        style = "red" if m.running < m.desired and not scoped else ""
+        style = "red" if m.short and not scoped else ""
+        counts = "".join(f", {n} {state}" for state, n in m.not_ready.items())
         models.add_row(
             plain(m.name),
             plain(m.mode),
-            Text(f"{m.running} / {m.desired}", style=style),
+            Text(f"{m.running} / {m.desired} running{counts}", style=style),
             str(m.maximum),
             plain(", ".join(m.where) or "-"),
         )
@@ -161,18 +163,47 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
     if findings.row_count:
         parts.append(findings)
     parts += [t for t in (classes, fabrics) if t.row_count]
-    return Group(*parts, models)
+    replicas = _health_table(summary)
+    return Group(*parts, models, *([replicas] if replicas.row_count else []))
+
+
+_STATE_STYLE = {"ready": "green", "starting": "yellow"}
+
+
+def _health_table(summary: Summary) -> Table:
+    """Each replica's state as its units say (``core/health.py``), with the last journal
+    line of one not ready."""
+    table = Table(title="Replicas", title_justify="left")
+    for col in ("replica", "where", "state", "restarts", "last journal line"):
+        table.add_column(col, overflow="fold")
+    for r in summary.health:
+        table.add_row(
+            plain(f"{r.model}#{r.replica}"),
+            plain(f"{', '.join(r.nodes)}:{r.port}"),
+            Text(r.state, style=_STATE_STYLE.get(r.state, "red")),
+            str(r.restarts),
+            plain(r.journal or "-"),
+        )
+    return table
 
 
 _OP_STYLE = {"+": "green", "~": "yellow", "-": "red", "=": "dim"}
 
 
-def plan_view(plan: Plan, *, show_unchanged: bool = True) -> RenderableType:
+def plan_view(
+    plan: Plan, *, show_unchanged: bool = True, journal: Mapping[tuple[str, int], str] | None = None
+) -> RenderableType:
     """The plan terraform-style: one line per replica, then what could not be placed and
-    what would leave a model with no serving replica (``apply`` refuses that unless told)."""
+    what would leave a model with no serving replica (``apply`` refuses that unless told).
+    A replica that is not ready nor starting gets a ``!`` line: its state and the last
+    line of its journal (``journal``: (model, replica) -> line, when read)."""
     lines: list[RenderableType] = []
     for a in plan.actions:
-        if a.op == "=" and not show_unchanged:
+        if a.unhealthy:
+            last = (journal or {}).get((a.model, a.retire.replica if a.retire else a.replica), "")
+            said = f"! {a.model}#{a.retire.replica if a.retire else a.replica} {a.unhealthy}"
+            lines.append(Text(f"{said}: {last}" if last else said, style="bold red"))
+        if a.op == "=" and not (show_unchanged or a.starting):
             continue
         where = ", ".join(a.nodes)
         port = f":{a.port}" if a.port else ""
@@ -191,7 +222,10 @@ def plan_view(plan: Plan, *, show_unchanged: bool = True) -> RenderableType:
             f"{counts['=']} unchanged."
         )
     else:
-        summary = f"No changes. {counts['=']} replica(s) as they should be."
+        starting = sum(1 for a in plan.actions if a.starting)
+        summary = f"No changes. {counts['='] - starting} replica(s) as they should be."
+        if starting:
+            summary += f" {starting} starting: not seen ready yet."
     if plan.unplaced:
         summary += f" {len(plan.unplaced)} replica(s) cannot be placed (see !)."
     if plan.downtime:

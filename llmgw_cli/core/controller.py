@@ -11,8 +11,10 @@ Rules of ``reconcile``, for every catalog model that is not switched off and has
 start or stop under way:
 
 - a replica whose unit systemd gave up on (``ActiveState=failed``: the engine crashed
-  more often than the unit's start limit allows) is stopped, so its cards go back, and a
-  replacement is placed on other cards;
+  more often than the unit's start limit allows), or whose engine is crash-looping
+  (``core/health.py``: systemd restarts it over and over before it gives up), is stopped,
+  so its cards go back, and a replacement is placed on other cards (with the back-off of
+  a failed start when that one fails too);
 - a replica whose unit is down on a node that answers (inactive, removed) is stopped and
   replaced;
 - a replica on a node that stopped answering is still counted for ``gateway.node_grace``
@@ -71,6 +73,7 @@ class UnitCondition(StrEnum):
 
     up = "up"  # every member's unit is up (active, activating, reloading)
     gave_up = "gave-up"  # systemd gave up on a member's unit (ActiveState=failed)
+    crash_looping = "crash-looping"  # a member's engine exits and systemd restarts it (core/health.py)
     lost = "lost"  # a member's node does not answer the probe
     down = "down"  # a member's unit is inactive or missing on a node that answers
 
@@ -216,8 +219,11 @@ def _judge(
             why = "replaced while its node did not answer"
             decisions.append(Stop(r.model, r.replica, why, StopCause.replaced))
             continue
-        if r.units is UnitCondition.gave_up:
-            why = f"systemd gave up on its unit on {_nodes(r)}"
+        if r.units in (UnitCondition.gave_up, UnitCondition.crash_looping):
+            if r.units is UnitCondition.gave_up:
+                why = f"systemd gave up on its unit on {_nodes(r)}"
+            else:
+                why = f"its engine is crash-looping on {_nodes(r)}"
             decisions.append(Stop(r.model, r.replica, why, StopCause.gave_up))
             avoid |= r.gpus
             replacing.append(f"replica {r.replica}: {why}")

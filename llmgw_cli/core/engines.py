@@ -229,6 +229,7 @@ def replica_unit(
         engine=profile.engine.value,
         user=profile.user,
         spec_hash=spec_hash(spec, model),
+        start_timeout=f"{profile.readiness.start_timeout:g}",
         exec_start=exec_start,
         exec_start_pre=" ".join(systemd_quote(a) for a in pre) if pre else "",
         environment=[environment_quote(k, v) for k, v in sorted(plain.items())],

@@ -6,6 +6,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
+from llmgw_cli.core.health import DEFAULT_START_TIMEOUT, ReplicaState, unit_health
+
 
 class Fact(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -92,6 +94,11 @@ class UnitState(Fact):
     n_restarts: int
     exec_main_code: int | None
     exec_main_status: int | None
+    # Seconds since its main process (running, or the last one) started, and how long
+    # that one ran when it has exited; None when systemd did not say (the node's
+    # monotonic clock: ``core/health.py`` decides a replica's state from them).
+    age: float | None = None
+    lived: float | None = None
 
     @property
     def up(self) -> bool:
@@ -112,14 +119,22 @@ class ReplicaUnit(Fact):
     port: int  # 0: no port label
     spec_hash: str
     state: UnitState | None  # None: systemd does not know the unit (not loaded)
+    # its profile's start timeout when it was written (label ``X-Llmgw-Start-Timeout``)
+    start_timeout: float = DEFAULT_START_TIMEOUT
 
     @property
     def active_state(self) -> str:
         return self.state.active_state if self.state else "not-loaded"
 
+    def health(self, healthy: bool | None = None) -> ReplicaState:
+        """Its state by the one rule (``core/health.py``); ``healthy``: the last answer of
+        its replica's health check, None when not known."""
+        return unit_health(self.state, self.start_timeout, healthy)
+
     @property
     def up(self) -> bool:
-        return self.state is not None and self.state.up
+        """Ready or starting (not crash-looping, failed or stopped): it holds its cards."""
+        return self.health().alive
 
 
 class ModelFiles(Fact):

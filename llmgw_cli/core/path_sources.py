@@ -90,10 +90,11 @@ def parse_answer(stdout: str) -> dict[str, object]:
     return data if isinstance(data, dict) else {}
 
 
-def judge(answer: Mapping[str, object], path: str) -> str:
+def judge(answer: Mapping[str, object], path: str, user: str | None = None) -> str:
     """Why ``path`` cannot serve as weights, from a node's parsed answer; ``""`` when it
-    is a non-empty file or a non-empty folder. Whatever the answer holds besides the
-    expected shape counts as no answer."""
+    is a non-empty file or a non-empty folder that ``user`` (the engine's account; None:
+    not asked) may read whole. Whatever the answer holds besides the expected shape counts
+    as no answer; a node that did not say what ``user`` may read is not held against."""
     if not plain_path(path):
         return "not a plain absolute path"
     entry = answer.get(path)
@@ -103,9 +104,9 @@ def judge(answer: Mapping[str, object], path: str) -> str:
     if kind == "missing":
         return "missing"
     if kind in ("file", "dir") and isinstance(empty, bool):
-        if not empty:
-            return ""
-        return "an empty file" if kind == "file" else "an empty folder"
+        if empty:
+            return "an empty file" if kind == "file" else "an empty folder"
+        return _unreadable(entry, user) if user else ""
     if kind == "other":
         return "neither a file nor a folder"
     if kind == "unreadable":
@@ -113,6 +114,21 @@ def judge(answer: Mapping[str, object], path: str) -> str:
     return "the node gave no answer for it"
 
 
+def _unreadable(entry: Mapping[str, object], user: str) -> str:
+    """``not readable by llmgw: /w/m/model.gguf (owner root, mode 0600)`` when the node
+    names a file or folder ``user`` cannot read; ``""`` otherwise."""
+    by_user = entry.get("unreadable")
+    found = by_user.get(user) if isinstance(by_user, dict) else None
+    if not isinstance(found, dict):
+        return ""
+    # names from the node: one printable line each, bounded
+    where, owner, mode = (_CONTROL.sub("?", str(found.get(k, "?")))[:500] for k in ("path", "owner", "mode"))
+    return f"not readable by {user}, the engine's account: {where} (owner {owner}, mode {mode})"
+
+
 def not_there(path: str, node: str, why: str) -> str:
-    """The message of a failed check: ``/data/models/x is not on node03 (missing)``."""
+    """The message of a failed check: ``/data/models/x is not on node03 (missing)``, or
+    ``/data/models/x on node03 is not readable by llmgw, ...``."""
+    if why.startswith("not readable"):
+        return f"{path} on {node} is {why}"
     return f"{path} is not on {node} ({why})"

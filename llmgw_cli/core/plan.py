@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,12 +28,15 @@ from pydantic import Field
 from llmgw_cli.core.engines import Member, replica_unit, spec_hash
 from llmgw_cli.core.facts import Fact, GpuHealth, NodeFacts, ReplicaUnit
 from llmgw_cli.core.hardware import fabric_status
+from llmgw_cli.core.health import ReplicaState, describe, worst
 from llmgw_cli.core.parse.units import replica_units
 from llmgw_cli.core.pins import pinned_commits
 from llmgw_cli.core.placement import PlacedReplica, Placement, Placer, Slot, place
 from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode, SourceKind
 
 Op = Literal["+", "~", "-", "="]
+Answers = Mapping[tuple[str, int], bool]
+"""What replicas' health checks answered: (model, replica) -> ready."""
 
 
 class UnitFile(Fact):
@@ -67,9 +70,31 @@ class Running(Fact):
 
     @property
     def up(self) -> bool:
-        """Every member runs its unit (a multi-node replica serves only with all of them):
-        the one rule for plan, apply and status."""
-        return all(node in self.units and self.units[node].up for node in self.members)
+        """Every member's unit is ready or starting (a multi-node replica serves only with
+        all of them): the one rule for plan, apply and status (``core/health.py``)."""
+        return self.health().alive
+
+    def health(self, healthy: bool | None = None) -> ReplicaState:
+        """Its state: its worst member's (``core/health.py``); a member without its unit
+        is stopped. ``healthy``: the last answer of its health check, None: not known."""
+        return worst(self._member_health(healthy).values())
+
+    def _member_health(self, healthy: bool | None) -> dict[str, ReplicaState]:
+        head = self.members[0] if self.members else ""
+        return {
+            n: self.units[n].health(healthy if n == head else None)
+            if n in self.units
+            else ReplicaState.stopped
+            for n in self.members
+        }
+
+    def describe(self, healthy: bool | None = None) -> str:
+        """``crash-looping (7 restarts, exit status 2)``, from its worst member's unit."""
+        states = self._member_health(healthy)
+        state = worst(states.values())
+        node = next((n for n, s in states.items() if s is state), "")
+        unit = self.units.get(node)
+        return describe(state, unit.state if unit else None)
 
     def serving(self, unreachable: frozenset[str] = frozenset()) -> bool:
         """The replica may take requests: its rank-0 unit (which serves the API) is up, and
@@ -123,6 +148,11 @@ class Action(Fact):
     # Non-empty: carrying this out leaves the model with no serving replica for its load
     # time, in plain words; apply refuses it without --allow-downtime.
     downtime: str = ""
+    # `~` of a replica that is not ready nor starting: its state as systemd says it
+    # (``crash-looping (7 restarts, exit status 2)``); apply starts it again once.
+    unhealthy: str = ""
+    # `=` of a replica that runs but was not seen ready yet
+    starting: bool = False
 
 
 class Plan(Fact):
@@ -259,7 +289,10 @@ class _Sorted:
 
 
 def _sort_running(
-    spec: ClusterSpec, running: list[Running], replace: frozenset[tuple[str, int]] = frozenset()
+    spec: ClusterSpec,
+    running: list[Running],
+    replace: frozenset[tuple[str, int]] = frozenset(),
+    answers: Answers | None = None,
 ) -> _Sorted:
     models = {m.name: m for m in spec.models}
     out = _Sorted()
@@ -276,14 +309,18 @@ def _sort_running(
             out.delete.append(
                 Action(op="-", model=r.model, replica=r.replica, nodes=r.members, reason=why, remove=removal)
             )
-        elif r.spec_hash != spec_hash(spec, model) or r.down or (r.model, r.replica) in replace:
+        elif (
+            r.spec_hash != spec_hash(spec, model)
+            or not r.health((answers or {}).get((r.model, r.replica))).alive
+            or (r.model, r.replica) in replace
+        ):
             out.replace[r.model].append(r)
         else:
             out.keep.append(r)
     return out
 
 
-def _keep_actions(spec: ClusterSpec, keep: list[Running]) -> list[Action]:
+def _keep_actions(spec: ClusterSpec, keep: list[Running], answers: Answers) -> list[Action]:
     counts = Counter(r.model for r in keep)
     actions = []
     for r in keep:
@@ -294,8 +331,20 @@ def _keep_actions(spec: ClusterSpec, keep: list[Running]) -> list[Action]:
             reason = "above min: the gateway scales it back when idle"
         else:
             reason = "unchanged"
+        healthy = answers.get((r.model, r.replica))
+        starting = r.health(healthy) is ReplicaState.starting
+        if starting:
+            reason = f"{r.describe(healthy)}: not seen ready yet"
         actions.append(
-            Action(op="=", model=r.model, replica=r.replica, nodes=r.members, reason=reason, port=r.port)
+            Action(
+                op="=",
+                model=r.model,
+                replica=r.replica,
+                nodes=r.members,
+                reason=reason,
+                port=r.port,
+                starting=starting,
+            )
         )
     return actions
 
@@ -462,14 +511,20 @@ def stop_plan(facts: dict[str, NodeFacts], model: str, replica: int, reason: str
 
 
 def make_plan(
-    spec: ClusterSpec, facts: dict[str, NodeFacts], *, replace: frozenset[tuple[str, int]] = frozenset()
+    spec: ClusterSpec,
+    facts: dict[str, NodeFacts],
+    *,
+    replace: frozenset[tuple[str, int]] = frozenset(),
+    answers: Answers | None = None,
 ) -> Plan:
     """The plan that brings the nodes to the spec: ``min`` replicas of each always-on model,
-    nothing lost or restarted that already matches. ``replace``: (model, replica) pairs to
-    replace even though they match (the caller checks that they run)."""
+    nothing lost or restarted that already matches; a replica that is not ready nor
+    starting (``core/health.py``) is started again in place. ``replace``: (model, replica)
+    pairs to replace even though they match (the caller checks that they run).
+    ``answers``: the health checks' answers the caller has, (model, replica) -> ready."""
     running = running_replicas(facts)
-    sorted_ = _sort_running(spec, running, replace)
-    actions = sorted_.delete + _keep_actions(spec, sorted_.keep)
+    sorted_ = _sort_running(spec, running, replace, answers)
+    actions = sorted_.delete + _keep_actions(spec, sorted_.keep, answers or {})
     roll = _Rolling(spec, facts, running, sorted_)
     actions += roll.actions
     unplaced = roll.unplaced
@@ -640,6 +695,7 @@ class _Rolling:
             retire=Retired(replica=old.replica, nodes=old.members, unit=old.unit, port=old.port),
             surge=surge,
             downtime=downtime,
+            unhealthy=old.describe() if old.down else "",
         )
 
 
@@ -658,7 +714,7 @@ def unpinned_warnings(spec: ClusterSpec) -> list[str]:
 def _cause(spec: ClusterSpec, model: Model, old: Running) -> str:
     if old.spec_hash != spec_hash(spec, model):
         return "spec changed"
-    return "not running; started again" if old.down else "replace requested"
+    return f"{old.describe()}; started again" if old.down else "replace requested"
 
 
 def _ports(port: int, members: tuple[str, ...]) -> set[int]:

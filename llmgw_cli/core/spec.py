@@ -36,6 +36,7 @@ from pydantic_core import PydanticCustomError
 
 from llmgw_cli.core import grammar
 from llmgw_cli.core.grammar import whole
+from llmgw_cli.core.health import DEFAULT_START_TIMEOUT
 from llmgw_cli.core.quantities import Duration, PositiveDuration, Size
 from llmgw_cli.core.snapshot import RepoRef, Selection, parse_repo_ref
 from llmgw_cli.core.values import (
@@ -494,7 +495,8 @@ class Readiness(Spec):
 
     path: str = Field("/health", pattern=r"^/[!-~]*$", description="HTTP path that answers 200 when ready.")
     start_timeout: Duration = Field(
-        600.0, description="Longest time from start to ready before the start counts as failed."
+        DEFAULT_START_TIMEOUT,
+        description="Longest time from start to ready before the start counts as failed.",
     )
 
 

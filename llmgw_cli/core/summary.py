@@ -6,8 +6,9 @@ by key); ``llmgw status`` passes none, and those parts stay empty.
 
 Counting rules: a faulty card is neither used nor free; a GPU is used when a running
 llmgw unit names it (label ``X-Llmgw-Gpus``); a whole node is free when it is reachable,
-advertises its fabric and none of its cards is used or faulty; a model's replica runs
-when every one of its units runs (``plan.Running.up``, the rule ``plan`` replaces by).
+advertises its fabric and none of its cards is used or faulty (a crash-looping, failed
+or stopped unit holds none); a model's replica runs when it is ready (``core/health.py``:
+the rule ``plan`` replaces by; ``Running.health``), and the others are counted by state.
 
 ``llmgw status --nodes a,b`` summarises those nodes only (``scope``): their rows, their
 cards, the fabrics they are on and the models that have a unit on them; a replica with
@@ -17,17 +18,18 @@ the fleet's (its other replicas may run on nodes left out).
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Sequence
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from pydantic import Field
 
 from llmgw_cli.core.facts import Fact, GpuHealth, NodeFacts
 from llmgw_cli.core.hardware import fabric_status, gpu_class
+from llmgw_cli.core.health import ReplicaState, worst
 from llmgw_cli.core.parse.units import replica_units
-from llmgw_cli.core.plan import Running, running_replicas
-from llmgw_cli.core.routing import Health, RoutedReplica
+from llmgw_cli.core.plan import Answers, Running, running_replicas
+from llmgw_cli.core.routing import Health, RoutedReplica, serving_address
 from llmgw_cli.core.spec import ClusterSpec, Node
 
 # A replica of a model without `scaling.idle_timeout` counts as held idle after this long
@@ -85,6 +87,27 @@ class ModelRow(Fact):
     state: str | None = None  # controller.Phase value; None without the gateway's view
     progress: str = ""  # what a start under way is doing (the gateway's view)
     ready: int | None = None  # replicas in rotation; None without the gateway's view
+    # replicas not ready by state (``core/health.py``): {"crash-looping": 1}
+    not_ready: dict[str, int] = Field(default_factory=dict)
+
+    @property
+    def short(self) -> bool:
+        """An always-on model with fewer replicas ready than its ``min`` (the gateway starts
+        an on-demand one when asked)."""
+        return self.mode == "always" and self.running < self.desired
+
+
+class HealthRow(Fact):
+    """One replica's state as its units say (``core/health.py``)."""
+
+    model: str
+    replica: int
+    nodes: tuple[str, ...]
+    port: int
+    state: str  # ReplicaState value
+    restarts: int  # by systemd, since its last start by llmgw (its worst unit's)
+    exit_status: int | None  # of its worst unit's last engine process
+    journal: str = ""  # for one not ready, the journal line that says why (health.telling_line), when read
 
 
 class LiveReplica(Fact):
@@ -140,6 +163,7 @@ class Summary(Fact):
     fabrics: tuple[FabricRow, ...]
     models: tuple[ModelRow, ...]
     replicas: tuple[ReplicaRow, ...] = ()
+    health: tuple[HealthRow, ...] = ()
     keys: tuple[KeyRow, ...] = ()
     scope: tuple[str, ...] | None = None  # the nodes summarised; None: every node
 
@@ -253,13 +277,49 @@ def _key_rows(usage: tuple[UseRow, ...]) -> tuple[KeyRow, ...]:
     )
 
 
-def _runs(replica: Running, scope: set[str] | None) -> bool:
-    """``replica.up``; within ``scope``, every member there runs its unit (members left
-    out of it were not looked at)."""
+def _answers(spec: ClusterSpec, facts: dict[str, NodeFacts], live: Live | None) -> Answers:
+    """The gateway's health checks (``live``) as answers by replica: ready, or loading
+    (not ready yet), for each replica whose head's address the gateway checks."""
+    if live is None:
+        return {}
+    health = {(r.model, r.address): r.health for r in live.replicas}
+    hosts = {n.name: n.engine_host for n in spec.nodes}
+    out = {}
+    for r in running_replicas(facts):
+        head = r.members[0] if r.members else ""
+        said = health.get((r.model, serving_address(hosts.get(head, ""), r.port)))
+        # loading: it never answered ready yet; failing (ready before) is not a start
+        if said in (Health.ready.value, Health.loading.value):
+            out[(r.model, r.replica)] = said == Health.ready.value
+    return out
+
+
+def _state(replica: Running, scope: set[str] | None, healthy: bool | None) -> ReplicaState:
+    """``replica.health``; within ``scope``, that of its members there (members left out of
+    it were not looked at)."""
     if scope is None:
-        return replica.up
-    seen = [node for node in replica.members if node in scope]
-    return bool(seen) and all(node in replica.units and replica.units[node].up for node in seen)
+        return replica.health(healthy)
+    seen = replica.model_copy(update={"members": tuple(n for n in replica.members if n in scope)})
+    return (
+        seen.health(healthy if seen.members[:1] == replica.members[:1] else None)
+        if seen.members
+        else worst([])
+    )
+
+
+def _health_row(replica: Running, state: ReplicaState, journal: str) -> HealthRow:
+    units = [u.state for u in replica.units.values() if u.state is not None]
+    worst_unit = max(units, key=lambda u: u.n_restarts, default=None)
+    return HealthRow(
+        model=replica.model,
+        replica=replica.replica,
+        nodes=replica.members,
+        port=replica.port,
+        state=state.value,
+        restarts=worst_unit.n_restarts if worst_unit else 0,
+        exit_status=worst_unit.exec_main_status if worst_unit else None,
+        journal="" if state is ReplicaState.ready else journal,
+    )
 
 
 def summarize(
@@ -268,10 +328,14 @@ def summarize(
     live: Live | None = None,
     *,
     scope: Sequence[str] | None = None,
+    answers: Answers | None = None,
+    journal: Mapping[tuple[str, int], str] | None = None,
 ) -> Summary:
     """The fleet's numbers from the spec and one snapshot of facts, plus the gateway's
     view (replica health and use, usage by key) when ``live`` is given. ``scope``: only
-    those nodes (declared ones, in the file's order) and what is on them; None: every node."""
+    those nodes (declared ones, in the file's order) and what is on them; None: every node.
+    ``answers``: replicas' health checks, (model, replica) -> ready; ``journal``: the last
+    journal line of replicas not ready, when read."""
     nodes = [n for n in spec.nodes if scope is None or n.name in scope]
     rows = [_node_row(n, facts.get(n.name) or NodeFacts(node=n.name, error="not probed")) for n in nodes]
     classes: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
@@ -309,15 +373,23 @@ def summarize(
             )
         )
     declared = {n.name for n in nodes}
-    running: dict[str, list[Running]] = defaultdict(list)
-    found: set[str] = set()  # models with a unit on these nodes, running or not
-    for replica in running_replicas({name: f for name, f in facts.items() if name in declared}):
-        found.add(replica.model)
-        if _runs(replica, declared if scope is not None else None):
-            running[replica.model].append(replica)
     pool: dict[str, list[RoutedReplica]] = defaultdict(list)
     for r in live.replicas if live else ():
         pool[r.model].append(RoutedReplica(r.model, r.address, health=Health(r.health)))
+    answers = answers if answers is not None else _answers(spec, facts, live)
+    running: dict[str, list[Running]] = defaultdict(list)
+    not_ready: dict[str, Counter[str]] = defaultdict(Counter)
+    found: set[str] = set()  # models with a unit on these nodes, running or not
+    health_rows = []
+    for replica in running_replicas({name: f for name, f in facts.items() if name in declared}):
+        found.add(replica.model)
+        key = (replica.model, replica.replica)
+        state = _state(replica, declared if scope is not None else None, (answers or {}).get(key))
+        health_rows.append(_health_row(replica, state, (journal or {}).get(key, "")))
+        if state is ReplicaState.ready:
+            running[replica.model].append(replica)
+        else:
+            not_ready[replica.model][state.value] += 1
     model_rows = tuple(
         ModelRow(
             name=m.name,
@@ -329,6 +401,7 @@ def summarize(
             state=live.phases.get(m.name) if live else None,
             progress=live.progress.get(m.name, "") if live else "",
             ready=sum(1 for r in pool[m.name] if r.health is Health.ready) if live else None,
+            not_ready=dict(sorted(not_ready[m.name].items())),
         )
         for m in spec.models
         if scope is None or m.name in found
@@ -339,6 +412,7 @@ def summarize(
         fabrics=tuple(fabric_rows),
         models=model_rows,
         replicas=_replica_rows(spec, live) if live else (),
+        health=tuple(health_rows),
         keys=_key_rows(live.usage) if live else (),
         scope=None if scope is None else tuple(n.name for n in nodes),
     )

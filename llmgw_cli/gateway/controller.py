@@ -95,6 +95,7 @@ from llmgw_cli.core.controller import (
     phase as model_phase,
 )
 from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.health import ReplicaState
 from llmgw_cli.core.lifecycle import eviction_candidate, known_last_use
 from llmgw_cli.core.pins import needs_pin
 from llmgw_cli.core.plan import Action, Plan, Running, conflicts, grow_plan, running_replicas, stop_plan
@@ -1241,6 +1242,8 @@ def _condition(r: Running, facts: dict[str, NodeFacts], unreachable: set[str]) -
         return UnitCondition.lost
     if any(n in r.units and r.units[n].active_state == "failed" for n in r.members):
         return UnitCondition.gave_up
+    if r.health() is ReplicaState.crash_looping:
+        return UnitCondition.crash_looping
     return UnitCondition.up if r.up else UnitCondition.down
 
 

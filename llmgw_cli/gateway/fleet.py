@@ -239,7 +239,7 @@ class FleetCollector(Collector):
         )
         yield _gauge(
             "llmgw_model_running_replicas",
-            "Replicas whose units are active on the nodes (from the probe).",
+            "Ready replicas: units running and, while within the start timeout, seen ready by the health checks.",
             ["model"],
             (([m.name], m.running) for m in s.models),
         )

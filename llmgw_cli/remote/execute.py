@@ -15,6 +15,7 @@ with the last lines of its journal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import shlex
 from collections import defaultdict
@@ -223,14 +224,33 @@ async def _wait_ready(
         failed = await watch.failure()
         if failed:
             report(subject, f"failed: {failed}", Phase.failed)
-            return Outcome(subject, False, failed)
+            await _stop_not_ready(action, transports)
+            return Outcome(subject, False, f"{NOT_READY}: {failed}")
         return None
 
     done = await poll_until(step, timeout=profile.readiness.start_timeout, interval=0.5)
     if done is not None:
         return done
     report(subject, f"failed: not ready after {profile.readiness.start_timeout:g}s ({last})", Phase.failed)
-    return Outcome(subject, False, f"not ready after {profile.readiness.start_timeout:g}s ({last}); {url}")
+    await _stop_not_ready(action, transports)
+    why = f"not ready after {profile.readiness.start_timeout:g}s ({last}); {url}"
+    return Outcome(subject, False, f"{NOT_READY}: {why}")
+
+
+NOT_READY = "not ready, stopped"
+"""How a readiness wait's Outcome begins when the replica failed and was stopped."""
+
+
+async def _stop_not_ready(action: Action, transports: dict[str, Transport]) -> None:
+    """Stop the units of a replica that did not become ready, so systemd stops restarting
+    an engine that fails and its cards are free; its unit files stay, and the next
+    ``apply`` starts it again once (``core/health.py``: it is then failed)."""
+    for node in action.nodes:
+        unit = next((w.name for w in action.write if w.node == node), None)
+        if unit is not None and node in transports:
+            # a node that stopped answering: its next probe says what runs
+            with contextlib.suppress(NodeError):
+                await NodeOps(transports[node]).stop([unit])
 
 
 async def ready_status(t: Transport, host: str, port: int, path: str) -> int | None:

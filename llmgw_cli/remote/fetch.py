@@ -166,7 +166,7 @@ class Fetcher:
             if isinstance(answer, NodeError):
                 why = f"cannot check {path}: {answer.reason}"
                 results.append(self.fail(model, node, PATH_SOURCE, why, "node"))
-            elif why := judge(answer, path):
+            elif why := judge(answer, path, self.spec.profiles[self.spec.model(model).profile].user):
                 results.append(self.fail(model, node, PATH_SOURCE, not_there(path, node, why), "missing"))
             else:
                 results.append(FetchResult(model, node, True, "present", PATH_SOURCE))

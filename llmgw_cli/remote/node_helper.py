@@ -34,7 +34,9 @@ Verbs (unit names must be ``llmgw-<model>-<replica>.service``, except that ``sho
 - ``exists PATH...``: what each path is, one JSON line ``{PATH: {"kind": K, "empty":
   B}}`` with K one of ``file``, ``dir``, ``other`` (a device, a FIFO, a socket),
   ``missing`` or ``unreadable``: whether a model's path source is there before its units
-  start (see ``exists``).
+  start (see ``exists``); for a file or folder also ``"unreadable": {USER: ENTRY}``, for
+  each engine account: the first folder or file in it that account cannot read (``{"path",
+  "owner", "mode"}``, null when none), checked in a child process running as it.
 
 What the gateway may run is bounded by ``/etc/llmgw/node-helper.json`` (root, written by
 ``apply`` from the cluster file): the engine programs, the engine accounts, the weights
@@ -63,6 +65,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import pwd
 import re
 import shlex
 import socket
@@ -338,6 +341,89 @@ def exists(path: str) -> dict[str, Any]:
     except OSError:
         return {"kind": "unreadable", "empty": True}
     return {"kind": "dir", "empty": empty}
+
+
+MAX_READ_WALK = 20_000  # entries of a path source looked at for each engine account
+
+
+def first_unreadable(path: str) -> dict[str, str] | None:
+    """As the account this process runs as: the first folder above or at ``path`` it
+    cannot enter, or entry under it it cannot read (a folder: list and enter), with its
+    owner and mode; None when it may read all (up to ``MAX_READ_WALK`` entries). Only
+    ``stat`` and ``access``: nothing is opened."""
+    parts = path.split("/")
+    for i in range(2, len(parts)):
+        above = "/".join(parts[:i])
+        if not os.access(above, os.X_OK):
+            return _entry(above)
+    todo, seen = [path], 0
+    while todo and seen < MAX_READ_WALK:
+        here = todo.pop()
+        seen += 1
+        try:
+            folder = stat.S_ISDIR(os.stat(here).st_mode)
+        except OSError:
+            continue  # gone, or a dangling link: not this check's to judge
+        if not os.access(here, os.R_OK | os.X_OK if folder else os.R_OK):
+            return _entry(here)
+        if folder:
+            with os.scandir(here) as entries:
+                todo += sorted((e.path for e in entries), reverse=True)
+    return None
+
+
+def _entry(path: str) -> dict[str, str]:
+    st = os.stat(path)
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    return {"path": path, "owner": owner, "mode": f"{stat.S_IMODE(st.st_mode):04o}"}
+
+
+def as_account(user: str, paths: list[str]) -> dict[str, Any] | None:
+    """``first_unreadable`` of each of ``paths`` in a child that runs as ``user`` (its
+    groups too), so the answer is the engine's own; None when the account is missing
+    (``apply`` makes it later) or this process cannot become it."""
+    try:
+        account = pwd.getpwnam(user)
+    except KeyError:
+        return None
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups(os.getgrouplist(user, account.pw_gid))
+            os.setgid(account.pw_gid)
+            os.setuid(account.pw_uid)
+            with os.fdopen(write, "w") as out:
+                json.dump({p: first_unreadable(p) for p in paths}, out)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        text = answer.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        return None
+    data = json.loads(text)
+    return data if isinstance(data, dict) else None
+
+
+def exists_answer(paths: list[str], config: dict[str, list[str]]) -> dict[str, Any]:
+    """``exists`` of each path, and for those that are there, whether each engine account
+    of the config may read everything in it (``{"unreadable": {USER: entry or None}}``)."""
+    answer = {p: exists(p) for p in paths}
+    there = [p for p in paths if answer[p]["kind"] in ("file", "dir")]
+    for user in config["users"] if there else []:
+        found = as_account(user, there)
+        if found is not None:
+            for p in there:
+                answer[p].setdefault("unreadable", {})[user] = found.get(p)
+    return answer
 
 
 def _systemctl(*args: str) -> int:
@@ -617,7 +703,7 @@ def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
         return 0
     if verb == "exists":
         paths = [_may_ask(a, config) for a in args]  # all, before any is looked at
-        print(json.dumps({p: exists(p) for p in paths}, sort_keys=True))
+        print(json.dumps(exists_answer(paths, config), sort_keys=True))
         return 0
     raise Refused(f"{verb!r} is not a node-helper verb")
 

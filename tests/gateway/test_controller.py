@@ -22,7 +22,7 @@ import pytest
 from llmgw_cli.cli.gateway import load_pinned
 from llmgw_cli.core.controller import Phase, Unavailable
 from llmgw_cli.core.drain import DRAIN_GRACE
-from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.facts import NodeFacts, UnitState
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.pins import pins_text
 from llmgw_cli.core.plan import Action, Plan, grow_plan, running_replicas
@@ -189,7 +189,7 @@ class World:
             clock=self.clock,
         )
 
-    def run(self, model: str, node: str, *, state: str = "active") -> str:
+    def run(self, model: str, node: str, *, state: str = "active", shown: UnitState | None = None) -> str:
         """A replica of ``model`` already running on ``node`` (placed as a start would:
         the other nodes are hidden from placement, not their units); its address."""
         hidden = {
@@ -199,7 +199,7 @@ class World:
         (action,) = grow_plan(self.spec, hidden, model).changes
         assert action.nodes == (node,)
         self.nodes.truth = with_units(
-            self.nodes.truth, [(w.node, w.name, w.text) for w in action.write], state=state
+            self.nodes.truth, [(w.node, w.name, w.text) for w in action.write], state=state, shown=shown
         )
         return f"{self.spec.node(node).address}:{action.port}"
 
@@ -439,6 +439,42 @@ def test_a_unit_systemd_gave_up_on_is_stopped_and_started_again_on_other_cards()
         placed = {g for u in start.write for g in u.text.split("X-Llmgw-Gpus=")[1].split()[0].split(",")}
         assert not placed & cards  # never the cards of the unit systemd gave up on
         assert {(a.model, a.action) for a in w.controller.actions} >= {("duo", "stop"), ("duo", "start")}
+
+    run(scenario)
+
+
+def test_a_crash_looping_replica_is_stopped_and_started_again_on_other_cards() -> None:
+    """systemd keeps restarting an engine that exits at once (``activating``, not failed
+    yet): the controller does not wait for systemd to give up."""
+    looping = UnitState(
+        name="",
+        load_state="loaded",
+        active_state="activating",
+        sub_state="auto-restart",
+        result="exit-code",
+        main_pid=0,
+        n_restarts=3,
+        exec_main_code=1,
+        exec_main_status=2,
+        age=4.0,
+        lived=0.3,
+    )
+
+    async def scenario() -> None:
+        w = World(gpus=2, cluster=DUO)
+        w.run("duo", "a")
+        w.run("duo", "b", shown=looping)
+        broken = next(r for r in running_replicas(w.nodes.truth) if r.members == ("b",))
+        cards = set(broken.gpus["b"])
+        w.discover()
+        await w.controller.tick()
+        await until(lambda: w.nodes.starts("duo"), "a start after the stop")
+        (stopped,) = w.nodes.stops("duo")
+        assert stopped.replica == broken.replica
+        assert "crash-looping on b" in stopped.reason
+        (start,) = w.nodes.starts("duo")
+        placed = {g for u in start.write for g in u.text.split("X-Llmgw-Gpus=")[1].split()[0].split(",")}
+        assert not placed & cards
 
     run(scenario)
 

@@ -217,7 +217,7 @@ def test_apply_reports_an_engine_journal_line_holding_markup_literally(
     output = done.stdout + done.stderr
     assert "MarkupError" not in output and "Traceback" not in output, output
     assert done.returncode == 1, output  # the replica failed; apply said so and finished
-    assert "steps failed; fix them and run apply again" in output, output
+    assert "1 replica not ready (hostile-args#0), stopped; fix them and run apply again" in output, output
     assert JOURNAL_LINE in output, output
     assert unit in output
 

@@ -96,9 +96,14 @@ def unit_state(name: str, state: str = "active") -> UnitState:
 
 
 def with_units(
-    facts: dict[str, NodeFacts], units: list[tuple[str, str, str]], state: str = "active"
+    facts: dict[str, NodeFacts],
+    units: list[tuple[str, str, str]],
+    state: str = "active",
+    shown: UnitState | None = None,
 ) -> dict[str, NodeFacts]:
-    """``facts`` as the nodes would report them once ``units`` (node, name, text) run."""
+    """``facts`` as the nodes would report them once ``units`` (node, name, text) run;
+    ``shown``: what `systemctl show` says of each of them (its name aside), else a unit in
+    ``state``."""
     out = dict(facts)
     for node, name, text in units:
         labels = {
@@ -107,7 +112,7 @@ def with_units(
             if line.startswith("X-Llmgw-")
         }
         f = out[node]
-        unit = unit_state(name, state)
+        unit = shown.model_copy(update={"name": name}) if shown else unit_state(name, state)
         out[node] = f.model_copy(
             update={
                 "units": (*[u for u in f.units if u.name != name], unit),

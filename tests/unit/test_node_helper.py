@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -442,6 +445,44 @@ def test_exists_answers_about_a_path_source_of_the_cluster_file_outside_the_weig
     (tmp_path / "src" / "model.safetensors").write_bytes(b"x")
     got = answer(["exists", str(tmp_path / "src")], exists_config(tmp_path), capsys)
     assert got == {str(tmp_path / "src"): {"kind": "dir", "empty": False}}
+
+
+@pytest.fixture
+def open_folder() -> Iterator[Path]:
+    """A folder every account may enter (pytest's own are root's alone)."""
+    folder = Path(tempfile.mkdtemp(dir="/tmp"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming the engine's account takes root, as the helper has")
+def test_exists_names_the_first_file_the_engine_account_cannot_read(
+    open_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = open_folder / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    (src / "sub" / "model.safetensors").write_bytes(b"x")
+    (src / "sub" / "model.safetensors").chmod(0o600)  # root's alone
+    config = {"programs": [], "users": ["nobody", "no-such-account"], "weights": [], "paths": [str(src)]}
+    got = answer(["exists", str(src)], config, capsys)
+    assert got[str(src)]["unreadable"] == {
+        "nobody": {"path": str(src / "sub" / "model.safetensors"), "owner": "root", "mode": "0600"}
+    }  # an account not made yet is not asked
+    (src / "sub" / "model.safetensors").chmod(0o644)
+    (src / "sub").chmod(0o700)  # a folder it cannot enter is named, not what lies in it
+    got = answer(["exists", str(src)], config, capsys)
+    assert got[str(src)]["unreadable"] == {
+        "nobody": {"path": str(src / "sub"), "owner": "root", "mode": "0700"}
+    }
+    (src / "sub").chmod(0o755)
+    assert answer(["exists", str(src)], config, capsys)[str(src)]["unreadable"] == {"nobody": None}
+    open_folder.chmod(0o700)  # a folder above it
+    got = answer(["exists", str(src)], config, capsys)
+    assert got[str(src)]["unreadable"] == {
+        "nobody": {"path": str(open_folder), "owner": "root", "mode": "0700"}
+    }
 
 
 @pytest.mark.parametrize(

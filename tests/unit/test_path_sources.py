@@ -154,6 +154,17 @@ def test_an_answer_counts_only_a_non_empty_file_or_folder_as_there(entry: object
     assert judge({"/p/x": entry}, "/p/x") == why
 
 
+def test_a_folder_the_engine_account_cannot_read_whole_is_refused_with_the_file() -> None:
+    blocked = {"path": "/p/x/w.bin\x1b[2J", "owner": "root", "mode": "0600"}
+    entry = {"kind": "dir", "empty": False, "unreadable": {"llmgw": blocked, "other": None}}
+    why = judge({"/p/x": entry}, "/p/x", "llmgw")
+    assert why == "not readable by llmgw, the engine's account: /p/x/w.bin?[2J (owner root, mode 0600)"
+    assert not_there("/p/x", "node03", why) == f"/p/x on node03 is {why}"
+    assert judge({"/p/x": entry}, "/p/x", "other") == ""
+    assert judge({"/p/x": entry}, "/p/x", "not-asked") == ""  # an account the node did not check
+    assert judge({"/p/x": entry}, "/p/x") == ""
+
+
 def test_an_answer_about_another_path_says_nothing_about_this_one() -> None:
     assert judge({"/p/y": {"kind": "file", "empty": False}}, "/p/x") == "the node gave no answer for it"
     assert judge({}, "/p/x") == "the node gave no answer for it"

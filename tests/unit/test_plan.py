@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.facts import NodeFacts, UnitState
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import (
     Action,
@@ -123,11 +123,11 @@ def test_failed_or_stopped_replica_is_started_again() -> None:
     plan = make_plan(s, fresh())
     facts = applied(plan, fresh())
     mid = next(a for a in plan.actions if a.model == "mid")
-    for state in ("failed", "inactive"):
+    for state, said in (("failed", "failed"), ("inactive", "stopped")):
         down = with_units(facts, [(w.node, w.name, w.text) for w in mid.write], state=state)
         again = make_plan(s, down)
-        assert [(a.op, a.model, a.reason) for a in again.changes] == [
-            ("~", "mid", "not running; started again")
+        assert [(a.op, a.model, a.reason, a.unhealthy) for a in again.changes] == [
+            ("~", "mid", f"{said}; started again", said)
         ]
 
 
@@ -234,7 +234,7 @@ def test_plan_and_status_agree_on_a_half_failed_multi_node_replica() -> None:
     ]
     assert unseen.serving(frozenset({failed_node})) and not unseen.serving()
     assert [(a.op, a.model, a.reason) for a in make_plan(s, half).changes] == [
-        ("~", "big", "not running; started again")
+        ("~", "big", "failed; started again")
     ]
     summary = summarize(s, half)
     row = summary.models[2]
@@ -410,7 +410,7 @@ def test_a_down_replica_is_replaced_in_place_without_drain_or_downtime() -> None
         plan = make_plan(s, down)
         (action,) = plan.changes
         assert (action.op, action.replica, action.surge) == ("~", 0, False)
-        assert action.reason == "not running; started again"
+        assert action.reason == "failed; started again"
         assert action.downtime == ""
         converges(s, plan, down)
 
@@ -491,3 +491,57 @@ def test_a_url_source_without_sha256_is_warned_about_once_per_model() -> None:
     assert "checked only against what the seed node downloaded" in warnings[0]
     assert "`sha256: <hex>`" in warnings[0] and url in warnings[0]
     assert not [w for w in make_plan(spec(), fresh()).warnings if "sha256" in w]  # repo ids: none
+
+
+def _looping(restarts: int, sub_state: str = "auto-restart", age: float = 3.0) -> UnitState:
+    """An engine that exits at once, as `systemctl show` says it (``core/health.py``)."""
+    return UnitState(
+        name="",
+        load_state="loaded",
+        active_state="activating" if sub_state == "auto-restart" else "active",
+        sub_state=sub_state,
+        result="exit-code",
+        main_pid=0,
+        n_restarts=restarts,
+        exec_main_code=1,
+        exec_main_status=2,
+        age=age,
+        lived=0.2 if sub_state == "auto-restart" else None,
+    )
+
+
+def test_a_crash_looping_replica_is_no_change_it_is_started_again() -> None:
+    """systemd keeps a crashing engine `activating`: the plan must not call that as it
+    should be, nor count its cards as held."""
+    s = spec()
+    facts = applied(make_plan(s, fresh()), fresh())
+    mid = next(r for r in running_replicas(facts) if r.model == "mid")
+    writes = [(n, mid.unit, unit_text(facts, n, mid.unit)) for n in mid.members]
+    for shown in (_looping(7), _looping(3, "running")):
+        looping = with_units(facts, writes, shown=shown)
+        plan = make_plan(s, looping)
+        (action,) = plan.changes
+        assert (action.op, action.model, action.retire and action.retire.replica) == ("~", "mid", 0)
+        assert action.unhealthy == f"crash-looping ({shown.n_restarts} restarts, exit status 2)"
+        assert action.reason == f"{action.unhealthy}; started again"
+        row = next(m for m in summarize(s, looping).models if m.name == "mid")
+        assert row.running == 0
+        used = sum(c.used for c in summarize(s, looping).classes)
+        assert used == sum(c.used for c in summarize(s, facts).classes) - 4
+
+
+def test_a_replica_still_starting_is_left_alone_and_said_so() -> None:
+    s = spec()
+    facts = applied(make_plan(s, fresh()), fresh())
+    mid = next(r for r in running_replicas(facts) if r.model == "mid")
+    young = _looping(0, "running", age=10.0).model_copy(update={"result": "success", "exec_main_status": 0})
+    starting = with_units(
+        facts, [(n, mid.unit, unit_text(facts, n, mid.unit)) for n in mid.members], shown=young
+    )
+    plan = make_plan(s, starting)
+    assert plan.changes == []
+    (kept,) = [a for a in plan.actions if a.model == "mid"]
+    assert kept.starting and kept.reason == "starting: not seen ready yet"
+    # its health check answered: ready, nothing to say
+    answered = make_plan(s, starting, answers={("mid", 0): True})
+    assert not next(a for a in answered.actions if a.model == "mid").starting

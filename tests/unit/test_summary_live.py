@@ -3,9 +3,10 @@ NVLink peers where unknown topology is not zero."""
 
 from __future__ import annotations
 
+from llmgw_cli.core.facts import UnitState
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.summary import IDLE_AFTER, Live, LiveReplica, UseRow, summarize
-from tests.unit.facts_factory import node_facts, topology
+from tests.unit.facts_factory import node_facts, topology, with_units
 
 SPEC = parse_cluster(
     """\
@@ -112,3 +113,31 @@ def test_nvlink_peers_unknown_is_not_zero() -> None:
     assert (nodes["c"].nvlink_peers, nodes["c"].topology) == (None, "unknown")
     pcie = summarize(SPEC, {"a": node_facts("a", topo=topology(8, "PHB"))}).nodes[0]
     assert (pcie.nvlink_peers, pcie.topology) == (0, "PCIe only")
+
+
+def test_a_young_replica_counts_as_running_once_the_gateway_saw_it_ready() -> None:
+    """The probe alone calls a replica younger than its start timeout starting; the
+    gateway's health check says whether it is ready (core/health.py)."""
+    shown = UnitState(
+        name="",
+        load_state="loaded",
+        active_state="active",
+        sub_state="running",
+        result="success",
+        main_pid=7,
+        n_restarts=0,
+        exec_main_code=0,
+        exec_main_status=0,
+        age=5.0,
+    )
+    labels = "X-Llmgw-Model=always\nX-Llmgw-Replica=0\nX-Llmgw-Members=a\nX-Llmgw-Port=8000\n"
+    facts = with_units({"a": node_facts("a")}, [("a", "llmgw-always-0.service", labels)], shown=shown)
+
+    def row(live: Live | None) -> tuple[int, dict[str, int]]:
+        (m,) = [m for m in summarize(SPEC, facts, live).models if m.name == "always"]
+        return m.running, m.not_ready
+
+    assert row(None) == (0, {"starting": 1})
+    loading = replica("always", "10.0.0.1:8000", health="loading", idle=None)
+    assert row(Live(replicas=(loading,))) == (0, {"starting": 1})
+    assert row(Live(replicas=(replica("always", "10.0.0.1:8000"),))) == (1, {})

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from llmgw_cli.core.doctor.facts import Collected, Finding, Limit, Severity
 from llmgw_cli.core.facts import GpuHealth, IbPort, PortState
 from llmgw_cli.core.hardware import gpu_class, same_class
+from llmgw_cli.core.health import ReplicaState, describe
 from llmgw_cli.core.parse.probe import engine_binaries
 from llmgw_cli.core.parse.units import replica_units
 from llmgw_cli.core.root_folders import ROOT_FOLDERS, ancestors, fix, problem
@@ -412,6 +413,27 @@ def check_root_folders(spec: ClusterSpec, node: Node, c: Collected) -> list[Find
     return findings
 
 
+def check_replicas(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
+    """A replica unit whose engine crash-loops or failed (``core/health.py``): it serves
+    nothing, and its journal says why."""
+    findings = []
+    for u in replica_units(c.facts):
+        state = u.health()
+        if state not in (ReplicaState.crash_looping, ReplicaState.failed):
+            continue
+        findings.append(
+            _finding(
+                node,
+                f"replica.{state.value}",
+                Severity.error,
+                f"{u.name} ({u.model}#{u.replica}) is {describe(state, u.state)}",
+                f"read why in its journal (`llmgw logs {u.model}#{u.replica}`, or `journalctl -u "
+                f"{u.name} -n 50` on {node.name}), fix the cause, then `llmgw apply` starts it again",
+            )
+        )
+    return findings
+
+
 NODE_CHECKS: tuple[Check, ...] = (
     check_engines,
     check_cpu,
@@ -422,6 +444,7 @@ NODE_CHECKS: tuple[Check, ...] = (
     check_weights,
     check_ports,
     check_root_folders,
+    check_replicas,
 )
 
 

@@ -421,12 +421,20 @@ def _parse_engines(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
 UNITS_SH = """\
 set -f  # unit names are words to pass on, never patterns to expand
 units=$(systemctl list-units 'llmgw-*' --all --plain --no-legend 2>/dev/null | awk '{print $1}')
-[ -n "$units" ] && systemctl show -p Id,LoadState,ActiveState,SubState,Result,MainPID,NRestarts,ExecMainCode,ExecMainStatus $units
+# the monotonic clock the Timestamp*Monotonic properties are on (seconds since boot)
+echo "@uptime $(cut -d' ' -f1 /proc/uptime 2>/dev/null)"
+[ -n "$units" ] && systemctl show -p Id,LoadState,ActiveState,SubState,Result,MainPID,NRestarts,ExecMainCode,ExecMainStatus,ExecMainStartTimestampMonotonic,ExecMainExitTimestampMonotonic $units
 set +f"""
 
 
+def _uptime(text: str) -> float | None:
+    line = next((ln for ln in text.split("\n") if ln.startswith("@uptime ")), "")
+    return _number(line.removeprefix("@uptime ")) if line else None
+
+
 def _parse_units(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
-    return {"units": tuple(unit_state(b) for b in parse_show(text))}
+    now = _uptime(text)
+    return {"units": tuple(unit_state(b, now) for b in parse_show(text))}
 
 
 LABELS_SH = f"grep -H '^{LABEL_PREFIX}' {UNIT_DIR}llmgw-*.service 2>/dev/null"

@@ -4,10 +4,12 @@ from ``systemctl show``. Plan, status and doctor read units only through ``Repli
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 
 from llmgw_cli.core.facts import NodeFacts, ReplicaUnit, UnitState
+from llmgw_cli.core.health import DEFAULT_START_TIMEOUT
 
 UNIT_DIR = "/etc/systemd/system/"
 LABEL_PREFIX = "X-Llmgw-"
@@ -28,6 +30,16 @@ def parse_labels(text: str) -> dict[str, dict[str, str]]:
 
 def _number(text: str | None) -> int | None:
     return int(text) if text is not None and text.isascii() and text.isdigit() else None
+
+
+def _seconds(text: str | None) -> float:
+    """The start timeout label; the profiles' default when a unit has none (written by an
+    older llmgw) or an unreadable one."""
+    try:
+        value = float(text or "")
+    except ValueError:
+        return DEFAULT_START_TIMEOUT
+    return value if math.isfinite(value) and value > 0 else DEFAULT_START_TIMEOUT
 
 
 def _list(text: str) -> tuple[str, ...]:
@@ -53,6 +65,7 @@ def replica_unit(
         gpus=_list(labels.get("Gpus", "")),
         port=_number(labels.get("Port")) or 0,
         spec_hash=labels.get("Spec-Hash", ""),
+        start_timeout=_seconds(labels.get("Start-Timeout")),
         state=state,
     )
 

@@ -14,6 +14,7 @@ from llmgw_cli.core.doctor.checks import (
     check_memlock,
     check_node,
     check_ports,
+    check_replicas,
     check_weights,
 )
 from llmgw_cli.core.doctor.cluster import check_clocks, check_gateway_timeouts
@@ -334,3 +335,30 @@ def test_diagnose_orders_gateway_first_then_nodes_in_file_order_errors_first() -
 def test_a_healthy_cluster_has_no_findings() -> None:
     s = spec()
     assert diagnose(s, [collected(s, "gpu1"), collected(s, "cpu1"), collected(s, "gpu2")]) == []
+
+
+# --- replicas ------------------------------------------------------------------------
+
+LOOPING_UNIT = (
+    "@uptime 1000.0\nId=llmgw-a-0.service\nLoadState=loaded\nActiveState=activating\n"
+    "SubState=auto-restart\nResult=exit-code\nMainPID=0\nNRestarts=7\nExecMainCode=1\n"
+    "ExecMainStatus=2\nExecMainStartTimestampMonotonic=990000000\n"
+    "ExecMainExitTimestampMonotonic=990300000"
+)
+LABELS = "/etc/systemd/system/llmgw-a-0.service:X-Llmgw-Model=a\n/etc/systemd/system/llmgw-a-0.service:X-Llmgw-Replica=0"
+
+
+def test_a_crash_looping_replica_is_an_error_pointing_at_its_journal() -> None:
+    s = spec()
+    c = collected(s, units=LOOPING_UNIT, labels=LABELS)
+    [f] = check_replicas(s, s.node("gpu1"), c)
+    assert (f.check, f.severity) == ("replica.crash-looping", Severity.error)
+    assert f.message == "llmgw-a-0.service (a#0) is crash-looping (7 restarts, exit status 2)"
+    assert "llmgw logs a#0" in f.fix
+
+
+def test_a_running_replica_gives_no_finding() -> None:
+    s = spec()
+    running = LOOPING_UNIT.replace("activating", "active").replace("auto-restart", "running")
+    running = running.replace("NRestarts=7", "NRestarts=0").replace("Result=exit-code", "Result=success")
+    assert check_replicas(s, s.node("gpu1"), collected(s, units=running, labels=LABELS)) == []
