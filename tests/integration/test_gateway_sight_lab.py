@@ -59,7 +59,7 @@ def test_an_llmgw_the_unit_cannot_see_is_refused_before_anything_is_installed(
         assert "gateway.llmgw_bin: /opt/llmgw/bin/llmgw" in said
     units = lab.ssh(HOST, "ls /etc/systemd/system").stdout
     assert "llmgw-gateway" not in units, units
-    assert lab.ssh(HOST, f"test -e {GATEWAY_FILES}/cluster.yaml").returncode != 0
+    assert lab.ssh(HOST, f"test -e {GATEWAY_FILES}").returncode != 0  # not even its key
     assert lab.ssh(HOST, "systemctl is-active llmgw-gateway.service").stdout.strip() != "active"
 
     # The control: the same cluster with the llmgw the unit sees is planned for install.
