@@ -18,6 +18,7 @@ from huggingface_hub import constants
 
 from tests import pg
 from tests.hub_standin import HubStandin
+from tests.integration import visible_llmgw
 from tests.integration.conftest import NODES, STATE, Lab, LabNode, lab_unavailable, llmgw
 from tests.skips import ALLOWED, SkipRule
 
@@ -91,6 +92,7 @@ def lab() -> Iterator[Lab]:
     if reason:
         pytest.skip(reason)
     llmgw("lab", "down", "--state", str(STATE), check=False)  # a stale lab from a crashed run
+    visible_llmgw.build()  # before the nodes boot: their root is an overlay on this machine's
     llmgw("lab", "up", "--nodes", str(NODES), "--state", str(STATE))
     try:
         record = json.loads((STATE / "lab.json").read_text())

@@ -245,8 +245,9 @@ class GatewaySettings(Spec):
     state_dir: PlainWord = Field("/var/lib/llmgw", description="Directory of the gateway's own data.")
     llmgw_bin: AbsolutePlainWord | None = Field(
         None,
-        description="Absolute path of `llmgw` on the gateway host, for its systemd unit. "
-        "Unset: whichever `llmgw` is on the host's PATH.",
+        description="Absolute path of `llmgw` on the gateway host, for its systemd unit: somewhere "
+        "the unit's sandbox shows and its account reads (e.g. /opt/llmgw/bin/llmgw; not under "
+        "/tmp, /var/tmp or /root), which `plan` checks. Unset: whichever `llmgw` is on the host's PATH.",
     )
     install: bool = Field(
         True,

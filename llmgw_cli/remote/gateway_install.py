@@ -47,6 +47,7 @@ from llmgw_cli.core.gateway_install import (
     GATEWAY_DIR,
     GATEWAY_KEY,
     OLD_OPERATOR_KEY,
+    UNIT_FILE,
     UNIT_FILES,
     GatewayChange,
     GatewayFile,
@@ -63,6 +64,7 @@ from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections, resolve_path
 from llmgw_cli.remote.execute import Outcome, UnitWatch, ensure_account, must
+from llmgw_cli.remote.gateway_sight import check_sight
 from llmgw_cli.remote.local import LocalTransport
 from llmgw_cli.remote.node_access import ensure_gateway_account
 from llmgw_cli.remote.nodeops import ShellOps
@@ -277,6 +279,8 @@ async def preview_host(
         store_password=password,
         hub_env=hub_env_text(os.environ),
     )
+    # before anything is changed: a unit that could not run llmgw is never installed
+    await check_sight(t, host, llmgw_bin, next(f.text for f in files if f.path == UNIT_FILE))
     on_host = await _host_state(t, files)
     wanted = (spec.gateway.listen, spec.gateway.admin_listen, spec.gateway.metrics_listen)
     change = gateway_change(

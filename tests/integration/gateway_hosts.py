@@ -6,7 +6,6 @@ bench/failover.py."""
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,8 +17,8 @@ from tests import pg
 
 from .conftest import Lab
 from .lab_helpers import reset
+from .visible_llmgw import LLMGW
 
-LLMGW = f"{sys.prefix}/bin/llmgw"
 BRIDGE = "10.213.0.1"  # this machine on the lab's bridge: where the nodes reach PostgreSQL
 LAB_NETWORK = "10.213.0.0/24"
 GATEWAY_FILES = "/etc/llmgw/gateway"

@@ -8,7 +8,6 @@ request refused, none cut, while streams flow."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,10 +20,10 @@ from tests.waiting import wait_until
 from .conftest import Lab
 from .lab_helpers import reset, run, unit_props
 from .load import running_load
+from .visible_llmgw import LLMGW
 
 pytestmark = pytest.mark.integration
 
-LLMGW = f"{sys.prefix}/bin/llmgw"
 GATEWAY_FILES = "/etc/llmgw/gateway"
 CLEAN = (
     "for u in llmgw-gateway.socket llmgw-gateway-handover llmgw-gateway; do systemctl disable --now $u; done "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import shlex
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +26,12 @@ from llmgw_cli.remote import connect, fetch
 from llmgw_cli.remote.transport import write_command
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import origin_on_the_bridge, reset, run
+from tests.integration.visible_llmgw import LLMGW
 from tests.integration.weights_origin import Origin
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-LLMGW = f"{sys.prefix}/bin/llmgw"
 GATEWAY_FILES = "/etc/llmgw/gateway"
 GATEWAY_KEY = f"{GATEWAY_FILES}/id_ed25519"
 STATE = "/var/lib/llmgw-gw"
