@@ -466,11 +466,11 @@ def exists_answer(paths: list[str], config: dict[str, list[str]]) -> dict[str, A
     there = [p for p in paths if p not in programs and answer[p]["kind"] in ("file", "dir")]
     runnable = sorted({f for p, f in programs.items() if f and answer[p]["kind"] == "file"})
     for user in config["users"] if there or runnable else []:
-        read = as_account(user, there, first_unreadable) if there else {}
-        run = as_account(user, runnable, first_unrunnable) if runnable else {}
-        for p in there if read is not None else []:
+        read = (as_account(user, there, first_unreadable) if there else None) or {}
+        run = (as_account(user, runnable, first_unrunnable) if runnable else None) or {}
+        for p in there if read else []:
             answer[p].setdefault("unreadable", {})[user] = read.get(p)
-        for p, f in programs.items() if run is not None else []:
+        for p, f in programs.items() if run else []:
             if f in runnable:
                 answer[p].setdefault("unrunnable", {})[user] = run.get(f)
     return answer

@@ -495,7 +495,12 @@ def test_exists_says_whether_each_engine_account_may_run_an_engine_program(
     engine = folder / "engine"
     engine.write_text(f"#!/bin/sh\ntouch {open_folder}/ran\n")
     engine.chmod(0o700)  # root's alone: systemd would answer 203/EXEC as the engine's account
-    config = {"programs": [str(engine), "sh", "no-such-engine"], "users": ["nobody"], "weights": [], "paths": []}
+    config = {
+        "programs": [str(engine), "sh", "no-such-engine"],
+        "users": ["nobody"],
+        "weights": [],
+        "paths": [],
+    }
     got = answer(["exists", str(engine)], config, capsys)
     assert got == {
         str(engine): {
@@ -509,7 +514,9 @@ def test_exists_says_whether_each_engine_account_may_run_an_engine_program(
     assert answer(["exists", str(engine)], config, capsys)[str(engine)]["unrunnable"] == {"nobody": None}
     folder.chmod(0o700)  # a folder above it that the account cannot enter
     got = answer(["exists", str(engine)], config, capsys)
-    assert got[str(engine)]["unrunnable"] == {"nobody": {"path": str(folder), "owner": "root", "mode": "0700"}}
+    assert got[str(engine)]["unrunnable"] == {
+        "nobody": {"path": str(folder), "owner": "root", "mode": "0700"}
+    }
     # a bare name is looked up where systemd looks, not on the caller's PATH
     got = answer(["exists", "sh", "no-such-engine"], config, capsys)
     assert got["sh"]["path"] == shutil.which("sh", path=node_helper.PATH)
