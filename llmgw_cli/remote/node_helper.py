@@ -325,7 +325,7 @@ def _may_ask(path: str, config: dict[str, list[str]]) -> str:
         root = folder.rstrip("/") + "/"
         if path.startswith(root) and len(path) > len(root):
             return path
-    raise Refused(f"{path!r} is neither in a weights folder nor a path source of this node")
+    raise Refused(f"{path!r} is neither in a weights folder nor a path source or engine program of this node")
 
 
 def exists(path: str) -> dict[str, Any]:
