@@ -52,12 +52,13 @@ weights are downloaded from, the addresses of this node's fabric peers and its o
 (169.254.169.254) into a weights folder, and serve a folder on every interface.
 
 ``exists`` answers only about paths inside a weights folder, named exactly by a path
-source of that file, or the cluster's engine programs exactly. It runs as root, so without that bound the gateway's key could learn
-whether any file on the node exists, and whether it is empty, in folders its own account
-cannot even list (home folders, ``/root``, other services' state); with it, the key
-learns nothing about paths the cluster file does not already name. The cost is that a
-path source added to the cluster file is answered only once ``apply`` has written the
-new list, which it does before anything is started from that file.
+source of that file, or the cluster's engine programs exactly. It runs as root, so without
+that bound the gateway's key could learn whether any file on the node exists, and whether
+it is empty, in folders its own account cannot even list (home folders, ``/root``, other
+services' state); with it, the key learns nothing about paths the cluster file does not
+already name. The cost is that a path source added to the cluster file is answered only
+once ``apply`` has written the new list, which it does before anything is started from
+that file.
 
 ``apply`` reaches nodes on which the helper may not be installed yet, or holds an older
 list: it pipes this file to ``python3 -I -`` as root with the list it is about to write
