@@ -158,7 +158,7 @@ class Fetcher:
         folder (one question per node, all nodes at once); one result per check."""
         asked = by_node(checks)
         answers = dict(
-            zip(asked, await asyncio.gather(*(self._exists(n, p) for n, p in asked.items())), strict=True)
+            zip(asked, await asyncio.gather(*(self.ask_exists(n, p) for n, p in asked.items())), strict=True)
         )
         results = []
         for model, node, path in checks:
@@ -172,7 +172,7 @@ class Fetcher:
                 results.append(FetchResult(model, node, True, "present", PATH_SOURCE))
         return results
 
-    async def _exists(self, node: str, paths: list[str]) -> dict[str, object] | NodeError:
+    async def ask_exists(self, node: str, paths: list[str]) -> dict[str, object] | NodeError:
         """The node's answer to ``exists PATHS`` (parsed, not judged), or why there is none,
         at most MAX_PATHS paths a question. The gateway asks the installed helper; the
         operator pipes the helper's code with the config apply writes for the node

@@ -36,7 +36,11 @@ Verbs (unit names must be ``llmgw-<model>-<replica>.service``, except that ``sho
   ``missing`` or ``unreadable``: whether a model's path source is there before its units
   start (see ``exists``); for a file or folder also ``"unreadable": {USER: ENTRY}``, for
   each engine account: the first folder or file in it that account cannot read (``{"path",
-  "owner", "mode"}``, null when none), checked in a child process running as it.
+  "owner", "mode"}``, null when none), checked in a child process running as it. An
+  engine program of the config (a path, or a bare name looked up on systemd's search
+  path) is answered as the file it names, with ``"path"`` (what it resolved to) and
+  ``"unrunnable": {USER: ENTRY}``: the first folder above it that account cannot enter,
+  or the program itself when it may not execute it.
 
 What the gateway may run is bounded by ``/etc/llmgw/node-helper.json`` (root, written by
 ``apply`` from the cluster file): the engine programs, the engine accounts, the weights
@@ -47,13 +51,14 @@ weights are downloaded from, the addresses of this node's fabric peers and its o
 ``file:`` URLs, services on the node's loopback or the cloud's metadata address
 (169.254.169.254) into a weights folder, and serve a folder on every interface.
 
-``exists`` answers only about paths inside a weights folder or named exactly by a path
-source of that file. It runs as root, so without that bound the gateway's key could learn
-whether any file on the node exists, and whether it is empty, in folders its own account
-cannot even list (home folders, ``/root``, other services' state); with it, the key
-learns nothing about paths the cluster file does not already name. The cost is that a
-path source added to the cluster file is answered only once ``apply`` has written the
-new list, which it does before anything is started from that file.
+``exists`` answers only about paths inside a weights folder, named exactly by a path
+source of that file, or the cluster's engine programs exactly. It runs as root, so without
+that bound the gateway's key could learn whether any file on the node exists, and whether
+it is empty, in folders its own account cannot even list (home folders, ``/root``, other
+services' state); with it, the key learns nothing about paths the cluster file does not
+already name. The cost is that a path source added to the cluster file is answered only
+once ``apply`` has written the new list, which it does before anything is started from
+that file.
 
 ``apply`` reaches nodes on which the helper may not be installed yet, or holds an older
 list: it pipes this file to ``python3 -I -`` as root with the list it is about to write
@@ -72,7 +77,7 @@ import socket
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -92,6 +97,10 @@ MAX_UNIT_BYTES = 64 * 1024
 MAX_JOURNAL_LINES = 1000
 MAX_PATHS = 64  # core/path_sources.py's
 MAX_PATH_CHARS = 4096
+# What systemd (PID 1) looks a bare ExecStart= program up on; /sbin and /bin are the same
+# folders on a merged /usr, and searched last where they are not.
+EXEC_SEARCH = PATH.split(":")
+PROGRAM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,254}")
 
 # Exactly the directives llmgw's replica template writes, section by section. Anything
 # else (ExecStartPost, PAMName, RootDirectory, BindPaths, LoadCredential, a drop-in's
@@ -309,15 +318,15 @@ def plain_path(path: str) -> bool:
 
 
 def _may_ask(path: str, config: dict[str, list[str]]) -> str:
-    """``path`` when ``exists`` may answer about it: a path source of the cluster file
-    exactly, or anything inside a weights folder; else Refused."""
-    if path in config["paths"]:
+    """``path`` when ``exists`` may answer about it: a path source or an engine program of
+    the cluster file exactly, or anything inside a weights folder; else Refused."""
+    if path in config["paths"] or path in config["programs"]:
         return path
     for folder in config["weights"]:
         root = folder.rstrip("/") + "/"
         if path.startswith(root) and len(path) > len(root):
             return path
-    raise Refused(f"{path!r} is neither in a weights folder nor a path source of this node")
+    raise Refused(f"{path!r} is neither in a weights folder nor a path source or engine program of this node")
 
 
 def exists(path: str) -> dict[str, Any]:
@@ -381,10 +390,13 @@ def _entry(path: str) -> dict[str, str]:
     return {"path": path, "owner": owner, "mode": f"{stat.S_IMODE(st.st_mode):04o}"}
 
 
-def as_account(user: str, paths: list[str]) -> dict[str, Any] | None:
-    """``first_unreadable`` of each of ``paths`` in a child that runs as ``user`` (its
-    groups too), so the answer is the engine's own; None when the account is missing
-    (``apply`` makes it later) or this process cannot become it."""
+def as_account(
+    user: str, paths: list[str], check: Callable[[str], dict[str, str] | None]
+) -> dict[str, Any] | None:
+    """``check`` (``first_unreadable``, ``first_unrunnable``) of each of ``paths`` in a
+    child that runs as ``user`` (its groups too), so the answer is the engine's own; None
+    when the account is missing (``apply`` makes it later) or this process cannot become
+    it."""
     try:
         account = pwd.getpwnam(user)
     except KeyError:
@@ -399,7 +411,7 @@ def as_account(user: str, paths: list[str]) -> dict[str, Any] | None:
             os.setgid(account.pw_gid)
             os.setuid(account.pw_uid)
             with os.fdopen(write, "w") as out:
-                json.dump({p: first_unreadable(p) for p in paths}, out)
+                json.dump({p: check(p) for p in paths}, out)
             code = 0
         finally:
             os._exit(code)
@@ -413,16 +425,55 @@ def as_account(user: str, paths: list[str]) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def resolve_program(program: str) -> str | None:
+    """The file systemd runs for ``program``: itself when it is a path, else the first
+    executable of that name on systemd's search path (as root decides it, as PID 1 does);
+    None when there is none."""
+    if "/" in program:
+        return program
+    for folder in EXEC_SEARCH:
+        candidate = f"{folder}/{program}"
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def first_unrunnable(path: str) -> dict[str, str] | None:
+    """As the account this process runs as: the first folder above ``path`` it cannot
+    enter, or ``path`` itself when it may not execute it, with owner and mode; None when
+    it may run it. Only ``access``: nothing is opened or run."""
+    parts = path.split("/")
+    for i in range(2, len(parts)):
+        above = "/".join(parts[:i])
+        if not os.access(above, os.X_OK):
+            return _entry(above)
+    return None if os.access(path, os.X_OK) else _entry(path)
+
+
 def exists_answer(paths: list[str], config: dict[str, list[str]]) -> dict[str, Any]:
     """``exists`` of each path, and for those that are there, whether each engine account
-    of the config may read everything in it (``{"unreadable": {USER: entry or None}}``)."""
-    answer = {p: exists(p) for p in paths}
-    there = [p for p in paths if answer[p]["kind"] in ("file", "dir")]
-    for user in config["users"] if there else []:
-        found = as_account(user, there)
-        if found is not None:
-            for p in there:
-                answer[p].setdefault("unreadable", {})[user] = found.get(p)
+    of the config may read everything in it (``{"unreadable": {USER: entry or None}}``);
+    for an engine program, what it resolves to and whether each account may run that
+    file (``{"path": P, "unrunnable": {USER: entry or None}}``)."""
+    programs = {p: resolve_program(p) for p in paths if p in config["programs"]}
+    answer: dict[str, dict[str, Any]] = {}
+    for p in paths:
+        if p in programs:
+            found = programs[p]
+            answer[p] = exists(found) if found else {"kind": "missing", "empty": True}
+            answer[p]["path"] = found
+        else:
+            answer[p] = exists(p)
+    there = [p for p in paths if p not in programs and answer[p]["kind"] in ("file", "dir")]
+    runnable = sorted({f for p, f in programs.items() if f and answer[p]["kind"] == "file"})
+    for user in config["users"] if there or runnable else []:
+        read = (as_account(user, there, first_unreadable) if there else None) or {}
+        run = (as_account(user, runnable, first_unrunnable) if runnable else None) or {}
+        for p in there if read else []:
+            answer[p].setdefault("unreadable", {})[user] = read.get(p)
+        for p, f in programs.items() if run else []:
+            if f in runnable:
+                answer[p].setdefault("unrunnable", {})[user] = run.get(f)
     return answer
 
 
@@ -634,9 +685,9 @@ def check_words(words: list[str]) -> None:
     elif verb == "exists":
         if not 1 <= len(args) <= MAX_PATHS:
             raise Refused(f"exists takes 1 to {MAX_PATHS} paths")
-        for a in args:
-            if not plain_path(a):
-                raise Refused(f"exists: {a[:200]!r} is not a plain absolute path")
+        for a in args:  # a bare name: an engine program systemd looks up on its search path
+            if not (plain_path(a) or PROGRAM_NAME.fullmatch(a)):
+                raise Refused(f"exists: {a[:200]!r} is not a plain absolute path (nor a program name)")
     else:
         raise Refused(f"{verb!r} is not a node-helper verb")
 

@@ -1,18 +1,21 @@
 """The weights a plan's new replicas need, brought onto their nodes before their units
 start: single files (``remote/fetch.py``) and whole repository snapshots
 (``remote/snapshot_fetch.py``), each from its origin once per fabric; a path source is
-not brought but checked on each node (``core/path_sources.py``)."""
+not brought but checked on each node (``core/path_sources.py``), and so is each unit's
+engine program (``core/engine_programs.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 
+from llmgw_cli.core import engine_programs
 from llmgw_cli.core.fetch import Peers, plan_fetch, plan_weights
 from llmgw_cli.core.path_sources import checks_for
 from llmgw_cli.core.plan import Plan
 from llmgw_cli.core.snapshot import DEFAULT_ENDPOINT, Snapshot
 from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import Fetcher, FetchResult, _progress_lines, held_on_nodes
@@ -28,9 +31,11 @@ async def ensure_for_plan(
     on each node (a non-empty file or folder, ``core/path_sources.py``). Returns node ->
     why its weights could not be brought (``weights of M: ...``). ``by_model``: progress
     lines about the least advanced node of each model, not one row per node
-    (``_progress_lines``)."""
+    (``_progress_lines``). A node whose engine account may not run a unit's engine
+    program, or whose unit's sandbox hides it, fails too (``engine of M: ...``)."""
     need = plan_weights(spec, plan)
-    if not (need.files or need.repos or need.paths):
+    checks = engine_programs.program_checks(plan)
+    if not (need.files or need.repos or need.paths or checks):
         return {}
     token, endpoint = os.environ.get("HF_TOKEN"), os.environ.get("HF_ENDPOINT")
     fetcher = Fetcher(
@@ -42,6 +47,7 @@ async def ensure_for_plan(
         conns=conns,
     )
     try:
+        failed = await check_programs(fetcher, checks)
         results: list[FetchResult] = []
         if need.paths:
             results += await fetcher.check_paths(checks_for(spec, need.paths))
@@ -52,7 +58,6 @@ async def ensure_for_plan(
             results += await _bring_repositories(fetcher, spec, need.repos, token, endpoint)
     finally:
         await fetcher.close()
-    failed: dict[str, str] = {}
     for r in results:
         if not r.ok:
             failed.setdefault(r.node, f"weights of {r.model}: {r.message}")
@@ -78,3 +83,21 @@ async def _bring_repositories(
     if found:
         results += await bring_snapshots(fetcher, spec, found, snapshots, endpoint=hub, token=token)
     return results
+
+
+async def check_programs(
+    fetcher: Fetcher, checks: tuple[engine_programs.ProgramCheck, ...]
+) -> dict[str, str]:
+    """node -> why a unit's engine account may not run its engine program there
+    (``engine of M: ...``), one question per node, all nodes at once."""
+    asked = engine_programs.by_node(checks)
+    found = await asyncio.gather(*(fetcher.ask_exists(n, words) for n, words in asked.items()))
+    answers = dict(zip(asked, found, strict=True))
+    failed: dict[str, str] = {}
+    for c in checks:
+        answer = answers.get(c.node, {})
+        if isinstance(answer, NodeError):
+            failed.setdefault(c.node, f"engine of {c.model}: cannot check {c.program}: {answer.reason}")
+        elif why := engine_programs.judge(answer, c):
+            failed.setdefault(c.node, f"engine of {c.model} on {c.node}: {why}")
+    return failed

@@ -272,6 +272,42 @@ def test_engine_that_cannot_start_is_reported_with_its_journal(clean: Lab, tmp_p
             clean.ssh(node.name, f"rm -f {BAD_ENGINE}")
 
 
+LOCKED_ENGINE = "/usr/local/bin/llmgw-locked-engine"
+
+
+def test_engine_program_its_account_may_not_run_is_refused_before_the_start(
+    clean: Lab, tmp_path: Path
+) -> None:
+    """A profile's program that only root may run (mode 0700) would fail every start with
+    203/EXEC as the engine's account: apply refuses those nodes' starts before writing a
+    unit, naming the program, the account and the mode."""
+    ran = "/var/tmp/llmgw-locked-engine-ran"
+    for node in clean.nodes:
+        clean.ssh(
+            node.name, f"printf '#!/bin/sh\\ntouch {ran}\\n' > {LOCKED_ENGINE}; chmod 700 {LOCKED_ENGINE}"
+        )
+    try:
+        cluster = cluster_variant(
+            clean,
+            tmp_path,
+            replace=(("command: [/usr/local/bin/llama-server]", f"command: [{LOCKED_ENGINE}]"),),
+        )
+        done = apply(cluster)
+        output = done.stdout + done.stderr
+        assert done.returncode == 1, output
+        words = " ".join(output.split())  # rich wraps long lines at the terminal's width
+        assert (
+            f"the engine program {LOCKED_ENGINE} cannot be run by llmgw, the engine's account: "
+            f"{LOCKED_ENGINE} (owner root, mode 0700)"
+        ) in words, output
+        assert all(SMOL not in units for units in llmgw_units(clean).values())  # never written
+        for node in clean.nodes:
+            assert clean.ssh(node.name, f"test -e {ran} && echo ran || echo never").stdout.strip() == "never"
+    finally:
+        for node in clean.nodes:
+            clean.ssh(node.name, f"rm -f {LOCKED_ENGINE} {ran}")
+
+
 def test_engine_that_exits_at_once_is_reported_before_systemd_restarts_it(clean: Lab, tmp_path: Path) -> None:
     """The engine starts (its start job succeeds) and exits at once on a flag it does not
     know; systemd waits RestartSec before restarting it. apply reports it from that wait

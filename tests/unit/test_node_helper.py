@@ -485,6 +485,49 @@ def test_exists_names_the_first_file_the_engine_account_cannot_read(
     }
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming the engine's account takes root, as the helper has")
+def test_exists_says_whether_each_engine_account_may_run_an_engine_program(
+    open_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = open_folder / "bin"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    engine = folder / "engine"
+    engine.write_text(f"#!/bin/sh\ntouch {open_folder}/ran\n")
+    engine.chmod(0o700)  # root's alone: systemd would answer 203/EXEC as the engine's account
+    config = {
+        "programs": [str(engine), "sh", "no-such-engine"],
+        "users": ["nobody"],
+        "weights": [],
+        "paths": [],
+    }
+    got = answer(["exists", str(engine)], config, capsys)
+    assert got == {
+        str(engine): {
+            "kind": "file",
+            "empty": False,
+            "path": str(engine),
+            "unrunnable": {"nobody": {"path": str(engine), "owner": "root", "mode": "0700"}},
+        }
+    }
+    engine.chmod(0o755)
+    assert answer(["exists", str(engine)], config, capsys)[str(engine)]["unrunnable"] == {"nobody": None}
+    folder.chmod(0o700)  # a folder above it that the account cannot enter
+    got = answer(["exists", str(engine)], config, capsys)
+    assert got[str(engine)]["unrunnable"] == {
+        "nobody": {"path": str(folder), "owner": "root", "mode": "0700"}
+    }
+    # a bare name is looked up where systemd looks, not on the caller's PATH
+    got = answer(["exists", "sh", "no-such-engine"], config, capsys)
+    assert got["sh"]["path"] == shutil.which("sh", path=node_helper.PATH)
+    assert got["sh"]["unrunnable"] == {"nobody": None}
+    assert got["no-such-engine"] == {"kind": "missing", "empty": True, "path": None}
+    assert not (open_folder / "ran").exists()  # looked at, never run
+    for other in ("/usr/bin/id", "id"):  # not an engine program of the cluster file
+        with pytest.raises(Refused, match="neither in a weights folder"):
+            node_helper.run_verb(["exists", other], config)
+
+
 @pytest.mark.parametrize(
     "path",
     [
