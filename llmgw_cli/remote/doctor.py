@@ -25,7 +25,7 @@ from llmgw_cli.remote.transport import Transport
 JOURNAL_READ = 30  # lines read of a failing unit's journal, for its engine's last JOURNAL_LINES
 
 
-async def _journals(c: Collected, transport: Transport) -> dict[str, tuple[str, ...]]:
+async def failing_journals(c: Collected, transport: Transport) -> dict[str, tuple[str, ...]]:
     """The last lines of each failing replica unit's journal, read as root through the
     node helper (the script runs as the login account, which may not read system units'
     journals), engine keys replaced: an engine that prints its environment would put the
@@ -57,7 +57,7 @@ async def _collect_one(spec: ClusterSpec, node: Node, transport: Transport, prog
         facts = parse_probe(node, result.stdout).model_copy(update={"probe_seconds": received - sent})
         seen = Collected(facts, parse_doctor(node.name, result.stdout), sent, received)
         if facts.reachable:
-            seen = dataclasses.replace(seen, journals=await _journals(seen, transport))
+            seen = dataclasses.replace(seen, journals=await failing_journals(seen, transport))
             progress(node.name, "done", Phase.done)
         else:
             progress(node.name, "failed", Phase.failed)
