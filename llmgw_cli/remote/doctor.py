@@ -1,6 +1,6 @@
 """Gather what `llmgw doctor` needs: one script per node (the probe plus the doctor's
-sections), one round trip, nodes in parallel; on a node with failing replica units, one
-more for their journals. Deciding is the core's (core/doctor)."""
+sections), one round trip, nodes in parallel; on a node with failing replica units, a
+second round, in parallel, for their journals. Deciding is the core's (core/doctor)."""
 
 from __future__ import annotations
 
