@@ -243,6 +243,14 @@ def test_a_journal_tail_is_the_engines_last_lines_not_systemds() -> None:
     )
     assert journal_tail(tail, 2) == ("[--disable-log-stats] [--enable-chunked-prefill]", "[model_tag]")
     assert len(journal_tail(tail, 5)) == 3  # only the engine's three; systemd's left out
+    # the error line came first (stderr), the usage after it (stdout, flushed at exit)
+    late = "vllm serve: error: unrecognized arguments: --no-such-flag\nusage: vllm serve\n" + tail
+    assert journal_tail(late, 3) == (
+        "vllm serve: error: unrecognized arguments: --no-such-flag",
+        "[--disable-log-stats] [--enable-chunked-prefill]",
+        "[model_tag]",
+    )
+    assert journal_tail(late, 1) == ("vllm serve: error: unrecognized arguments: --no-such-flag",)
     systemd_only = "llmgw-a-0.service: Main process exited, code=exited, status=2/INVALIDARGUMENT\n" * 3
     assert journal_tail(systemd_only, 5) == (
         ("llmgw-a-0.service: Main process exited, code=exited, status=2/INVALIDARGUMENT",) * 3
