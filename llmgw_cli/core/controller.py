@@ -13,8 +13,10 @@ start or stop under way:
 - a replica whose unit systemd gave up on (``ActiveState=failed``: the engine crashed
   more often than the unit's start limit allows), or whose engine is crash-looping
   (``core/health.py``: systemd restarts it over and over before it gives up), is stopped,
-  so its cards go back, and a replacement is placed on other cards (with the back-off of
-  a failed start when that one fails too);
+  so its cards go back, and a replacement is placed on other cards, on another node
+  when one fits (the node can be the cause), with the back-off of a failed start when
+  that one fails too; the nodes of failed starts are passed by the same way until a
+  start succeeds;
 - a replica whose unit is down on a node that answers (inactive, removed) is stopped and
   replaced;
 - a replica on a node that stopped answering is still counted for ``gateway.node_grace``
@@ -42,6 +44,7 @@ At most one start per model per call: the shell marks the model busy while it ac
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import defaultdict
@@ -122,14 +125,16 @@ def backoff(failures: int, first: float) -> float:
 
 @dataclass(frozen=True)
 class Attempts:
-    """A model's recent start history: failures in a row and the last reason."""
+    """A model's recent start history: failures in a row, the last reason, and the nodes
+    those failed starts were placed on (the next start goes elsewhere when it can)."""
 
     failures: int = 0
     failed_at: float | None = None
     reason: str = ""
+    nodes: frozenset[str] = frozenset()
 
-    def failed(self, reason: str, now: float) -> Attempts:
-        return Attempts(self.failures + 1, now, reason)
+    def failed(self, reason: str, now: float, nodes: Sequence[str] = ()) -> Attempts:
+        return Attempts(self.failures + 1, now, reason, self.nodes | frozenset(nodes))
 
     def succeeded(self) -> Attempts:
         return Attempts()
@@ -160,6 +165,9 @@ class Start:
     model: str
     reason: str
     avoid: frozenset[str] = frozenset()  # GPU UUIDs not to place it on
+    # nodes to place it on only when it fits nowhere else: where the replica it replaces
+    # crash-looped (a node can be the cause: its engine program, a library, a disk)
+    shun: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -186,14 +194,15 @@ def _nodes(r: Seen) -> str:
 
 def _judge(
     spec: ClusterSpec, model: Model, mine: Sequence[Seen], now: float
-) -> tuple[list[Decision], list[Seen], frozenset[str], list[str]]:
+) -> tuple[list[Decision], list[Seen], Start, list[str]]:
     """The stops and restarts one model's replicas call for, the replicas that count
-    towards ``min``, the cards a replacement should avoid, and what is being replaced."""
+    towards ``min``, where a replacement should not go (a ``Start`` with no reason yet:
+    the cards and nodes of crashed replicas) and what is being replaced."""
     grace = spec.gateway.node_grace
     timeout = spec.profiles[model.profile].readiness.start_timeout
     decisions: list[Decision] = []
     counted: list[Seen] = []
-    avoid: set[str] = set()
+    crashed: list[Seen] = []
     replacing: list[str] = []
     for r in sorted(mine, key=lambda r: r.replica):
         if r.draining is not None and r.units is not UnitCondition.lost:
@@ -225,7 +234,7 @@ def _judge(
             else:
                 why = f"its engine is crash-looping on {_nodes(r)}"
             decisions.append(Stop(r.model, r.replica, why, StopCause.gave_up))
-            avoid |= r.gpus
+            crashed.append(r)
             replacing.append(f"replica {r.replica}: {why}")
             continue
         if r.units is UnitCondition.down:
@@ -246,7 +255,14 @@ def _judge(
             why = f"failing its health check for {now - r.failing_since:.0f}s"
             decisions.append(Restart(r.model, r.replica, why))
         counted.append(r)
-    return decisions, counted, frozenset(avoid), replacing
+    return decisions, counted, _elsewhere(model, crashed), replacing
+
+
+def _elsewhere(model: Model, crashed: Sequence[Seen]) -> Start:
+    """Where a replacement of ``crashed`` replicas should not go: their cards, and their
+    nodes unless nothing else fits (a Start whose reason ``reconcile`` fills in)."""
+    avoid = frozenset(g for r in crashed for g in r.gpus)
+    return Start(model.name, "", avoid, frozenset(n for r in crashed for n in r.nodes))
 
 
 def reconcile(
@@ -270,7 +286,7 @@ def reconcile(
     for model in spec.models:
         if model.name in busy or model.mode is ScalingMode.off:
             continue
-        judged, counted, avoid, replacing = _judge(spec, model, by_model.get(model.name, []), now)
+        judged, counted, elsewhere, replacing = _judge(spec, model, by_model.get(model.name, []), now)
         decisions += judged
         live[model.name] = len(counted)
         history = attempts.get(model.name, Attempts())
@@ -280,7 +296,7 @@ def reconcile(
             reason = f"below min ({len(counted)} of {want})"
             if replacing:
                 reason += ": replacing " + "; ".join(replacing)
-            decisions.append(Start(model.name, reason, avoid))
+            decisions.append(dataclasses.replace(elsewhere, reason=reason))
             continue
         stopping = {d.replica for d in judged if not isinstance(d, Start)}
         uses += [

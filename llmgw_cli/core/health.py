@@ -118,4 +118,23 @@ def telling_line(journal: str) -> str:
     engine = [ln for ln in lines if not _MANAGER.match(ln)]
     found = next((ln for ln in reversed(engine) if _TELLING.search(ln)), engine[-1] if engine else "")
     found = found or (lines[-1] if lines else "")
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", found)[:500]
+    return _shown(found)
+
+
+def _shown(line: str) -> str:
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", line)[:500]
+
+
+def journal_tail(journal: str, lines: int) -> tuple[str, ...]:
+    """The last ``lines`` lines of a replica's journal tail that its engine wrote (systemd's
+    own lines, restarts and exits that ``describe`` already says, only when the engine
+    wrote none), control characters shown as ``\\xNN``, each at most 500 characters. The
+    ``telling_line`` comes first when it is older than those: an engine's buffered stdout
+    (a usage text) often reaches the journal after the error it printed on stderr."""
+    found = [ln.strip() for ln in journal.splitlines() if ln.strip()]
+    engine = [ln for ln in found if not _MANAGER.match(ln)] or found
+    kept = [_shown(ln) for ln in engine[-lines:]] if lines > 0 else []
+    telling = telling_line(journal)
+    if telling and kept and telling not in kept:
+        kept = [telling, *kept[max(0, len(kept) - lines + 1) :]]
+    return tuple(kept)

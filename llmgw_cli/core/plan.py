@@ -409,6 +409,7 @@ def grow_plan(
     *,
     reserved: Sequence[Action] = (),
     avoid: frozenset[str] = frozenset(),
+    shun: frozenset[str] = frozenset(),
 ) -> Plan:
     """Start ``count`` more replicas of ``model`` around everything on the nodes (an
     on-demand start, a scale-out, a replacement), with the placement rules of ``apply``.
@@ -416,7 +417,14 @@ def grow_plan(
 
     ``reserved``: starts planned earlier whose units are not on the nodes yet (their
     weights are still being fetched): their cards, ports and replica numbers count as
-    taken. ``avoid``: GPU UUIDs not to use (the cards of a unit systemd gave up on)."""
+    taken. ``avoid``: GPU UUIDs not to use (the cards of a unit systemd gave up on).
+    ``shun``: nodes whose cards are used only when the replicas fit nowhere else (where
+    the model crash-looped or failed to start: the node itself can be the cause)."""
+    if shun:
+        shunned = {g.uuid for name in shun if name in facts for g in facts[name].gpus}
+        plan = grow_plan(spec, facts, model, count, reserved=reserved, avoid=avoid | shunned)
+        if plan.changes and not plan.unplaced:
+            return plan
     running = running_replicas(facts)
     held = [_as_replica(facts, r) for r in running] + [
         _holding(facts, a.model, a.nodes, a.gpus) for a in reserved

@@ -871,8 +871,10 @@ class Controller:
         mc = self.model(start.model)
         began = time.monotonic()
         address: str | None = None
+        placed: tuple[str, ...] = ()
         try:
             action, address = await self._place_and_start(spec, start, mc)
+            placed = action.nodes
             await self._watch(spec, start.model, action, address, began)
             mc.attempts = mc.attempts.succeeded()
             mc.evicted = False
@@ -882,11 +884,11 @@ class Controller:
             return None
         except Exception as exc:  # an unexpected failure must still end the start
             if isinstance(exc, _Broken):
-                address = exc.address
+                address, placed = exc.address, exc.nodes
             why = str(exc) if isinstance(exc, StartFailed) else f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, StartFailed):
                 log.exception("%s: start failed", start.model)
-            await self._failed(spec, start.model, address, why, began)
+            await self._failed(spec, start.model, address, why, began, nodes=placed)
             return None
         finally:
             mc.starting = False
@@ -897,10 +899,18 @@ class Controller:
             self.observe()
 
     async def _failed(
-        self, spec: ClusterSpec, model: str, address: str | None, why: str, began: float
+        self,
+        spec: ClusterSpec,
+        model: str,
+        address: str | None,
+        why: str,
+        began: float,
+        *,
+        nodes: tuple[str, ...] = (),
     ) -> None:
-        """A start failed: its units go (the cards come back), the failure is recorded, and
-        its waiters are answered at once."""
+        """A start failed: its units go (the cards come back), the failure is recorded with
+        the ``nodes`` it was placed on (the next start passes them by when it can), and its
+        waiters are answered at once."""
         mc = self.model(model)
         if address is not None:
             try:
@@ -916,7 +926,7 @@ class Controller:
                 log.exception("%s: could not stop the replica whose start failed", model)
         # Recorded, shown on the dashboard and published to the followers: without secrets.
         why = redact(why, self.secrets())
-        mc.attempts = mc.attempts.failed(why, self.clock())
+        mc.attempts = mc.attempts.failed(why, self.clock(), nodes)
         self.metrics.loaded(model, time.monotonic() - began, ok=False)
         log.error("%s: start failed: %s", model, why)
         self._record(model, "start-failed", why, "start-failed")
@@ -956,7 +966,9 @@ class Controller:
         ticket = next(self._tickets)
         async with self.lock.hold(f"place a replica of {model}"):
             facts = await self._probe(spec)
-            plan = grow_plan(spec, facts, model, reserved=self._reserved(), avoid=start.avoid)
+            plan = grow_plan(
+                spec, facts, model, reserved=self._reserved(), avoid=start.avoid, shun=_shun(start, mc)
+            )
             if not plan.changes:
                 plan = await self._evict_for(spec, facts, plan, start, mc)
             action = plan.changes[0]
@@ -971,7 +983,14 @@ class Controller:
                 taken = conflicts(facts, action)
                 if taken is not None:
                     log.info("%s: re-planning: %s", model, taken)
-                    plan = grow_plan(spec, facts, model, reserved=self._reserved(ticket), avoid=start.avoid)
+                    plan = grow_plan(
+                        spec,
+                        facts,
+                        model,
+                        reserved=self._reserved(ticket),
+                        avoid=start.avoid,
+                        shun=_shun(start, mc),
+                    )
                     if not plan.changes:
                         raise StartFailed(f"{taken}; {_unplaced(plan)}")
                     action = plan.changes[0]
@@ -1012,7 +1031,9 @@ class Controller:
         self.metrics.evicted(victim.model)
         assert self.nodes is not None
         facts = self.nodes.facts  # probed by the stop, after it
-        plan = grow_plan(spec, facts, start.model, reserved=self._reserved(), avoid=start.avoid)
+        plan = grow_plan(
+            spec, facts, start.model, reserved=self._reserved(), avoid=start.avoid, shun=_shun(start, mc)
+        )
         if not plan.changes:
             raise StartFailed(_unplaced(plan) or "no room after an eviction")
         return plan
@@ -1036,7 +1057,7 @@ class Controller:
         broken = [f"{o.subject}: {o.message}" for o in outcomes if not o.ok]
         if broken:
             mc.loading.add(address)  # so the failure stops what was written
-            raise _Broken("; ".join(broken), address)
+            raise _Broken("; ".join(broken), address, action.nodes)
         mc.progress = "engine loading"
         mc.loading.add(address)
         now = self.clock()
@@ -1231,9 +1252,16 @@ def _unresolved(spec: ClusterSpec, model: str) -> str:
 
 
 class _Broken(StartFailed):
-    def __init__(self, message: str, address: str) -> None:
+    def __init__(self, message: str, address: str, nodes: tuple[str, ...]) -> None:
         super().__init__(message)
         self.address = address
+        self.nodes = nodes
+
+
+def _shun(start: Start, mc: ModelController) -> frozenset[str]:
+    """Nodes a start goes to only when it fits nowhere else: where the replica it replaces
+    crash-looped, and where the model's starts failed since its last good one."""
+    return start.shun | mc.attempts.nodes
 
 
 def _condition(r: Running, facts: dict[str, NodeFacts], unreachable: set[str]) -> UnitCondition:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from llmgw_cli.cli.gateway import load_pinned
-from llmgw_cli.core.controller import Phase, Unavailable
+from llmgw_cli.core.controller import Attempts, Phase, Unavailable
 from llmgw_cli.core.drain import DRAIN_GRACE
 from llmgw_cli.core.facts import NodeFacts, UnitState
 from llmgw_cli.core.load import parse_cluster
@@ -48,6 +48,10 @@ models:
   - {name: lazy, source: org/lazy, fetch: engine, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
   - {name: other, source: org/other, fetch: engine, profile: vllm, scaling: {min: 0, max: 1, idle_timeout: 5m}}
 """
+ALONE = (
+    CLUSTER
+    + "  - {name: alone, source: org/alone, fetch: engine, profile: vllm, scaling: {min: 1, max: 1}}\n"
+)
 DUO = CLUSTER + "  - {name: duo, source: org/duo, fetch: engine, profile: vllm, scaling: {min: 2, max: 2}}\n"
 
 T0 = 1_000_000.0
@@ -306,6 +310,8 @@ def test_a_start_whose_engine_exits_answers_model_start_failed_at_once_then_back
         # its units were stopped: the card came back
         assert len(w.nodes.stops("lazy")) == 1 and not running_replicas(w.nodes.truth)
         assert w.pool.of("lazy") == []
+        (first,) = w.nodes.starts("lazy")
+        assert ctl.model("lazy").attempts.nodes == frozenset(first.nodes)
         assert ctl.phase("lazy") is Phase.failed
         # while the back-off runs, a request starts nothing and is answered at once
         again = await ctl.ensure_ready("lazy", time.monotonic() + FOREVER)
@@ -316,10 +322,11 @@ def test_a_start_whose_engine_exits_answers_model_start_failed_at_once_then_back
         asked = asyncio.create_task(ctl.ensure_ready("lazy", time.monotonic() + FOREVER))
         await until(lambda: len(w.nodes.starts("lazy")) == 2, "a second start")
         (_, second) = w.nodes.starts("lazy")
+        assert second.nodes != first.nodes  # the node where it failed is passed by
         w.health[f"{w.spec.node(second.nodes[0]).address}:{second.port}"] = 200
         assert isinstance(await asked, RoutedReplica)
         await ctl.idle()
-        assert ctl.model("lazy").attempts.failures == 0 and ctl.phase("lazy") is Phase.ready
+        assert ctl.model("lazy").attempts == Attempts() and ctl.phase("lazy") is Phase.ready
 
     caplog.set_level(logging.INFO, "llmgw.controller")
     run(scenario)
@@ -911,3 +918,34 @@ def test_an_unpinned_repository_is_refused_with_the_fix_and_other_models_still_s
     run(scenario)
     assert "model repo: org/big@main is not resolved to a commit" in caplog.text
     assert "repo: start failed: org/big@main is not resolved" in caplog.text
+
+
+def test_a_crash_looping_replica_is_replaced_on_another_node_though_its_own_has_cards() -> None:
+    """Its node's other card is free, but the node can be the cause (its engine program
+    was replaced by one that exits): the replacement goes to the other node."""
+    looping = UnitState(
+        name="",
+        load_state="loaded",
+        active_state="activating",
+        sub_state="auto-restart",
+        result="exit-code",
+        main_pid=0,
+        n_restarts=3,
+        exec_main_code=1,
+        exec_main_status=1,
+        age=4.0,
+        lived=0.3,
+    )
+
+    async def scenario() -> None:
+        w = World(gpus=2, cluster=ALONE)
+        w.run("alone", "a", shown=looping)
+        w.discover()
+        await w.controller.tick()
+        await until(lambda: w.nodes.starts("alone"), "a start after the stop")
+        (stopped,) = w.nodes.stops("alone")
+        assert stopped.nodes == ("a",) and "crash-looping on a" in stopped.reason
+        (start,) = w.nodes.starts("alone")
+        assert start.nodes == ("b",)
+
+    run(scenario)

@@ -15,6 +15,9 @@ this order; each leaves the lab as it found it, faults healed):
 - `busy` (on demand, max 2, 5 tokens/s, `model_concurrency: 1`): requests/s with one
   replica, then with two after a scale-out; the second figure is clearly higher, so
   admission grows with the replicas.
+- `keeper` again: healthy, then its node's engine program is replaced by one that exits
+  and its engine is killed, so systemd restarts it over and over; the gateway stops it
+  and answers again from a replica on the other node, and `llmgw status` shows it.
 
 The measured figures are printed (`pytest -s` shows them; bench/controller.py measures
 the first two as medians).
@@ -23,6 +26,7 @@ the first two as medians).
 from __future__ import annotations
 
 import contextlib
+import json
 import shlex
 import signal
 import subprocess
@@ -479,5 +483,54 @@ def test_a_scale_out_raises_throughput(lab: Lab, gw: Gw) -> None:
         assert two > 1.5 * one, (one, two)
         placed = where_running(lab, "busy")
         assert sum(len(u) for u in placed.values()) == 2, placed
+    finally:
+        client.close()
+
+
+# --- 5. a healthy replica starts crash-looping ---------------------------------------------
+
+ENGINE = "/opt/vllm/bin/vllm"  # the profile's program on each lab node (a small script)
+SAVED = ENGINE + ".lab-saved"
+EXITS = "#!/bin/sh\necho 'lab: this engine program exits at once' >&2\nexit 1\n"
+
+
+def test_a_replica_that_starts_crash_looping_is_replaced_on_another_node(lab: Lab, gw: Gw) -> None:
+    client = gw.client(timeout=LOAD_WAIT + 5)
+    mark = gw.log_size()
+    try:
+        answered_within(client, "keeper", 60)
+        placed = where_running(lab, "keeper")
+        assert len(placed) == 1, placed
+        ((broken, (unit,)),) = placed.items()
+        (other,) = (n for n in NODES if n != broken)
+        saved = lab.ssh(broken, f"cp -p {ENGINE} {SAVED} && printf %s {shlex.quote(EXITS)} > {ENGINE}")
+        assert saved.returncode == 0, saved.stderr
+        try:
+            # the engine dies; systemd starts the program again, which now exits at once
+            killed = lab.ssh(broken, f"systemctl kill --signal=SIGKILL {unit}")
+            assert killed.returncode == 0, killed.stderr
+            seconds = answered_within(client, "keeper", 90)
+            print(f"\nkeeper answered again {seconds:.1f}s after its engine began to crash-loop")
+            log = gw.log_text(mark)
+            assert f"its engine is crash-looping on {broken}" in log, gw.tail(mark)
+            # not on the broken node's other cards, where the same program would exit too
+            assert running_units(lab, other, "keeper"), gw.tail(mark)
+            assert all(a.startswith(f"{node_ip(lab, other)}:") for a in gw.ready("keeper")), gw.replicas(
+                "keeper"
+            )
+            wait_until(
+                lambda: not running_units(lab, broken, "keeper"),
+                timeout=30,
+                interval=0.5,
+                what=lambda: f"the crash-looping unit on {broken} to be stopped:\n{gw.tail(mark)}",
+            )
+            done = run("status", "-f", str(gw.cluster), "--json")
+            rows = [r for r in json.loads(done.stdout)["health"] if r["model"] == "keeper"]
+            assert done.returncode == 0, (done.stderr, rows)  # keeper has its min again
+            # the crashed replica is gone (its units removed), or shown as not running
+            assert {r["state"] for r in rows if broken in r["nodes"]} <= {"crash-looping", "failed"}, rows
+            assert [r["state"] for r in rows if other in r["nodes"]] == ["ready"], rows
+        finally:
+            lab.ssh(broken, f"mv -f {SAVED} {ENGINE}")
     finally:
         client.close()

@@ -1,6 +1,6 @@
 """A replica whose engine exits at once, on the lab (real sshd and systemd, the simulated
-vLLM given a flag it does not know): apply, plan and status say it is not ready, name
-it with its journal, and its cards are not counted as held (``core/health.py``)."""
+vLLM given a flag it does not know): apply, plan, status and doctor say it is not ready,
+name it with its journal, and its cards are not counted as held (``core/health.py``)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,17 @@ def clean(lab: Lab) -> Iterator[Lab]:
 def status(cluster: Path) -> tuple[int, dict[str, Any]]:
     done = run("status", "-f", str(cluster), "--json")
     return done.returncode, dict(json.loads(done.stdout))
+
+
+def crash_finding(cluster: Path, node: str) -> dict[str, Any] | None:
+    """doctor's ``replica.crash-looping`` finding on ``node``, if it has one (the engine is
+    crash-looping except in the half second of each life it takes to exit)."""
+    done = run("doctor", "-f", str(cluster), "--nodes", node, "--json")
+    assert done.returncode in (0, 1), done.stderr
+    found = [f for f in json.loads(done.stdout)["findings"] if f["check"] == "replica.crash-looping"]
+    if found:
+        assert done.returncode == 1
+    return dict(found[0]) if found else None
 
 
 def used_cards(report: dict[str, Any]) -> int:
@@ -82,6 +93,13 @@ def test_a_crash_looping_replica_is_named_stopped_and_holds_no_cards(clean: Lab,
     (model,) = [m for m in looping["models"] if m["name"] == BAD]
     assert (model["running"], model["not_ready"]) == (0, {"crash-looping": 1})
     assert used_cards(looping) == cards_free  # its cards are not held
+    # doctor names it with the lines its engine wrote to the journal
+    finding = wait_until(
+        lambda: crash_finding(cluster, node), timeout=60, interval=2.0, what="doctor's crash-looping finding"
+    )
+    assert UNIT in finding["message"] and "its journal ends:" in finding["message"], finding
+    assert "unrecognized arguments: --no-such-flag" in finding["message"], finding
+    assert "Scheduled restart job" not in finding["message"]  # systemd's lines left out
     wide = {**os.environ, "COLUMNS": "200"}  # one table row a line
     shown = subprocess.run(
         [sys.executable, "-m", "llmgw_cli", "status", "-f", str(cluster)],

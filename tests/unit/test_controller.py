@@ -122,14 +122,21 @@ def test_a_unit_systemd_gave_up_on_is_stopped_and_replaced_on_other_cards() -> N
     stop, start = decide([broken])
     assert stop == Stop("always", 0, "systemd gave up on its unit on node01", StopCause.gave_up)
     assert isinstance(start, Start) and start.avoid == frozenset({"GPU-always-0"})
+    assert start.shun == frozenset({"node01"})  # the node can be the cause too
     assert "systemd gave up" in start.reason
+
+
+def test_failed_starts_remember_their_nodes_until_one_succeeds() -> None:
+    history = Attempts().failed("exit 1", T0, ("node01",)).failed("exit 1", T0 + 5, ("node02", "node03"))
+    assert history.failures == 2 and history.nodes == frozenset({"node01", "node02", "node03"})
+    assert history.succeeded().nodes == frozenset()
 
 
 def test_a_down_unit_is_stopped_and_replaced() -> None:
     down = seen(units=UnitCondition.down, health=Health.failing)
     stop, start = decide([down])
     assert isinstance(stop, Stop) and stop.cause is StopCause.down
-    assert isinstance(start, Start) and start.avoid == frozenset()
+    assert isinstance(start, Start) and start.avoid == frozenset() and start.shun == frozenset()
 
 
 def test_an_unhealthy_replica_is_restarted_after_the_bound() -> None:

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from llmgw_cli.core.facts import UnitState
-from llmgw_cli.core.health import ReplicaState, describe, telling_line, unit_health, worst
+from llmgw_cli.core.health import (
+    ReplicaState,
+    describe,
+    journal_tail,
+    telling_line,
+    unit_health,
+    worst,
+)
 from llmgw_cli.core.parse.probe import _parse_units
 from llmgw_cli.core.parse.systemctl import parse_show, unit_state
 from llmgw_cli.core.spec import Node
@@ -227,3 +234,26 @@ def test_the_telling_line_of_a_journal_is_the_engines_not_systemds() -> None:
     )  # nothing of the engine's: systemd's word is better than none
     assert telling_line("Error: \x1b[31mbad") == "Error: \\x1b[31mbad"
     assert telling_line("") == ""
+
+
+def test_a_journal_tail_is_the_engines_last_lines_not_systemds() -> None:
+    tail = (
+        captured()["journal"]
+        + "\nllmgw-mistral-7b-instruct-0.service: Scheduled restart job, restart counter is at 3."
+    )
+    assert journal_tail(tail, 2) == ("[--disable-log-stats] [--enable-chunked-prefill]", "[model_tag]")
+    assert len(journal_tail(tail, 5)) == 3  # only the engine's three; systemd's left out
+    # the error line came first (stderr), the usage after it (stdout, flushed at exit)
+    late = "vllm serve: error: unrecognized arguments: --no-such-flag\nusage: vllm serve\n" + tail
+    assert journal_tail(late, 3) == (
+        "vllm serve: error: unrecognized arguments: --no-such-flag",
+        "[--disable-log-stats] [--enable-chunked-prefill]",
+        "[model_tag]",
+    )
+    assert journal_tail(late, 1) == ("vllm serve: error: unrecognized arguments: --no-such-flag",)
+    systemd_only = "llmgw-a-0.service: Main process exited, code=exited, status=2/INVALIDARGUMENT\n" * 3
+    assert journal_tail(systemd_only, 5) == (
+        ("llmgw-a-0.service: Main process exited, code=exited, status=2/INVALIDARGUMENT",) * 3
+    )  # nothing of the engine's: systemd's word is better than none
+    assert journal_tail("Error: \x1b[31mbad\x07\n" + "x" * 900, 2) == ("Error: \\x1b[31mbad\\x07", "x" * 500)
+    assert journal_tail("", 5) == () and journal_tail("a", 0) == ()

@@ -269,6 +269,17 @@ def test_grow_plan_avoids_the_cards_it_is_told_to() -> None:
     assert not _cards(plain) & _cards(moved)
 
 
+def test_grow_plan_passes_shunned_nodes_by_unless_nothing_else_fits() -> None:
+    s = spec()
+    facts = fresh()
+    (plain,) = grow_plan(s, facts, "lazy").actions
+    (moved,) = grow_plan(s, facts, "lazy", shun=frozenset(plain.nodes)).actions
+    assert moved.nodes != plain.nodes
+    # every node shunned: placed as if none were (a preference, never a filter)
+    (same,) = grow_plan(s, facts, "lazy", shun=frozenset(facts)).actions
+    assert (same.nodes, same.gpus) == (plain.nodes, plain.gpus)
+
+
 def test_a_start_planned_before_a_lock_is_rechecked_under_it() -> None:
     s = spec()
     facts = fresh()

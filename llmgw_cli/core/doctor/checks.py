@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from llmgw_cli.core.doctor.facts import Collected, Finding, Limit, Severity
-from llmgw_cli.core.facts import GpuHealth, IbPort, PortState
+from llmgw_cli.core.facts import GpuHealth, IbPort, PortState, ReplicaUnit
 from llmgw_cli.core.hardware import gpu_class, same_class
 from llmgw_cli.core.health import ReplicaState, describe
 from llmgw_cli.core.parse.probe import engine_binaries
@@ -413,21 +413,34 @@ def check_root_folders(spec: ClusterSpec, node: Node, c: Collected) -> list[Find
     return findings
 
 
+JOURNAL_LINES = 5  # of a failing replica's journal, in its finding
+
+
+def failing_units(c: Collected) -> list[ReplicaUnit]:
+    """The node's replica units whose engine crash-loops or failed (``core/health.py``):
+    the ones whose journal the doctor reads (``Collected.journals``)."""
+    return [
+        u for u in replica_units(c.facts) if u.health() in (ReplicaState.crash_looping, ReplicaState.failed)
+    ]
+
+
 def check_replicas(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
-    """A replica unit whose engine crash-loops or failed (``core/health.py``): it serves
-    nothing, and its journal says why."""
+    """A replica unit whose engine crash-loops or failed: it serves nothing, and the last
+    lines of its journal say why."""
     findings = []
-    for u in replica_units(c.facts):
+    for u in failing_units(c):
         state = u.health()
-        if state not in (ReplicaState.crash_looping, ReplicaState.failed):
-            continue
+        message = f"{u.name} ({u.model}#{u.replica}) is {describe(state, u.state)}"
+        lines = c.journals.get(u.name, ())
+        if lines:
+            message += "; its journal ends:\n" + "\n".join(f"  {line}" for line in lines)
         findings.append(
             _finding(
                 node,
                 f"replica.{state.value}",
                 Severity.error,
-                f"{u.name} ({u.model}#{u.replica}) is {describe(state, u.state)}",
-                f"read why in its journal (`llmgw logs {u.model}#{u.replica}`, or `journalctl -u "
+                message,
+                f"read the rest of its journal (`llmgw logs {u.model}#{u.replica}`, or `journalctl -u "
                 f"{u.name} -n 50` on {node.name}), fix the cause, then `llmgw apply` starts it again",
             )
         )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
@@ -77,9 +78,13 @@ class DoctorFacts(Fact):
 @dataclass(frozen=True)
 class Collected:
     """One node as the doctor saw it: the probe's facts, the doctor's, and when (by this
-    host's clock) the script was sent and its answer received, to bound the clock skew."""
+    host's clock) the script was sent and its answer received, to bound the clock skew;
+    ``journals``: the last lines of each failing replica unit's journal (``failing_units``),
+    engine keys replaced, control characters escaped; a unit whose journal could not be
+    read is left out."""
 
     facts: NodeFacts
     doctor: DoctorFacts
     sent_at: float
     received_at: float
+    journals: Mapping[str, tuple[str, ...]] = field(default_factory=dict)

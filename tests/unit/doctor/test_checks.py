@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 
 from llmgw_cli.core.doctor import Finding, Severity, diagnose
 from llmgw_cli.core.doctor.checks import (
@@ -16,6 +17,7 @@ from llmgw_cli.core.doctor.checks import (
     check_ports,
     check_replicas,
     check_weights,
+    failing_units,
 )
 from llmgw_cli.core.doctor.cluster import check_clocks, check_gateway_timeouts
 from llmgw_cli.core.facts import NodeFacts
@@ -355,6 +357,25 @@ def test_a_crash_looping_replica_is_an_error_pointing_at_its_journal() -> None:
     assert (f.check, f.severity) == ("replica.crash-looping", Severity.error)
     assert f.message == "llmgw-a-0.service (a#0) is crash-looping (7 restarts, exit status 2)"
     assert "llmgw logs a#0" in f.fix
+
+
+def test_a_failing_replica_s_finding_shows_its_journal_lines() -> None:
+    s = spec()
+    c = collected(s, units=LOOPING_UNIT, labels=LABELS)
+    assert [u.name for u in failing_units(c)] == ["llmgw-a-0.service"]
+    lines = ("usage: vllm serve [-h]", "vllm serve: error: unrecognized arguments: --no-such-flag")
+    [f] = check_replicas(s, s.node("gpu1"), dataclasses.replace(c, journals={"llmgw-a-0.service": lines}))
+    assert f.message == (
+        "llmgw-a-0.service (a#0) is crash-looping (7 restarts, exit status 2); its journal ends:\n"
+        "  usage: vllm serve [-h]\n"
+        "  vllm serve: error: unrecognized arguments: --no-such-flag"
+    )
+    failed = LOOPING_UNIT.replace("ActiveState=activating", "ActiveState=failed").replace(
+        "auto-restart", "failed"
+    )
+    c = collected(s, units=failed, labels=LABELS)
+    [f] = check_replicas(s, s.node("gpu1"), dataclasses.replace(c, journals={"llmgw-a-0.service": lines}))
+    assert f.check == "replica.failed" and f.message.endswith("--no-such-flag")
 
 
 def test_a_running_replica_gives_no_finding() -> None:
