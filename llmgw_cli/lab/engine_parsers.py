@@ -67,9 +67,10 @@ def _sglang_parser() -> argparse.ArgumentParser:
 
 
 def _version(dist: str) -> str:
+    """The release part: ``0.32.0+cpu`` is 0.32.0 (the local part names the build, not the flags)."""
     from importlib.metadata import version
 
-    return version(dist)
+    return version(dist).split("+", 1)[0]
 
 
 def flags(engine: str) -> dict[str, Any]:
