@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from llmgw_cli.core.commands import EngineCommand
 
 app = typer.Typer(
-    help="Render files llmgw generates (systemd units, monitoring) to stdout.", no_args_is_help=True
+    help="Render files llmgw generates (systemd units, monitoring) and engine commands to stdout.",
+    no_args_is_help=True,
 )
 
 

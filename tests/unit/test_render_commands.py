@@ -203,3 +203,13 @@ def test_no_inventory_gives_vllm_a_flag_it_refuses(path: Path) -> None:
     for entry in rendered_json(path):
         if entry["engine"] == "vllm":
             assert not refused & set(entry["argv"]), entry["model"]  # type: ignore[arg-type]
+
+
+def test_a_file_without_nodes_is_bad_input(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        "cluster: {name: c}\nprofiles: {v: {engine: vllm}}\nmodels: [{name: m, source: /x, profile: v}]\n"
+    )
+    done = render("-f", str(path))
+    assert done.returncode == 2
+    assert "declares no node" in done.stderr
