@@ -274,7 +274,7 @@ def test_the_engine_key_is_in_vllms_environment_never_its_argv(lab: Lab, real: R
         environ = lab.ssh(node, f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout
         assert f"VLLM_API_KEY={key}" in environ.splitlines()
         # vLLM itself holds /v1 shut without it, and open with it
-        url = f"http://127.0.0.1:{port}/v1/models"
+        url = f"http://{node_ip(lab, node)}:{port}/v1/models"  # where vLLM listens: the node's engine address
         assert lab.ssh(node, f"curl -s -o /dev/null -w '%{{http_code}}' {url}").stdout == "401"
         auth = shlex.quote(f"Authorization: Bearer {key}")
         assert lab.ssh(node, f"curl -s -o /dev/null -w '%{{http_code}}' -H {auth} {url}").stdout == "200"
