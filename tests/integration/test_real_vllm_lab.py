@@ -17,7 +17,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from tests.waiting import wait_until
 
 from .conftest import Lab
 from .lab_helpers import engine_keys_file, origin_on_the_bridge, reset
+from .soak import SoakGateway, soak
 
 pytestmark = pytest.mark.integration
 
@@ -70,6 +71,7 @@ class RealLab:
     admin: str
     log: Path
     commit: str
+    halt: Callable[[], object] = lambda: None  # stops the gateway (its access log complete)
 
     def llmgw(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -157,6 +159,7 @@ def real(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLab
             keys = engine_keys_file(lab, folder / "engine-keys.json")
             options = ["--engine-keys-file", str(keys), "--identity-file", str(folder / "state/ssh-key")]
             proc = start_gateway(cluster, real.log, *options, "--health-every", "0.5", port=port)
+            real.halt = lambda: stop(proc)
             try:
                 wait_until(
                     lambda: len(real.ready(CHAT)) == 2 and real.ready(EMBED), timeout=120, what="replicas"
@@ -317,3 +320,30 @@ def test_status_shows_a_loading_vllm_as_starting_then_ready(lab: Lab, real: Real
     wait_until(lambda: real.ready(EMBED), timeout=60, what="the gateway to take it back")
     got = real.client().embeddings.create(model=EMBED, input="back")
     assert len(got.data[0].embedding) == 576
+
+
+# --- faults: the last test, it stops the gateway to read its complete access log ----------
+
+
+def test_streams_survive_a_real_vllm_killed_under_them(lab: Lab, real: RealLab) -> None:
+    """The soak of test_soak_lab.py with real vLLM, which streams token by token: a SIGKILL
+    lands in the middle of streams. No request fails before its first byte (the gateway
+    sends it to the other replica), and every stream cut was on the killed replica."""
+    units = {
+        f"{node_ip(lab, node)}:{port}": (node, unit) for unit, (node, port) in units_of(lab, CHAT).items()
+    }
+    gw = SoakGateway(
+        real.cluster, real.port, real.key, real.admin, real.admin_port, real.log, units, real.halt, CHAT
+    )
+    # 48 tokens at about 15 tokens/s per stream: streams of 3 s, several on the victim
+    result = soak(lab, gw, concurrency=6, seconds=70, kill_every=30, max_tokens=48)
+    print(result.totals())
+    assert result.kills, result.totals()
+    assert len(result.log) == len(result.streams), result.totals()
+    assert not result.before_first_byte, [s.error for s in result.before_first_byte][:5]
+    assert not result.logged_failures, result.logged_failures[:5]
+    assert not result.unexplained_cuts, (result.unexplained_cuts[:5], result.kills)
+    assert len(result.broken) <= len(result.cut), [s.error for s in result.broken][:5]
+    # the cut in the middle of a stream did happen, and the client saw it as such
+    assert result.cut, result.totals()
+    assert any(s.chunks > 1 for s in result.broken), [(s.chunks, s.error) for s in result.broken][:5]
