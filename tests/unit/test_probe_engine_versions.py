@@ -83,7 +83,9 @@ def test_versions_from_metadata_beside_the_program_and_from_version(tmp_path: Pa
 )
 def test_a_version_that_does_not_look_like_one_is_unknown(tmp_path: Path, said: str) -> None:
     write(tmp_path / "opt/vllm/bin/vllm", "#!/bin/sh\n", 0o755)
-    write(tmp_path / "opt/vllm/lib/python3.12/site-packages/vllm-x.dist-info/METADATA", metadata("vllm", said))
+    write(
+        tmp_path / "opt/vllm/lib/python3.12/site-packages/vllm-x.dist-info/METADATA", metadata("vllm", said)
+    )
     assert probed(tmp_path)["/opt/vllm/bin/vllm"] == "unknown"
 
 
