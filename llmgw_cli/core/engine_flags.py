@@ -8,8 +8,9 @@ more). They are read as package data, so they are there in an installed wheel to
 
 The walk reads a command line as argparse does: ``--flag=value`` is one word, a flag
 that takes a value takes the next word whatever it looks like (``--x -1``, ``--x -y``),
-other words are positional. vLLM's parser also reads ``--flag_name`` as ``--flag-name``
-and ``--flag.key value`` as a sub-key of ``--flag``.
+other words are positional; a unique prefix of a long flag is that flag (argparse's
+abbreviations, which both engines' parsers allow). vLLM's parser also reads
+``--flag_name`` as ``--flag-name`` and ``--flag.key value`` as a sub-key of ``--flag``.
 """
 
 from __future__ import annotations
@@ -39,13 +40,20 @@ class FlagTable:
         """What the flag ``word`` (its name only, no ``=value``) takes; None when this
         version does not accept it."""
         found = self.flags.get(word)
-        if found is not None or self.engine != "vllm" or not word.startswith("--"):
+        if found is not None or not word.startswith("--"):
             return found
-        # vLLM: underscores are dashes, and ``--flag.key`` sets a key of ``--flag``
-        name, dot, _ = word.partition(".")
-        name = name.replace("_", "-")
-        found = self.flags.get(name)
+        name, dot = word, ""
+        if self.engine == "vllm":  # underscores are dashes, ``--flag.key`` sets a key of ``--flag``
+            name, dot, _ = word.partition(".")
+            name = name.replace("_", "-")
+        found = self.flags.get(name) or self._abbreviated(name)
         return "value" if found is not None and dot else found
+
+    def _abbreviated(self, name: str) -> Takes | None:
+        """argparse takes a unique prefix of a long flag for the flag (``--tp`` is SGLang's
+        ``--tp-size``); a prefix of several is refused as ambiguous."""
+        matches = [flag for flag in self.flags if flag.startswith(name)]
+        return self.flags[matches[0]] if len(matches) == 1 else None
 
 
 def release(version: str) -> str:
