@@ -190,6 +190,9 @@ def parse_argv(argv: list[str]) -> EngineConfig:
 
 
 def _parse_vllm(argv: list[str]) -> EngineConfig:
+    if argv == ["--version"]:
+        print(VLLM_VERSION)
+        raise SystemExit(0)
     if not argv or argv[0] != "serve":
         top = _Parser(prog="vllm")
         top.add_argument("subparser", choices=["serve"])
