@@ -4,7 +4,10 @@ when they look like a version."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,14 @@ import pytest
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.parse.probe import parse_probe, section_script
 from llmgw_cli.core.spec import ClusterSpec
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A folder everyone may enter: the probe asks a program for its version as nobody."""
+    with tempfile.TemporaryDirectory(prefix="llmgw-versions-") as name:
+        Path(name).chmod(0o755)
+        yield Path(name)
 
 
 def spec_for(root: Path) -> ClusterSpec:
@@ -57,17 +68,25 @@ def test_versions_from_metadata_beside_the_program_and_from_version(tmp_path: Pa
     (tmp_path / "opt/sglang/bin").mkdir(parents=True)
     (tmp_path / "opt/sglang/bin/python3").symlink_to(base)
     write(tmp_path / f"opt/sglang/{site}/sglang-0.5.23.dist-info/METADATA", metadata("sglang", "0.5.23"))
+    # no `#!`: the shell runs it as if it were a binary (execvp's fallback), and says who ran it
     write(
         tmp_path / "bin/llama-server",
-        "#!/bin/sh\n[ \"$1\" = --version ] || exit 9\necho 'version: 0.5.0-dev (build 1)' >&2\n",
+        '[ "$1" = --version ] || exit 9\necho "version: 0.5.0-dev-u$(id -u) (build 1)" >&2\n',
         0o755,
     )
+    asked = 65534 if os.geteuid() == 0 else os.geteuid()  # never root
     assert probed(tmp_path) == {
         "/opt/vllm/bin/vllm": "0.32.0+cpu",
         "/opt/sglang/bin/python3": "0.5.23",
-        "/bin/llama-server": "0.5.0-dev",
+        "/bin/llama-server": f"0.5.0-dev-u{asked}",
         "/missing/vllm": "unknown",
     }
+
+
+def test_a_script_in_llama_servers_place_is_not_run(tmp_path: Path) -> None:
+    write(tmp_path / "bin/llama-server", f"#!/bin/sh\ntouch {tmp_path}/ran\necho 'version: 1.0'\n", 0o755)
+    assert probed(tmp_path)["/bin/llama-server"] == "unknown"
+    assert not (tmp_path / "ran").exists()
 
 
 @pytest.mark.parametrize(
