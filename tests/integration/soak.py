@@ -51,6 +51,7 @@ class SoakGateway:
     log: Path
     units: dict[str, tuple[str, str]]  # replica address -> (node, unit)
     halt: Any
+    model: str = MODEL
 
     def ready(self) -> set[str]:
         """Addresses of the soak replicas in the gateway's rotation."""
@@ -59,7 +60,7 @@ class SoakGateway:
             headers={"Authorization": f"Bearer {self.admin}"},
             timeout=10,
         ).json()["replicas"]
-        return {r["address"] for r in replicas if r["model"] == MODEL and r["health"] == "ready"}
+        return {r["address"] for r in replicas if r["model"] == self.model and r["health"] == "ready"}
 
 
 def _cluster(lab: Lab, folder: Path, port: int, admin_port: int) -> Path:
@@ -194,7 +195,7 @@ async def _kill_loop(
         await asyncio.to_thread(
             wait_until,
             lambda other=other: other in gw.ready(),
-            timeout=120,
+            timeout=240,  # a real vLLM reloads its weights after its restart
             interval=0.2,
             what=f"{other} back in rotation before {victim} is killed",
         )
@@ -217,9 +218,11 @@ async def _kill_loop(
 
 
 async def _soak(
-    lab: Lab, gw: SoakGateway, concurrency: int, seconds: float, kill_every: float
+    lab: Lab, gw: SoakGateway, *, concurrency: int, seconds: float, kill_every: float, max_tokens: int | None
 ) -> tuple[list[Request], list[Kill], list[float]]:
-    load = Load(f"http://127.0.0.1:{gw.port}/v1", gw.key, MODEL, concurrency=concurrency)
+    load = Load(
+        f"http://127.0.0.1:{gw.port}/v1", gw.key, gw.model, concurrency=concurrency, max_tokens=max_tokens
+    )
     until = time.monotonic() + seconds
     kills: list[Kill] = []
     waits: list[float] = []
@@ -229,9 +232,19 @@ async def _soak(
     return load.requests, kills, waits
 
 
-def soak(lab: Lab, gw: SoakGateway, *, concurrency: int, seconds: float, kill_every: float) -> SoakResult:
+def soak(
+    lab: Lab,
+    gw: SoakGateway,
+    *,
+    concurrency: int,
+    seconds: float,
+    kill_every: float,
+    max_tokens: int | None = None,
+) -> SoakResult:
     """Stream at ``concurrency`` for ``seconds``, killing a replica every ``kill_every``
     seconds; then stop the gateway (its log is complete) and read its access log."""
-    streams, kills, waits = asyncio.run(_soak(lab, gw, concurrency, seconds, kill_every))
+    streams, kills, waits = asyncio.run(
+        _soak(lab, gw, concurrency=concurrency, seconds=seconds, kill_every=kill_every, max_tokens=max_tokens)
+    )
     gw.halt()
-    return SoakResult(streams, kills, access_log(gw.log, MODEL), waits)
+    return SoakResult(streams, kills, access_log(gw.log, gw.model), waits)

