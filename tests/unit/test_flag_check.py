@@ -8,13 +8,19 @@ from pathlib import Path
 import pytest
 
 from llmgw_cli.cli.apply_steps import flags_checked
+from llmgw_cli.core.commands import engine_commands
+from llmgw_cli.core.engine_flags import table, unknown_flags
 from llmgw_cli.core.facts import Engine, NodeFacts
 from llmgw_cli.core.flag_check import check_flags
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import make_plan
 from llmgw_cli.errors import SpecError
+from llmgw_cli.lab import cluster as lab_cluster
+from llmgw_cli.lab.host import LabRecord, NodeRecord
 
 from .facts_factory import node_facts, with_units
+
+ROOT = Path(__file__).parents[2]
 
 CLUSTER = """\
 cluster: {name: t}
@@ -110,3 +116,25 @@ def test_accepted_flags_pass_and_the_plan_keeps_its_warnings(tmp_path: Path) -> 
     file = tmp_path / "c.yaml"
     file.write_text(text)
     assert flags_checked(spec, file, found, plan) == plan
+
+
+def shipped_files() -> list[tuple[str, str]]:
+    files = [(p.name, p.read_text()) for p in sorted(ROOT.glob("inventories/*.yaml"))]
+    nodes = [NodeRecord(name=f"n{i}", index=i, ip=f"10.9.0.{i}", shape="hgx") for i in range(1, 5)]
+    record = LabRecord(state_dir="/var/lib/x", shape="hgx", cgroup="/sys/fs/cgroup/x", nodes=nodes)
+    files.append(("lab", lab_cluster.inventory(record, real_engine=True, real_vllm=True, hub_models=True)))
+    return files
+
+
+@pytest.mark.parametrize(("place", "text"), shipped_files())
+def test_the_shipped_command_lines_pass_the_check(place: str, text: str) -> None:
+    """Those the engines' own parsers accept (tests/integration/test_engine_parsers.py)."""
+    spec = parse_cluster(text, place)
+    for command in engine_commands(spec):
+        profile = spec.profiles[spec.model(command.model).profile]
+        flags = table(profile.engine.value, profile.version or "")
+        if profile.engine.value == "llama-server" or command.argv[0] != profile.argv0[0]:
+            continue  # no table; a Ray worker runs `ray start`
+        assert flags is not None, (place, command.model)
+        argv = list(command.argv[len(profile.argv0) :])
+        assert unknown_flags(flags, argv) == [], (place, command.model, argv)
