@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_cli.core.engine_flags import table
 from llmgw_cli.errors import EngineStartError
 from llmgw_cli.lab.engine_args import parse_argv
 from llmgw_cli.lab.engine_checks import (
@@ -82,6 +83,12 @@ def test_vllm_multinode_worker_is_headless_and_per_node_share() -> None:
     ("argv", "message"),
     [
         (["vllm", "serve", "/m", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        # flags vLLM 0.32 refuses, which the simulator once accepted
+        (["vllm", "serve", "/m", "--swap-space", "4"], "unrecognized arguments: --swap-space 4"),
+        (["vllm", "serve", "/m", "--disable-log-requests"], "unrecognized arguments: --disable-log-requests"),
+        (["vllm", "serve", "/m", "--task", "embed"], "unrecognized arguments: --task embed"),
+        (["vllm", "serve", "/m", "--served-model-name"], "expected at least one argument"),
+        (["sglang", "--model-path", "/m", "--swap-space", "4"], "unrecognized arguments: --swap-space 4"),
         (["vllm", "serve", "/m", "--port", "x"], "invalid int value"),
         (["vllm", "serve"], "the following arguments are required: model_tag"),
         (["vllm", "bench", "/m"], "invalid choice: 'bench'"),
@@ -279,3 +286,44 @@ def test_multi_node_rendezvous_address() -> None:
     )
     assert (sglang.control_addr, sglang.control_port) == ("10.0.0.1", 29600)
     assert parse_argv(["vllm", "serve", "/m"]).control_port is None
+
+
+def _words(takes: str) -> list[str]:
+    return {"switch": [], "value": ["1"], "optional": [], "list": ["1", "2"]}[takes]
+
+
+@pytest.mark.parametrize(
+    ("kind", "engine", "version"), [("vllm", "vllm", "0.32.0"), ("sglang", "sglang", "0.5.23")]
+)
+def test_every_flag_of_the_real_parser_is_accepted_with_what_it_takes(
+    kind: str, engine: str, version: str
+) -> None:
+    flags = table(engine, version)
+    assert flags is not None
+    base = ["vllm", "serve", "/m"] if kind == "vllm" else ["sglang", "--model-path", "/m"]
+    # the flags the simulation reads need values of their type: given once, in the base
+    typed = {"--port", "-tp", "--tensor-parallel-size", "-pp", "--pipeline-parallel-size", "-dp"}
+    typed |= {"--data-parallel-size", "--gpu-memory-utilization", "--max-model-len", "--nnodes"}
+    typed |= {"--node-rank", "--master-port", "--distributed-executor-backend", "--tp-size", "--dp-size"}
+    typed |= {"--context-length", "--mem-fraction-static", "--config"}
+    for flag, takes in flags.flags.items():
+        if flag not in typed:
+            parse_argv([*base, flag, *_words(takes)])
+
+
+def test_vllm_spellings_and_the_flags_vllm_032_has() -> None:
+    cfg = parse_argv(
+        [
+            "vllm",
+            "serve",
+            "/m",
+            "--runner",
+            "pooling",
+            "--max_model_len",
+            "4K",
+            "--compilation-config.mode",
+            "3",
+        ]
+    )
+    assert cfg.max_model_len == 4096
+    assert parse_argv(["vllm", "serve", "/m", "--api-key", "K", "L"]).api_key == "K"

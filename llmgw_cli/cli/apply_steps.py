@@ -18,11 +18,12 @@ from llmgw_cli.cli.common import confirm, probe_with_progress, read_cluster
 from llmgw_cli.cli.repos import gateway_pins, pinned
 from llmgw_cli.cli.views import plan_view, progress_line, progress_view
 from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.flag_check import check_flags
 from llmgw_cli.core.journal import split_ref
 from llmgw_cli.core.pins import moved, pinned_commits
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan, running_replicas
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, UsageError
+from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, SpecError, UsageError
 from llmgw_cli.progress import Board, Phase, Report
 from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
 from llmgw_cli.remote.connect import Connections, Session
@@ -187,6 +188,20 @@ async def _rotate(
     )
 
 
+def flags_checked(spec: ClusterSpec, file: Path, facts: dict[str, NodeFacts], chosen: Plan) -> Plan:
+    """``chosen`` with the warnings of the flag check (``core/flag_check.py``); a flag the
+    engine of some node would refuse is a SpecError at its ``args`` entry, before anything
+    changes."""
+    from llmgw_cli.core.load import locate
+
+    report = check_flags(spec, facts, chosen)
+    if report.problems:
+        found = [(p.source, p.message) for p in report.problems]
+        raise SpecError(locate(file.read_text(encoding="utf-8"), str(file), found))
+    warnings = tuple(dict.fromkeys((*chosen.warnings, *report.warnings)))
+    return chosen.model_copy(update={"warnings": warnings})
+
+
 def _unplaced_is_failure(chosen: Plan) -> None:
     if chosen.unplaced:
         raise ApplyFailed(f"{len(chosen.unplaced)} replica(s) could not be placed; the plan above says why")
@@ -310,7 +325,7 @@ def _locked(
                 return chosen, snapshot, held
             if saved is not None:
                 _saved_still_holds(saved, chosen, facts)
-            chosen = make_plan(spec, facts, replace=how.replace)
+            chosen = flags_checked(spec, file, facts, make_plan(spec, facts, replace=how.replace))
             err.print(
                 Text("The nodes changed since the plan above was made; the plan now:", style="yellow"),
                 highlight=False,
@@ -338,6 +353,7 @@ def plan(file: Path, save: Path | None, replace: list[str], *, json_out: bool = 
         facts = {f.node: f for f in snapshot.nodes}
         answers = session.run(health_answers(spec, session.conns, facts))
         result = make_plan(spec, facts, replace=replacements(replace, facts), answers=answers)
+        result = flags_checked(spec, file, facts, result)
         gateway = session.run(
             preview(
                 spec, session.conns, file.read_text(encoding="utf-8"), gateway_pins(as_written, snapshots)
@@ -443,6 +459,7 @@ def apply(
         snapshot = probe_with_progress(spec, file, None, err, session)
         facts = {f.node: f for f in snapshot.nodes}
         chosen, wanted = _choose(spec, facts, saved, replace, session)
+        chosen = flags_checked(spec, file, facts, chosen)
         # the gateway gets the commits of this plan (its pins file), never resolving them itself
         gateway = session.run(
             preview(

@@ -83,7 +83,7 @@ def _rate(gbps: float | None) -> str:
 def status_view(summary: Summary, seconds: float) -> RenderableType:
     """Nodes, GPUs by class, fabrics and models; unreachable nodes are shown, never hidden."""
     nodes = Table(title=f"Nodes (probed in {seconds:.2f}s)", title_justify="left")
-    for col in ("node", "address", "state", "GPUs", "topology", "fabric", "memory", "models"):
+    for col in ("node", "address", "state", "GPUs", "topology", "fabric", "memory", "models", "engines"):
         nodes.add_column(col)
     findings = Table(title="Findings", title_justify="left")
     findings.add_column("node")
@@ -97,6 +97,7 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
                 "-",
                 "-",
                 plain(r.fabric or "-"),
+                "-",
                 "-",
                 "-",
             )
@@ -124,6 +125,7 @@ def status_view(summary: Summary, seconds: float) -> RenderableType:
             Text(fabric, style="" if r.fabric_ok or r.fabric is None else "yellow"),
             f"{r.memory_gib:g} GiB" if r.memory_gib else "-",
             str(len(r.models)),
+            plain(r.engine_versions(summary.programs) or "-"),
         )
     classes = Table(title="GPUs by class", title_justify="left")
     for col in ("class", "total", "used", "free", "faulty"):

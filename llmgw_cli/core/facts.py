@@ -160,6 +160,8 @@ class Engine(Fact):
     path: str
     found: bool
     missing_libraries: tuple[str, ...] = ()
+    # as the node reports it (a version-shaped word), "unknown" when it could not be read
+    version: str = "unknown"
 
     @property
     def usable(self) -> bool:

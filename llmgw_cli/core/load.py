@@ -390,3 +390,18 @@ def parse_cluster(text: str | bytes, filename: str = "cluster.yaml") -> ClusterS
         unique = list(dict.fromkeys(problems))
         raise SpecError(sorted(unique, key=lambda p: (p.line, p.column)))
     return spec
+
+
+def locate(text: str, filename: str, found: list[tuple[Loc | None, str]]) -> list[Problem]:
+    """Problems found in a valid cluster file's ``text`` after it was loaded (by checks
+    that need the nodes' facts): each (path, message) at the line and column where that
+    path's value is written; a None path is the file's, at no line."""
+    documents = _compose(text, filename)
+    builder = _Builder()
+    if documents:
+        builder.build(documents[0])
+    problems = []
+    for loc, message in found:
+        line, col = builder.positions.of_value(loc) if loc is not None else (0, 0)
+        problems.append(Problem(filename, line, col, where(loc) if loc is not None else "", message))
+    return problems

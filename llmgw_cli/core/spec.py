@@ -545,6 +545,13 @@ class Profile(Spec):
         description="Program and leading arguments; unset: `vllm serve`, "
         "`python3 -m sglang.launch_server` or `llama-server`.",
     )
+    version: str | None = Field(
+        None,
+        pattern=r"^[0-9][0-9A-Za-z.+-]{0,63}$",
+        description="The engine version this profile is written for (e.g. `0.32.0`): its flags are "
+        "checked against that version's flag table, and against the version each node really has "
+        "(probed).",
+    )
     args: list[str] = Field(default_factory=list, description="Extra arguments for every model.")
     env: dict[EnvName, str] = Field(default_factory=dict, description="Extra environment variables.")
     secret_env: list[EnvName] = Field(

@@ -57,6 +57,13 @@ class NodeRow(Fact):
     memory_gib: float | None
     models: tuple[str, ...]
     warnings: tuple[str, ...]
+    # engine program -> the version the probe read there ("unknown" when it could not)
+    engines: dict[str, str] = Field(default_factory=dict)
+
+    def engine_versions(self, programs: Mapping[str, str]) -> str:
+        """``vllm 0.32.0, sglang 0.5.23``: each engine found, by its name in ``programs``
+        (program -> engine)."""
+        return ", ".join(f"{programs.get(p, p)} {v}" for p, v in sorted(self.engines.items()))
 
 
 class ClassRow(Fact):
@@ -166,6 +173,9 @@ class Summary(Fact):
     health: tuple[HealthRow, ...] = ()
     keys: tuple[KeyRow, ...] = ()
     scope: tuple[str, ...] | None = None  # the nodes summarised; None: every node
+    programs: dict[str, str] = Field(
+        default_factory=dict
+    )  # engine program -> its engine (`vllm`), for the nodes' versions
 
 
 def _used_uuids(facts: NodeFacts) -> set[str]:
@@ -231,6 +241,7 @@ def _node_row(node: Node, facts: NodeFacts) -> NodeRow:
         memory_gib=round(facts.memory_total_kib / 2**20, 1) if facts.memory_total_kib else None,
         models=tuple(sorted({m.name for w in facts.weights for m in w.models if m.complete})),
         warnings=tuple(warnings),
+        engines={e.path: e.version for e in facts.engines if e.found},
     )
 
 
@@ -415,4 +426,5 @@ def summarize(
         health=tuple(health_rows),
         keys=_key_rows(live.usage) if live else (),
         scope=None if scope is None else tuple(n.name for n in nodes),
+        programs={p.argv0[0]: p.engine.value for p in spec.profiles.values()},
     )

@@ -1,5 +1,9 @@
 """Command lines of the simulated engines: vLLM's and SGLang's flags, one config.
 
+They accept exactly the flags of the real parsers of vLLM 0.32.0 and SGLang 0.5.23 (the
+tables in ``core/engine_flags/``, dumped from those parsers), each with what it takes; the
+few the simulation reads are declared here with their types and defaults.
+
 Pure apart from the key: argv (and the environment or a ``--config`` file for the key)
 in, ``EngineConfig`` out; bad flags exit 2 with argparse's error line, as the real
 engines do. The key is taken where the real engines take it: vLLM from ``--api-key``,
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 from typing import Literal, NoReturn
 
 import yaml  # the lab's engines run on llmgw's own interpreter, which has PyYAML
+
+from llmgw_cli.core.engine_flags import FlagTable, table
 
 Kind = Literal["vllm", "sglang"]
 
@@ -85,6 +91,36 @@ def _max_len(text: str) -> int:
     return int(match.group(1)) * scale
 
 
+VLLM_VERSION = "0.32.0"
+SGLANG_VERSION = "0.5.23"
+"""The versions whose flags the simulated engines accept (``core/engine_flags/``)."""
+
+
+def _table(engine: str, version: str) -> FlagTable:
+    found = table(engine, version)
+    if found is None:
+        raise SystemExit(f"no flag table for {engine} {version} in llmgw_cli/core/engine_flags")
+    return found
+
+
+def _accept_the_rest(p: _Parser, flags: FlagTable) -> _Parser:
+    """Every flag of the real parser that ``p`` does not read itself, with what it takes:
+    the simulation ignores them, and refuses what the real engine refuses."""
+    known = p._option_string_actions
+    for i, (flag, takes) in enumerate(sorted(flags.flags.items())):
+        if flag in known:
+            continue
+        dest = f"_ignored_{i}"
+        if takes == "switch":
+            p.add_argument(flag, dest=dest, action="store_true")
+        else:
+            p.add_argument(flag, dest=dest, nargs=_NARGS[takes])
+    return p
+
+
+_NARGS: dict[str, str | None] = {"value": None, "optional": "?", "list": "+"}
+
+
 def _vllm_parser() -> _Parser:
     p = _Parser(prog="vllm serve", add_help=True)
     p.add_argument("model_tag", nargs="?")
@@ -98,36 +134,13 @@ def _vllm_parser() -> _Parser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=_max_len)
     p.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni", "external_launcher"])
-    p.add_argument("--api-key")
+    p.add_argument("--api-key", nargs="+")  # vLLM takes several; any of them lets a request in
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=29501)
     p.add_argument("--headless", action="store_true")
-    # Common flags that change nothing in the simulation but must be accepted.
-    for flag in (
-        "--download-dir",
-        "--revision",
-        "--dtype",
-        "--max-num-seqs",
-        "--quantization",
-        "--uvicorn-log-level",
-        "--kv-cache-dtype",
-        "--tokenizer",
-        "--seed",
-        "--swap-space",
-    ):
-        p.add_argument(flag)
-    for flag in (
-        "--trust-remote-code",
-        "--enforce-eager",
-        "--enable-prefix-caching",
-        "--disable-log-requests",
-        "--disable-log-stats",
-        "--enable-chunked-prefill",
-    ):
-        p.add_argument(flag, action="store_true")
-    return p
+    return _accept_the_rest(p, _table("vllm", VLLM_VERSION))
 
 
 def _sglang_parser() -> _Parser:
@@ -135,8 +148,9 @@ def _sglang_parser() -> _Parser:
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--tp", "--tp-size", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    p.add_argument("--dp", "--dp-size", dest="dp", type=int, default=1)
+    # `--tp` and `--dp` are argparse's abbreviations of these, as in SGLang
+    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--dp-size", "--data-parallel-size", dest="dp", type=int, default=1)
     p.add_argument("--served-model-name")
     p.add_argument("--context-length", type=int)
     p.add_argument("--mem-fraction-static", type=float)
@@ -145,21 +159,18 @@ def _sglang_parser() -> _Parser:
     p.add_argument("--dist-init-addr")
     p.add_argument("--api-key")
     p.add_argument("--config")
-    for flag in (
-        "--tokenizer-path",
-        "--dtype",
-        "--quantization",
-        "--revision",
-        "--download-dir",
-        "--chunked-prefill-size",
-        "--max-running-requests",
-        "--log-level",
-        "--random-seed",
-    ):
-        p.add_argument(flag)
-    for flag in ("--trust-remote-code", "--enable-metrics", "--disable-cuda-graph", "--skip-server-warmup"):
-        p.add_argument(flag, action="store_true")
-    return p
+    p.add_argument("--enable-metrics", action="store_true")
+    return _accept_the_rest(p, _table("sglang", SGLANG_VERSION))
+
+
+def _vllm_spelling(argv: list[str]) -> list[str]:
+    """vLLM's own spellings in argparse's: ``--flag_name`` is ``--flag-name``, and
+    ``--flag.key`` sets a key of ``--flag`` (the simulation reads no such key)."""
+    out = []
+    for word in argv:
+        name, eq, value = word.partition("=")
+        out.append(name.partition(".")[0].replace("_", "-") + eq + value if word.startswith("--") else word)
+    return out
 
 
 def parse_argv(argv: list[str]) -> EngineConfig:
@@ -179,11 +190,14 @@ def parse_argv(argv: list[str]) -> EngineConfig:
 
 
 def _parse_vllm(argv: list[str]) -> EngineConfig:
+    if argv == ["--version"]:
+        print(VLLM_VERSION)
+        raise SystemExit(0)
     if not argv or argv[0] != "serve":
         top = _Parser(prog="vllm")
         top.add_argument("subparser", choices=["serve"])
         top.parse_args(argv[:1])
-    ns = _vllm_parser().parse_args(argv[1:])
+    ns = _vllm_parser().parse_args(_vllm_spelling(argv[1:]))
     model = ns.model_tag or ns.model
     if not model:
         _vllm_parser().error("the following arguments are required: model_tag")
@@ -201,7 +215,7 @@ def _parse_vllm(argv: list[str]) -> EngineConfig:
         nnodes=ns.nnodes,
         node_rank=ns.node_rank,
         headless=ns.headless,
-        api_key=ns.api_key or os.environ.get("VLLM_API_KEY") or None,
+        api_key=(ns.api_key or [None])[0] or os.environ.get("VLLM_API_KEY") or None,
         max_model_len=ns.max_model_len,
         executor_backend=ns.distributed_executor_backend,
         enable_metrics=True,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from llmgw_cli.core.parse.nvidia_smi import HEALTH_FIELDS, QUERY_FIELDS
 from llmgw_cli.lab import shapes, smi, weights
+from llmgw_cli.lab.engine_args import SGLANG_VERSION, VLLM_VERSION
 from llmgw_cli.lab.host import NodeRecord
 
 LAB_UID = 4242  # the `llmgw` account engines run as (profiles default to `user: llmgw`)
@@ -164,6 +165,13 @@ def _engines(upper: Path, inputs: NodeInputs) -> None:
     for path, kind in (("opt/vllm/bin/vllm", "vllm"), ("opt/sglang/bin/python3", "sglang")):
         script = f'#!/bin/sh\nexec {inputs.python} -m llmgw_cli.lab.engine_sim {kind} "$@"\n'
         _write(upper / path, script, 0o755)
+    # each venv's distribution metadata, where the probe reads an engine's version
+    for prefix, name, version in (
+        ("opt/vllm", "vllm", VLLM_VERSION),
+        ("opt/sglang", "sglang", SGLANG_VERSION),
+    ):
+        info = upper / prefix / f"lib/python3.11/site-packages/{name}-{version}.dist-info/METADATA"
+        _write(info, f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     # Ray's CLI beside vLLM, as a vLLM venv has it (for `multi_node: ray` profiles)
     _write(
         upper / "opt/vllm/bin/ray", f'#!/bin/sh\nexec {inputs.python} -m llmgw_cli.lab.ray_sim "$@"\n', 0o755

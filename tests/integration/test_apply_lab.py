@@ -309,8 +309,8 @@ def test_engine_program_its_account_may_not_run_is_refused_before_the_start(
 
 
 def test_engine_that_exits_at_once_is_reported_before_systemd_restarts_it(clean: Lab, tmp_path: Path) -> None:
-    """The engine starts (its start job succeeds) and exits at once on a flag it does not
-    know; systemd waits RestartSec before restarting it. apply reports it from that wait
+    """The engine starts (its start job succeeds) and exits at once on a flag value it
+    refuses (a flag it does not know is refused by the plan already); systemd waits RestartSec before restarting it. apply reports it from that wait
     (no restart yet), with the engine's own journal line, not after start_timeout."""
     cluster = cluster_variant(
         clean,
@@ -318,7 +318,7 @@ def test_engine_that_exits_at_once_is_reported_before_systemd_restarts_it(clean:
         replace=(
             (
                 "    tensor_parallel: 2\n    scaling: {min: 1, max: 2, idle_timeout: 10m}",
-                "    tensor_parallel: 2\n    args: [--no-such-flag]\n    scaling: {min: 1, max: 2, idle_timeout: 10m}",
+                "    tensor_parallel: 2\n    args: [--distributed-executor-backend, nope]\n    scaling: {min: 1, max: 2, idle_timeout: 10m}",
             ),
         ),
     )
@@ -330,5 +330,5 @@ def test_engine_that_exits_at_once_is_reported_before_systemd_restarts_it(clean:
     assert done.returncode == 1, output
     words = " ".join(output.split())  # rich wraps long lines at the terminal's width
     assert "0 restart(s)" in words, output  # seen before systemd's first restart
-    assert "error: unrecognized arguments: --no-such-flag" in words, output
+    assert "error: argument --distributed-executor-backend: invalid choice: 'nope'" in words, output
     assert took < 60, output  # well under the profile's start_timeout (2m)

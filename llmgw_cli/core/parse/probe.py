@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw_cli.core.drain import DRAIN_DIR, parse_markers
-from llmgw_cli.core.facts import Cpu, Engine, Gpu, GpuHealth, NodeAccess, NodeFacts, WeightsDir
+from llmgw_cli.core.engine_flags import version_shaped
+from llmgw_cli.core.facts import Cpu, Gpu, GpuHealth, NodeAccess, NodeFacts, WeightsDir
+from llmgw_cli.core.facts import Engine as EngineFact
 from llmgw_cli.core.node_access import MANAGED_PATHS, managed_accounts
 from llmgw_cli.core.parse.cpuinfo import parse_cpuinfo
 from llmgw_cli.core.parse.engine_env import KEY_PRESENT_SH
@@ -36,13 +38,23 @@ from llmgw_cli.core.parse.topo import parse_topology
 from llmgw_cli.core.parse.units import LABEL_PREFIX, UNIT_DIR, parse_labels
 from llmgw_cli.core.parse.weights import judge, snapshots
 from llmgw_cli.core.snapshot import MANIFEST_SUFFIX
-from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.core.spec import ClusterSpec, Engine, Node
 from llmgw_cli.core.templates import render, render_text
 
 
 def engine_binaries(spec: ClusterSpec) -> list[str]:
     """The program of each profile (``vllm``, ``/opt/sglang/bin/python``...), once each."""
     return list(dict.fromkeys(p.argv0[0] for p in spec.profiles.values()))
+
+
+def engine_programs(spec: ClusterSpec) -> list[tuple[str, str]]:
+    """(program, distribution) of each profile's program, once each: the Python
+    distribution whose metadata holds its version (``vllm``, ``sglang``), or ``""`` for a
+    program that prints it itself (``llama-server --version``)."""
+    found: dict[str, str] = {}
+    for p in spec.profiles.values():
+        found.setdefault(p.argv0[0], "" if p.engine is Engine.llama_server else p.engine.value)
+    return list(found.items())
 
 
 def probe_script(spec: ClusterSpec, node: Node) -> str:
@@ -180,15 +192,20 @@ def _weights(text: str, node: Node) -> tuple[WeightsDir, ...]:
     return tuple(dirs)
 
 
-def _engines(text: str) -> tuple[Engine, ...]:
-    engines: list[Engine] = []
+def _engines(text: str) -> tuple[EngineFact, ...]:
+    engines: list[EngineFact] = []
     for line in text.split("\n"):
         if line.startswith("@engine "):
             path, _, state = line[8:].rpartition(" ")
-            engines.append(Engine(path=path, found=state == "found"))
+            engines.append(EngineFact(path=path, found=state == "found"))
         elif line.startswith("@lib ") and engines:
             last = engines[-1]
             engines[-1] = last.model_copy(update={"missing_libraries": (*last.missing_libraries, line[5:])})
+        elif line.startswith("@version ") and engines:
+            # the node's words: only a version-shaped one is taken
+            said = line[9:].strip()
+            version = said if version_shaped(said) else "unknown"
+            engines[-1] = engines[-1].model_copy(update={"version": version})
     return tuple(engines)
 
 
@@ -391,7 +408,7 @@ def _parse_weights(text: str, node: Node, _found: Mapping[str, Any]) -> Fields:
 
 
 ENGINES_SH = """\
-{% for binary in engine_binaries %}
+{% for binary, dist in engine_programs %}
 b={{ binary | shellquote }}
 p=$(command -v "$b" 2>/dev/null)
 if [ -n "$p" ]; then
@@ -404,6 +421,33 @@ if [ -n "$p" ]; then
     # library names come from the binary: one printable line each
     *) ldd "$p" 2>/dev/null | awk '/not found/ {print "@lib " $1}' | tr -c '\\n[:print:]' '?' ;;
   esac
+  # its version, without starting it: from the metadata of its Python distribution in
+  # the site-packages beside it (the program as found, and with its links resolved: a
+  # venv's python is a link to the base interpreter), or from `--version`
+  v=
+{% if dist %}
+  for d in "${p%/*}" "$(dirname "$(readlink -f "$p")")"; do
+    for m in "$d"/../lib/python3*/site-packages/{{ dist }}-*.dist-info/METADATA \\
+             "$d"/../lib/python3*/dist-packages/{{ dist }}-*.dist-info/METADATA; do
+      [ -f "$m" ] || continue
+      v=$(dd if="$m" bs=4096 count=1 iflag=nofollow,nonblock status=none 2>/dev/null |
+        grep -m1 '^Version:' | cut -c10-90)
+      break 2
+    done
+  done
+{% else %}
+  # only a binary is asked (a script in its place may do anything with any argument),
+  # never as root: as nobody, for at most 5 seconds
+  run=
+  [ "$(id -u)" = 0 ] && run="setpriv --reuid=65534 --regid=65534 --clear-groups --"
+  case "$first" in
+    "#!"*) ;;
+    *) command -v setpriv >/dev/null 2>&1 || [ -z "$run" ] &&
+         v=$(cd / && timeout 5 $run "$p" --version </dev/null 2>&1 | head -c 4096 |
+           sed -n 's/^version: *//p' | head -n 1 | cut -d' ' -f1 | cut -c1-80) ;;
+  esac
+{% endif %}
+  printf '@version %s\\n' "$v" | tr -c '\\n[:print:]' '?'
 else
   printf '@engine %s missing\\n' "$b"
 fi
@@ -411,7 +455,7 @@ fi
 
 
 def _engines_script(spec: ClusterSpec, _node: Node) -> str:
-    return render_text(ENGINES_SH, engine_binaries=engine_binaries(spec))
+    return render_text(ENGINES_SH, engine_programs=engine_programs(spec))
 
 
 def _parse_engines(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
