@@ -224,6 +224,7 @@ class Known:
     replaced: bool = False
     since: str = ""  # its head node's clock just before this gateway started it
     draining: float | None = None  # its drain deadline on this gateway's clock, when apply retires it
+    restarts: int | None = None  # systemd's restarts of its units when last seen
 
 
 @dataclass(frozen=True)
@@ -748,8 +749,18 @@ class Controller:
                 known = self.known[key] = Known(r.model, r.replica, address, r.members, now)
             known.nodes, known.port, known.held = r.members, r.port, r.gpus
             known.draining = self._drain_deadline(r, facts, now)
+            restarts = _restarts(r)
+            if known.restarts is not None and restarts > known.restarts:
+                # systemd started its engine again: a new engine, judged as a fresh start
+                # from now (it loads again, within its start timeout)
+                known.ready_at = known.failing_since = None
+                known.first_seen = now
+            known.restarts = restarts
             current.add(key)
-            seen.append(self._one(spec, known, _condition(r, facts, unreachable), in_pool, now))
+            served = known.ready_at is not None
+            seen.append(
+                self._one(spec, known, _condition(r, facts, unreachable, served=served), in_pool, now)
+            )
         for key, known in list(self.known.items()):
             if key in current or key in self._stopping:
                 continue
@@ -1264,12 +1275,33 @@ def _shun(start: Start, mc: ModelController) -> frozenset[str]:
     return start.shun | mc.attempts.nodes
 
 
-def _condition(r: Running, facts: dict[str, NodeFacts], unreachable: set[str]) -> UnitCondition:
-    """The replica's units as the last probe saw them."""
+def _restarts(r: Running) -> int:
+    return sum(u.state.n_restarts for u in r.units.values() if u.state is not None)
+
+
+def _restarting(r: Running) -> bool:
+    """Its engine died and systemd is bringing it back: a unit on its way down after its
+    engine exited (a real engine's worker processes take seconds to go), or waiting out
+    its restart pause."""
+    return any(
+        u.state is not None
+        and (u.state.active_state == "deactivating" or u.state.sub_state.startswith("auto-restart"))
+        for u in r.units.values()
+    )
+
+
+def _condition(
+    r: Running, facts: dict[str, NodeFacts], unreachable: set[str], *, served: bool = False
+) -> UnitCondition:
+    """The replica's units as the last probe saw them. ``served``: this gateway saw it
+    ready. An engine that served and then died is systemd's to restart (the unit's
+    StartLimitBurst bounds that): a crash loop is an engine that dies before it serves."""
     if any(n in unreachable or n not in facts for n in r.members):
         return UnitCondition.lost
     if any(n in r.units and r.units[n].active_state == "failed" for n in r.members):
         return UnitCondition.gave_up
+    if served and _restarting(r):
+        return UnitCondition.up
     if r.health() is ReplicaState.crash_looping:
         return UnitCondition.crash_looping
     return UnitCondition.up if r.up else UnitCondition.down

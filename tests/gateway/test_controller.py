@@ -949,3 +949,85 @@ def test_a_crash_looping_replica_is_replaced_on_another_node_though_its_own_has_
         assert start.nodes == ("b",)
 
     run(scenario)
+
+
+def test_a_replica_that_served_then_died_is_left_to_systemds_restart_and_judged_anew() -> None:
+    """A real engine killed after minutes of serving is still on its way down, then in
+    systemd's restart pause: not a crash loop (it served), not a unit to replace; once
+    systemd started it again, it is a fresh start that has its start timeout to load."""
+    killed = UnitState(
+        name="",
+        load_state="loaded",
+        active_state="deactivating",  # vLLM's worker processes take seconds to go
+        sub_state="final-sigterm",
+        result="signal",
+        main_pid=0,
+        n_restarts=0,
+        exec_main_code=2,
+        exec_main_status=9,
+        age=200.0,
+        lived=200.0,  # shorter than its start timeout: by the units alone, crash-looping
+    )
+
+    async def scenario() -> None:
+        w = World(gpus=2, cluster=DUO)
+        w.run("duo", "a")
+        address = w.run("duo", "b")
+        w.discover()
+        w.health.update({r.address: 200 for r in w.pool.all()})
+        await w.check_health()
+        await w.controller.tick()
+        assert not w.nodes.stops() and not w.nodes.starts()
+        for shown in (
+            killed,
+            killed.model_copy(update={"active_state": "activating", "sub_state": "auto-restart"}),
+        ):
+            w.nodes.truth = with_units(w.nodes.truth, _units_of(w, "b"), shown=shown)
+            w.health[address] = None
+            w.discover()
+            await w.check_health()
+            w.clock.now += 5
+            await w.controller.tick()
+            await settle()
+            assert not w.nodes.stops(), (shown.active_state, w.nodes.stops())
+        # systemd started it again: loading, not ready, for longer than unhealthy_restart
+        loading = killed.model_copy(
+            update={
+                "active_state": "active",
+                "sub_state": "running",
+                "n_restarts": 1,
+                "age": 1.0,
+                "main_pid": 7,
+            }
+        )
+        w.nodes.truth = with_units(w.nodes.truth, _units_of(w, "b"), shown=loading)
+        for _ in range(3):
+            w.discover()
+            await w.check_health()
+            w.clock.now += 40
+            await w.controller.tick()
+            await settle()
+        assert not w.nodes.stops()  # 120 s of loading, within its start timeout
+        w.health[address] = 200
+        w.discover()
+        await w.check_health()
+        await w.controller.tick()
+        await settle()
+        assert not w.nodes.stops() and not w.nodes.starts()
+
+    run(scenario)
+
+
+async def settle() -> None:
+    """Let the controller's background work (a stop, a start) run as far as it goes."""
+    for _ in range(200):
+        await asyncio.sleep(0)
+
+
+def _units_of(w: World, node: str) -> list[tuple[str, str, str]]:
+    """(node, name, text) of the units on ``node``: the labels a probe reads back."""
+    facts = w.nodes.truth[node]
+    return [
+        (node, name, "".join(f"X-Llmgw-{k}={v}\n" for k, v in labels.items()))
+        for name, labels in facts.unit_labels.items()
+    ]

@@ -119,7 +119,7 @@ def test_every_rendered_command_line_is_accepted_by_the_engines_own_parser(
     installed = ask("flags", engine)
     assert isinstance(installed, dict)
     for place, spec, command in chosen:
-        declared = getattr(spec.profiles[spec.model(command.model).profile], "version", None)
+        declared = spec.profiles[spec.model(command.model).profile].version
         # the parsers here are the versions the files declare
         assert declared in (None, installed["version"]), (place, command.model, declared)
     verdicts = ask("check", engine, [words_after(c.argv, marker, key_file) for _, _, c in chosen])

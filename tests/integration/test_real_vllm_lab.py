@@ -175,7 +175,14 @@ def real(lab: Lab, applied: RealLab) -> Iterator[RealLab]:
     ).stdout.strip()
     keys = engine_keys_file(lab, folder / "engine-keys.json")
     options = ["--engine-keys-file", str(keys), "--identity-file", str(folder / "state/ssh-key")]
-    proc = start_gateway(real.cluster, real.log, *options, "--health-every", "0.5", port=real.port)
+    # the gateway fetches what a replacement needs from the same Hub as apply did
+    saved = dict(os.environ)
+    os.environ.update(HF_ENDPOINT=real.env["HF_ENDPOINT"], SSL_CERT_FILE=real.env["SSL_CERT_FILE"])
+    try:
+        proc = start_gateway(real.cluster, real.log, *options, "--health-every", "0.5", port=real.port)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     real.halt = lambda: stop(proc)
     try:
         wait_until(lambda: len(real.ready(CHAT)) == 2 and real.ready(EMBED), timeout=120, what="replicas")
