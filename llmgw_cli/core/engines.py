@@ -135,7 +135,7 @@ def engine_args(
                 argv.append("--headless")
     elif profile.engine is Engine.sglang:
         argv += ["--model-path", path, "--host", host, "--port", str(port)]
-        argv += ["--served-model-name", model.name, "--tp", str(tp * count)]
+        argv += ["--served-model-name", model.name, "--tp-size", str(tp * count)]
         if count > 1:
             argv += ["--nnodes", str(count), "--node-rank", str(rank)]
             argv += ["--dist-init-addr", f"{head.engine_host}:{dist_port}"]

@@ -76,7 +76,7 @@ def test_sglang_multi_node() -> None:
     argv = engine_args(spec, model, worker, port=8300, head=head.node, dist_port=29600)
     flags = " ".join(argv)
     assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
-    assert "--tp 16" in flags
+    assert "--tp-size 16" in flags
     assert f"--nnodes 2 --node-rank 1 --dist-init-addr {head.node.address}:29600" in flags
 
 
