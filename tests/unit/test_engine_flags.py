@@ -53,8 +53,8 @@ def test_positional_words_negative_numbers_and_words_after_a_double_dash_are_no_
     assert unknown_flags(VLLM, ["- a word with spaces"]) == []
 
 
+def test_a_unique_prefix_of_a_long_flag_is_that_flag_as_argparse_reads_it() -> None:
     # what an operator may write: argparse reads --tp as --tp-size
-    # what llmgw itself gives SGLang: --tp for --tp-size
     assert unknown_flags(SGLANG, ["--tp", "2", "--mem-frac", "0.5"]) == []
     assert unknown_flags(VLLM, ["--max-model", "4096", "--max_model=1"]) == []
     # a prefix of several flags is ambiguous: refused
