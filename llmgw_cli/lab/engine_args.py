@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Literal, NoReturn
 
@@ -75,10 +76,11 @@ class EngineConfig:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that exits 2 with the usual ``prog: error:`` line, as vLLM and SGLang do."""
+    """argparse that exits 2 with the usual ``prog: error:`` line, as vLLM and SGLang do:
+    the usage, then that line, both on stderr (in that order in the journal)."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage()
+        self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -122,7 +124,8 @@ _NARGS: dict[str, str | None] = {"value": None, "optional": "?", "list": "+"}
 
 
 def _vllm_parser() -> _Parser:
-    p = _Parser(prog="vllm serve", add_help=True)
+    # vLLM's serve subcommand states its usage in one line instead of its 400 flags
+    p = _Parser(prog="vllm serve", usage="vllm serve [model_tag] [options]", add_help=True)
     p.add_argument("model_tag", nargs="?")
     p.add_argument("--model")
     p.add_argument("--host")
