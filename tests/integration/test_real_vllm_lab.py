@@ -73,6 +73,7 @@ class RealLab:
     log: Path
     commit: str
     halt: Callable[[], object] = lambda: None  # stops the gateway (its access log complete)
+    clients: list[openai.OpenAI] = dataclasses.field(default_factory=list)
 
     def llmgw(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -84,8 +85,24 @@ class RealLab:
             check=False,
         )
 
-    def client(self, **kw: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=self.key, **kw)  # type: ignore[arg-type]
+    def new_key(self, name: str) -> str:
+        """A key made with `llmgw keys create`, once the running gateway takes it (it reads
+        new keys from its store on its own schedule)."""
+        key = self.llmgw("keys", "create", "--name", name, "-f", str(self.cluster)).stdout.strip()
+        url = f"http://127.0.0.1:{self.port}/v1/models"
+        wait_until(
+            lambda: httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code == 200,
+            timeout=60,
+            what=f"the gateway to take the key {name}",
+        )
+        return key
+
+    def client(self, key: str = "", **kw: object) -> openai.OpenAI:
+        """An official client for the gateway (closed with the module's gateway)."""
+        base = f"http://127.0.0.1:{self.port}/v1"
+        made = openai.OpenAI(base_url=base, api_key=key or self.key, **kw)  # type: ignore[arg-type]
+        self.clients.append(made)
+        return made
 
     def replicas(self) -> list[dict[str, object]]:
         got = httpx.get(
@@ -189,6 +206,8 @@ def real(lab: Lab, applied: RealLab) -> Iterator[RealLab]:
         wait_until(lambda: len(real.ready(CHAT)) == 2 and real.ready(EMBED), timeout=120, what="replicas")
         yield real
     finally:
+        for client in real.clients:
+            client.close()  # its pooled connections, before the module's gateway goes
         stop(proc)
 
 
@@ -258,8 +277,8 @@ def test_chat_and_completions_come_from_real_vllm(real: RealLab) -> None:
 
 def test_a_stream_comes_token_by_token_and_is_metered_from_vllms_own_counts(real: RealLab) -> None:
     # a key of its own: its usage is this test's requests only
-    key = real.llmgw("keys", "create", "--name", "meter", "-f", str(real.cluster)).stdout.strip()
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{real.port}/v1", api_key=key)
+    key = real.new_key("meter")
+    client = real.client(key)
     stream = client.chat.completions.create(
         model=CHAT,
         messages=[{"role": "user", "content": "Count to twenty."}],
@@ -360,7 +379,7 @@ def test_streams_survive_a_real_vllm_killed_under_them(lab: Lab, real: RealLab) 
     units = {
         f"{node_ip(lab, node)}:{port}": (node, unit) for unit, (node, port) in units_of(lab, CHAT).items()
     }
-    key = real.llmgw("keys", "create", "--name", "soak", "-f", str(real.cluster)).stdout.strip()
+    key = real.new_key("soak")
     gw = SoakGateway(
         real.cluster, real.port, key, real.admin, real.admin_port, real.log, units, real.halt, CHAT
     )
