@@ -83,9 +83,8 @@ def stand_in_node(spec: ClusterSpec, model: Model) -> tuple[Node, str | None]:
     return first, f"no node declares {wanted}: rendered for the first node, {first.name}"
 
 
-def stand_in_member(spec: ClusterSpec, model: Model) -> Member:
-    """Rank 0 of a replica of ``model`` on its stand-in node, with placeholder GPU UUIDs."""
-    node, _ = stand_in_node(spec, model)
+def stand_in_member(model: Model, node: Node) -> Member:
+    """Rank 0 of a replica of ``model`` on ``node``, with placeholder GPU UUIDs."""
     return Member(node, 0, tuple(f"<gpu-uuid-{i}>" for i in range(model.tensor_parallel)))
 
 
@@ -122,7 +121,8 @@ def file_env(spec: ClusterSpec, model: Model) -> dict[str, str]:
 def engine_command(spec: ClusterSpec, model: Model) -> EngineCommand:
     """What the rank-0 unit of one replica of ``model`` runs, as ``replica_unit`` writes it."""
     profile = spec.profiles[model.profile]
-    member = stand_in_member(spec, model)
+    node, misfit = stand_in_node(spec, model)
+    member = stand_in_member(model, node)
     port, dist_port = profile.ports.first, profile.ports.first + 1
     shown = renderable(model)
     argv = engine_args(spec, shown, member, port=port, head=member.node, dist_port=dist_port)
@@ -131,7 +131,6 @@ def engine_command(spec: ClusterSpec, model: Model) -> EngineCommand:
     plain, _ = split_env(spec, shown, environment(spec, shown, member))
     # systemd: what an EnvironmentFile= sets overrides Environment=
     env = {**plain, **file_env(spec, shown)}
-    _, misfit = stand_in_node(spec, model)
     return EngineCommand(
         model=model.name,
         engine=profile.engine.value,

@@ -42,10 +42,9 @@ class FlagTable:
         found = self.flags.get(word)
         if found is not None or not word.startswith("--"):
             return found
-        name, dot = word, ""
-        if self.engine == "vllm":  # underscores are dashes, ``--flag.key`` sets a key of ``--flag``
-            name, dot, _ = word.partition(".")
-            name = name.replace("_", "-")
+        name, dot = word, False
+        if self.engine == "vllm":
+            name, dot = vllm_flag_name(word), "." in word
         found = self.flags.get(name) or self._abbreviated(name)
         return "value" if found is not None and dot else found
 
@@ -54,6 +53,12 @@ class FlagTable:
         ``--tp-size``); a prefix of several is refused as ambiguous."""
         matches = [flag for flag in self.flags if flag.startswith(name)]
         return self.flags[matches[0]] if len(matches) == 1 else None
+
+
+def vllm_flag_name(word: str) -> str:
+    """The flag vLLM's parser reads ``word`` (a name, no ``=value``) as: underscores are
+    dashes, and ``--flag.key`` sets a key of ``--flag``."""
+    return word.partition(".")[0].replace("_", "-")
 
 
 def release(version: str) -> str:

@@ -173,9 +173,8 @@ class Summary(Fact):
     health: tuple[HealthRow, ...] = ()
     keys: tuple[KeyRow, ...] = ()
     scope: tuple[str, ...] | None = None  # the nodes summarised; None: every node
-    programs: dict[str, str] = Field(
-        default_factory=dict
-    )  # engine program -> its engine (`vllm`), for the nodes' versions
+    # engine program -> its engine (`vllm`), to name the versions of the nodes' rows
+    programs: dict[str, str] = Field(default_factory=dict)
 
 
 def _used_uuids(facts: NodeFacts) -> set[str]:

@@ -23,7 +23,7 @@ from typing import Literal, NoReturn
 
 import yaml  # the lab's engines run on llmgw's own interpreter, which has PyYAML
 
-from llmgw_cli.core.engine_flags import FlagTable, table
+from llmgw_cli.core.engine_flags import FlagTable, table, vllm_flag_name
 
 Kind = Literal["vllm", "sglang"]
 
@@ -172,7 +172,7 @@ def _vllm_spelling(argv: list[str]) -> list[str]:
     out = []
     for word in argv:
         name, eq, value = word.partition("=")
-        out.append(name.partition(".")[0].replace("_", "-") + eq + value if word.startswith("--") else word)
+        out.append(vllm_flag_name(name) + eq + value if word.startswith("--") else word)
     return out
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.commands import SECRET, engine_command, stand_in_member
+from llmgw_cli.core.commands import SECRET, engine_command, stand_in_member, stand_in_node
 from llmgw_cli.core.engines import replica_unit
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
@@ -79,7 +79,7 @@ def exec_start_words(unit_text: str) -> list[str]:
 
 def unit_of(spec: ClusterSpec, name: str) -> str:
     model = spec.model(name)
-    member = stand_in_member(spec, model)
+    member = stand_in_member(model, stand_in_node(spec, model)[0])
     port = spec.profiles[model.profile].ports.first
     unit = replica_unit(
         spec, model, replica=0, member=member, port=port, members=(member,), dist_port=port + 1
