@@ -207,7 +207,7 @@ def test_parse_fault_refuses(kind: str, args: list[str]) -> None:
         fault.parse_fault(kind, args)
 
 
-def _record(n: int, shape: str, state: str = "/var/lib/llmgw-lab") -> LabRecord:
+def lab_record(n: int, shape: str, state: str = "/var/lib/llmgw-lab") -> LabRecord:
     nodes = [
         NodeRecord(name=shapes.node_name(i), index=i, ip=shapes.node_ip("10.213.0", i), shape=shape)
         for i in range(1, n + 1)
@@ -216,12 +216,12 @@ def _record(n: int, shape: str, state: str = "/var/lib/llmgw-lab") -> LabRecord:
 
 
 def test_committed_lab_inventory_is_what_lab_up_writes() -> None:
-    assert cluster.inventory(_record(4, "hgx")) == (REPO / "inventories/lab.yaml").read_text()
+    assert cluster.inventory(lab_record(4, "hgx")) == (REPO / "inventories/lab.yaml").read_text()
 
 
 @pytest.mark.parametrize(("n", "shape"), [(4, "hgx"), (3, "pcie"), (5, "mixed"), (32, "hgx")])
 def test_every_lab_inventory_validates(n: int, shape: str) -> None:
-    spec = parse_cluster(cluster.inventory(_record(n, shape, "/srv/lab")), "cluster.yaml")
+    spec = parse_cluster(cluster.inventory(lab_record(n, shape, "/srv/lab")), "cluster.yaml")
     assert [node.address for node in spec.nodes] == [f"10.213.0.{10 + i}" for i in range(1, n + 1)]
     assert spec.ssh.identity_file == "/srv/lab/id_ed25519"
     assert spec.ssh.known_hosts == "/srv/lab/known_hosts"

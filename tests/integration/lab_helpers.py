@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from llmgw_cli.lab import fault as lab_fault
 from llmgw_cli.lab import host as lab_host
 from tests.gateway.harness import free_port, start_gateway, stop
@@ -141,6 +143,17 @@ def status(cluster: Path) -> dict[str, Any]:
     # report is the same
     assert done.returncode in (0, 1), done.stderr
     return dict(json.loads(done.stdout))
+
+
+def admin_replicas(admin_port: int, admin: str, model: str) -> list[dict[str, Any]]:
+    """The replicas of ``model`` as the gateway's admin API lists them."""
+    got = httpx.get(
+        f"http://127.0.0.1:{admin_port}/admin/api/replicas",
+        headers={"Authorization": f"Bearer {admin}"},
+        timeout=10,
+    )
+    got.raise_for_status()
+    return [r for r in got.json()["replicas"] if r["model"] == model]
 
 
 def node_row(report: dict[str, Any], name: str) -> dict[str, Any]:

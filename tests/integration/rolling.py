@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from llmgw_cli.cli.common import read_cluster
@@ -29,7 +28,7 @@ from tests.gateway.harness import free_port, start_gateway, stop
 from tests.waiting import wait_until
 
 from .conftest import Lab
-from .lab_helpers import reset, run
+from .lab_helpers import admin_replicas, reset, run
 from .load import running_load
 
 SOURCE = "/data/models/Mistral-7B-Instruct-v0.3"
@@ -149,15 +148,8 @@ class Rig:
 
     def ready(self, name: str) -> list[str]:
         """Addresses of the model's replicas in the gateway's rotation."""
-        got = httpx.get(
-            f"http://127.0.0.1:{self.admin_port}/admin/api/replicas",
-            headers={"Authorization": f"Bearer {self.admin}"},
-            timeout=10,
-        )
-        got.raise_for_status()
-        return sorted(
-            r["address"] for r in got.json()["replicas"] if r["model"] == name and r["health"] == "ready"
-        )
+        replicas = admin_replicas(self.admin_port, self.admin, name)
+        return sorted(r["address"] for r in replicas if r["health"] == "ready")
 
     def wait_routed(self, name: str, units: list[Unit], timeout: float = 60) -> None:
         """Until the gateway routes exactly these units of the model."""

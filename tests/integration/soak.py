@@ -26,14 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from tests.gateway.harness import free_port, start_gateway, stop
 from tests.waiting import wait_until
 
 from .conftest import Lab
-from .lab_helpers import reset, run
+from .lab_helpers import admin_replicas, reset, run
 from .load import Load, Request, access_log
 
 MODEL = "soak"
@@ -55,12 +54,8 @@ class SoakGateway:
 
     def ready(self) -> set[str]:
         """Addresses of the soak replicas in the gateway's rotation."""
-        replicas = httpx.get(
-            f"http://127.0.0.1:{self.admin_port}/admin/api/replicas",
-            headers={"Authorization": f"Bearer {self.admin}"},
-            timeout=10,
-        ).json()["replicas"]
-        return {r["address"] for r in replicas if r["model"] == self.model and r["health"] == "ready"}
+        replicas = admin_replicas(self.admin_port, self.admin, self.model)
+        return {r["address"] for r in replicas if r["health"] == "ready"}
 
 
 def _cluster(lab: Lab, folder: Path, port: int, admin_port: int) -> Path:

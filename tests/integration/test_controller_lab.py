@@ -47,7 +47,7 @@ from tests.gateway.harness import free_port, start_gateway, stop
 from tests.waiting import wait_until
 
 from .conftest import Lab
-from .lab_helpers import reset, run
+from .lab_helpers import admin_replicas, reset, run
 
 pytestmark = pytest.mark.integration
 
@@ -116,13 +116,7 @@ class Gw:
         )
 
     def replicas(self, model: str) -> list[dict[str, Any]]:
-        got = httpx.get(
-            f"http://127.0.0.1:{self.admin_port}/admin/api/replicas",
-            headers={"Authorization": f"Bearer {self.admin}"},
-            timeout=10,
-        )
-        got.raise_for_status()
-        return [r for r in got.json()["replicas"] if r["model"] == model]
+        return admin_replicas(self.admin_port, self.admin, model)
 
     def ready(self, model: str) -> list[str]:
         return sorted(r["address"] for r in self.replicas(model) if r["health"] == "ready")

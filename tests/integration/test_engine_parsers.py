@@ -28,8 +28,8 @@ from llmgw_cli.core.engine_access import sglang_key_text
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.lab import cluster as lab_cluster
-from llmgw_cli.lab import engine_parsers, shapes
-from llmgw_cli.lab.host import SUBNET, LabRecord, NodeRecord
+from llmgw_cli.lab import engine_parsers
+from tests.test_lab_shapes import lab_record
 from tests.unit.test_schema import NOT_A_CLUSTER_FILE, yaml_examples
 
 pytestmark = pytest.mark.integration
@@ -62,14 +62,7 @@ def ask(verb: str, engine: str, argvs: list[list[str]] | None = None) -> object:
 
 def lab_file() -> tuple[str, str]:
     """The lab's cluster file as `llmgw lab up --vllm-models` writes it, for 4 hgx nodes."""
-    nodes = [
-        NodeRecord(name=shapes.node_name(i), index=i, ip=shapes.node_ip(SUBNET, i), shape="hgx")
-        for i in range(1, 5)
-    ]
-    record = LabRecord(state_dir="/var/lib/llmgw-lab", shape="hgx", cgroup="/sys/fs/cgroup/x", nodes=nodes)
-    return "lab cluster file", lab_cluster.inventory(
-        record, real_engine=True, real_vllm=True, hub_models=True
-    )
+    return "lab cluster file", lab_cluster.inventory(lab_record(4, "hgx"), hub_models=True)
 
 
 def cluster_files() -> list[tuple[str, str]]:

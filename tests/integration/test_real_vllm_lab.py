@@ -35,7 +35,7 @@ from tests.hub_standin import HubStandin
 from tests.waiting import wait_until
 
 from .conftest import Lab
-from .lab_helpers import engine_keys_file, origin_on_the_bridge, reset
+from .lab_helpers import admin_replicas, engine_keys_file, origin_on_the_bridge, reset
 from .soak import SoakGateway, soak
 
 pytestmark = pytest.mark.integration
@@ -104,16 +104,12 @@ class RealLab:
         self.clients.append(made)
         return made
 
-    def replicas(self) -> list[dict[str, object]]:
-        got = httpx.get(
-            f"http://127.0.0.1:{self.admin_port}/admin/api/replicas",
-            headers={"Authorization": f"Bearer {self.admin}"},
-            timeout=10,
-        )
-        return list(got.json()["replicas"])
-
     def ready(self, model: str) -> set[str]:
-        return {str(r["address"]) for r in self.replicas() if r["model"] == model and r["health"] == "ready"}
+        return {
+            str(r["address"])
+            for r in admin_replicas(self.admin_port, self.admin, model)
+            if r["health"] == "ready"
+        }
 
 
 def _cluster_file(lab: Lab, folder: Path, port: int, admin_port: int, metrics_port: int) -> Path:

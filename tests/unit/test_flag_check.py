@@ -16,7 +16,7 @@ from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import make_plan
 from llmgw_cli.errors import SpecError
 from llmgw_cli.lab import cluster as lab_cluster
-from llmgw_cli.lab.host import LabRecord, NodeRecord
+from tests.test_lab_shapes import lab_record
 
 from .facts_factory import node_facts, with_units
 
@@ -120,9 +120,7 @@ def test_accepted_flags_pass_and_the_plan_keeps_its_warnings(tmp_path: Path) -> 
 
 def shipped_files() -> list[tuple[str, str]]:
     files = [(p.name, p.read_text()) for p in sorted(ROOT.glob("inventories/*.yaml"))]
-    nodes = [NodeRecord(name=f"n{i}", index=i, ip=f"10.9.0.{i}", shape="hgx") for i in range(1, 5)]
-    record = LabRecord(state_dir="/var/lib/x", shape="hgx", cgroup="/sys/fs/cgroup/x", nodes=nodes)
-    files.append(("lab", lab_cluster.inventory(record, real_engine=True, real_vllm=True, hub_models=True)))
+    files.append(("lab", lab_cluster.inventory(lab_record(4, "hgx"), hub_models=True)))
     return files
 
 
