@@ -69,6 +69,12 @@ class Engine:
                     return
         except (asyncio.IncompleteReadError, ConnectionError):
             self.hung_up.set()
+        except RuntimeError:
+            # uvloop refuses a write on a transport the client closed with RuntimeError
+            # ("the handler is closed") where asyncio's own loop raises ConnectionError.
+            if not writer.is_closing():
+                raise
+            self.hung_up.set()
         finally:
             self.open -= 1
             writer.close()
