@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 
@@ -25,6 +26,11 @@ from tests.skips import ALLOWED, SkipRule
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(SkipRule(ALLOWED), "llmgw-skip-rule")
+    # A shell starts a background job with Ctrl-C ignored, and an ignored signal stays
+    # ignored in every program started below it: the llmgw commands the tests interrupt
+    # would never see it. A handler (unlike an ignore) is reset to the default by exec.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

@@ -97,7 +97,12 @@ def test_logs_follow_prints_new_lines_until_interrupted(lab: Lab, applied: Path)
         assert f" {node} {SIM}#0 | " in seen
     finally:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # not left running into the next tests
+            proc.communicate()
+            raise
     assert proc.returncode == 130, err
     assert "Traceback" not in err
 
