@@ -332,8 +332,14 @@ def main() -> None:
     parser.add_argument(
         "--from", dest="start", help="with --trace: count only inside this function (module:qualname)"
     )
+    parser.add_argument("--show", type=Path, help="print a trace saved with --trace --json as text")
     parser.add_argument("llmgw_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    if args.show:
+        from architecture_trace import print_trace  # noqa: PLC0415
+
+        print_trace(json.loads(args.show.read_text()))
+        return
     if args.trace:
         from architecture_trace import print_trace, trace_command  # noqa: PLC0415
 
