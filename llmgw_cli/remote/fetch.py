@@ -48,8 +48,8 @@ PATH_SOURCE = "path source"
 """The ``source`` of a path source's check: checked where it is, brought from nowhere (a
 space, so never a peer's node name)."""
 
-SCRIPT = resources.files("llmgw_cli.remote").joinpath("nodefetch.py").read_text(encoding="utf-8")
-HELPER_SOURCE = resources.files("llmgw_cli.remote").joinpath("node_helper.py").read_text(encoding="utf-8")
+SCRIPT = resources.files("llmgw_cli.node").joinpath("fetch_main.py").read_text(encoding="utf-8")
+HELPER_SOURCE = resources.files("llmgw_cli.node").joinpath("helper.py").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, ensure_account, must
 from llmgw_cli.remote.transport import Transport
 
-_SOURCES = resources.files("llmgw_cli.remote")
-HELPER_SOURCE = _SOURCES.joinpath("node_helper.py").read_text(encoding="utf-8")
-NODEFETCH_SOURCE = _SOURCES.joinpath("nodefetch.py").read_text(encoding="utf-8")
+_SOURCES = resources.files("llmgw_cli.node")
+HELPER_SOURCE = _SOURCES.joinpath("helper.py").read_text(encoding="utf-8")
+NODEFETCH_SOURCE = _SOURCES.joinpath("fetch_main.py").read_text(encoding="utf-8")
 SUBJECT = "node access"
 NODE_ACCESS = "node-access"  # the probe's section
 

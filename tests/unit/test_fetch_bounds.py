@@ -15,8 +15,9 @@ import yaml
 from llmgw_cli.core import node_access
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.remote import node_helper, nodefetch
-from llmgw_cli.remote.node_helper import Refused, check_job_bounds, check_url, literal_host_refused
+from llmgw_cli.node import fetch_main as nodefetch
+from llmgw_cli.node import helper as node_helper
+from llmgw_cli.node.helper import Refused, check_job_bounds, check_url, literal_host_refused
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = secrets.token_urlsafe(24)  # what llmgw gives its peer servers

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from llmgw_cli.remote.nodefetch import _present, hash_target, open_folder, origin_record, side_files
+from llmgw_cli.node.fetch_main import _present, hash_target, open_folder, origin_record, side_files
 
 URL = "https://example.org/w/m.gguf"
 BODY = b"weights" * 1000

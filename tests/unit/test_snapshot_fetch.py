@@ -35,7 +35,7 @@ from llmgw_cli.core.snapshot import (
     snapshot_job,
     verify_snapshot_job,
 )
-from llmgw_cli.remote import nodefetch
+from llmgw_cli.node import fetch_main as nodefetch
 from llmgw_cli.remote.fetch import node_script
 from llmgw_cli.remote.hub import resolve
 from tests.hub_standin import HubStandin

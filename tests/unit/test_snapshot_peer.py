@@ -26,7 +26,7 @@ import pytest
 
 from llmgw_cli.core import snapshot as core
 from llmgw_cli.core.snapshot import RepoRef, Selection, Snapshot, snapshot_job, verify_snapshot_job
-from llmgw_cli.remote import nodefetch
+from llmgw_cli.node import fetch_main as nodefetch
 from llmgw_cli.remote.fetch import node_script
 from llmgw_cli.remote.hub import resolve
 from tests.hub_standin import HubStandin
