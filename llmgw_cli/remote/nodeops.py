@@ -1,6 +1,6 @@
 """The node helper's verbs, called from the control host or the gateway.
 
-Two callers, one code path (see ``node_helper.py`` for the verbs and their checks):
+Two callers, one code path (see ``node/helper.py`` for the verbs and their checks):
 
 - ``apply`` (the operator's transport) runs ``/usr/local/libexec/llmgw/node-helper VERB
   ARGS`` as root;

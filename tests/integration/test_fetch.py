@@ -25,7 +25,7 @@ from llmgw_cli.core.fetch import Peers, plan_fetch
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Action, Plan, UnitFile
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.node.fetch_main import side_files
+from llmgw_cli.node.fetch_disk import side_files
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import (
     Fetcher,
