@@ -43,7 +43,7 @@ Errors handled where they arise, which never reach the command line (so they are
     RequestError               the lab's simulated engine answers a request with a 4xx
 
 Two kinds of error live beside the code that raises them: those of the programs that run
-on a node (``remote/nodefetch.py``, ``remote/node_helper.py``: standard library only, they
+on a node (``node/``: standard library only, they
 cannot import this module), and private ones that one module raises and catches itself
 (``_Refused`` in ``core/load.py``, ``_Dropped`` in ``remote/ssh.py``): they never leave it.
 """

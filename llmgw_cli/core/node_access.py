@@ -3,8 +3,9 @@
 On each node, as root over the operator's own transport:
 
 - ``/usr/local/libexec/llmgw/node-helper`` (root, 0755): the only program the gateway's
-  key may run there (``remote/node_helper.py``), with the probe script rendered for the
-  node beside it (``probe.sh``) and the weights fetcher (``nodefetch.py``);
+  key may run there (``node/helper.py``), with the probe script rendered for the
+  node beside it (``probe.sh``) and the weights fetcher (``nodefetch.py``, the
+  ``node/fetch_*.py`` modules joined);
 - ``/etc/llmgw/node-helper.json`` (root, 0644): what the helper lets the gateway start,
   look at and fetch: the cluster's engine programs and engine accounts, the node's weights
   folders, the path sources of the cluster's models as the node sees them, the origins

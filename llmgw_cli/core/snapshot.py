@@ -44,16 +44,16 @@ from fnmatch import fnmatchcase
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from llmgw_cli.node.repo_path import SNAPSHOT_MAX_COMPONENT_BYTES, SNAPSHOT_MAX_PATH_CHARS, repo_path_problem
+
 DEFAULT_REVISION = "main"
 DEFAULT_ENDPOINT = "https://huggingface.co"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 HF_FOLDER = "hf"
 MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT = 1
-MAX_PATH_CHARS = 1024
-"""Longest repository path accepted (in characters; the Hub's real ones are far shorter)."""
-MAX_COMPONENT_BYTES = 255
-"""A file name's limit on Linux file systems, in bytes of UTF-8."""
+MAX_PATH_CHARS = SNAPSHOT_MAX_PATH_CHARS
+MAX_COMPONENT_BYTES = SNAPSHOT_MAX_COMPONENT_BYTES
 MAX_FILES = 100_000
 """Most files a snapshot may hold: a listing beyond it is refused, not truncated."""
 MAX_MANIFEST_BYTES = 64 << 20
@@ -171,36 +171,12 @@ def check_endpoint(endpoint: str) -> str:
 
 
 def check_repo_path(path: object) -> str:
-    """``path`` if it names a file inside a snapshot folder, else BadPath with why.
-
-    Relative, ``/``-separated, no empty, ``.`` or ``..`` component, no backslash (a
-    separator elsewhere), no NUL or other control character (nor U+2028/U+2029, line
-    separators to line-based tools), no lone surrogate (not a
-    name on disk), at most MAX_PATH_CHARS characters and MAX_COMPONENT_BYTES bytes a name.
-    """
-    if not isinstance(path, str):
-        raise BadPath(f"{path!r}: a path is a string")
-    shown = repr(path[:200])
-    if not path:
-        raise BadPath("empty path")
-    if len(path) > MAX_PATH_CHARS:
-        raise BadPath(f"{shown}...: {len(path)} characters, at most {MAX_PATH_CHARS}")
-    if path.startswith("/"):
-        raise BadPath(f"{shown}: absolute; a repository path is relative to the snapshot folder")
-    if "\\" in path:
-        raise BadPath(f"{shown}: holds a backslash")
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F or c in "\u2028\u2029" for c in path):
-        raise BadPath(f"{shown}: holds a control character or a line separator")
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BadPath(f"{shown}: not valid Unicode (a lone surrogate)") from None
-    for component in path.split("/"):
-        if component in {"", ".", ".."}:
-            raise BadPath(f"{shown}: has an empty, '.' or '..' component")
-        if len(component.encode("utf-8")) > MAX_COMPONENT_BYTES:
-            raise BadPath(f"{shown}: a name longer than {MAX_COMPONENT_BYTES} bytes")
-    return path
+    """``path`` if it names a file inside a snapshot folder, else BadPath with why: the
+    node's own check (``node/repo_path.py``), so both sides accept the same paths."""
+    why = repo_path_problem(path)
+    if why is not None:
+        raise BadPath(why)
+    return str(path)
 
 
 def check_repo_paths(paths: Iterable[str]) -> list[str]:
@@ -555,7 +531,7 @@ def manifest_matches(snapshot: Snapshot, manifest: Manifest) -> list[str]:
 
 # --- the node's snapshot job -----------------------------------------------------------
 #
-# The node program (``remote/nodefetch.py``, standard library only) fills the snapshot
+# The node program (``node/fetch_*.py``, standard library only) fills the snapshot
 # folder and writes the manifest last; these build its jobs and read its answers.
 
 SNAPSHOT_STATES = frozenset({"fetching", "verifying", "done", "error"})

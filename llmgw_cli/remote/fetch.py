@@ -1,6 +1,6 @@
 """Bring model weights onto nodes: from the origin once per group, then peer to peer.
 
-Bytes never pass through the control host. Each node runs ``nodefetch.py`` (piped to
+Bytes never pass through the control host. Each node runs the fetcher (``node/``, piped to
 ``python3 -``), which downloads from the origin or from a peer's temporary file server;
 the control host only starts those jobs and polls their status files.
 
@@ -24,7 +24,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
@@ -37,6 +36,7 @@ from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import FetchReport, Phase, Report
 from llmgw_cli.remote.connect import Connections
+from llmgw_cli.remote.node_code import HELPER_SOURCE, NODEFETCH_SOURCE
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.transport import Transport
 
@@ -48,8 +48,7 @@ PATH_SOURCE = "path source"
 """The ``source`` of a path source's check: checked where it is, brought from nowhere (a
 space, so never a peer's node name)."""
 
-SCRIPT = resources.files("llmgw_cli.remote").joinpath("nodefetch.py").read_text(encoding="utf-8")
-HELPER_SOURCE = resources.files("llmgw_cli.remote").joinpath("node_helper.py").read_text(encoding="utf-8")
+SCRIPT = NODEFETCH_SOURCE
 
 
 @dataclass(frozen=True)
@@ -176,7 +175,7 @@ class Fetcher:
         """The node's answer to ``exists PATHS`` (parsed, not judged), or why there is none,
         at most MAX_PATHS paths a question. The gateway asks the installed helper; the
         operator pipes the helper's code with the config apply writes for the node
-        (``node_helper.piped``)."""
+        (``node/helper.py``'s ``piped``)."""
         answer: dict[str, object] = {}
         for start in range(0, len(paths), MAX_PATHS):
             words = ["exists", *paths[start : start + MAX_PATHS]]

@@ -12,7 +12,6 @@ import asyncio
 import os
 import shlex
 from collections.abc import Mapping, Sequence
-from importlib import resources
 
 from llmgw_cli.core.facts import NodeAccess, NodeFacts
 from llmgw_cli.core.node_access import (
@@ -33,11 +32,9 @@ from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, ensure_account, must
+from llmgw_cli.remote.node_code import HELPER_SOURCE, NODEFETCH_SOURCE
 from llmgw_cli.remote.transport import Transport
 
-_SOURCES = resources.files("llmgw_cli.remote")
-HELPER_SOURCE = _SOURCES.joinpath("node_helper.py").read_text(encoding="utf-8")
-NODEFETCH_SOURCE = _SOURCES.joinpath("nodefetch.py").read_text(encoding="utf-8")
 SUBJECT = "node access"
 NODE_ACCESS = "node-access"  # the probe's section
 

@@ -1,6 +1,6 @@
 """The node helper's verbs, called from the control host or the gateway.
 
-Two callers, one code path (see ``node_helper.py`` for the verbs and their checks):
+Two callers, one code path (see ``node/helper.py`` for the verbs and their checks):
 
 - ``apply`` (the operator's transport) runs ``/usr/local/libexec/llmgw/node-helper VERB
   ARGS`` as root;
@@ -22,7 +22,7 @@ from llmgw_cli.core.facts import UnitState
 from llmgw_cli.core.node_access import HELPER
 from llmgw_cli.core.parse.systemctl import parse_show, unit_state
 from llmgw_cli.errors import NodeError
-from llmgw_cli.remote.node_helper import SHOW_PROPERTIES, unit_matches
+from llmgw_cli.node.helper import SHOW_PROPERTIES, unit_matches
 from llmgw_cli.remote.transport import CommandResult, Transport
 
 

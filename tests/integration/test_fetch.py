@@ -25,6 +25,7 @@ from llmgw_cli.core.fetch import Peers, plan_fetch
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Action, Plan, UnitFile
 from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.node.fetch_disk import side_files
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import (
     Fetcher,
@@ -33,7 +34,6 @@ from llmgw_cli.remote.fetch import (
     held_on_nodes,
     node_script,
 )
-from llmgw_cli.remote.nodefetch import side_files
 from llmgw_cli.remote.weights import ensure_for_plan
 from tests.integration.weights_origin import TOKEN, Origin, trusted_origin
 from tests.waiting import wait_until

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw_cli.remote.nodefetch import side_files
+from llmgw_cli.node.fetch_disk import side_files
 from tests.integration.weights_origin import Origin
 from tests.waiting import wait_until
 

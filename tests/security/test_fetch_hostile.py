@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.remote.nodefetch import may_carry_token, side_files
+from llmgw_cli.node.fetch_disk import side_files
+from llmgw_cli.node.fetch_http import may_carry_token
 from tests.integration.test_fetch import cluster, cluster_text, fetch, model, sha
 from tests.integration.weights_origin import TOKEN, Origin, trusted_origin
 

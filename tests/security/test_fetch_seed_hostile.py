@@ -19,8 +19,8 @@ import pytest
 
 from llmgw_cli.core.fetch import Peers, plan_fetch
 from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.node.fetch_disk import side_files
 from llmgw_cli.remote.fetch import Fetcher, FetchResult, held_on_nodes
-from llmgw_cli.remote.nodefetch import side_files
 from tests.integration.test_fetch import cluster, fetch, model, sha
 from tests.integration.weights_origin import Origin, trusted_origin
 

@@ -15,8 +15,9 @@ import yaml
 from llmgw_cli.core import node_access
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.remote import node_helper, nodefetch
-from llmgw_cli.remote.node_helper import Refused, check_job_bounds, check_url, literal_host_refused
+from llmgw_cli.node import fetch_disk, fetch_serve
+from llmgw_cli.node import helper as node_helper
+from llmgw_cli.node.helper import Refused, check_job_bounds, check_url, literal_host_refused
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = secrets.token_urlsafe(24)  # what llmgw gives its peer servers
@@ -152,21 +153,21 @@ def test_a_config_written_before_the_bounds_allows_no_fetch() -> None:
 
 @pytest.mark.parametrize("value", [None, "", "0.0.0.0", "::", "0:0::0", "a b", "10.0.0.1;x"])
 def test_the_node_program_refuses_every_interface(value: object) -> None:
-    with pytest.raises(nodefetch.JobFailed, match="bind"):
-        nodefetch.check_bind(value)
-    assert nodefetch.check_bind("10.1.0.11") == "10.1.0.11"
-    assert nodefetch.check_bind("node01.fabric") == "node01.fabric"
+    with pytest.raises(fetch_disk.JobFailed, match="bind"):
+        fetch_serve.check_bind(value)
+    assert fetch_serve.check_bind("10.1.0.11") == "10.1.0.11"
+    assert fetch_serve.check_bind("node01.fabric") == "node01.fabric"
 
 
 @pytest.mark.parametrize("value", [None, "", "short", "x" * 31, "x" * 257, SECRET + "/", SECRET + "%"])
 def test_the_node_program_refuses_a_short_secret(value: object) -> None:
-    with pytest.raises(nodefetch.JobFailed, match="secret"):
-        nodefetch.check_secret(value)
-    assert nodefetch.check_secret(SECRET) == SECRET
+    with pytest.raises(fetch_disk.JobFailed, match="secret"):
+        fetch_serve.check_secret(value)
+    assert fetch_serve.check_secret(SECRET) == SECRET
 
 
 def test_node_program_and_helper_agree_on_secrets() -> None:
-    assert node_helper.SECRET.pattern == nodefetch.SECRET.pattern
+    assert node_helper.SECRET.pattern == fetch_serve.SECRET.pattern
 
 
 def test_apply_writes_the_clusters_origins_and_the_nodes_fabric() -> None:

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from llmgw_cli.remote.nodefetch import _present, hash_target, open_folder, origin_record, side_files
+from llmgw_cli.node.fetch_disk import hash_target, open_folder, origin_record, side_files
+from llmgw_cli.node.fetch_http import _present
 
 URL = "https://example.org/w/m.gguf"
 BODY = b"weights" * 1000

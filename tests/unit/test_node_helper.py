@@ -20,8 +20,9 @@ from llmgw_cli.core.engine_access import ENGINE_ENV_FILE, SECRET_ENV_DIR, secret
 from llmgw_cli.core.engines import unit_name
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.remote import fetch, node_helper
-from llmgw_cli.remote.node_helper import Refused, check_unit, check_words, parse_words
+from llmgw_cli.node import helper as node_helper
+from llmgw_cli.node.helper import Refused, check_unit, check_words, parse_words
+from llmgw_cli.remote import fetch
 from tests.rendered_units import every_replica_unit
 
 ROOT = Path(__file__).resolve().parents[2]

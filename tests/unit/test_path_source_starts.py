@@ -19,7 +19,7 @@ from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Action, Plan, UnitFile
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
-from llmgw_cli.remote import node_helper
+from llmgw_cli.node import helper as node_helper
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.transport import CommandResult
 from llmgw_cli.remote.weights import ensure_for_plan

@@ -22,7 +22,7 @@ from llmgw_cli.core.path_sources import (
 )
 from llmgw_cli.core.plan import Action, Plan, UnitFile
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.remote import node_helper
+from llmgw_cli.node import helper as node_helper
 
 URL = "https://huggingface.co/org/repo/resolve/0123456789abcdef0123456789abcdef01234567/m.gguf"
 

@@ -35,7 +35,7 @@ from llmgw_cli.core.snapshot import (
     snapshot_job,
     verify_snapshot_job,
 )
-from llmgw_cli.remote import nodefetch
+from llmgw_cli.node import fetch_disk, fetch_http, fetch_snapshot, repo_path
 from llmgw_cli.remote.fetch import node_script
 from llmgw_cli.remote.hub import resolve
 from tests.hub_standin import HubStandin
@@ -197,7 +197,7 @@ def test_a_partial_file_left_by_an_earlier_job_is_resumed(
     job = snapshot_job(snap, str(weights), hub.url)
     hub.cut_after[BIG_SHA] = MiB
     job_one = {**job, "files": [f for f in job["files"] if f["path"].endswith("00001-of-00002.safetensors")]}
-    real_retries = nodefetch.RETRIES
+    real_retries = fetch_disk.RETRIES
     script = node_script({**job_one, "foreground": True}).replace(
         f"RETRIES = {real_retries}\n", "RETRIES = 0\n", 1
     )
@@ -471,7 +471,7 @@ def test_a_token_without_its_origin_is_sent_nowhere(
 def test_a_snapshot_token_goes_to_its_origin_only_and_in_clear_only_on_loopback(
     origin: str, url: str, carries: bool
 ) -> None:
-    assert nodefetch.may_carry_token_to(origin, url) is carries
+    assert fetch_http.may_carry_token_to(origin, url) is carries
 
 
 # --- verify-snapshot --------------------------------------------------------------------------
@@ -561,29 +561,29 @@ def test_a_snapshot_larger_than_allowed_is_refused() -> None:
 
 
 def test_the_node_program_keeps_the_control_hosts_limits() -> None:
-    assert nodefetch.SNAPSHOT_MAX_FILES == core.MAX_FILES
-    assert nodefetch.SNAPSHOT_MAX_BYTES == core.MAX_SNAPSHOT_BYTES
-    assert nodefetch.SNAPSHOT_MAX_PATH_CHARS == core.MAX_PATH_CHARS
-    assert nodefetch.SNAPSHOT_MAX_COMPONENT_BYTES == core.MAX_COMPONENT_BYTES
-    assert nodefetch.SNAPSHOT_MAX_MANIFEST_BYTES == core.MAX_MANIFEST_BYTES
+    assert fetch_snapshot.SNAPSHOT_MAX_FILES == core.MAX_FILES
+    assert fetch_snapshot.SNAPSHOT_MAX_BYTES == core.MAX_SNAPSHOT_BYTES
+    assert repo_path.SNAPSHOT_MAX_PATH_CHARS == core.MAX_PATH_CHARS
+    assert repo_path.SNAPSHOT_MAX_COMPONENT_BYTES == core.MAX_COMPONENT_BYTES
+    assert fetch_snapshot.SNAPSHOT_MAX_MANIFEST_BYTES == core.MAX_MANIFEST_BYTES
 
 
 def test_the_node_refuses_too_many_files_or_bytes() -> None:
     entry = {"path": "a", "size": 1, "sha256": None, "git_sha1": "1" * 40, "url": "https://h/x"}
-    with pytest.raises(nodefetch.JobFailed, match="at most"):
-        nodefetch._snapshot_files([entry] * (nodefetch.SNAPSHOT_MAX_FILES + 1), urls=True)
-    huge = {**entry, "size": nodefetch.SNAPSHOT_MAX_BYTES + 1}
-    with pytest.raises(nodefetch.JobFailed, match="at most"):
-        nodefetch._snapshot_files([huge], urls=True)
-    with pytest.raises(nodefetch.JobFailed, match="neither a sha256"):
-        nodefetch._snapshot_files([{**entry, "git_sha1": None}], urls=True)
+    with pytest.raises(fetch_disk.JobFailed, match="at most"):
+        fetch_snapshot._snapshot_files([entry] * (fetch_snapshot.SNAPSHOT_MAX_FILES + 1), urls=True)
+    huge = {**entry, "size": fetch_snapshot.SNAPSHOT_MAX_BYTES + 1}
+    with pytest.raises(fetch_disk.JobFailed, match="at most"):
+        fetch_snapshot._snapshot_files([huge], urls=True)
+    with pytest.raises(fetch_disk.JobFailed, match="neither a sha256"):
+        fetch_snapshot._snapshot_files([{**entry, "git_sha1": None}], urls=True)
 
 
 @pytest.mark.parametrize(
     "path", ["config.json", ".gitattributes", "a/b/c.safetensors", "ü/x y.json", "a..b", "x" * 255]
 )
 def test_the_node_accepts_the_paths_the_control_host_accepts(path: str) -> None:
-    assert nodefetch.check_snapshot_path(path) == core.check_repo_path(path)
+    assert fetch_snapshot.check_snapshot_path(path) == core.check_repo_path(path)
 
 
 def test_a_hostile_status_reads_as_unknown_and_bounded() -> None:

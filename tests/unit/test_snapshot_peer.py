@@ -26,7 +26,7 @@ import pytest
 
 from llmgw_cli.core import snapshot as core
 from llmgw_cli.core.snapshot import RepoRef, Selection, Snapshot, snapshot_job, verify_snapshot_job
-from llmgw_cli.remote import nodefetch
+from llmgw_cli.node import fetch_disk, fetch_http
 from llmgw_cli.remote.fetch import node_script
 from llmgw_cli.remote.hub import resolve
 from tests.hub_standin import HubStandin
@@ -76,7 +76,7 @@ def copy(tmp_path: Path) -> Path:
 def script(job: dict[str, Any], retries: int | None = None) -> str:
     text = node_script(job)
     if retries is not None:
-        text = text.replace(f"RETRIES = {nodefetch.RETRIES}\n", f"RETRIES = {retries}\n", 1)
+        text = text.replace(f"RETRIES = {fetch_disk.RETRIES}\n", f"RETRIES = {retries}\n", 1)
     return text
 
 
@@ -510,7 +510,7 @@ def test_no_token_goes_to_a_peer_even_one_named_as_the_token_origin(
     origin_url, seen = logging_peer
     port = int(origin_url.rsplit(":", 1)[1])
     job = {**copy_job(snap, copy, port, peer=peer), "token": TOKEN, "token_origin": origin_url}
-    assert nodefetch.may_carry_token_to(origin_url, url(port, FIRST))
+    assert fetch_http.may_carry_token_to(origin_url, url(port, FIRST))
     assert node(job) == []
     assert status(copy, snap)["state"] == "done"
     assert len(seen) == len(FILES)
@@ -523,4 +523,4 @@ def test_no_token_goes_to_a_peer_even_one_named_as_the_token_origin(
     [(None, 1.0), ("1", 1.0), ("3", 3.0), ("60", 5.0), ("0", 0.5), ("soon", 1.0), ("-2", 1.0)],
 )
 def test_retry_after_is_honoured_within_bounds(value: str | None, seconds: float) -> None:
-    assert nodefetch.retry_after(value) == seconds
+    assert fetch_http.retry_after(value) == seconds

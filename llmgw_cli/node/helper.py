@@ -81,6 +81,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+VERSION = 1  # the interface's (node/__init__.py): shipped in this text, so in its digest
 HELPER = "/usr/local/libexec/llmgw/node-helper"
 PROBE = "/usr/local/libexec/llmgw/probe.sh"
 NODEFETCH = "/usr/local/libexec/llmgw/nodefetch.py"
@@ -527,7 +528,9 @@ def _repo_folder_under_weights(path: str, config: dict[str, list[str]]) -> str:
     raise Refused(f"{path!r} is not a repository folder (hf/<org>--<name>) of a weights folder of this node")
 
 
-SECRET = re.compile(r"[A-Za-z0-9_-]{32,256}")  # nodefetch.py's: what secrets.token_urlsafe(24) makes
+SECRET = re.compile(
+    r"[A-Za-z0-9_-]{32,256}"
+)  # the fetcher's (fetch_serve.py): what secrets.token_urlsafe(24) makes
 INET_ATON = re.compile(r"(0[xX][0-9a-fA-F]*|[0-9]+)(\.(0[xX][0-9a-fA-F]*|[0-9]+)){0,3}")
 URL_CHARS = re.compile(r"[\x21-\x7e]{1,8192}")  # printable ASCII, no space: quoted as llmgw quotes
 
