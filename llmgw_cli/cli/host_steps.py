@@ -94,7 +94,12 @@ def load_saved(
     gateway files) are as it found them. None when they are not but a plan made now
     changes nothing: the saved plan was carried out already. Raises InputError saying
     what changed otherwise."""
-    saved = Plan.model_validate_json(path.read_text(encoding="utf-8"))
+    try:
+        saved = Plan.model_validate_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        raise InputError(
+            f"{path}: not a plan saved by `llmgw plan --out`: {str(exc).splitlines()[0]}"
+        ) from None
     refused = saved_refusal(saved, written)
     if refused:
         raise InputError(f"{path}: {refused}")
