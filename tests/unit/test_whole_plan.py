@@ -3,6 +3,14 @@ is checked against (pure; tests/integration/test_saved_plan_lab.py runs it for r
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import pytest
+
+from llmgw_cli.cli import host_steps as cli_steps
 from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.core.plan import Plan, make_plan
@@ -16,8 +24,13 @@ from llmgw_cli.core.whole_plan import (
     what_changed,
     whole,
 )
+from llmgw_cli.errors import InputError
+from llmgw_cli.remote.connect import Session
+from llmgw_cli.remote.gateway_install import GatewayPreviews
 
 from .facts_factory import node_facts, with_units
+
+T = TypeVar("T")
 
 URL = "https://example.org/org/repo/m.Q4.gguf?token=hf_secretsecretsecretsecret"
 CLUSTER = f"""\
@@ -130,3 +143,56 @@ def test_the_host_digest_notices_a_changed_helper_key_or_gateway() -> None:
         host(gateways=(GATEWAY.model_copy(update={"files": (("cluster.yaml", "def"),)}),)),
     ):
         assert planned(h=changed).host_digest != digest
+
+
+class FakeSession:
+    """What ``load_saved`` uses of a session: ``run`` and ``conns`` (the shell's reads are
+    replaced below)."""
+
+    conns = None
+
+    def run(self, work: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run(work)
+
+
+@pytest.fixture
+def shell(monkeypatch: pytest.MonkeyPatch) -> list[HostFacts]:
+    """The host facts the shell reads, in turn: the first one by default."""
+    seen = [host()]
+
+    async def no_answers(*_: object) -> dict[tuple[str, int], bool]:
+        return {}
+
+    monkeypatch.setattr(cli_steps, "gather", lambda *_: seen[0])
+    monkeypatch.setattr(cli_steps, "health_answers", no_answers)
+    return seen
+
+
+def load(path: Path, facts: dict[str, NodeFacts], written: ClusterSpec | None = None) -> Plan | None:
+    session = cast(Session, FakeSession())
+    gateway = GatewayPreviews(())
+    return cli_steps.load_saved(path, spec(), session, facts, gateway, written=written or spec())
+
+
+def test_a_saved_plan_holds_is_a_no_op_once_done_and_is_refused_otherwise(
+    tmp_path: Path, shell: list[HostFacts]
+) -> None:
+    plan = planned()
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    assert load(path, fresh()) == plan  # nothing changed: carried out as saved
+    # carried out: its replica runs, its keys and helpers are in place, the gateway took its files
+    [start] = plan.changes
+    done = with_units(fresh(), [(w.node, w.name, w.text) for w in start.write])
+    shell[0] = HostFacts(gateways=(GATEWAY.model_copy(update={"how": "none", "said": "unchanged"}),))
+    assert load(path, done) is None
+    # only part of it happened (the keys are still missing): refused, saying what differs
+    shell[0] = host(stale_helper=())
+    with pytest.raises(InputError, match=r"the nodes changed since this plan was made .*node_helper:a"):
+        load(path, done)
+    # the cluster file changed: refused before the nodes are looked at
+    with pytest.raises(InputError, match=r"cluster file changed since this plan was made \(model m\)"):
+        load(path, fresh(), spec(CLUSTER.replace("max: 1}", "max: 2}")))
+    path.write_text("{}")
+    with pytest.raises(InputError, match="not a plan saved by `llmgw plan --out`"):
+        load(path, fresh())
