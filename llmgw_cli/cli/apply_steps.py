@@ -24,19 +24,21 @@ from llmgw_cli.core.journal import split_ref
 from llmgw_cli.core.pins import moved, pinned_commits
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan, running_replicas
 from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.core.whole_plan import has_work
+from llmgw_cli.core.steps import HostFacts
+from llmgw_cli.core.whole_plan import has_work, whole
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, SpecError, UsageError
 from llmgw_cli.progress import Board, Phase, Report
 from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
 from llmgw_cli.remote.connect import Connections, Session
 from llmgw_cli.remote.engine_keys import (
     distribute_engine_keys,
+    nodes_without_key,
     rotate_engine_keys,
     rotation_plan,
 )
 from llmgw_cli.remote.execute import NOT_READY, Outcome
 from llmgw_cli.remote.gateway_install import GatewayPreviews, install, preview
-from llmgw_cli.remote.node_setup import prepare
+from llmgw_cli.remote.node_setup import prepare, stale_nodes
 from llmgw_cli.remote.probe import Snapshot
 from llmgw_cli.remote.replica_health import health_answers, last_lines
 from llmgw_cli.remote.rollout import TakeLock, carry_out
@@ -362,7 +364,7 @@ def plan(file: Path, save: Path | None, replace: list[str], *, json_out: bool = 
                 spec, session.conns, file.read_text(encoding="utf-8"), gateway_pins(as_written, snapshots)
             )
         )
-        result = host_steps.made_whole(spec, session, result, facts, gateway, written=as_written)
+        result = whole(spec, result, facts, _gathered(spec, session, facts, gateway), written=as_written)
         if json_out:
             sys.stdout.write(result.model_dump_json(indent=2) + "\n")
         else:
@@ -408,6 +410,23 @@ def _choose(
     return chosen, frozenset()
 
 
+def _gathered(
+    spec: ClusterSpec, session: Session, facts: dict[str, NodeFacts], gateway: GatewayPreviews
+) -> HostFacts:
+    """What the host steps come from (``core/steps.py``): the reachable nodes' helper and
+    engine key, each gateway host's files."""
+    reachable = [n.name for n in spec.nodes if n.name in facts and facts[n.name].reachable]
+    stale = session.run(stale_nodes(spec, session.conns, reachable, facts))
+    keyless = session.run(nodes_without_key(spec, session.conns, reachable, facts))
+    missing = [n for n in stale if (a := facts[n].node_access) is not None and not a.digests]
+    return HostFacts(
+        stale_helper=tuple(stale),
+        helper_missing=tuple(missing),
+        keyless=tuple(keyless),
+        gateways=host_steps.gateway_states(gateway),
+    )
+
+
 def _no_replace(replace: list[str]) -> None:
     if replace:
         raise UsageError(
@@ -443,15 +462,16 @@ def apply(
                 spec, session.conns, file.read_text(encoding="utf-8"), gateway_pins(as_written, snapshots)
             )
         )
+        host = _gathered(spec, session, facts, gateway)
         if saved is not None:
             _no_replace(replace)
-            if host_steps.load_saved(saved, spec, session, facts, gateway, written=as_written) is None:
+            if host_steps.load_saved(saved, spec, session, facts, host, written=as_written) is None:
                 out.print(Text(f"Nothing to do: every step of {saved} is done already.", style="green"))
                 return
         chosen, wanted = _choose(spec, facts, saved, replace, session)
         chosen = flags_checked(spec, file, facts, chosen)
         if saved is None:
-            chosen = host_steps.made_whole(spec, session, chosen, facts, gateway, written=as_written)
+            chosen = whole(spec, chosen, facts, host, written=as_written)
         if rotate_engine_key:
             chosen = host_steps.with_rotation(chosen, spec, facts)
         out.print(

@@ -1,5 +1,6 @@
-"""What `plan` and `apply` read beside the node probe (``core/steps.py`` makes the host
-steps from it), the whole plan made from both, and its host steps printed."""
+"""The whole plan in the shell: the gateway previews as host facts, a saved plan loaded
+and checked against what `apply` read (``core/whole_plan.py``), the host steps printed.
+What `plan` and `apply` read beside the node probe is gathered in ``cli/apply_steps.py``."""
 
 from __future__ import annotations
 
@@ -15,9 +16,7 @@ from llmgw_cli.core.steps import GatewayState, HostFacts, host_lines
 from llmgw_cli.core.whole_plan import has_work, host_digest, host_steps, saved_refusal, what_changed, whole
 from llmgw_cli.errors import InputError
 from llmgw_cli.remote.connect import Session
-from llmgw_cli.remote.engine_keys import nodes_without_key
 from llmgw_cli.remote.gateway_install import GatewayPreviews
-from llmgw_cli.remote.node_setup import stale_nodes
 from llmgw_cli.remote.replica_health import health_answers
 
 
@@ -33,40 +32,6 @@ def gateway_states(gateway: GatewayPreviews) -> tuple[GatewayState, ...]:
         )
         for p in gateway.hosts
     )
-
-
-def gather(
-    spec: ClusterSpec,
-    session: Session,
-    facts: dict[str, NodeFacts],
-    gateway: GatewayPreviews,
-) -> HostFacts:
-    """What the host steps come from: the reachable nodes' helper and key, each gateway
-    host's files."""
-    reachable = [n.name for n in spec.nodes if n.name in facts and facts[n.name].reachable]
-    stale = session.run(stale_nodes(spec, session.conns, reachable, facts))
-    keyless = session.run(nodes_without_key(spec, session.conns, reachable, facts))
-    missing = [n for n in stale if (a := facts[n].node_access) is not None and not a.digests]
-    return HostFacts(
-        stale_helper=tuple(stale),
-        helper_missing=tuple(missing),
-        keyless=tuple(keyless),
-        gateways=gateway_states(gateway),
-    )
-
-
-def made_whole(
-    spec: ClusterSpec,
-    session: Session,
-    plan: Plan,
-    facts: dict[str, NodeFacts],
-    gateway: GatewayPreviews,
-    *,
-    written: ClusterSpec,
-) -> Plan:
-    """``plan`` with its host steps and digests (``core/whole_plan.py``); ``written``:
-    the cluster file as written."""
-    return whole(spec, plan, facts, gather(spec, session, facts, gateway), written=written)
 
 
 def show(plan: Plan, console: Console) -> None:
@@ -85,13 +50,13 @@ def load_saved(
     spec: ClusterSpec,
     session: Session,
     facts: dict[str, NodeFacts],
-    gateway: GatewayPreviews,
+    host: HostFacts,
     *,
     written: ClusterSpec,
 ) -> Plan | None:
     """The plan saved in ``path``, when it still holds: its format is read here, the
     cluster file is the one it was made from, and the nodes (their facts, helpers, keys,
-    gateway files) are as it found them. None when they are not but a plan made now
+    gateway files: ``host``) are as it found them. None when they are not but a plan made now
     changes nothing: the saved plan was carried out already. Raises InputError saying
     what changed otherwise."""
     try:
@@ -103,7 +68,6 @@ def load_saved(
     refused = saved_refusal(saved, written)
     if refused:
         raise InputError(f"{path}: {refused}")
-    host = gather(spec, session, facts, gateway)
     if saved.facts_digest == facts_digest(facts) and saved.host_digest == host_digest(host):
         return saved
     answers = session.run(health_answers(spec, session.conns, facts))

@@ -26,7 +26,6 @@ from llmgw_cli.core.whole_plan import (
 )
 from llmgw_cli.errors import InputError
 from llmgw_cli.remote.connect import Session
-from llmgw_cli.remote.gateway_install import GatewayPreviews
 
 from .facts_factory import node_facts, with_units
 
@@ -157,21 +156,21 @@ class FakeSession:
 
 @pytest.fixture
 def shell(monkeypatch: pytest.MonkeyPatch) -> list[HostFacts]:
-    """The host facts the shell reads, in turn: the first one by default."""
+    """The host facts the shell read: ``host()`` until a test sets another."""
     seen = [host()]
 
     async def no_answers(*_: object) -> dict[tuple[str, int], bool]:
         return {}
 
-    monkeypatch.setattr(cli_steps, "gather", lambda *_: seen[0])
     monkeypatch.setattr(cli_steps, "health_answers", no_answers)
     return seen
 
 
-def load(path: Path, facts: dict[str, NodeFacts], written: ClusterSpec | None = None) -> Plan | None:
+def load(
+    path: Path, facts: dict[str, NodeFacts], shell: list[HostFacts], written: ClusterSpec | None = None
+) -> Plan | None:
     session = cast(Session, FakeSession())
-    gateway = GatewayPreviews(())
-    return cli_steps.load_saved(path, spec(), session, facts, gateway, written=written or spec())
+    return cli_steps.load_saved(path, spec(), session, facts, shell[0], written=written or spec())
 
 
 def test_a_saved_plan_holds_is_a_no_op_once_done_and_is_refused_otherwise(
@@ -180,19 +179,19 @@ def test_a_saved_plan_holds_is_a_no_op_once_done_and_is_refused_otherwise(
     plan = planned()
     path = tmp_path / "plan.json"
     path.write_text(plan.model_dump_json())
-    assert load(path, fresh()) == plan  # nothing changed: carried out as saved
+    assert load(path, fresh(), shell) == plan  # nothing changed: carried out as saved
     # carried out: its replica runs, its keys and helpers are in place, the gateway took its files
     [start] = plan.changes
     done = with_units(fresh(), [(w.node, w.name, w.text) for w in start.write])
     shell[0] = HostFacts(gateways=(GATEWAY.model_copy(update={"how": "none", "said": "unchanged"}),))
-    assert load(path, done) is None
+    assert load(path, done, shell) is None
     # only part of it happened (the keys are still missing): refused, saying what differs
     shell[0] = host(stale_helper=())
     with pytest.raises(InputError, match=r"the nodes changed since this plan was made .*node_helper:a"):
-        load(path, done)
+        load(path, done, shell)
     # the cluster file changed: refused before the nodes are looked at
     with pytest.raises(InputError, match=r"cluster file changed since this plan was made \(model m\)"):
-        load(path, fresh(), spec(CLUSTER.replace("max: 1}", "max: 2}")))
+        load(path, fresh(), shell, spec(CLUSTER.replace("max: 1}", "max: 2}")))
     path.write_text("{}")
     with pytest.raises(InputError, match="not a plan saved by `llmgw plan --out`"):
-        load(path, fresh())
+        load(path, fresh(), shell)
