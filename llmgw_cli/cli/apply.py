@@ -81,8 +81,15 @@ def apply(
 ) -> None:
     """Bring the nodes to the cluster file: start, replace and stop replicas, then wait for health.
 
-    A second run changes nothing. With a saved PLAN, refuses when the nodes changed since.
-    Exit code 0 when everything applied and became ready, 1 when something failed.
+    A second run changes nothing. Exit code 0 when everything applied and became ready,
+    1 when something failed.
+
+    With a saved PLAN (`llmgw plan --out`): refuses when its format is not this llmgw's
+    or the cluster file changed since (as parsed: comments and layout do not count),
+    saying what changed. When the nodes changed since (their facts, helpers, keys or
+    gateway files), a plan is made now: if it changes nothing, the saved plan was carried
+    out already and apply says "Nothing to do" (exit 0), else it refuses naming what
+    changed. Otherwise it carries out exactly the saved plan's steps.
 
     A serving replica is replaced by rolling it: its successor starts first on free cards
     (a new replica number and port), and once the gateway routes it the old one is taken

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from llmgw_cli.cli import host_steps
 from llmgw_cli.cli.common import confirm, probe_with_progress, read_cluster
 from llmgw_cli.cli.repos import gateway_pins, pinned
 from llmgw_cli.cli.views import plan_view, progress_line, progress_view
@@ -23,6 +24,8 @@ from llmgw_cli.core.journal import split_ref
 from llmgw_cli.core.pins import moved, pinned_commits
 from llmgw_cli.core.plan import Plan, facts_digest, make_plan, running_replicas
 from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.steps import HostFacts
+from llmgw_cli.core.whole_plan import has_work, whole
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, SpecError, UsageError
 from llmgw_cli.progress import Board, Phase, Report
 from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
@@ -61,6 +64,7 @@ async def _execute_with_progress(
     take_lock: TakeLock | None = None,
     fetched: dict[str, str] | None = None,
     allow_downtime: bool = False,
+    helpers: list[str] | None = None,
 ) -> list[Outcome]:
     """Run the plan, then install the gateway, with a live table of nodes and replicas on
     a terminal, lines otherwise. ``lock`` (the cluster lock, held) is released once the
@@ -68,12 +72,13 @@ async def _execute_with_progress(
     take it again for each of their write steps with ``take_lock`` (None: ``--no-lock``).
     ``fetched``: the plan's
     weights were brought already (node -> why they could not be): the units go only where
-    they are; None: the executor brings them first."""
+    they are; None: the executor brings them first. ``helpers``: the nodes whose helper
+    the plan's steps install or update (None: every reachable node is judged again)."""
 
     async def run(report: Report) -> list[Outcome]:
         # The gateway's key and the node helper first: the units below go through it.
         reachable = [n.name for n in spec.nodes if n.name not in unreachable]
-        setup = await prepare(spec, conns, reachable, report, facts)
+        setup = await prepare(spec, conns, reachable if helpers is None else helpers, report, facts)
         # Every node, not only those the plan touches: the gateway starts on-demand replicas
         # anywhere and never writes keys or secrets itself.
         transports = [conns.to(name) for name in reachable]
@@ -359,11 +364,12 @@ def plan(file: Path, save: Path | None, replace: list[str], *, json_out: bool = 
                 spec, session.conns, file.read_text(encoding="utf-8"), gateway_pins(as_written, snapshots)
             )
         )
+        result = whole(spec, result, facts, _gathered(spec, session, facts, gateway), written=as_written)
         if json_out:
             sys.stdout.write(result.model_dump_json(indent=2) + "\n")
         else:
             out.print(plan_view(result, journal=_journals(session, result, facts)), soft_wrap=True)
-        _show_host_changes(spec, session, snapshot, gateway, said)
+        host_steps.show(result, said)
     if save:
         save.write_text(result.model_dump_json(indent=2), encoding="utf-8")
         said.print(Text(f"Saved to {save}; apply it with: llmgw apply -f {file} {save}"), highlight=False)
@@ -391,11 +397,7 @@ def _choose(
         # the health checks of replicas still starting (``core/health.py``)
         answers = session.run(health_answers(spec, session.conns, facts)) if session else {}
         return make_plan(spec, facts, replace=wanted, answers=answers), wanted
-    if replace:
-        raise UsageError(
-            "--replace makes a new plan; a saved plan carries its own: "
-            "run `llmgw plan --replace ... --out PLAN` again"
-        )
+    _no_replace(replace)
     chosen = Plan.model_validate_json(saved.read_text(encoding="utf-8"))
     _saved_still_holds(saved, chosen, facts)
     changed = moved(chosen.commits, pinned_commits(spec))
@@ -408,33 +410,29 @@ def _choose(
     return chosen, frozenset()
 
 
-def _show_host_changes(
-    spec: ClusterSpec,
-    session: Session,
-    snapshot: Snapshot,
-    gateway: GatewayPreviews,
-    console: Console | None = None,
-) -> list[str]:
-    """Print what plan and apply change beside the replicas (the gateway, the node helper)
-    on ``console`` (None: stdout); return the reachable nodes whose node helper is missing
-    or out of date."""
-    said = console or out
-    for host in gateway.hosts:
-        said.print(
-            Text(host.describe(), style="yellow" if host.changes else "dim"),
-            highlight=False,
-            soft_wrap=True,
+def _gathered(
+    spec: ClusterSpec, session: Session, facts: dict[str, NodeFacts], gateway: GatewayPreviews
+) -> HostFacts:
+    """What the host steps come from (``core/steps.py``): the reachable nodes' helper and
+    engine key, each gateway host's files."""
+    reachable = [n.name for n in spec.nodes if n.name in facts and facts[n.name].reachable]
+    stale = session.run(stale_nodes(spec, session.conns, reachable, facts))
+    keyless = session.run(nodes_without_key(spec, session.conns, reachable, facts))
+    missing = [n for n in stale if (a := facts[n].node_access) is not None and not a.digests]
+    return HostFacts(
+        stale_helper=tuple(stale),
+        helper_missing=tuple(missing),
+        keyless=tuple(keyless),
+        gateways=host_steps.gateway_states(gateway),
+    )
+
+
+def _no_replace(replace: list[str]) -> None:
+    if replace:
+        raise UsageError(
+            "--replace makes a new plan; a saved plan carries its own: "
+            "run `llmgw plan --replace ... --out PLAN` again"
         )
-    reachable = [f.node for f in snapshot.nodes if f.reachable]
-    facts = {f.node: f for f in snapshot.nodes}
-    helper_nodes = session.run(stale_nodes(spec, session.conns, reachable, facts))
-    if helper_nodes:
-        said.print(
-            Text(f"node helper: install or update on {', '.join(helper_nodes)}", style="yellow"),
-            highlight=False,
-            soft_wrap=True,
-        )
-    return helper_nodes
 
 
 def apply(
@@ -458,21 +456,31 @@ def apply(
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, None, err, session)
         facts = {f.node: f for f in snapshot.nodes}
-        chosen, wanted = _choose(spec, facts, saved, replace, session)
-        chosen = flags_checked(spec, file, facts, chosen)
         # the gateway gets the commits of this plan (its pins file), never resolving them itself
         gateway = session.run(
             preview(
                 spec, session.conns, file.read_text(encoding="utf-8"), gateway_pins(as_written, snapshots)
             )
         )
+        host = _gathered(spec, session, facts, gateway)
+        if saved is not None:
+            _no_replace(replace)
+            if host_steps.load_saved(saved, spec, session, facts, host, written=as_written) is None:
+                out.print(Text(f"Nothing to do: every step of {saved} is done already.", style="green"))
+                return
+        chosen, wanted = _choose(spec, facts, saved, replace, session)
+        chosen = flags_checked(spec, file, facts, chosen)
+        if saved is None:
+            chosen = whole(spec, chosen, facts, host, written=as_written)
+        if rotate_engine_key:
+            chosen = host_steps.with_rotation(chosen, spec, facts)
         out.print(
             plan_view(chosen, show_unchanged=False, journal=_journals(session, chosen, facts)), soft_wrap=True
         )
         unreachable = [f.node for f in snapshot.nodes if not f.reachable]
         if unreachable:
             err.print(Text(f"unreachable, left out: {', '.join(unreachable)}", style="yellow"))
-        helper_nodes = _show_host_changes(spec, session, snapshot, gateway)
+        host_steps.show(chosen, out)
         if dry_run:
             return
         refuse_downtime(chosen, allow_downtime)
@@ -484,16 +492,11 @@ def apply(
             )
         if rotate_engine_key:  # it replaces every replica: the same rule as any replacement
             refuse_downtime(rotation_plan(spec, facts), allow_downtime)
-        reachable = [f.node for f in snapshot.nodes if f.reachable]
-        keyless = session.run(nodes_without_key(spec, session.conns, reachable, facts))
-        if keyless or rotate_engine_key:
-            where = "every node" if rotate_engine_key else ", ".join(keyless)
-            verb = "rotate" if rotate_engine_key else "write"
-            out.print(Text(f"engine key: {verb} on {where}", style="yellow"), highlight=False, soft_wrap=True)
-        if not (chosen.changes or gateway.changes or helper_nodes or keyless or rotate_engine_key):
+        if not has_work(chosen):
             _unplaced_is_failure(chosen)
             return
         confirm("Apply these changes?", yes=yes, to="apply")
+        helpers = host_steps.helper_nodes(chosen)  # a plan made again under the lock has no steps
         held, fetched = None, None
         if chosen.changes and not no_lock:
             how = Replan(saved, yes, lock_timeout, wanted, allow_downtime)
@@ -513,6 +516,7 @@ def apply(
                     take_lock=None if no_lock else _lock_taker(spec, session.conns, file, lock_timeout),
                     fetched=fetched,
                     allow_downtime=allow_downtime,
+                    helpers=helpers,
                 )
             )
         finally:

@@ -33,6 +33,7 @@ from llmgw_cli.core.parse.units import replica_units
 from llmgw_cli.core.pins import pinned_commits
 from llmgw_cli.core.placement import PlacedReplica, Placement, Placer, Slot, place
 from llmgw_cli.core.spec import ClusterSpec, Model, ScalingMode, SourceKind
+from llmgw_cli.core.steps import HostStep
 
 Op = Literal["+", "~", "-", "="]
 Answers = Mapping[tuple[str, int], bool]
@@ -163,6 +164,14 @@ class Plan(Fact):
     # (model, commit) of each repository llmgw fetches, as the plan was made for it: a saved
     # plan is refused once a revision names another commit (``core/pins.py``)
     commits: tuple[tuple[str, str], ...] = ()
+    # The whole change, for `plan` and a saved plan (``core/whole_plan.py``): the host
+    # steps beside the actions, and the digests a saved plan is checked against.
+    format: int = 1
+    steps: tuple[HostStep, ...] = ()
+    cluster_digest: str = ""
+    cluster_parts: dict[str, str] = Field(default_factory=dict)
+    node_digests: dict[str, str] = Field(default_factory=dict)
+    host_digest: str = ""
 
     @property
     def changes(self) -> list[Action]:
