@@ -74,7 +74,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from llmgw_cli.core.controller import (
     Attempts,
@@ -105,14 +105,13 @@ from llmgw_cli.core.spec import ClusterSpec, ScalingMode
 from llmgw_cli.errors import NodeError, NotLeader, StartFailed
 from llmgw_cli.gateway.admission import Admission
 from llmgw_cli.gateway.metrics import Metrics
-from llmgw_cli.gateway.sources import ProbeSource
+from llmgw_cli.gateway.replicas import Nodes, PoolRouting, StartSteps, StopSteps, UnitFailure
 from llmgw_cli.gateway.store import ModelState, Store
 from llmgw_cli.progress import Phase as ReportPhase
-from llmgw_cli.progress import Report
+from llmgw_cli.progress import silent
 from llmgw_cli.remote.cluster_lock import Hold, LocalLock
-from llmgw_cli.remote.execute import Outcome, UnitWatch, execute
-from llmgw_cli.remote.nodeops import NodeOps
-from llmgw_cli.remote.weights import ensure_for_plan
+from llmgw_cli.remote.execute import Outcome
+from llmgw_cli.remote.executor import Executor
 
 log = logging.getLogger("llmgw.controller")
 
@@ -133,75 +132,6 @@ FIRST_PUBLICATION_WAIT = 15.0
 def replica_key(model: str, address: str) -> str:
     """How a replica's last use is stored."""
     return f"{model}@{address}"
-
-
-# --- the seam: the nodes ---------------------------------
-
-
-class UnitFailure(Protocol):
-    async def failure(self) -> str | None:
-        """Why the watched unit failed (with its journal's last lines), or None."""
-        ...
-
-
-class Nodes(Protocol):
-    """What the controller does to the nodes."""
-
-    @property
-    def facts(self) -> dict[str, NodeFacts]:
-        """The last probe's facts (discovery probes every round)."""
-        ...
-
-    async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]: ...
-
-    async def fetch(self, spec: ClusterSpec, plan: Plan, report: Report) -> dict[str, str]:
-        """Bring the weights of ``plan``'s starts: node -> why they could not be brought."""
-        ...
-
-    async def execute(
-        self, spec: ClusterSpec, plan: Plan, report: Report, *, fetch: bool = False
-    ) -> list[Outcome]:
-        """Write, start or stop the plan's units; no readiness wait. ``fetch``: bring the
-        weights first (a start brings them itself, outside the lock, before this)."""
-        ...
-
-    async def watch(self, spec: ClusterSpec, action: Action, since: str = "") -> UnitFailure:
-        """Begin watching the head unit of a replica just started (``since``: the head
-        node's clock before the start, ``Outcome.since``)."""
-        ...
-
-
-class RemoteNodes:
-    """The nodes over SSH, through the connections discovery holds."""
-
-    def __init__(self, source: ProbeSource) -> None:
-        self.source = source
-
-    @property
-    def facts(self) -> dict[str, NodeFacts]:
-        return self.source.facts
-
-    async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
-        # Nodes the last probe could not read are not waited on again: discovery's rounds
-        # see them come back.
-        return await self.source.probe(spec, skip_lost=True)
-
-    async def fetch(self, spec: ClusterSpec, plan: Plan, report: Report) -> dict[str, str]:
-        # One progress text per model (what a waiting client reads): its least advanced node.
-        conns = await self.source.connections(spec)
-        return await ensure_for_plan(spec, plan, conns, report, by_model=True)
-
-    async def execute(
-        self, spec: ClusterSpec, plan: Plan, report: Report, *, fetch: bool = False
-    ) -> list[Outcome]:
-        conns = await self.source.connections(spec)
-        return await execute(spec, conns, plan, report, wait=False, fetch=fetch)
-
-    async def watch(self, spec: ClusterSpec, action: Action, since: str = "") -> UnitFailure:
-        head = action.nodes[0]
-        unit = next(w.name for w in action.write if w.node == head)
-        conns = await self.source.connections(spec)
-        return await UnitWatch.start(NodeOps(conns.to(head)), unit, since)
 
 
 # --- what the controller remembers ------------------------------------------------------
@@ -283,14 +213,13 @@ class _Start:
 
 @dataclass
 class _Sink:
-    """Where a start's reports go: the log and the model's progress text (which the
-    dashboard shows and the leader publishes: without secrets)."""
+    """Where a start's events go besides the executor's log: the model's progress text
+    (which the dashboard shows and the leader publishes: without secrets)."""
 
     model: ModelController
     secrets: Callable[[], Iterable[str]]
 
     def __call__(self, subject: str, message: str, phase: ReportPhase = ReportPhase.working, /) -> None:
-        _log_report(subject, message, phase)
         self.model.progress = redact(f"{subject}: {message}", self.secrets())
 
 
@@ -884,9 +813,7 @@ class Controller:
         address: str | None = None
         placed: tuple[str, ...] = ()
         try:
-            action, address = await self._place_and_start(spec, start, mc)
-            placed = action.nodes
-            await self._watch(spec, start.model, action, address, began)
+            address = await self._place_and_start(spec, start, mc, began)
             mc.attempts = mc.attempts.succeeded()
             mc.evicted = False
             return address
@@ -967,8 +894,11 @@ class Controller:
         return fetching + lost
 
     async def _place_and_start(
-        self, spec: ClusterSpec, start: Start, mc: ModelController
-    ) -> tuple[Action, str]:
+        self, spec: ClusterSpec, start: Start, mc: ModelController, began: float
+    ) -> str:
+        """Place a replica under the lock (an eviction when nothing fits), then the
+        executor brings its weights, writes and starts it and waits until it is ready;
+        its address then."""
         assert self.nodes is not None
         model = start.model
         unresolved = _unresolved(spec, model)
@@ -984,34 +914,54 @@ class Controller:
                 plan = await self._evict_for(spec, facts, plan, start, mc)
             action = plan.changes[0]
             self._fetching[ticket] = _Start(action, plan)
-        sink = _Sink(mc, self.secrets)
+        where: dict[str, str] = {}
+
+        async def place(planned: Action) -> Action:
+            placed = await self._placed_again(spec, start, mc, ticket, planned)
+            self._starting(start, placed)
+            return placed
+
+        async def written(placed: Action, outcomes: list[Outcome]) -> None:
+            where["address"] = await self._written(spec, model, placed, outcomes)
+
+        async def watch(placed: Action) -> None:
+            try:
+                await self._watch(spec, model, placed, where["address"], began)
+            except StartFailed as exc:
+                raise _Broken(str(exc), where["address"], placed.nodes) from exc
+
+        steps = StartSteps(spec, self.nodes, self.lock, plan, place, written, watch)
         try:
-            missing = await self.nodes.fetch(spec, plan, sink)
-            if missing:
-                raise StartFailed("; ".join(f"{node}: {why}" for node, why in sorted(missing.items())))
-            async with self.lock.hold(f"start a replica of {model}"):
-                facts = await self._probe(spec)
-                taken = conflicts(facts, action)
-                if taken is not None:
-                    log.info("%s: re-planning: %s", model, taken)
-                    plan = grow_plan(
-                        spec,
-                        facts,
-                        model,
-                        reserved=self._reserved(ticket),
-                        avoid=start.avoid,
-                        shun=_shun(start, mc),
-                    )
-                    if not plan.changes:
-                        raise StartFailed(f"{taken}; {_unplaced(plan)}")
-                    action = plan.changes[0]
-                del self._fetching[ticket]
-                # Re-planned: its weights may be missing where it goes now; brought under
-                # the lock then (rare: only when another writer took the planned cards).
-                address = await self._write_and_start(spec, start, plan, action, fetch=taken is not None)
-                return action, address
+            await Executor(steps, PoolRouting(self.pool, "", False), _Sink(mc, self.secrets)).start(
+                [action], f"start a replica of {model}"
+            )
         finally:
             self._fetching.pop(ticket, None)
+        return where["address"]
+
+    async def _placed_again(
+        self, spec: ClusterSpec, start: Start, mc: ModelController, ticket: int, action: Action
+    ) -> Action:
+        """Under the lock: where the start goes now; placed again once when its planned
+        cards or port were taken while it brought its weights (its weights are brought with
+        the write then: rare, only when another writer took them)."""
+        facts = await self._probe(spec)
+        taken = conflicts(facts, action)
+        if taken is not None:
+            log.info("%s: re-planning: %s", start.model, taken)
+            plan = grow_plan(
+                spec,
+                facts,
+                start.model,
+                reserved=self._reserved(ticket),
+                avoid=start.avoid,
+                shun=_shun(start, mc),
+            )
+            if not plan.changes:
+                raise StartFailed(f"{taken}; {_unplaced(plan)}")
+            action = plan.changes[0]
+        del self._fetching[ticket]
+        return action
 
     async def _evict_for(
         self, spec: ClusterSpec, facts: dict[str, NodeFacts], plan: Plan, start: Start, mc: ModelController
@@ -1049,20 +999,21 @@ class Controller:
             raise StartFailed(_unplaced(plan) or "no room after an eviction")
         return plan
 
-    async def _write_and_start(
-        self, spec: ClusterSpec, start: Start, plan: Plan, action: Action, *, fetch: bool
-    ) -> str:
-        """Under the lock: the units written and started; the replica in the pool, loading."""
-        assert self.nodes is not None
-        mc = self.model(start.model)
-        model = start.model
+    def _starting(self, start: Start, action: Action) -> None:
+        """Under the lock, just before the units are written: the start recorded."""
         log.info(
-            "%s: starting replica %d on %s (%s)", model, action.replica, ",".join(action.nodes), start.reason
+            "%s: starting replica %d on %s (%s)",
+            start.model,
+            action.replica,
+            ",".join(action.nodes),
+            start.reason,
         )
-        self._record(model, "start", start.reason, _start_label(start))
-        mc.progress = f"starting on {','.join(action.nodes)}"
-        start_plan = plan.model_copy(update={"actions": (action,)})
-        outcomes = await self.nodes.execute(spec, start_plan, _log_report, fetch=fetch)
+        self._record(start.model, "start", start.reason, _start_label(start))
+        self.model(start.model).progress = f"starting on {','.join(action.nodes)}"
+
+    async def _written(self, spec: ClusterSpec, model: str, action: Action, outcomes: list[Outcome]) -> str:
+        """Under the lock, the units written and started: the replica in the pool, loading."""
+        mc = self.model(model)
         assert action.port is not None
         address = serving_address(spec.node(action.nodes[0]).engine_host, action.port)
         broken = [f"{o.subject}: {o.message}" for o in outcomes if not o.ok]
@@ -1186,24 +1137,23 @@ class Controller:
         it and ``force`` is not given (it is put back then). Called under the lock."""
         assert self.nodes is not None
         model = found.model
-        replica = self.pool.remove(model, address)
-        if replica is not None and replica.outstanding and not force:
-            self.pool.replicas.setdefault(model, {})[address] = replica
-            return False
-        log.info("%s: stopping replica %d at %s: %s", model, found.replica, address, reason)
-        self._record(model, action, reason, label or action)
-        # Not seen while it stops (the last probe still shows it running) and until the
-        # probe after the stop says what is left of it.
-        self._stopping[(model, found.replica)] = address
+
+        def before() -> None:
+            self._record(model, action, reason, label or action)
+            # Not seen while it stops (the last probe still shows it running) and until the
+            # probe after the stop says what is left of it.
+            self._stopping[(model, found.replica)] = address
+
+        (removal,) = stop_plan(facts, model, found.replica, reason).changes
+        executor = Executor(
+            StopSteps(spec, self.nodes, before), PoolRouting(self.pool, address, force), silent
+        )
         try:
-            plan = stop_plan(facts, model, found.replica, reason)
-            outcomes = await self.nodes.execute(spec, plan, _log_report)
-            for o in outcomes:
-                if not o.ok:
-                    log.error("%s: stopping replica %d: %s: %s", model, found.replica, o.subject, o.message)
-            await self._probe(spec)
+            stopped, outcomes = await executor.stop(removal)
         finally:
             self._stopping.pop((model, found.replica), None)
+        if not stopped:
+            return False
         self.known.pop((model, found.replica), None)
         key = replica_key(model, address)
         self.saved.pop(key, None)
@@ -1337,6 +1287,3 @@ def _start_label(start: Start) -> str:
             return label
     return "other"
 
-
-def _log_report(subject: str, message: str, phase: ReportPhase = ReportPhase.working, /) -> None:
-    log.log(logging.WARNING if phase is ReportPhase.failed else logging.INFO, "%s: %s", subject, message)
