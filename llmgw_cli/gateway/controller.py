@@ -98,7 +98,16 @@ from llmgw_cli.core.facts import NodeFacts
 from llmgw_cli.core.health import ReplicaState
 from llmgw_cli.core.lifecycle import eviction_candidate, known_last_use
 from llmgw_cli.core.pins import needs_pin
-from llmgw_cli.core.plan import Action, Plan, Running, conflicts, grow_plan, running_replicas, stop_plan
+from llmgw_cli.core.plan import (
+    Action,
+    Plan,
+    Running,
+    conflicts,
+    grow_plan,
+    running_replicas,
+    stop_plan,
+    successor_first,
+)
 from llmgw_cli.core.redact import redact
 from llmgw_cli.core.routing import Health, Pool, RoutedReplica, serving_address
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
@@ -580,10 +589,10 @@ class Controller:
     async def _successor_first(self, restart: Restart) -> str:
         """Replace a replica failing its health check successor first: a successor placed
         as any start is (``grow_plan``, around everything on the nodes, the old replica's
-        cards included) and started; once it is ready the old replica is stopped. Returns
-        "" when that was done, else why the replica must be restarted in place instead
-        (nothing fits besides its own cards, a start of the model is under way already, or
-        the successor did not come up)."""
+        cards included) and started by the executor, which stops the old replica once it
+        is ready. Returns "" when that was done, else why the replica must be restarted in
+        place instead (nothing fits besides its own cards, a start of the model is under
+        way already, or the successor did not come up)."""
         assert self.nodes is not None
         spec, model = self.spec(), restart.model
         mc = self.model(model)
@@ -608,17 +617,10 @@ class Controller:
         mc.progress = "probing the nodes to place a successor"
         mc.wake()
         successor = await self._start(
-            Start(model, f"restart of replica {restart.replica}, successor first: {restart.reason}")
+            Start(model, f"restart of replica {restart.replica}, successor first: {restart.reason}"),
+            replacing=restart,
         )
-        if successor is None:
-            return "its successor did not start"
-        await self._stop(
-            model,
-            restart.replica,
-            f"replaced by its successor at {successor}, ready ({restart.reason})",
-            StopCause.replaced.value,
-        )
-        return ""
+        return "" if successor is not None else "its successor did not start"
 
     def _mark_replaced(self, start: Start, seen: Sequence[Seen]) -> None:
         """A start while a replica of the model is lost past node_grace replaces it."""
@@ -804,16 +806,17 @@ class Controller:
 
     # --- starts -----------------------------------------------------------------------
 
-    async def _start(self, start: Start) -> str | None:
+    async def _start(self, start: Start, replacing: Restart | None = None) -> str | None:
         """Place, start and watch one replica; its address once ready, None when the start
-        failed (recorded, its units stopped)."""
+        failed (recorded, its units stopped). ``replacing``: the replica it replaces, stopped
+        once it is ready."""
         spec = self.spec()
         mc = self.model(start.model)
         began = time.monotonic()
         address: str | None = None
         placed: tuple[str, ...] = ()
         try:
-            address = await self._place_and_start(spec, start, mc, began)
+            address = await self._place_and_start(spec, start, mc, began, replacing)
             mc.attempts = mc.attempts.succeeded()
             mc.evicted = False
             return address
@@ -894,11 +897,11 @@ class Controller:
         return fetching + lost
 
     async def _place_and_start(
-        self, spec: ClusterSpec, start: Start, mc: ModelController, began: float
+        self, spec: ClusterSpec, start: Start, mc: ModelController, began: float, replacing: Restart | None
     ) -> str:
         """Place a replica under the lock (an eviction when nothing fits), then the
-        executor brings its weights, writes and starts it and waits until it is ready;
-        its address then."""
+        executor brings its weights, writes and starts it and waits until it is ready (and
+        then drains and stops the replica it is ``replacing``); its address then."""
         assert self.nodes is not None
         model = start.model
         unresolved = _unresolved(spec, model)
@@ -914,6 +917,7 @@ class Controller:
                 plan = await self._evict_for(spec, facts, plan, start, mc)
             action = plan.changes[0]
             self._fetching[ticket] = _Start(action, plan)
+            old = _found(facts, model, replacing.replica) if replacing is not None else None
         where: dict[str, str] = {}
 
         async def place(planned: Action) -> Action:
@@ -932,12 +936,52 @@ class Controller:
 
         steps = StartSteps(spec, self.nodes, self.lock, plan, place, written, watch)
         try:
-            await Executor(steps, PoolRouting(self.pool, "", False), _Sink(mc, self.secrets)).start(
-                [action], f"start a replica of {model}"
-            )
+            if old is None or replacing is None:
+                executor = Executor(steps, PoolRouting(self.pool, "", False), _Sink(mc, self.secrets))
+                await executor.start([action], f"start a replica of {model}")
+            else:
+                await self._replace(
+                    spec,
+                    steps,
+                    successor_first(action, old, start.reason),
+                    old,
+                    restart=replacing,
+                    where=where,
+                )
         finally:
             self._fetching.pop(ticket, None)
         return where["address"]
+
+    async def _replace(
+        self,
+        spec: ClusterSpec,
+        steps: StartSteps,
+        action: Action,
+        old: Running,
+        *,
+        restart: Restart,
+        where: dict[str, str],
+    ) -> None:
+        """The executor's surge replacement of ``old`` by ``action``'s successor, started
+        through ``steps``; the old replica, out of the pool, stopped under the lock."""
+        assert self.nodes is not None
+        gone = serving_address(spec.node(old.members[0]).engine_host, old.port)
+
+        def before() -> None:
+            reason = f"replaced by its successor at {where['address']}, ready ({restart.reason})"
+            self._record(old.model, "stop", reason, StopCause.replaced.value)
+            self._stopping[(old.model, old.replica)] = gone
+
+        steps.stop = StopSteps(spec, self.nodes, before)
+        executor = Executor(
+            steps, PoolRouting(self.pool, gone, True), _Sink(self.model(old.model), self.secrets)
+        )
+        try:
+            rolled = await executor.replace(action)
+        finally:
+            self._stopping.pop((old.model, old.replica), None)
+        if rolled.retired:
+            await self._forget(old.model, old.replica, gone)
 
     async def _placed_again(
         self, spec: ClusterSpec, start: Start, mc: ModelController, ticket: int, action: Action
@@ -1154,13 +1198,17 @@ class Controller:
             self._stopping.pop((model, found.replica), None)
         if not stopped:
             return False
-        self.known.pop((model, found.replica), None)
+        await self._forget(model, found.replica, address)
+        return all(o.ok for o in outcomes)
+
+    async def _forget(self, model: str, replica: int, address: str) -> None:
+        """A replica stopped: nothing of it is remembered, here or in the store."""
+        self.known.pop((model, replica), None)
         key = replica_key(model, address)
         self.saved.pop(key, None)
         if self.store is not None:
             await self.store.forget_last_use([key])
         self.observe()
-        return all(o.ok for o in outcomes)
 
     async def _read_last_use(self) -> None:
         """The stored last use again (every gateway process saves its own), before an idle
@@ -1268,6 +1316,10 @@ def _at(spec: ClusterSpec, facts: dict[str, NodeFacts], model: str, address: str
     return None
 
 
+def _found(facts: dict[str, NodeFacts], model: str, replica: int) -> Running | None:
+    return next((r for r in running_replicas(facts) if (r.model, r.replica) == (model, replica)), None)
+
+
 def _unplaced(plan: Plan) -> str:
     return "; ".join(r for _, r in plan.unplaced) or "no room"
 
@@ -1286,4 +1338,3 @@ def _start_label(start: Start) -> str:
         if word in reason:
             return label
     return "other"
-

@@ -107,7 +107,8 @@ class StartSteps:
     by, outside the lock; under it, ``place`` (where it goes now: placed again when its
     cards or port were taken meanwhile, the start recorded), the units written and
     ``written`` (the replica in the pool, loading); outside it, ``watch`` until ready.
-    The hooks raise ``StartFailed`` when the start cannot go on."""
+    The hooks raise ``StartFailed`` when the start cannot go on. ``stop``: where the
+    replica a successor replaces is stopped (its ``-``)."""
 
     spec: ClusterSpec
     nodes: Nodes
@@ -116,6 +117,7 @@ class StartSteps:
     place: Callable[[Action], Awaitable[Action]]
     written: Callable[[Action, list[Outcome]], Awaitable[None]]
     watch: Callable[[Action], Awaitable[None]]
+    stop: StopSteps | None = None
     moved: bool = False  # placed again under the lock: its weights come with the write
 
     def locked(self, why: str) -> AbstractAsyncContextManager[None]:
@@ -134,6 +136,8 @@ class StartSteps:
 
     async def write(self, actions: Sequence[Action], report: Report) -> list[Outcome]:
         (action,) = actions
+        if action.op == "-" and self.stop is not None:
+            return await self.stop.write(actions, report)
         plan = self.plan.model_copy(update={"actions": (action,)})
         outcomes = await self.nodes.execute(self.spec, plan, report, fetch=self.moved)
         await self.written(action, outcomes)
