@@ -709,14 +709,8 @@ class Controller:
                 executor = Executor(steps, PoolRouting(self.pool, "", False), ProgressSink(mc, self.secrets))
                 await executor.start([action], f"start a replica of {model}")
             else:
-                await self._replace(
-                    spec,
-                    steps,
-                    successor_first(action, old, start.reason),
-                    old,
-                    restart=replacing,
-                    where=where,
-                )
+                surge = successor_first(action, old, start.reason)
+                await self._replace(spec, steps, surge, old, restart=replacing, where=where)
         finally:
             self._fetching.pop(ticket, None)
         return where["address"]
@@ -738,8 +732,7 @@ class Controller:
 
         def before() -> None:
             reason = f"replaced by its successor at {where['address']}, ready ({restart.reason})"
-            self._record(old.model, "stop", reason, StopCause.replaced.value)
-            self._stopping[(old.model, old.replica)] = gone
+            self._stopping_now(old, gone, reason, label=StopCause.replaced.value)
 
         steps.stop = StopSteps(spec, self.nodes, before)
         executor = Executor(
@@ -952,10 +945,7 @@ class Controller:
         model = found.model
 
         def before() -> None:
-            self._record(model, action, reason, label or action)
-            # Not seen while it stops (the last probe still shows it running) and until the
-            # probe after the stop says what is left of it.
-            self._stopping[(model, found.replica)] = address
+            self._stopping_now(found, address, reason, action=action, label=label or action)
 
         (removal,) = stop_plan(facts, model, found.replica, reason).changes
         executor = Executor(
@@ -969,6 +959,15 @@ class Controller:
             return False
         await self._forget(model, found.replica, address)
         return all(o.ok for o in outcomes)
+
+    def _stopping_now(
+        self, found: Running, address: str, reason: str, *, action: str = "stop", label: str
+    ) -> None:
+        """A replica's units are about to go: logged, recorded, and not seen while it stops
+        (the last probe still shows it running) nor until the probe after the stop."""
+        log.info("%s: stopping replica %d at %s: %s", found.model, found.replica, address, reason)
+        self._record(found.model, action, reason, label)
+        self._stopping[(found.model, found.replica)] = address
 
     async def _forget(self, model: str, replica: int, address: str) -> None:
         """A replica stopped: nothing of it is remembered, here or in the store."""
