@@ -742,3 +742,17 @@ def _ports(port: int, members: tuple[str, ...]) -> set[int]:
 def _port_count(model: Model) -> int:
     """Ports a replica takes on its head node: the API, and the rendezvous of a multi-node one."""
     return 2 if model.nodes > 1 else 1
+
+
+def successor_first(grown: Action, old: Running, reason: str) -> Action:
+    """The ``~`` that replaces ``old`` by ``grown`` (a ``+`` of ``grow_plan``, on cards and
+    a port of its own) successor first: ``old`` is drained and stopped once its successor
+    is ready (the gateway's restart of a replica failing its health check)."""
+    return grown.model_copy(
+        update={
+            "op": "~",
+            "reason": reason,
+            "retire": Retired(replica=old.replica, nodes=old.members, unit=old.unit, port=old.port),
+            "surge": True,
+        }
+    )

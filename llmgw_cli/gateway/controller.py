@@ -10,9 +10,8 @@ replicas; nobody else keeps a copy of this state.
 
 The decisions are the pure functions of ``core/controller.py`` (``reconcile``, ``phase``,
 ``unavailable``), ``core/lifecycle.py`` (eviction) and ``core/plan.py`` (``grow_plan``,
-``stop_plan``, ``conflicts``). Here are their effects, through ``Nodes``: the probe, the
-weights fetch and the executor of ``apply`` (``remote/execute.py``) on the real cluster,
-a fake in the unit tests.
+``stop_plan``, ``successor_first``). Their effects are carried out by apply's executor
+(``remote/executor.py``) over ``Nodes`` (``gateway/replicas.py``): SSH, or a unit-test fake.
 
 The request path: ``ensure_ready(model, deadline)`` returns a ready replica, or begins an
 on-demand start (never while its back-off runs) and waits, woken by events rather than
@@ -35,7 +34,7 @@ and every other model starts as before.
 
 A restart of a replica failing its health check starts its successor first when one fits
 besides the cards it holds (``grow_plan``, as any start), and stops the old replica once
-the successor is ready; when nothing fits, a start of the model is under way already, or
+the successor is ready (the executor's surge replacement); when nothing fits, a start of the model is under way already, or
 the successor does not come up, the old replica is restarted in place (stopped, then
 started again). The actions log says which.
 
@@ -73,11 +72,9 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from llmgw_cli.core.controller import (
-    Attempts,
     Decision,
     Phase,
     Restart,
@@ -87,7 +84,6 @@ from llmgw_cli.core.controller import (
     StopCause,
     Unavailable,
     UnitCondition,
-    backoff,
     reconcile,
     unavailable,
 )
@@ -95,221 +91,59 @@ from llmgw_cli.core.controller import (
     phase as model_phase,
 )
 from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.health import ReplicaState
-from llmgw_cli.core.lifecycle import eviction_candidate, known_last_use
-from llmgw_cli.core.pins import needs_pin
-from llmgw_cli.core.plan import Action, Plan, Running, conflicts, grow_plan, running_replicas, stop_plan
+from llmgw_cli.core.lifecycle import eviction_candidate
+from llmgw_cli.core.plan import (
+    Action,
+    Plan,
+    Running,
+    conflicts,
+    grow_plan,
+    running_replicas,
+    stop_plan,
+    successor_first,
+)
 from llmgw_cli.core.redact import redact
+from llmgw_cli.core.replicas import (
+    replica_at,
+    replica_found,
+    start_label,
+    systemd_restarts,
+    unit_condition,
+    unpinned,
+    unplaced_text,
+)
 from llmgw_cli.core.routing import Health, Pool, RoutedReplica, serving_address
 from llmgw_cli.core.spec import ClusterSpec, ScalingMode
 from llmgw_cli.errors import NodeError, NotLeader, StartFailed
 from llmgw_cli.gateway.admission import Admission
+from llmgw_cli.gateway.controller_state import (
+    Done,
+    DrainClocks,
+    Fetching,
+    Following,
+    Known,
+    ModelController,
+    ProgressSink,
+    published_phase,
+    replica_key,
+    seen_in_pool,
+    seen_of,
+    shun,
+)
 from llmgw_cli.gateway.metrics import Metrics
-from llmgw_cli.gateway.sources import ProbeSource
+from llmgw_cli.gateway.replicas import Broken, Nodes, PoolRouting, StartSteps, StopSteps, UnitFailure
 from llmgw_cli.gateway.store import ModelState, Store
-from llmgw_cli.progress import Phase as ReportPhase
-from llmgw_cli.progress import Report
+from llmgw_cli.progress import silent
 from llmgw_cli.remote.cluster_lock import Hold, LocalLock
-from llmgw_cli.remote.execute import Outcome, UnitWatch, execute
-from llmgw_cli.remote.nodeops import NodeOps
-from llmgw_cli.remote.weights import ensure_for_plan
+from llmgw_cli.remote.execute import Outcome
+from llmgw_cli.remote.executor import Executor
 
 log = logging.getLogger("llmgw.controller")
 
 WATCH_EVERY = 0.25  # seconds between health checks of a replica that is loading
 UNIT_EVERY = 1.0  # seconds between looks at the unit of a replica that is loading
 ACTIONS_KEPT = 200  # recent actions kept for the dashboard
-REQUEST_EVERY = 1.0  # seconds: a follower asks the leader to start a model at most this often
-# Seconds a follower's request waits for the leader's publication to say a start it asked
-# for began (the leader takes requests every 0.5 s and publishes within a second).
-REQUEST_PATIENCE = 5.0
 FOLLOWER_LOOK = 1.0  # seconds between a waiting follower request's looks at the published state
-# Seconds a new follower's requests wait for the leader's first publication it reads: a
-# worker that starts beside its leader serves before the leader has published anything,
-# and without a publication it knows no replica of any model.
-FIRST_PUBLICATION_WAIT = 15.0
-
-
-def replica_key(model: str, address: str) -> str:
-    """How a replica's last use is stored."""
-    return f"{model}@{address}"
-
-
-# --- the seam: the nodes ---------------------------------
-
-
-class UnitFailure(Protocol):
-    async def failure(self) -> str | None:
-        """Why the watched unit failed (with its journal's last lines), or None."""
-        ...
-
-
-class Nodes(Protocol):
-    """What the controller does to the nodes."""
-
-    @property
-    def facts(self) -> dict[str, NodeFacts]:
-        """The last probe's facts (discovery probes every round)."""
-        ...
-
-    async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]: ...
-
-    async def fetch(self, spec: ClusterSpec, plan: Plan, report: Report) -> dict[str, str]:
-        """Bring the weights of ``plan``'s starts: node -> why they could not be brought."""
-        ...
-
-    async def execute(
-        self, spec: ClusterSpec, plan: Plan, report: Report, *, fetch: bool = False
-    ) -> list[Outcome]:
-        """Write, start or stop the plan's units; no readiness wait. ``fetch``: bring the
-        weights first (a start brings them itself, outside the lock, before this)."""
-        ...
-
-    async def watch(self, spec: ClusterSpec, action: Action, since: str = "") -> UnitFailure:
-        """Begin watching the head unit of a replica just started (``since``: the head
-        node's clock before the start, ``Outcome.since``)."""
-        ...
-
-
-class RemoteNodes:
-    """The nodes over SSH, through the connections discovery holds."""
-
-    def __init__(self, source: ProbeSource) -> None:
-        self.source = source
-
-    @property
-    def facts(self) -> dict[str, NodeFacts]:
-        return self.source.facts
-
-    async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
-        # Nodes the last probe could not read are not waited on again: discovery's rounds
-        # see them come back.
-        return await self.source.probe(spec, skip_lost=True)
-
-    async def fetch(self, spec: ClusterSpec, plan: Plan, report: Report) -> dict[str, str]:
-        # One progress text per model (what a waiting client reads): its least advanced node.
-        conns = await self.source.connections(spec)
-        return await ensure_for_plan(spec, plan, conns, report, by_model=True)
-
-    async def execute(
-        self, spec: ClusterSpec, plan: Plan, report: Report, *, fetch: bool = False
-    ) -> list[Outcome]:
-        conns = await self.source.connections(spec)
-        return await execute(spec, conns, plan, report, wait=False, fetch=fetch)
-
-    async def watch(self, spec: ClusterSpec, action: Action, since: str = "") -> UnitFailure:
-        head = action.nodes[0]
-        unit = next(w.name for w in action.write if w.node == head)
-        conns = await self.source.connections(spec)
-        return await UnitWatch.start(NodeOps(conns.to(head)), unit, since)
-
-
-# --- what the controller remembers ------------------------------------------------------
-
-
-@dataclass
-class Known:
-    """One replica as this gateway remembers it (wall-clock times)."""
-
-    model: str
-    replica: int
-    address: str
-    nodes: tuple[str, ...]
-    first_seen: float
-    port: int = 0
-    held: dict[str, tuple[str, ...]] = field(default_factory=dict)  # node -> GPU UUIDs
-    ready_at: float | None = None
-    lost_since: float | None = None
-    failing_since: float | None = None
-    replaced: bool = False
-    since: str = ""  # its head node's clock just before this gateway started it
-    draining: float | None = None  # its drain deadline on this gateway's clock, when apply retires it
-    restarts: int | None = None  # systemd's restarts of its units when last seen
-
-
-@dataclass(frozen=True)
-class Done:
-    """One action of the controller, for the dashboard."""
-
-    time: float  # wall clock
-    model: str
-    action: str  # start, stop, restart, replace, evict, start-failed
-    reason: str
-
-    def as_dict(self) -> dict[str, object]:
-        return {"time": self.time, "model": self.model, "action": self.action, "reason": self.reason}
-
-
-class ModelController:
-    """One model's starts: its attempts, what is under way, and the event its waiters sleep on."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.attempts = Attempts()
-        self.starting = False  # a start is under way (placing, fetching, loading)
-        self.stopping = 0  # stops of its replicas under way
-        self.progress = ""  # what the start under way is doing
-        self.loading: set[str] = set()  # addresses of replicas started and not ready yet
-        self.evicted = False  # an eviction was done for it since its last good start
-        self.look: tuple[int, int] = (0, 0)  # (ready, on their way) at the last look
-        self._event = asyncio.Event()
-
-    @property
-    def busy(self) -> bool:
-        return self.starting or self.stopping > 0
-
-    def wake(self) -> None:
-        """Wake every waiter: a replica's readiness changed, or a start ended."""
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def changed(self, timeout: float) -> None:
-        """Until the next ``wake`` or ``timeout`` seconds, whichever comes first."""
-        event = self._event
-        try:
-            async with asyncio.timeout(max(0.0, timeout)):
-                await event.wait()
-        except TimeoutError:
-            pass
-
-
-@dataclass
-class _Start:
-    """A start's plan while it brings weights outside the lock (its cards stay reserved)."""
-
-    action: Action
-    plan: Plan
-
-
-@dataclass
-class _Sink:
-    """Where a start's reports go: the log and the model's progress text (which the
-    dashboard shows and the leader publishes: without secrets)."""
-
-    model: ModelController
-    secrets: Callable[[], Iterable[str]]
-
-    def __call__(self, subject: str, message: str, phase: ReportPhase = ReportPhase.working, /) -> None:
-        _log_report(subject, message, phase)
-        self.model.progress = redact(f"{subject}: {message}", self.secrets())
-
-
-@dataclass
-class Following:
-    """What the controller of a process that does not lead knows: the leader's latest
-    publication (each model's state, the addresses being drained), and how to ask the
-    leader for an on-demand start."""
-
-    request: Callable[[str], None]  # ask the leader to start this model (never blocks)
-    models: dict[str, ModelState] = field(default_factory=dict)
-    draining: frozenset[str] = frozenset()
-    asked: dict[str, float] = field(default_factory=dict)  # model -> monotonic time last asked
-    published: bool = False  # a publication of the leader was read since following began
-    since: float = field(default_factory=time.monotonic)  # when following began
-
-    def awaits_publication(self) -> bool:
-        """Nothing published read yet, and not for long: a request waits for it."""
-        return not self.published and time.monotonic() - self.since < FIRST_PUBLICATION_WAIT
 
 
 # --- the controller ---------------------------------------------------------------------
@@ -345,12 +179,10 @@ class Controller:
         self.models: dict[str, ModelController] = {}
         self.known: dict[tuple[str, int], Known] = {}
         self.actions: deque[Done] = deque(maxlen=ACTIONS_KEPT)
-        self._fetching: dict[int, _Start] = {}  # starts bringing weights, by ticket
+        self._fetching: dict[int, Fetching] = {}  # starts bringing weights, by ticket
         self._tickets = itertools.count()
         self._stopping: dict[tuple[str, int], str] = {}  # (model, replica) being stopped -> address
-        # node -> (its clock in a probe, this gateway's clock when that probe was first seen):
-        # how drain deadlines, written on the node's clock, read on this gateway's.
-        self._clocks: dict[str, tuple[float, float]] = {}
+        self._clocks = DrainClocks()
         self.changed: Callable[[], None] | None = None  # called by every ``observe``
         # Secrets the gateway holds by value (its engine keys): never in a recorded failure.
         self.secrets: Callable[[], Iterable[str]] = tuple
@@ -394,7 +226,7 @@ class Controller:
             for name in phases:
                 state = self.following.models.get(name)
                 if state is not None:
-                    phases[name] = _published_phase(state, spec.model(name).mode, now)
+                    phases[name] = published_phase(state, spec.model(name).mode, now)
         return phases
 
     def progress(self, name: str) -> str:
@@ -448,23 +280,9 @@ class Controller:
         spec = self.spec()
         mc = self.model(name)
         following = self.following
-        state = following.models.get(name) if following is not None else None
-        if state is not None:
-            # The leader's view: its start history and what its start does now.
-            failed_at = (
-                state.retry_at - backoff(state.failures, spec.gateway.start_backoff)
-                if state.retry_at is not None and state.failures
-                else None
-            )
-            return unavailable(
-                spec.model(name),
-                self.phase(name),
-                Attempts(state.failures, failed_at, state.last_failure),
-                progress=state.progress,
-                manages=spec.gateway.manage_replicas,
-                now=self.clock(),
-                backoff_first=spec.gateway.start_backoff,
-            )
+        leaders = following.unavailable(spec, name, self.phase(name), self.clock()) if following else None
+        if leaders is not None:
+            return leaders
         return unavailable(
             spec.model(name),
             self.phase(name),
@@ -483,15 +301,7 @@ class Controller:
         following = self.following
         if following is None:
             return self.model(name).starting or self.taking_over
-        if following.awaits_publication():
-            return True
-        state = following.models.get(name)
-        mode = self.spec().model(name).mode
-        phase = _published_phase(state, mode, self.clock()) if state is not None else None
-        if phase is Phase.starting:
-            return True
-        asked = following.asked.get(name)
-        return phase is not Phase.failed and asked is not None and time.monotonic() - asked < REQUEST_PATIENCE
+        return following.on_its_way(name, self.spec().model(name).mode, self.clock())
 
     def want(self, name: str) -> None:
         """A start asked for by another gateway process (through the store): begun as one
@@ -528,17 +338,7 @@ class Controller:
             return  # the leader starts nothing either
         if any(r.health in (Health.loading, Health.unknown) for r in self.pool.of(name)):
             return
-        state = following.models.get(name)
-        if state is not None:
-            phase = _published_phase(state, ScalingMode.on_demand, self.clock())
-            if phase in (Phase.starting, Phase.failed, Phase.ready, Phase.degraded):
-                return
-        now = time.monotonic()
-        asked = following.asked.get(name)
-        if asked is not None and now - asked < REQUEST_EVERY:
-            return
-        following.asked[name] = now
-        following.request(name)
+        following.ask(name, self.clock())
 
     # --- what discovery and health checks tell --------------------------------------
 
@@ -651,21 +451,21 @@ class Controller:
     async def _successor_first(self, restart: Restart) -> str:
         """Replace a replica failing its health check successor first: a successor placed
         as any start is (``grow_plan``, around everything on the nodes, the old replica's
-        cards included) and started; once it is ready the old replica is stopped. Returns
-        "" when that was done, else why the replica must be restarted in place instead
-        (nothing fits besides its own cards, a start of the model is under way already, or
-        the successor did not come up)."""
+        cards included) and started by the executor, which stops the old replica once it
+        is ready. Returns "" when that was done, else why the replica must be restarted in
+        place instead (nothing fits besides its own cards, a start of the model is under
+        way already, or the successor did not come up)."""
         assert self.nodes is not None
         spec, model = self.spec(), restart.model
         mc = self.model(model)
-        unresolved = _unresolved(spec, model)
+        unresolved = unpinned(spec, model)
         if unresolved:
             return unresolved
         async with self.lock.hold(f"place a successor of {model}#{restart.replica}"):
             facts = await self._probe(spec)
             plan = grow_plan(spec, facts, model, reserved=self._reserved())
         if not plan.changes:
-            return f"no free cards for a successor ({_unplaced(plan)})"
+            return f"no free cards for a successor ({unplaced_text(plan)})"
         if mc.starting:
             return "a start of the model is under way already"
         self._record(
@@ -679,17 +479,10 @@ class Controller:
         mc.progress = "probing the nodes to place a successor"
         mc.wake()
         successor = await self._start(
-            Start(model, f"restart of replica {restart.replica}, successor first: {restart.reason}")
+            Start(model, f"restart of replica {restart.replica}, successor first: {restart.reason}"),
+            replacing=restart,
         )
-        if successor is None:
-            return "its successor did not start"
-        await self._stop(
-            model,
-            restart.replica,
-            f"replaced by its successor at {successor}, ready ({restart.reason})",
-            StopCause.replaced.value,
-        )
-        return ""
+        return "" if successor is not None else "its successor did not start"
 
     def _mark_replaced(self, start: Start, seen: Sequence[Seen]) -> None:
         """A start while a replica of the model is lost past node_grace replaces it."""
@@ -717,23 +510,7 @@ class Controller:
         in_pool = {(r.model, r.address): r for r in self.pool.all()}
         seen: list[Seen] = []
         if not facts:  # a fixed replica list, or nothing probed yet: the pool only
-            for name, model in catalog.items():
-                for index, routed in enumerate(self.pool.of(name)):
-                    seen.append(
-                        Seen(
-                            model=model.name,
-                            replica=index,
-                            address=routed.address,
-                            nodes=(),
-                            gpus=frozenset(),
-                            units=UnitCondition.up,
-                            health=routed.health,
-                            first_seen=now,
-                            last_used=routed.last_used,
-                            in_flight=routed.outstanding,
-                        )
-                    )
-            return seen
+            return seen_in_pool(list(catalog), self.pool, now)
         nodes = {n.name: n for n in spec.nodes}
         unreachable = {name for name, f in facts.items() if not f.reachable}
         current: set[tuple[str, int]] = set()
@@ -748,8 +525,8 @@ class Controller:
             if known is None or known.address != address:
                 known = self.known[key] = Known(r.model, r.replica, address, r.members, now)
             known.nodes, known.port, known.held = r.members, r.port, r.gpus
-            known.draining = self._drain_deadline(r, facts, now)
-            restarts = _restarts(r)
+            known.draining = self._clocks.deadline(r, facts, now)
+            restarts = systemd_restarts(r)
             if known.restarts is not None and restarts > known.restarts:
                 # systemd started its engine again: a new engine, judged as a fresh start
                 # from now (it loads again, within its start timeout)
@@ -759,87 +536,23 @@ class Controller:
             current.add(key)
             served = known.ready_at is not None
             seen.append(
-                self._one(spec, known, _condition(r, facts, unreachable, served=served), in_pool, now)
+                seen_of(
+                    spec,
+                    known,
+                    unit_condition(r, facts, unreachable, served=served),
+                    in_pool,
+                    saved=self.saved,
+                    now=now,
+                )
             )
         for key, known in list(self.known.items()):
             if key in current or key in self._stopping:
                 continue
             if known.model in catalog and any(n in unreachable or n not in facts for n in known.nodes):
-                seen.append(self._one(spec, known, UnitCondition.lost, in_pool, now))
+                seen.append(seen_of(spec, known, UnitCondition.lost, in_pool, saved=self.saved, now=now))
             else:
                 del self.known[key]  # gone from the nodes
         return seen
-
-    def _drain_deadline(self, r: Running, facts: dict[str, NodeFacts], now: float) -> float | None:
-        """When the replica's drain ends on this gateway's clock (the latest of its members'
-        markers, each on its node's clock), or None when no member's node marks it."""
-        found: list[float] = []
-        for node in r.members:
-            f = facts.get(node)
-            deadline = f.draining.get(r.unit) if f is not None else None
-            if f is None or deadline is None:
-                continue
-            if f.clock is None:
-                found.append(deadline)  # no clock read: take the two clocks as one
-                continue
-            seen = self._clocks.get(node)
-            if seen is None or seen[0] != f.clock:
-                seen = self._clocks[node] = (f.clock, now)  # first seen now: this probe's offset
-            found.append(deadline + seen[1] - seen[0])
-        return max(found, default=None)
-
-    def _one(
-        self,
-        spec: ClusterSpec,
-        known: Known,
-        units: UnitCondition,
-        in_pool: dict[tuple[str, str], RoutedReplica],
-        now: float,
-    ) -> Seen:
-        routed = in_pool.get((known.model, known.address))
-        health = routed.health if routed is not None else Health.unknown
-        if units is UnitCondition.lost:
-            if known.lost_since is None:
-                # Since its first sign: a replica that was ready and stopped answering its
-                # health check just before its node stopped answering the probe was lost then.
-                known.lost_since = known.failing_since or now
-        else:
-            known.lost_since = None
-        if known.draining is not None:
-            pass  # out of rotation on purpose: its health is nobody's concern
-        elif health is Health.ready:
-            if known.ready_at is None:
-                known.ready_at = now
-            known.failing_since = None
-        elif known.ready_at is not None and units is not UnitCondition.lost and known.failing_since is None:
-            known.failing_since = now
-        model = spec.model(known.model)
-        idle_timeout = model.scaling.idle_timeout if model.scaling else None
-        times = [
-            t
-            for t in (
-                routed.last_used if routed is not None else None,
-                self.saved.get(replica_key(known.model, known.address)),
-            )
-            if t is not None
-        ]
-        return Seen(
-            model=known.model,
-            replica=known.replica,
-            address=known.address,
-            nodes=known.nodes,
-            gpus=frozenset(g for gpus in known.held.values() for g in gpus),
-            units=units,
-            health=health,
-            first_seen=known.first_seen,
-            ready_at=known.ready_at,
-            lost_since=known.lost_since,
-            failing_since=known.failing_since,
-            last_used=known_last_use(max(times) if times else None, known.first_seen, idle_timeout, now),
-            in_flight=routed.outstanding if routed is not None else 0,
-            replaced=known.replaced,
-            draining=known.draining,
-        )
 
     # --- effects: background work -----------------------------------------------------
 
@@ -865,7 +578,7 @@ class Controller:
         self.metrics.acted(model, action, label)
 
     def _begin(self, start: Start) -> None:
-        if _start_label(start) == "scale-out":
+        if start_label(start) == "scale-out":
             self.metrics.scaled_out(start.model)
         mc = self.model(start.model)
         mc.starting = True
@@ -875,18 +588,17 @@ class Controller:
 
     # --- starts -----------------------------------------------------------------------
 
-    async def _start(self, start: Start) -> str | None:
+    async def _start(self, start: Start, replacing: Restart | None = None) -> str | None:
         """Place, start and watch one replica; its address once ready, None when the start
-        failed (recorded, its units stopped)."""
+        failed (recorded, its units stopped). ``replacing``: the replica it replaces, stopped
+        once it is ready."""
         spec = self.spec()
         mc = self.model(start.model)
         began = time.monotonic()
         address: str | None = None
         placed: tuple[str, ...] = ()
         try:
-            action, address = await self._place_and_start(spec, start, mc)
-            placed = action.nodes
-            await self._watch(spec, start.model, action, address, began)
+            address = await self._place_and_start(spec, start, mc, began, replacing)
             mc.attempts = mc.attempts.succeeded()
             mc.evicted = False
             return address
@@ -894,7 +606,7 @@ class Controller:
             log.warning("%s: start abandoned: %s", start.model, exc)
             return None
         except Exception as exc:  # an unexpected failure must still end the start
-            if isinstance(exc, _Broken):
+            if isinstance(exc, Broken):
                 address, placed = exc.address, exc.nodes
             why = str(exc) if isinstance(exc, StartFailed) else f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, StartFailed):
@@ -927,7 +639,7 @@ class Controller:
             try:
                 async with self.lock.hold(f"stop {model} after a failed start"):
                     facts = await self._probe(spec)
-                    found = _at(spec, facts, model, address)
+                    found = replica_at(spec, facts, model, address)
                     if found is not None:
                         await self._stop_found(
                             spec, facts, found, address, "its start failed", force=True, label="start-failed"
@@ -951,74 +663,118 @@ class Controller:
         bringing weights, and the replicas on nodes that stopped answering (their units are
         not in the probe, but their replica numbers, cards and ports are still theirs)."""
         fetching = [s.action for i, s in self._fetching.items() if i != but]
-        lost = [
-            Action(
-                op="=",
-                model=k.model,
-                replica=k.replica,
-                nodes=k.nodes,
-                reason="on a node that does not answer",
-                port=k.port or None,
-                gpus=k.held,
-            )
-            for k in self.known.values()
-            if k.lost_since is not None
-        ]
-        return fetching + lost
+        return fetching + [k.held_action() for k in self.known.values() if k.lost_since is not None]
 
     async def _place_and_start(
-        self, spec: ClusterSpec, start: Start, mc: ModelController
-    ) -> tuple[Action, str]:
+        self, spec: ClusterSpec, start: Start, mc: ModelController, began: float, replacing: Restart | None
+    ) -> str:
+        """Place a replica under the lock (an eviction when nothing fits), then the
+        executor brings its weights, writes and starts it and waits until it is ready (and
+        then drains and stops the replica it is ``replacing``); its address then."""
         assert self.nodes is not None
         model = start.model
-        unresolved = _unresolved(spec, model)
+        unresolved = unpinned(spec, model)
         if unresolved:
             raise StartFailed(unresolved)
         ticket = next(self._tickets)
         async with self.lock.hold(f"place a replica of {model}"):
             facts = await self._probe(spec)
             plan = grow_plan(
-                spec, facts, model, reserved=self._reserved(), avoid=start.avoid, shun=_shun(start, mc)
+                spec, facts, model, reserved=self._reserved(), avoid=start.avoid, shun=shun(start, mc)
             )
             if not plan.changes:
                 plan = await self._evict_for(spec, facts, plan, start, mc)
             action = plan.changes[0]
-            self._fetching[ticket] = _Start(action, plan)
-        sink = _Sink(mc, self.secrets)
+            self._fetching[ticket] = Fetching(action, plan)
+            old = replica_found(facts, model, replacing.replica) if replacing is not None else None
+        where: dict[str, str] = {}
+
+        async def place(planned: Action) -> Action:
+            placed = await self._placed_again(spec, start, mc, ticket, planned)
+            self._starting(start, placed)
+            return placed
+
+        async def written(placed: Action, outcomes: list[Outcome]) -> None:
+            where["address"] = await self._written(spec, model, placed, outcomes)
+
+        async def watch(placed: Action) -> None:
+            try:
+                await self._watch(spec, model, placed, where["address"], began)
+            except StartFailed as exc:
+                raise Broken(str(exc), where["address"], placed.nodes) from exc
+
+        steps = StartSteps(spec, self.nodes, self.lock, plan, place, written, watch)
         try:
-            missing = await self.nodes.fetch(spec, plan, sink)
-            if missing:
-                raise StartFailed("; ".join(f"{node}: {why}" for node, why in sorted(missing.items())))
-            async with self.lock.hold(f"start a replica of {model}"):
-                facts = await self._probe(spec)
-                taken = conflicts(facts, action)
-                if taken is not None:
-                    log.info("%s: re-planning: %s", model, taken)
-                    plan = grow_plan(
-                        spec,
-                        facts,
-                        model,
-                        reserved=self._reserved(ticket),
-                        avoid=start.avoid,
-                        shun=_shun(start, mc),
-                    )
-                    if not plan.changes:
-                        raise StartFailed(f"{taken}; {_unplaced(plan)}")
-                    action = plan.changes[0]
-                del self._fetching[ticket]
-                # Re-planned: its weights may be missing where it goes now; brought under
-                # the lock then (rare: only when another writer took the planned cards).
-                address = await self._write_and_start(spec, start, plan, action, fetch=taken is not None)
-                return action, address
+            if old is None or replacing is None:
+                executor = Executor(steps, PoolRouting(self.pool, "", False), ProgressSink(mc, self.secrets))
+                await executor.start([action], f"start a replica of {model}")
+            else:
+                surge = successor_first(action, old, start.reason)
+                await self._replace(spec, steps, surge, old, restart=replacing, where=where)
         finally:
             self._fetching.pop(ticket, None)
+        return where["address"]
+
+    async def _replace(
+        self,
+        spec: ClusterSpec,
+        steps: StartSteps,
+        action: Action,
+        old: Running,
+        *,
+        restart: Restart,
+        where: dict[str, str],
+    ) -> None:
+        """The executor's surge replacement of ``old`` by ``action``'s successor, started
+        through ``steps``; the old replica, out of the pool, stopped under the lock."""
+        assert self.nodes is not None
+        gone = serving_address(spec.node(old.members[0]).engine_host, old.port)
+
+        def before() -> None:
+            reason = f"replaced by its successor at {where['address']}, ready ({restart.reason})"
+            self._stopping_now(old, gone, reason, label=StopCause.replaced.value)
+
+        steps.stop = StopSteps(spec, self.nodes, before)
+        executor = Executor(
+            steps, PoolRouting(self.pool, gone, True), ProgressSink(self.model(old.model), self.secrets)
+        )
+        try:
+            rolled = await executor.replace(action)
+        finally:
+            self._stopping.pop((old.model, old.replica), None)
+        if rolled.retired:
+            await self._forget(old.model, old.replica, gone)
+
+    async def _placed_again(
+        self, spec: ClusterSpec, start: Start, mc: ModelController, ticket: int, action: Action
+    ) -> Action:
+        """Under the lock: where the start goes now; placed again once when its planned
+        cards or port were taken while it brought its weights (its weights are brought with
+        the write then: rare, only when another writer took them)."""
+        facts = await self._probe(spec)
+        taken = conflicts(facts, action)
+        if taken is not None:
+            log.info("%s: re-planning: %s", start.model, taken)
+            plan = grow_plan(
+                spec,
+                facts,
+                start.model,
+                reserved=self._reserved(ticket),
+                avoid=start.avoid,
+                shun=shun(start, mc),
+            )
+            if not plan.changes:
+                raise StartFailed(f"{taken}; {unplaced_text(plan)}")
+            action = plan.changes[0]
+        del self._fetching[ticket]
+        return action
 
     async def _evict_for(
         self, spec: ClusterSpec, facts: dict[str, NodeFacts], plan: Plan, start: Start, mc: ModelController
     ) -> Plan:
         """Stop an idle on-demand replica of another model so ``start`` fits; once per run
         of failed starts (an eviction is not repeated while the back-off runs)."""
-        why = _unplaced(plan)
+        why = unplaced_text(plan)
         if mc.evicted and mc.attempts.failures:
             raise StartFailed(f"{why}; an eviction for it was done already and its start failed since")
         now = self.clock()
@@ -1043,32 +799,33 @@ class Controller:
         assert self.nodes is not None
         facts = self.nodes.facts  # probed by the stop, after it
         plan = grow_plan(
-            spec, facts, start.model, reserved=self._reserved(), avoid=start.avoid, shun=_shun(start, mc)
+            spec, facts, start.model, reserved=self._reserved(), avoid=start.avoid, shun=shun(start, mc)
         )
         if not plan.changes:
-            raise StartFailed(_unplaced(plan) or "no room after an eviction")
+            raise StartFailed(unplaced_text(plan) or "no room after an eviction")
         return plan
 
-    async def _write_and_start(
-        self, spec: ClusterSpec, start: Start, plan: Plan, action: Action, *, fetch: bool
-    ) -> str:
-        """Under the lock: the units written and started; the replica in the pool, loading."""
-        assert self.nodes is not None
-        mc = self.model(start.model)
-        model = start.model
+    def _starting(self, start: Start, action: Action) -> None:
+        """Under the lock, just before the units are written: the start recorded."""
         log.info(
-            "%s: starting replica %d on %s (%s)", model, action.replica, ",".join(action.nodes), start.reason
+            "%s: starting replica %d on %s (%s)",
+            start.model,
+            action.replica,
+            ",".join(action.nodes),
+            start.reason,
         )
-        self._record(model, "start", start.reason, _start_label(start))
-        mc.progress = f"starting on {','.join(action.nodes)}"
-        start_plan = plan.model_copy(update={"actions": (action,)})
-        outcomes = await self.nodes.execute(spec, start_plan, _log_report, fetch=fetch)
+        self._record(start.model, "start", start.reason, start_label(start))
+        self.model(start.model).progress = f"starting on {','.join(action.nodes)}"
+
+    async def _written(self, spec: ClusterSpec, model: str, action: Action, outcomes: list[Outcome]) -> str:
+        """Under the lock, the units written and started: the replica in the pool, loading."""
+        mc = self.model(model)
         assert action.port is not None
         address = serving_address(spec.node(action.nodes[0]).engine_host, action.port)
         broken = [f"{o.subject}: {o.message}" for o in outcomes if not o.ok]
         if broken:
             mc.loading.add(address)  # so the failure stops what was written
-            raise _Broken("; ".join(broken), address, action.nodes)
+            raise Broken("; ".join(broken), address, action.nodes)
         mc.progress = "engine loading"
         mc.loading.add(address)
         now = self.clock()
@@ -1186,31 +943,40 @@ class Controller:
         it and ``force`` is not given (it is put back then). Called under the lock."""
         assert self.nodes is not None
         model = found.model
-        replica = self.pool.remove(model, address)
-        if replica is not None and replica.outstanding and not force:
-            self.pool.replicas.setdefault(model, {})[address] = replica
-            return False
-        log.info("%s: stopping replica %d at %s: %s", model, found.replica, address, reason)
-        self._record(model, action, reason, label or action)
-        # Not seen while it stops (the last probe still shows it running) and until the
-        # probe after the stop says what is left of it.
-        self._stopping[(model, found.replica)] = address
+
+        def before() -> None:
+            self._stopping_now(found, address, reason, action=action, label=label or action)
+
+        (removal,) = stop_plan(facts, model, found.replica, reason).changes
+        executor = Executor(
+            StopSteps(spec, self.nodes, before), PoolRouting(self.pool, address, force), silent
+        )
         try:
-            plan = stop_plan(facts, model, found.replica, reason)
-            outcomes = await self.nodes.execute(spec, plan, _log_report)
-            for o in outcomes:
-                if not o.ok:
-                    log.error("%s: stopping replica %d: %s: %s", model, found.replica, o.subject, o.message)
-            await self._probe(spec)
+            stopped, outcomes = await executor.stop(removal)
         finally:
             self._stopping.pop((model, found.replica), None)
-        self.known.pop((model, found.replica), None)
+        if not stopped:
+            return False
+        await self._forget(model, found.replica, address)
+        return all(o.ok for o in outcomes)
+
+    def _stopping_now(
+        self, found: Running, address: str, reason: str, *, action: str = "stop", label: str
+    ) -> None:
+        """A replica's units are about to go: logged, recorded, and not seen while it stops
+        (the last probe still shows it running) nor until the probe after the stop."""
+        log.info("%s: stopping replica %d at %s: %s", found.model, found.replica, address, reason)
+        self._record(found.model, action, reason, label)
+        self._stopping[(found.model, found.replica)] = address
+
+    async def _forget(self, model: str, replica: int, address: str) -> None:
+        """A replica stopped: nothing of it is remembered, here or in the store."""
+        self.known.pop((model, replica), None)
         key = replica_key(model, address)
         self.saved.pop(key, None)
         if self.store is not None:
             await self.store.forget_last_use([key])
         self.observe()
-        return all(o.ok for o in outcomes)
 
     async def _read_last_use(self) -> None:
         """The stored last use again (every gateway process saves its own), before an idle
@@ -1228,115 +994,3 @@ def _deposed(task: asyncio.Task[object]) -> None:
     line in the log, not a traceback: the new leader decides from here."""
     if not task.cancelled() and isinstance(task.exception(), NotLeader):
         log.warning("controller work abandoned: %s", task.exception())
-
-
-def _published_phase(state: ModelState, mode: ScalingMode, now: float) -> Phase:
-    """A phase from the leader's publication (hostile data: an unknown value is
-    "stopped"); an on-demand model "failed" only while its back-off runs, as the leader
-    would say now."""
-    try:
-        phase = Phase(state.phase)
-    except ValueError:
-        return Phase.stopped
-    if (
-        phase is Phase.failed
-        and mode is ScalingMode.on_demand
-        and state.retry_at is not None
-        and state.retry_at <= now
-    ):
-        return Phase.stopped
-    return phase
-
-
-def _unresolved(spec: ClusterSpec, model: str) -> str:
-    """Why ``model`` cannot be started by the gateway: a repository llmgw fetches whose
-    revision no pin resolves (no pins file beside the cluster file, or none for its source
-    as written now). The gateway never asks the Hub itself: the commit is apply's to
-    choose. "" when it can be started."""
-    m = spec.model(model)
-    if not needs_pin(m):
-        return ""
-    return (
-        f"{m.source} is not resolved to a commit: run `llmgw apply`, which pins it "
-        "(the gateway starts a fetched repository only at the commit apply chose)"
-    )
-
-
-class _Broken(StartFailed):
-    def __init__(self, message: str, address: str, nodes: tuple[str, ...]) -> None:
-        super().__init__(message)
-        self.address = address
-        self.nodes = nodes
-
-
-def _shun(start: Start, mc: ModelController) -> frozenset[str]:
-    """Nodes a start goes to only when it fits nowhere else: where the replica it replaces
-    crash-looped, and where the model's starts failed since its last good one."""
-    return start.shun | mc.attempts.nodes
-
-
-def _restarts(r: Running) -> int:
-    return sum(u.state.n_restarts for u in r.units.values() if u.state is not None)
-
-
-def _restarting(r: Running) -> bool:
-    """Its engine died and systemd is bringing it back: a unit on its way down after its
-    engine exited (a real engine's worker processes take seconds to go), or waiting out
-    its restart pause."""
-    return any(
-        u.state is not None
-        and (u.state.active_state == "deactivating" or u.state.sub_state.startswith("auto-restart"))
-        for u in r.units.values()
-    )
-
-
-def _condition(
-    r: Running, facts: dict[str, NodeFacts], unreachable: set[str], *, served: bool = False
-) -> UnitCondition:
-    """The replica's units as the last probe saw them. ``served``: this gateway saw it
-    ready. An engine that served and then died is systemd's to restart (the unit's
-    StartLimitBurst bounds that): a crash loop is an engine that dies before it serves."""
-    if any(n in unreachable or n not in facts for n in r.members):
-        return UnitCondition.lost
-    if any(n in r.units and r.units[n].active_state == "failed" for n in r.members):
-        return UnitCondition.gave_up
-    if served and _restarting(r):
-        return UnitCondition.up
-    if r.health() is ReplicaState.crash_looping:
-        return UnitCondition.crash_looping
-    return UnitCondition.up if r.up else UnitCondition.down
-
-
-def _at(spec: ClusterSpec, facts: dict[str, NodeFacts], model: str, address: str) -> Running | None:
-    """The replica of ``model`` serving at ``address`` on the nodes, if any."""
-    nodes = {n.name: n for n in spec.nodes}
-    for r in running_replicas(facts):
-        if r.model != model or not r.members or r.members[0] not in nodes:
-            continue
-        if serving_address(nodes[r.members[0]].engine_host, r.port) == address:
-            return r
-    return None
-
-
-def _unplaced(plan: Plan) -> str:
-    return "; ".join(r for _, r in plan.unplaced) or "no room"
-
-
-def _start_label(start: Start) -> str:
-    """A bounded label for the metric from a start's reason."""
-    reason = start.reason.lower()
-    if start.avoid:
-        return "gave-up"
-    if reason == "requested":
-        return "requested"
-    for prefix, label in (("scale out", "scale-out"), ("restart", "unhealthy")):
-        if reason.startswith(prefix):
-            return label
-    for word, label in (("lost", "node-lost"), ("not running", "down"), ("below min", "below-min")):
-        if word in reason:
-            return label
-    return "other"
-
-
-def _log_report(subject: str, message: str, phase: ReportPhase = ReportPhase.working, /) -> None:
-    log.log(logging.WARNING if phase is ReportPhase.failed else logging.INFO, "%s: %s", subject, message)

@@ -58,7 +58,9 @@ from llmgw_cli.core.plan import Action, Plan
 from llmgw_cli.core.routing import Pool
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NotLeader
-from llmgw_cli.gateway.controller import Controller, Following, Nodes, UnitFailure
+from llmgw_cli.gateway.controller import Controller
+from llmgw_cli.gateway.controller_state import Following
+from llmgw_cli.gateway.replicas import Nodes, UnitFailure
 from llmgw_cli.gateway.sources import PublishedSource, ReplicaSource
 from llmgw_cli.gateway.store import Leadership, ModelState, Store
 from llmgw_cli.polling import wait_event

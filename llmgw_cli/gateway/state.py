@@ -46,9 +46,10 @@ from llmgw_cli.core.spec import ClusterSpec, GatewaySettings, Model
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.accesslog import AccessLog
 from llmgw_cli.gateway.admission import Admission
-from llmgw_cli.gateway.controller import Controller, Nodes, RemoteNodes
+from llmgw_cli.gateway.controller import Controller
 from llmgw_cli.gateway.coordination import Coordinator, FencedHold, FencedNodes
 from llmgw_cli.gateway.metrics import Metrics
+from llmgw_cli.gateway.replicas import Nodes, RemoteNodes
 from llmgw_cli.gateway.sources import ProbeSource, PublishedSource, ReplicaSource
 from llmgw_cli.gateway.store import Store
 from llmgw_cli.gateway.upstream import Upstreams

@@ -40,7 +40,8 @@ from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, ensure_engine_key, ensure_secret_env, node_engine_keys
-from llmgw_cli.remote.rollout import TakeLock, is_roll, roll_each, subject
+from llmgw_cli.remote.executor import subject
+from llmgw_cli.remote.rollout import TakeLock, is_roll, roll_each
 from llmgw_cli.remote.transport import Transport
 
 KeyMap = dict[str, tuple[str, ...]]

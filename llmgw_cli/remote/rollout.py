@@ -24,6 +24,11 @@ wait until ready and routed (step 2: the gateways told to probe at once, so the 
 is unserved for its load time, not up to a discovery round more). The lock is taken for each write step and never held during a wait,
 so the gateway's own starts and stops go on meanwhile.
 
+The order of those steps and what a failed one leaves serving are the executor's
+(``remote/executor.py``, which the gateway's controller uses too); this module gives it
+apply's seams: the cluster lock, ``execute`` over SSH (``ApplySteps``), the gateways'
+routes files, the drain markers and the connection count (``ApplyRouting``).
+
 The replacements of one model run one after another (the plan counts on the cards each
 one frees), the models' at the same time. The other actions go through ``execute`` as
 before; a ``+`` that takes cards or a port of a replica being replaced starts once the
@@ -65,6 +70,7 @@ from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, execute, wait_started
+from llmgw_cli.remote.executor import Drained, Executor, Rolled, one_plan, subject
 from llmgw_cli.remote.gateway_install import gateway_transport
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.probe import gather
@@ -87,10 +93,6 @@ TakeLock = Callable[[str], Awaitable[Held]]
 """Takes the cluster lock, saying why (``take_for_apply``)."""
 
 
-def _plan(actions: Sequence[Action], digest: str = "") -> Plan:
-    return Plan(actions=tuple(actions), unplaced=(), warnings=(), facts_digest=digest)
-
-
 def is_roll(action: Action) -> bool:
     """Whether ``action`` replaces a replica through the rolling steps."""
     return action.op == "~" and action.retire is not None
@@ -108,16 +110,6 @@ def rolling(facts: dict[str, NodeFacts], actions: Sequence[Action]) -> list[Acti
         return found is None or found.serving()
 
     return [a for a in actions if is_roll(a) and serves(a)]
-
-
-def subject(model: str, replica: int) -> str:
-    return f"{model}#{replica}"
-
-
-def cut_text(seconds: float, open_connections: int) -> str:
-    """What a drain that ran into its bound says (one connection is one request)."""
-    s = "" if open_connections == 1 else "s"
-    return f"stopped at the drain bound ({seconds:g}s) with {open_connections} request{s} in flight: cut"
 
 
 # --- the gateways' routing views -----------------------------------------------------
@@ -272,34 +264,24 @@ async def in_flight(t: Transport, port: int) -> int | None:
     return sum(1 for line in result.stdout.splitlines() if line.strip())
 
 
-# --- one model's replacements ----------------------------------------------------------
+# --- apply's seams of the executor -----------------------------------------------------
 
 
 @dataclass
-class Rolled:
-    """One replacement: what it did, and whether the old replica is gone (stopped and
-    its units removed: it no longer runs anything)."""
+class ApplySteps:
+    """apply's ``Steps``: the cluster lock (one holder in this process at a time: the
+    models' steps take turns rather than wait for each other on the gateway host), a
+    probe of the nodes under it, ``execute`` and ``wait_started`` over SSH."""
 
-    action: Action
-    outcomes: list[Outcome]
-    retired: bool
-
-
-@dataclass
-class _Roller:
     spec: ClusterSpec
     conns: Connections
-    report: Report
     take_lock: TakeLock | None
     engine_keys: dict[str, str] | None
     fetch: bool
-    gateways: Gateways
     _one_at_a_time: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @contextlib.asynccontextmanager
     async def locked(self, why: str) -> AsyncIterator[None]:
-        """The cluster lock for one write step (one holder in this process at a time: the
-        models' steps take turns rather than wait for each other on the gateway host)."""
         async with self._one_at_a_time:
             held = await self.take_lock(why) if self.take_lock is not None else None
             try:
@@ -308,149 +290,60 @@ class _Roller:
                 if held is not None:
                     await held.release()
 
-    async def weights(self, action: Action) -> str | None:
-        """Bring the weights ``action`` starts with (before any lock); why not, or None."""
+    async def weights(self, action: Action, report: Report) -> str | None:
         if not self.fetch:
             return None
-        missing = await ensure_for_plan(self.spec, _plan([action]), self.conns, self.report)
+        missing = await ensure_for_plan(self.spec, one_plan([action]), self.conns, report)
         return "; ".join(f"{node}: {why}" for node, why in sorted(missing.items())) or None
 
-    async def still_fits(self, action: Action) -> str | None:
-        """Under the lock: why ``action``'s cards or port are no longer free (a probe of its
-        nodes now), or None."""
+    async def placed(self, action: Action) -> Action | str:
+        """Its cards and port still free (a probe of its nodes now: the gateway may have
+        started something there since the plan)."""
         snapshot = await gather(self.spec, self.conns, list(action.nodes))
-        return conflicts({f.node: f for f in snapshot.nodes}, action)
+        return conflicts({f.node: f for f in snapshot.nodes}, action) or action
 
-    async def run(self, action: Action) -> Rolled:
-        try:
-            return await (self.surge(action) if action.surge else self.in_place(action))
-        except (LlmgwError, OSError) as exc:  # the lock not taken, a node lost midway
-            assert action.retire is not None
-            reason = getattr(exc, "reason", None) or str(exc)
-            who = subject(action.model, action.retire.replica)
-            self.report(who, f"failed: {reason}", Phase.failed)
-            return Rolled(
-                action, [Outcome(who, False, f"replacement stopped: {reason}; run apply again")], False
-            )
+    async def write(self, actions: Sequence[Action], report: Report) -> list[Outcome]:
+        keys = self.engine_keys if any(a.write for a in actions) else None
+        return await execute(
+            self.spec, self.conns, one_plan(actions), report, wait=False, engine_keys=keys, fetch=False
+        )
 
-    async def surge(self, action: Action) -> Rolled:
-        old = _retired(action)
-        new_subject, old_subject = subject(action.model, action.replica), subject(action.model, old.replica)
-        start = action.model_copy(update={"op": "+", "remove": (), "retire": None, "surge": False})
-        stays = f"#{old.replica} serves on; run apply again"
-        missing = await self.weights(start)
-        if missing:
-            return Rolled(action, [Outcome(new_subject, False, f"not started: {missing}; {stays}")], False)
-        self.report(new_subject, f"starting (successor of #{old.replica})")
-        async with self.locked(f"starting {new_subject} to replace #{old.replica}"):
-            taken = await self.still_fits(start)
-            if taken:
-                self.report(new_subject, f"not started: {taken}", Phase.failed)
-                return Rolled(action, [Outcome(new_subject, False, f"not started: {taken}; {stays}")], False)
-            done = await execute(
-                self.spec, self.conns, _plan([start]), self.report, wait=False,
-                engine_keys=self.engine_keys, fetch=False,
-            )  # fmt: skip
-        outcomes = list(done)
-        if all(o.ok for o in done):
-            outcomes += await wait_started(self.spec, self.conns, _plan([start]), done, self.report)
-        if not all(o.ok for o in outcomes):
-            outcomes.append(Outcome(old_subject, False, f"not retired: its successor did not start; {stays}"))
-            return Rolled(action, outcomes, False)
-        outcomes += await self.routed(action)
-        drained = await self.drain(action)
-        if isinstance(drained, Outcome):
-            return Rolled(action, [*outcomes, drained], False)
-        gone = _plan([_removal(action)])
-        async with self.locked(f"stopping {old_subject}, replaced by #{action.replica}"):
-            stopped = await execute(self.spec, self.conns, gone, self.report, wait=False, fetch=False)
-        outcomes += stopped
-        if not all(o.ok for o in stopped):
-            return Rolled(
-                action, [*outcomes, Outcome(old_subject, False, "not stopped; run apply again")], False
-            )
-        return Rolled(action, [*outcomes, self.stopped(action, drained)], True)
+    async def ready(self, actions: Sequence[Action], done: list[Outcome], report: Report) -> list[Outcome]:
+        return await wait_started(self.spec, self.conns, one_plan(actions), done, report)
 
-    async def in_place(self, action: Action) -> Rolled:
-        old = _retired(action)
-        who = subject(action.model, old.replica)
-        missing = await self.weights(action)
-        if missing:
-            return Rolled(action, [Outcome(who, False, f"not replaced: {missing}; it serves on")], False)
-        drained = await self.drain(action)
-        if isinstance(drained, Outcome):
-            return Rolled(action, [drained], False)
-        async with self.locked(f"replacing {who} in place"):
-            done = await execute(
-                self.spec, self.conns, _plan([action]), self.report, wait=False,
-                engine_keys=self.engine_keys, fetch=False,
-            )  # fmt: skip
-        if not all(o.ok for o in done):
-            return Rolled(action, [*done, Outcome(who, False, "not replaced; run apply again")], False)
-        outcomes = [*done, self.stopped(action, drained)]
-        ready = await wait_started(self.spec, self.conns, _plan([action]), done, self.report)
-        outcomes += ready
-        if all(o.ok for o in ready):
-            outcomes += await self.routed(action)
-        return Rolled(action, outcomes, True)
 
-    async def routed(self, action: Action) -> list[Outcome]:
-        """Step 2: wait until every live gateway routes the replica ``action`` started (told
-        to probe at once); a warning outcome when one does not within ``ROUTED_BOUND``."""
+@dataclass
+class ApplyRouting:
+    """apply's ``Routing``: every gateway's routes file (``Gateways``), the drain markers
+    on the old replica's nodes and its connection count."""
+
+    spec: ClusterSpec
+    conns: Connections
+    gateways: Gateways
+
+    def address(self, node: str, port: int) -> str:
+        return serving_address(self.spec.node(node).engine_host, port)
+
+    async def routed(self, action: Action, report: Report) -> list[Outcome]:
+        """Until every live gateway routes the replica ``action`` started (told to probe at
+        once); a warning outcome when one does not within ``ROUTED_BOUND``."""
         who = subject(action.model, action.replica)
         address = self.address(action.nodes[0], action.port or 0)
         routed = await self.gateways.until(lambda v: v.routes(action.model, address), timeout=ROUTED_BOUND)
         if routed is None:
             await asyncio.sleep(2 * HEALTH_INTERVAL)
         elif routed:
-            self.report(who, "routed by the gateway", Phase.done)
+            report(who, "routed by the gateway", Phase.done)
         else:
             warning = f"not routed by every gateway {ROUTED_BOUND:g}s after it was ready; went on"
-            self.report(who, warning, Phase.done)
+            report(who, warning, Phase.done)
             return [Outcome(who, True, warning)]
         return []
 
-    def address(self, node: str, port: int) -> str:
-        return serving_address(self.spec.node(node).engine_host, port)
-
-    async def drain(self, action: Action) -> tuple[int, float] | Outcome:
-        """Steps 3 and 4: marker, out of every gateway's rotation, connections closed. The
-        connections still open at the drain bound and the bound; an Outcome when the old
-        replica could not be marked (it serves on)."""
-        old = _retired(action)
-        who = subject(action.model, old.replica)
-        seconds = drain_seconds(self.spec, self.spec.model(action.model))
-        async with self.locked(f"draining {who}"):
-            marked = await self.mark(old, seconds)
-        if marked is not None:
-            self.report(who, f"not drained: {marked}", Phase.failed)
-            return Outcome(who, False, f"not retired: cannot mark it draining ({marked}); it serves on")
-        until = time.monotonic() + seconds
-        self.report(who, "draining")
-        address = self.address(old.nodes[0], old.port)
-        await self.gateways.until(
-            lambda v: not v.routes(action.model, address), timeout=until - time.monotonic()
-        )
-        head = self.conns.to(old.nodes[0])
-        last: list[int | None] = [-1]
-
-        async def idle() -> int | None:
-            count = await in_flight(head, old.port)
-            if count != last[0]:
-                last[0] = count
-                said = "?" if count is None else str(count)
-                self.report(who, f"draining ({said} in flight)")
-            return 0 if count == 0 else None
-
-        done = await poll_until(idle, timeout=max(until - time.monotonic(), 0.0), interval=POLL)
-        left = 0 if done == 0 else last[0]
-        if left is None:
-            left = -1  # could not be counted
-        return left, seconds
-
-    async def mark(self, old: Retired, seconds: float) -> str | None:
-        """Write the marker on every member node (deadline on the node's clock); on a
-        failure take back those written, and say why."""
+    async def mark(self, model: str, old: Retired) -> str | None:
+        """The drain marker on every member node (deadline: the node's clock plus the
+        drain bound); on a failure those written are taken back."""
+        seconds = drain_seconds(self.spec, self.spec.model(model))
 
         async def one(node: str) -> str | None:
             t = self.conns.to(node)
@@ -471,86 +364,44 @@ class _Roller:
                 await self.conns.to(node).run(remove_command(marker_path(old.unit)), root=True)
         return "; ".join(failed)
 
-    def stopped(self, action: Action, drained: tuple[int, float]) -> Outcome:
-        old = _retired(action)
-        who = subject(action.model, old.replica)
-        left, seconds = drained
-        by = f"replaced by #{action.replica}" if action.surge else "replaced in place"
-        if left > 0:
-            text = f"{cut_text(seconds, left)}; {by}"
-        elif left < 0:
-            text = f"stopped at the drain bound ({seconds:g}s), its connections could not be counted; {by}"
-        else:
-            text = f"drained and stopped; {by}"
-        self.report(who, text, Phase.done)
-        return Outcome(who, True, text)
+    async def drained(self, model: str, old: Retired, report: Report) -> Drained:
+        """Out of every gateway's rotation, then its connections closed, or the bound."""
+        seconds = drain_seconds(self.spec, self.spec.model(model))
+        until = time.monotonic() + seconds
+        who = subject(model, old.replica)
+        address = self.address(old.nodes[0], old.port)
+        await self.gateways.until(lambda v: not v.routes(model, address), timeout=until - time.monotonic())
+        head = self.conns.to(old.nodes[0])
+        last: list[int | None] = [-1]
 
-    async def roll_all(self, actions: Sequence[Action]) -> list[Rolled]:
-        by_model: dict[str, list[Action]] = {}
-        for action in actions:
-            if not is_roll(action):
-                raise ValueError(f"{action.op} {action.model}#{action.replica} is not a rolling replacement")
-            by_model.setdefault(action.model, []).append(action)
+        async def idle() -> int | None:
+            count = await in_flight(head, old.port)
+            if count != last[0]:
+                last[0] = count
+                said = "?" if count is None else str(count)
+                report(who, f"draining ({said} in flight)")
+            return 0 if count == 0 else None
 
-        async def model(chain: list[Action]) -> list[Rolled]:
-            return [await self.run(a) for a in chain]
-
-        done = await asyncio.gather(*(model(chain) for chain in by_model.values()))
-        return [r for chain in done for r in chain]
-
-    async def start_later(self, actions: list[Action], *, wait: bool) -> list[Outcome]:
-        """The ``+`` that waited for the replacements: under the lock, those whose cards and
-        port are free now (a replacement that failed still holds its old replica's)."""
-        outcomes: list[Outcome] = []
-        ready: list[Action] = []
-        for action in actions:
-            missing = await self.weights(action)
-            who = subject(action.model, action.replica)
-            if missing:
-                outcomes.append(Outcome(who, False, f"not started: {missing}"))
-            else:
-                ready.append(action)
-        go: list[Action] = []
-        done: list[Outcome] = []
-        if ready:
-            async with self.locked("starting replicas after the replacements"):
-                for action in ready:
-                    taken = await self.still_fits(action)
-                    who = subject(action.model, action.replica)
-                    if taken:
-                        outcomes.append(Outcome(who, False, f"not started: {taken}"))
-                    else:
-                        go.append(action)
-                if go:
-                    done = await execute(
-                        self.spec, self.conns, _plan(go), self.report, wait=False,
-                        engine_keys=self.engine_keys, fetch=False,
-                    )  # fmt: skip
-        outcomes += done
-        if wait and go:
-            outcomes += await wait_started(self.spec, self.conns, _plan(go), done, self.report)
-        return outcomes
+        done = await poll_until(idle, timeout=max(until - time.monotonic(), 0.0), interval=POLL)
+        left = 0 if done == 0 else last[0]
+        return Drained(-1 if left is None else left, seconds)
 
 
-def _retired(action: Action) -> Retired:
-    if action.retire is None:
-        raise ValueError(f"{action.model}#{action.replica}: not a replacement")
-    return action.retire
-
-
-def _removal(action: Action) -> Action:
-    """The ``-`` that stops and removes a surge's old replica."""
-    old = _retired(action)
-    remove = action.remove or tuple((n, old.unit) for n in old.nodes)
-    return Action(
-        op="-",
-        model=action.model,
-        replica=old.replica,
-        nodes=old.nodes,
-        reason=f"replaced by #{action.replica}",
-        remove=remove,
-        port=old.port,
-    )
+def _executor(
+    spec: ClusterSpec,
+    conns: Connections,
+    report: Report,
+    *,
+    take_lock: TakeLock | None,
+    engine_keys: dict[str, str] | None,
+    fetch: bool,
+    gateways: Gateways | None,
+) -> Executor:
+    gateways = gateways or Gateways.of(spec, conns, report)
+    steps = ApplySteps(spec, conns, take_lock, engine_keys, fetch)
+    executor = Executor(steps, ApplyRouting(spec, conns, gateways), report)
+    gateways.report = executor.event  # what the routing views say is the executor's too
+    return executor
 
 
 async def roll_each(
@@ -564,12 +415,15 @@ async def roll_each(
     fetch: bool = True,
     gateways: Gateways | None = None,
 ) -> list[Rolled]:
-    """Carry out the rolling ``~`` actions (``is_roll``): each model's one after another in
-    the order given, the models at the same time. ``take_lock``: takes the cluster lock
-    for one write step (None: no lock, ``--no-lock``). ``engine_keys``: as ``execute``'s.
-    ``fetch``: bring each successor's weights first (False: they were brought)."""
-    gateways = gateways or Gateways.of(spec, conns, report)
-    return await _Roller(spec, conns, report, take_lock, engine_keys, fetch, gateways).roll_all(actions)
+    """Carry out the rolling ``~`` actions (``is_roll``) through the executor: each
+    model's one after another in the order given, the models at the same time.
+    ``take_lock``: takes the cluster lock for one write step (None: no lock,
+    ``--no-lock``). ``engine_keys``: as ``execute``'s. ``fetch``: bring each successor's
+    weights first (False: they were brought)."""
+    executor = _executor(
+        spec, conns, report, take_lock=take_lock, engine_keys=engine_keys, fetch=fetch, gateways=gateways
+    )
+    return await executor.replace_all(actions)
 
 
 # --- the whole plan ---------------------------------------------------------------------
@@ -621,24 +475,30 @@ async def carry_out(
     later_at = set(after_rolls(facts, rolls, changes))
     later = [a for i, a in enumerate(changes) if i in later_at]
     rest = [a for i, a in enumerate(changes) if i not in later_at and not any(a is r for r in rolls)]
-    now = _plan(rest, plan.facts_digest)
+    now = one_plan(rest, plan.facts_digest)
+    executor = _executor(
+        spec, conns, report, take_lock=take_lock, engine_keys=engine_keys, fetch=fetch, gateways=gateways
+    )
     done: list[Outcome] = []
     try:
         if now.changes:
-            done = await execute(spec, conns, now, report, wait=False, engine_keys=engine_keys, fetch=fetch)
+            done = await execute(
+                spec, conns, now, executor.event, wait=False, engine_keys=engine_keys, fetch=fetch
+            )
     finally:
         if lock is not None:
             await lock.release()
 
     async def waited() -> list[Outcome]:
-        return await wait_started(spec, conns, now, done, report) if wait and now.changes else []
-
-    gateways = gateways or Gateways.of(spec, conns, report)
-    roller = _Roller(spec, conns, report, take_lock, engine_keys, fetch, gateways)
+        return await wait_started(spec, conns, now, done, executor.event) if wait and now.changes else []
 
     async def rolled() -> list[Outcome]:
-        outcomes = [o for r in await roller.roll_all(rolls) for o in r.outcomes]
-        return outcomes + (await roller.start_later(later, wait=wait) if later else [])
+        outcomes = [o for r in await executor.replace_all(rolls) for o in r.outcomes]
+        if later:
+            outcomes += (await executor.start(later, "starting replicas after the replacements", wait=wait))[
+                1
+            ]
+        return outcomes
 
     first, second = await asyncio.gather(waited(), rolled())
     return [*done, *first, *second]

@@ -648,6 +648,34 @@ def test_a_replica_failing_its_health_check_is_replaced_successor_first_when_one
     run(scenario)
 
 
+def test_the_controllers_replacement_is_carried_out_by_the_one_executor(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The successor-first replacement's steps are said by the executor apply uses too
+    (``remote/executor.py``): its events, the weights fetch's included, come from it."""
+    caplog.set_level(logging.INFO, "llmgw.executor")
+
+    async def scenario() -> None:
+        w = World(gpus=2, cluster=DUO)
+        await _wedged(w)
+        await w.controller.tick()
+        await until(lambda: w.nodes.starts("duo"), "the successor's start")
+        (successor,) = w.nodes.starts("duo")
+        w.health[f"{w.spec.node(successor.nodes[0]).address}:{successor.port}"] = 200
+        await until(lambda: w.nodes.stops("duo"), "the wedged replica stopped once its successor is ready")
+        await w.controller.idle()
+
+    run(scenario)
+    events = [r.getMessage() for r in caplog.records if r.name == "llmgw.executor"]
+    assert all(getattr(r, "source", None) == "executor" for r in caplog.records if r.name == "llmgw.executor")
+    assert events == [
+        "a: weights fetching",  # what the controller's Nodes report goes through it too
+        "duo#2: starting (successor of #1)",
+        "duo#1: draining",
+        "duo#1: drained and stopped; replaced by #2",
+    ]
+
+
 def test_a_replica_failing_its_health_check_is_restarted_in_place_when_nothing_else_fits() -> None:
     async def scenario() -> None:
         w = World(gpus=1, cluster=DUO)

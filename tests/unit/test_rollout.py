@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from llmgw_cli.core.plan import Action, Plan, Retired, make_plan
 from llmgw_cli.core.routing import serving_address
 from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.progress import Phase
-from llmgw_cli.remote import rollout
+from llmgw_cli.remote import executor, rollout
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome
 from llmgw_cli.remote.probe import Snapshot
@@ -323,7 +324,7 @@ def test_requests_still_open_at_the_drain_bound_are_counted_as_cut(world: World)
     assert outcomes[-1] == Outcome("m#0", True, text)
     assert world.said.count(("m#0", text)) == 1  # said once: apply prints each report line
     assert "stop m#0" in world.events
-    assert rollout.cut_text(30, 1) == "stopped at the drain bound (30s) with 1 request in flight: cut"
+    assert executor.cut_text(30, 1) == "stopped at the drain bound (30s) with 1 request in flight: cut"
 
 
 def test_a_successor_that_never_gets_ready_leaves_the_old_one_serving(world: World) -> None:
@@ -418,3 +419,20 @@ def test_a_start_that_takes_what_a_replacement_frees_waits_for_it() -> None:
     down = with_units(running, [(u.node, u.name, u.text) for u in old.write], state="failed")
     assert rollout.rolling(down, [roll]) == []
     assert rollout.after_rolls(down, [], [roll, on_freed]) == []
+
+
+def test_every_event_of_a_replacement_is_the_executors(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """apply's rolling steps say nothing of their own: each line the report gets (the
+    routing views' and the drain counts' included) is an event of the one executor."""
+    world.gateway = False  # so the "no routing view" line is said too
+    action = replaced(world, "m", 0, "a", 8100, new=1, new_port=8102)
+    world.in_flight[("a", 8100)] = [1, 0]
+    with caplog.at_level(logging.INFO, logger="llmgw.executor"):
+        rolled(world, [action])
+    events = [
+        (r.getMessage(), getattr(r, "source", None)) for r in caplog.records if r.name == "llmgw.executor"
+    ]
+    assert ("gateway", "no gateway's routing view on gw.example; going by health checks only") in world.said
+    assert events == [(f"{who}: {message}", "executor") for who, message in world.said]

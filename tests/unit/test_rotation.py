@@ -20,7 +20,7 @@ from llmgw_cli.progress import silent
 from llmgw_cli.remote import engine_keys
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome
-from llmgw_cli.remote.rollout import Rolled
+from llmgw_cli.remote.executor import Rolled
 from llmgw_cli.remote.transport import Transport
 
 from .facts_factory import node_facts, with_units
