@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmgw_cli.core.fetch import Peers, plan_fetch
-from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.weights.fetch import Peers, plan_fetch
 from llmgw_cli.remote.fetch import Fetcher
 from tests.integration.weights_origin import Origin, start_origin
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.placement import place
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.planning.placement import place
 from tests.unit.facts_factory import node_facts
 
 

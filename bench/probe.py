@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.parse.probe import probe_script
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.observe.parse.probe import probe_script
 from llmgw_cli.remote.connect import Connections, resolve_path
 from llmgw_cli.remote.probe import Snapshot, gather
 

@@ -45,7 +45,7 @@ Errors handled where they arise, which never reach the command line (so they are
 Two kinds of error live beside the code that raises them: those of the programs that run
 on a node (``node/``: standard library only, they
 cannot import this module), and private ones that one module raises and catches itself
-(``_Refused`` in ``core/load.py``, ``_Dropped`` in ``remote/ssh.py``): they never leave it.
+(``_Refused`` in ``core/clusterfile/load.py``, ``_Dropped`` in ``remote/ssh.py``): they never leave it.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class BrokenAnswer(UpstreamError):
 
 
 class BadRequest(Exception):
-    """A client mistake in a request body (``gateway/request_body.py``): answered 400 in
+    """A client mistake in a request body (``gateway/serving/request_body.py``): answered 400 in
     the OpenAI format with this message, code and param."""
 
     def __init__(self, message: str, code: str, param: str | None = None) -> None:

@@ -9,7 +9,7 @@ Layers, lowest first; a module may import (and call) its own layer and the ones 
     < gateway < cli (with __main__)
 node/ runs on a node as root: it imports only the standard library and itself. lab/ is
 tooling, outside the order: it may import every layer but cli, and only cli (and lab)
-may import it. A sub-package (core/parse/, gateway/serving/...) is in its top package's
+may import it. A sub-package (core/observe/parse/, gateway/serving/...) is in its top package's
 layer.
 """
 
@@ -46,7 +46,7 @@ LAYER_NAMES = {0: "node", 1: "foundation", 2: "core", 3: "remote", 4: "gateway",
 
 
 def top_of(module: str) -> str:
-    """The top-level part of an llmgw_cli module name: 'core' for llmgw_cli.core.parse.x."""
+    """The top-level part of an llmgw_cli module name: 'core' for llmgw_cli.core.observe.parse.x."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 

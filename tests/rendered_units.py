@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from llmgw_cli.core.engines import Member, ReplicaUnit, replica_unit
-from llmgw_cli.core.pins import pin, unpinned
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.engine.engines import Member, ReplicaUnit, replica_unit
+from llmgw_cli.core.weights.pins import pin, unpinned
 
 MADE_UP_COMMIT = "c0ffee" * 6 + "c0ff"  # what a plan would resolve a repository's revision to
 

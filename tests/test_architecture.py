@@ -42,7 +42,7 @@ def graph() -> Graph:
 def test_the_graph_sees_the_package(graph: Graph) -> None:
     """A graph that missed the package's modules or imports would pass every rule below."""
     modules, edges, _ = graph
-    assert {"llmgw_cli.cli.main", "llmgw_cli.core.spec", "llmgw_cli.errors"} <= set(modules)
+    assert {"llmgw_cli.cli.main", "llmgw_cli.core.clusterfile.spec", "llmgw_cli.errors"} <= set(modules)
     assert any(e.source == "llmgw_cli.cli.main" and e.target == "llmgw_cli.errors" for e in edges)
 
 
@@ -53,14 +53,14 @@ def test_no_module_imports_a_higher_layer(graph: Graph) -> None:
 
 
 def test_the_layer_rule_catches_an_upward_import() -> None:
-    assert report.layer_violation("llmgw_cli.core.plan", "llmgw_cli.remote.ssh")
+    assert report.layer_violation("llmgw_cli.core.planning.plan", "llmgw_cli.remote.ssh")
     assert report.layer_violation("llmgw_cli.gateway.serving.proxy", "llmgw_cli.cli.main")
-    assert report.layer_violation("llmgw_cli.core.spec", "llmgw_cli.lab.cluster")
+    assert report.layer_violation("llmgw_cli.core.clusterfile.spec", "llmgw_cli.lab.cluster")
     assert report.layer_violation("llmgw_cli.lab.cluster", "llmgw_cli.cli.lab")
     assert report.layer_violation("llmgw_cli.node.helper", "llmgw_cli.errors")
-    assert report.layer_violation("llmgw_cli.cli.apply", "llmgw_cli.core.plan") is None
+    assert report.layer_violation("llmgw_cli.cli.apply", "llmgw_cli.core.planning.plan") is None
     assert report.layer_violation("llmgw_cli.gateway.control.fleet", "llmgw_cli.remote.ssh") is None
-    assert report.layer_violation("llmgw_cli.core.parse.probe", "llmgw_cli.errors") is None
+    assert report.layer_violation("llmgw_cli.core.observe.parse.probe", "llmgw_cli.errors") is None
     assert report.layer_violation("llmgw_cli.lab.cluster", "llmgw_cli.remote.ssh") is None
 
 

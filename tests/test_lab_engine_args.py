@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.engine_flags import table
+from llmgw_cli.core.engine.engine_flags import table
 from llmgw_cli.errors import EngineStartError
 from llmgw_cli.lab.engine_args import parse_argv
 from llmgw_cli.lab.engine_checks import (

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.errors import LabUnavailable, UsageError
 from llmgw_cli.lab import cluster, fault, host, shapes, smi, weights
 from llmgw_cli.lab.host import LabRecord, NodeRecord

@@ -3,8 +3,8 @@
 import re
 from pathlib import Path
 
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.parse.probe import probe_script
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.observe.parse.probe import probe_script
 from llmgw_cli.lab import nodefs, shapes, smi
 from llmgw_cli.lab.shapes import ShapeKind
 

@@ -18,14 +18,14 @@ from llmgw_cli.cli import host_steps
 from llmgw_cli.cli.common import confirm, probe_with_progress, read_cluster
 from llmgw_cli.cli.repos import gateway_pins, pinned
 from llmgw_cli.cli.views import plan_view, progress_line, progress_view
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.flag_check import check_flags
-from llmgw_cli.core.journal import split_ref
-from llmgw_cli.core.pins import moved, pinned_commits
-from llmgw_cli.core.plan import Plan, facts_digest, make_plan, running_replicas
-from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.core.steps import HostFacts
-from llmgw_cli.core.whole_plan import has_work, whole
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.engine.flag_check import check_flags
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.observe.journal import split_ref
+from llmgw_cli.core.planning.plan import Plan, facts_digest, make_plan, running_replicas
+from llmgw_cli.core.planning.steps import HostFacts
+from llmgw_cli.core.planning.whole_plan import has_work, whole
+from llmgw_cli.core.weights.pins import moved, pinned_commits
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, SpecError, UsageError
 from llmgw_cli.progress import Board, Phase, Report
 from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
@@ -194,10 +194,10 @@ async def _rotate(
 
 
 def flags_checked(spec: ClusterSpec, file: Path, facts: dict[str, NodeFacts], chosen: Plan) -> Plan:
-    """``chosen`` with the warnings of the flag check (``core/flag_check.py``); a flag the
+    """``chosen`` with the warnings of the flag check (``core/engine/flag_check.py``); a flag the
     engine of some node would refuse is a SpecError at its ``args`` entry, before anything
     changes."""
-    from llmgw_cli.core.load import locate
+    from llmgw_cli.core.clusterfile.load import locate
 
     report = check_flags(spec, facts, chosen)
     if report.problems:
@@ -394,7 +394,7 @@ def _choose(
     replicas it was told to replace."""
     if saved is None:
         wanted = replacements(replace, facts)
-        # the health checks of replicas still starting (``core/health.py``)
+        # the health checks of replicas still starting (``core/observe/health.py``)
         answers = session.run(health_answers(spec, session.conns, facts)) if session else {}
         return make_plan(spec, facts, replace=wanted, answers=answers), wanted
     _no_replace(replace)
@@ -413,7 +413,7 @@ def _choose(
 def _gathered(
     spec: ClusterSpec, session: Session, facts: dict[str, NodeFacts], gateway: GatewayPreviews
 ) -> HostFacts:
-    """What the host steps come from (``core/steps.py``): the reachable nodes' helper and
+    """What the host steps come from (``core/planning/steps.py``): the reachable nodes' helper and
     engine key, each gateway host's files."""
     reachable = [n.name for n in spec.nodes if n.name in facts and facts[n.name].reachable]
     stale = session.run(stale_nodes(spec, session.conns, reachable, facts))

@@ -25,8 +25,8 @@ from llmgw_cli.errors import InputError, UsageError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from llmgw_cli.core.spec import ClusterSpec
-    from llmgw_cli.gateway.store import Store
+    from llmgw_cli.core.clusterfile.spec import ClusterSpec
+    from llmgw_cli.gateway.store.sqlite import Store
     from llmgw_cli.progress import Report
     from llmgw_cli.remote.connect import Session
     from llmgw_cli.remote.probe import Snapshot
@@ -67,7 +67,7 @@ def read_cluster(path: Path) -> ClusterSpec:
         raise InputError(f"{path}: no such file (give the cluster file with -f FILE)") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc}") from None
-    from llmgw_cli.core.load import parse_cluster
+    from llmgw_cli.core.clusterfile.load import parse_cluster
 
     # Bytes, not text: a byte that is not UTF-8 is reported at its line and column.
     return parse_cluster(data, str(path))
@@ -181,7 +181,7 @@ def with_store(spec: ClusterSpec, call: Callable[[Store], Awaitable[T]]) -> T:
     """``call`` on the store the cluster file names, opened and closed around it."""
     import asyncio
 
-    from llmgw_cli.gateway.store import open_store
+    from llmgw_cli.gateway.store.sqlite import open_store
 
     async def run() -> T:
         store = open_store(spec)

@@ -6,7 +6,7 @@ from typing import Annotated
 import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, NodesOption
-from llmgw_cli.core.peers import Peers
+from llmgw_cli.core.weights.peers import Peers
 
 
 def fetch(

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Annotated, Any, TypedDict
 import typer
 
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
-from llmgw_cli.core.paths import ENGINE_ENV_FILE, ENGINE_KEY_VAR, ENGINE_KEYS_FILE
+from llmgw_cli.core.hosts.paths import ENGINE_ENV_FILE, ENGINE_KEY_VAR, ENGINE_KEYS_FILE
 
 if TYPE_CHECKING:
-    from llmgw_cli.core.spec import ClusterSpec
+    from llmgw_cli.core.clusterfile.spec import ClusterSpec
 
 app = typer.Typer(help="The OpenAI-compatible gateway.", no_args_is_help=True)
 
@@ -136,13 +136,13 @@ def run(
     # The gateway's stack, loaded by this command only (cli/common.py).
     import logging
 
-    from llmgw_cli.core.drain import routes_dir
-    from llmgw_cli.gateway.accesslog import LIMIT, AccessLog
-    from llmgw_cli.gateway.server import redact_log, serve
-    from llmgw_cli.gateway.sources import ProbeSource, PublishedSource, ReplicaSource, StaticSource
-    from llmgw_cli.gateway.state import Gateway, read_engine_key, read_engine_keys
-    from llmgw_cli.gateway.store import open_store
-    from llmgw_cli.gateway.workers import default_count, supervise
+    from llmgw_cli.core.planning.drain import routes_dir
+    from llmgw_cli.gateway.control.sources import ProbeSource, PublishedSource, ReplicaSource, StaticSource
+    from llmgw_cli.gateway.control.state import Gateway, read_engine_key, read_engine_keys
+    from llmgw_cli.gateway.control.workers import default_count, supervise
+    from llmgw_cli.gateway.serving.accesslog import LIMIT, AccessLog
+    from llmgw_cli.gateway.serving.server import redact_log, serve
+    from llmgw_cli.gateway.store.sqlite import open_store
     from llmgw_cli.remote.cluster_lock import gateway_lock
     from llmgw_cli.remote.connect import GatewayAccess
 
@@ -195,7 +195,7 @@ def run(
     else:
         source = StaticSource.from_file(replicas or Path())
     # Every worker (and every host) with node access may lead; the one that leads alone
-    # starts and stops replicas (gateway/coordination.py): the others route.
+    # starts and stops replicas (gateway/control/coordination.py): the others route.
     manages = probe is not None and spec.gateway.manage_replicas
     # asyncssh says "Opening SSH connection", "Requesting new SSH session"... at INFO for
     # every probe: most of the journal. Its warnings and errors still show.
@@ -217,10 +217,10 @@ def run(
         manage_replicas=manages,
         # the cluster lock in its state folder: apply takes the same one before it writes units
         lock=gateway_lock(spec) if manages else None,
-        # what it routes, for apply (core/drain.py): <state_dir>/routes/<pid>.json
+        # what it routes, for apply (core/planning/drain.py): <state_dir>/routes/<pid>.json
         routes=Path(routes_dir(spec.gateway.state_dir)),
     )
-    for handler in logging.getLogger().handlers:  # no secret in the journal (core/redact.py)
+    for handler in logging.getLogger().handlers:  # no secret in the journal (core/serving/redact.py)
         redact_log(handler, gateway)
     runner(serve(gateway, worker=worker))
 
@@ -232,7 +232,7 @@ def load_pinned(file: Path) -> ClusterSpec:
     is logged: the gateway will not start it, every other model runs."""
     import logging
 
-    from llmgw_cli.core.pins import pins_file, unpinned, with_pins_file
+    from llmgw_cli.core.weights.pins import pins_file, unpinned, with_pins_file
 
     spec = with_pins_file(read_cluster(file), file)
     for name in unpinned(spec):

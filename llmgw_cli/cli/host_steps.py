@@ -1,5 +1,5 @@
 """The whole plan in the shell: the gateway previews as host facts, a saved plan loaded
-and checked against what `apply` read (``core/whole_plan.py``), the host steps printed.
+and checked against what `apply` read (``core/planning/whole_plan.py``), the host steps printed.
 What `plan` and `apply` read beside the node probe is gathered in ``cli/apply_steps.py``."""
 
 from __future__ import annotations
@@ -9,11 +9,18 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.plan import Plan, facts_digest, make_plan
-from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.core.steps import GatewayState, HostFacts, host_lines
-from llmgw_cli.core.whole_plan import has_work, host_digest, host_steps, saved_refusal, what_changed, whole
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.plan import Plan, facts_digest, make_plan
+from llmgw_cli.core.planning.steps import GatewayState, HostFacts, host_lines
+from llmgw_cli.core.planning.whole_plan import (
+    has_work,
+    host_digest,
+    host_steps,
+    saved_refusal,
+    what_changed,
+    whole,
+)
 from llmgw_cli.errors import InputError
 from llmgw_cli.remote.connect import Session
 from llmgw_cli.remote.gateway_install import GatewayPreviews
@@ -35,7 +42,7 @@ def gateway_states(gateway: GatewayPreviews) -> tuple[GatewayState, ...]:
 
 
 def show(plan: Plan, console: Console) -> None:
-    """The plan's host steps, one line each kind (``core/steps.py``): yellow when it
+    """The plan's host steps, one line each kind (``core/planning/steps.py``): yellow when it
     changes something."""
     for line, changes in host_lines(plan.steps):
         console.print(Text(line, style="yellow" if changes else "dim"), highlight=False, soft_wrap=True)

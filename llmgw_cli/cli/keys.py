@@ -33,7 +33,7 @@ def create(
     import secrets
 
     from llmgw_cli.cli.store_access import forward, store_of, with_store
-    from llmgw_cli.core.keys import TOKEN_PREFIX, ApiKey, hash_token, parse_expiry
+    from llmgw_cli.core.serving.keys import TOKEN_PREFIX, ApiKey, hash_token, parse_expiry
     from llmgw_cli.remote.gateway_store import store_host
 
     chosen = tuple(m.strip() for m in models.split(",") if m.strip()) if models else ()

@@ -20,9 +20,9 @@ from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from llmgw_cli.core import journal
-    from llmgw_cli.core.plan import Running
-    from llmgw_cli.core.spec import ClusterSpec
+    from llmgw_cli.core.clusterfile.spec import ClusterSpec
+    from llmgw_cli.core.observe import journal
+    from llmgw_cli.core.planning.plan import Running
     from llmgw_cli.remote.connect import Connections, Session
 
 Reference = Annotated[
@@ -35,9 +35,9 @@ def _replicas(spec: ClusterSpec, file: Path, ref: journal.Ref, session: Session)
     from rich.console import Console
 
     from llmgw_cli.cli.common import probe_with_progress
-    from llmgw_cli.core import journal
-    from llmgw_cli.core.engines import unit_name
-    from llmgw_cli.core.plan import running_replicas
+    from llmgw_cli.core.engine.engines import unit_name
+    from llmgw_cli.core.observe import journal
+    from llmgw_cli.core.planning.plan import running_replicas
     from llmgw_cli.errors import NodeError
 
     snapshot = probe_with_progress(spec, file, None, Console(stderr=True), session)
@@ -60,7 +60,7 @@ Command = Callable[[str], str]  # unit -> its journalctl command
 async def _read(conns: Connections, units: list[tuple[Running, str]], command: Command) -> list[journal.Line]:
     import asyncio
 
-    from llmgw_cli.core import journal
+    from llmgw_cli.core.observe import journal
 
     async def one(replica: Running, node: str) -> list[journal.Line]:
         done = await conns.to(node).run(command(replica.unit), root=True)
@@ -79,7 +79,7 @@ async def _follow(conns: Connections, units: list[tuple[Running, str]], command:
     """Every unit's new lines as they come, labelled, until interrupted."""
     import asyncio
 
-    from llmgw_cli.core import journal
+    from llmgw_cli.core.observe import journal
     from llmgw_cli.errors import NodeError
     from llmgw_cli.remote.transport import Spawns
 
@@ -121,7 +121,7 @@ def logs(
     Each line: the time, the node, MODEL#N, then the journal's line (control characters
     shown as \\xNN). A multi-node replica shows every member's unit.
     """
-    from llmgw_cli.core import journal
+    from llmgw_cli.core.observe import journal
     from llmgw_cli.remote.connect import Session
 
     spec = read_cluster(file)
@@ -146,7 +146,7 @@ async def _restart(spec: ClusterSpec, conns: Connections, replica: Running, repo
     import asyncio
     import shlex
 
-    from llmgw_cli.core import journal
+    from llmgw_cli.core.observe import journal
     from llmgw_cli.polling import poll_until
     from llmgw_cli.remote.execute import ready_status
 
@@ -202,7 +202,7 @@ def restart(
     MODEL#N`. Exit code 1 when a replica is not ready within its profile's start_timeout.
     """
     from llmgw_cli.cli.common import stdout_console
-    from llmgw_cli.core import journal
+    from llmgw_cli.core.observe import journal
     from llmgw_cli.errors import InputError
     from llmgw_cli.remote.connect import Session
 

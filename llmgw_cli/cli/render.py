@@ -13,7 +13,7 @@ import typer
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 
 if TYPE_CHECKING:
-    from llmgw_cli.core.commands import EngineCommand
+    from llmgw_cli.core.engine.commands import EngineCommand
 
 app = typer.Typer(
     help="Render files llmgw generates (systemd units, monitoring) and engine commands to stdout.",
@@ -46,7 +46,7 @@ def gateway_unit_cmd(
     cluster file, the gateway's SSH key, known_hosts, the engine keys) and takes its
     listeners from llmgw-gateway.socket (`llmgw render gateway-socket`).
     """
-    from llmgw_cli.core.gateway_install import installed_gateway_unit
+    from llmgw_cli.core.hosts.gateway_install import installed_gateway_unit
 
     spec = read_cluster(file)
     binary = llmgw_bin or spec.gateway.llmgw_bin or _llmgw_bin()
@@ -56,7 +56,7 @@ def gateway_unit_cmd(
 @app.command("gateway-socket")
 def gateway_socket_cmd(file: ClusterFile = DEFAULT_FILE) -> None:
     """Print llmgw-gateway.socket, the gateway's listeners, as `apply` installs it."""
-    from llmgw_cli.core.units import gateway_socket_unit
+    from llmgw_cli.core.hosts.units import gateway_socket_unit
 
     sys.stdout.write(gateway_socket_unit(read_cluster(file)))
 
@@ -89,8 +89,8 @@ def monitoring_cmd(
 
     Without --out every file goes to stdout, each after a `# ==> NAME <==` line.
     """
-    from llmgw_cli.core.grafana import DEFAULT_PROMETHEUS_URL
-    from llmgw_cli.core.monitoring import monitoring_files
+    from llmgw_cli.core.views.grafana import DEFAULT_PROMETHEUS_URL
+    from llmgw_cli.core.views.monitoring import monitoring_files
 
     spec = read_cluster(file)
     files = monitoring_files(spec, admin_key_file, prometheus_url=prometheus_url or DEFAULT_PROMETHEUS_URL)
@@ -130,7 +130,7 @@ def commands_cmd(
     <secret>.
     """
     from llmgw_cli.cli.common import unknown_names
-    from llmgw_cli.core.commands import engine_command
+    from llmgw_cli.core.engine.commands import engine_command
     from llmgw_cli.errors import InputError, UsageError
 
     spec = read_cluster(file)

@@ -4,7 +4,7 @@
 model that llmgw fetches from a Hugging Face repository (any not ``fetch: engine``) is asked of the
 Hub (``$HF_ENDPOINT``, else huggingface.co; ``$HF_TOKEN`` for a gated or private one), its
 revision becomes the commit it names now, and the command goes on with that pinned spec
-(``core/pins.py``). Each resolution is printed, so the plan says which commit it starts.
+(``core/weights/pins.py``). Each resolution is printed, so the plan says which commit it starts.
 ``gateway_pins`` is the pins file apply installs beside the gateway's cluster file, so the
 gateway's own starts use the same commits.
 """
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-    from llmgw_cli.core.snapshot import Snapshot
-    from llmgw_cli.core.spec import ClusterSpec
+    from llmgw_cli.core.clusterfile.spec import ClusterSpec
+    from llmgw_cli.core.weights.snapshot import Snapshot
 
 
 def pinned(
@@ -34,8 +34,8 @@ def pinned(
     files to fetch). No Hub is asked when no model fetches a repository."""
     if not any(m.selection is not None for m in spec.models):
         return spec, {}
-    from llmgw_cli.core.pins import pin
-    from llmgw_cli.core.snapshot import DEFAULT_ENDPOINT
+    from llmgw_cli.core.weights.pins import pin
+    from llmgw_cli.core.weights.snapshot import DEFAULT_ENDPOINT
     from llmgw_cli.remote.hub import HubError, resolve_models
 
     endpoint = os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT
@@ -56,6 +56,6 @@ def gateway_pins(spec: ClusterSpec, snapshots: Mapping[str, Snapshot]) -> str:
     """The pins file for the gateway: the commit ``pinned`` chose for each model of
     ``spec`` (the cluster file as read, before ``pinned``) that needs one. No model to pin:
     a file that pins nothing, written all the same so that no older one is left."""
-    from llmgw_cli.core.pins import pins_text
+    from llmgw_cli.core.weights.pins import pins_text
 
     return pins_text(spec, {name: snap.commit for name, snap in snapshots.items()})

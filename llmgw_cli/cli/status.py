@@ -20,9 +20,9 @@ from llmgw_cli.cli.common import (
 from llmgw_cli.errors import ExitCode
 
 if TYPE_CHECKING:
-    from llmgw_cli.core.facts import NodeFacts
-    from llmgw_cli.core.plan import Answers
-    from llmgw_cli.core.spec import ClusterSpec
+    from llmgw_cli.core.clusterfile.spec import ClusterSpec
+    from llmgw_cli.core.observe.facts import NodeFacts
+    from llmgw_cli.core.planning.plan import Answers
     from llmgw_cli.remote.connect import Session
 
 
@@ -42,7 +42,7 @@ def status(
     from rich.console import Console
 
     from llmgw_cli.cli.views import status_view
-    from llmgw_cli.core.summary import summarize
+    from llmgw_cli.core.views.summary import summarize
     from llmgw_cli.remote.connect import Session
 
     spec = read_cluster(file)
@@ -66,7 +66,7 @@ async def _health(
 ) -> tuple[Answers, dict[tuple[str, int], str]]:
     """What the probe cannot say (``remote/replica_health.py``): the health checks of the
     replicas still starting, and the last journal line of those not ready."""
-    from llmgw_cli.core.plan import running_replicas
+    from llmgw_cli.core.planning.plan import running_replicas
     from llmgw_cli.remote.replica_health import health_answers, last_lines
 
     answers = await health_answers(spec, session.conns, facts)

@@ -12,7 +12,7 @@ import typer
 from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 
 if TYPE_CHECKING:
-    from llmgw_cli.core.spec import ClusterSpec
+    from llmgw_cli.core.clusterfile.spec import ClusterSpec
 
 
 def validate(
@@ -50,7 +50,7 @@ def validate(
 
 def _declared(spec: "ClusterSpec") -> dict[str, Any]:
     """What ``validate --json`` says a valid file declares (the table ``validate`` shows)."""
-    from llmgw_cli.core.spec import ScalingMode
+    from llmgw_cli.core.clusterfile.spec import ScalingMode
 
     modes = Counter(m.mode for m in spec.models)
     return {
@@ -78,7 +78,7 @@ def schema(
     ] = None,
 ) -> None:
     """Print the JSON Schema of the cluster file (for editors and CI)."""
-    from llmgw_cli.core.docgen import json_schema
+    from llmgw_cli.core.clusterfile.docgen import json_schema
 
     text = json_schema()
     if output is None:

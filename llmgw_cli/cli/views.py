@@ -16,17 +16,17 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from llmgw_cli.core.quantities import clock
-from llmgw_cli.core.spec import ClusterSpec, ScalingMode
+from llmgw_cli.core.clusterfile.quantities import clock
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, ScalingMode
 from llmgw_cli.errors import Problem
 
 if TYPE_CHECKING:  # what only one command shows is imported by that command (cli/common.py)
     from llmgw_cli.core.doctor import Finding
-    from llmgw_cli.core.fetch import FetchPlan
-    from llmgw_cli.core.keys import ApiKey
-    from llmgw_cli.core.plan import Plan
-    from llmgw_cli.core.summary import Summary
-    from llmgw_cli.gateway.store import Usage
+    from llmgw_cli.core.planning.plan import Plan
+    from llmgw_cli.core.serving.keys import ApiKey
+    from llmgw_cli.core.views.summary import Summary
+    from llmgw_cli.core.weights.fetch import FetchPlan
+    from llmgw_cli.gateway.store.sqlite import Usage
     from llmgw_cli.lab.status import NodeStatus
     from llmgw_cli.progress import Row
     from llmgw_cli.remote.fetch import FetchResult
@@ -173,7 +173,7 @@ _STATE_STYLE = {"ready": "green", "starting": "yellow"}
 
 
 def _health_table(summary: Summary) -> Table:
-    """Each replica's state as its units say (``core/health.py``), with the last journal
+    """Each replica's state as its units say (``core/observe/health.py``), with the last journal
     line of one not ready."""
     table = Table(title="Replicas", title_justify="left")
     for col in ("replica", "where", "state", "restarts", "last journal line"):

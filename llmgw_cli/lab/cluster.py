@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw_cli.core.templates import render
+from llmgw_cli.core.engine.templates import render
 from llmgw_cli.errors import LabError, UsageError
 from llmgw_cli.lab import host, nodefs, shapes
 from llmgw_cli.lab.host import LabRecord, NodeRecord, sh

@@ -1,7 +1,7 @@
 """Command lines of the simulated engines: vLLM's and SGLang's flags, one config.
 
 They accept exactly the flags of the real parsers of vLLM 0.32.0 and SGLang 0.5.23 (the
-tables in ``core/engine_flags/``, dumped from those parsers), each with what it takes; the
+tables in ``core/engine/engine_flags/``, dumped from those parsers), each with what it takes; the
 few the simulation reads are declared here with their types and defaults.
 
 Pure apart from the key: argv (and the environment or a ``--config`` file for the key)
@@ -23,7 +23,7 @@ from typing import Literal, NoReturn
 
 import yaml  # the lab's engines run on llmgw's own interpreter, which has PyYAML
 
-from llmgw_cli.core.engine_flags import FlagTable, table, vllm_flag_name
+from llmgw_cli.core.engine.engine_flags import FlagTable, table, vllm_flag_name
 
 Kind = Literal["vllm", "sglang"]
 
@@ -95,13 +95,13 @@ def _max_len(text: str) -> int:
 
 VLLM_VERSION = "0.32.0"
 SGLANG_VERSION = "0.5.23"
-"""The versions whose flags the simulated engines accept (``core/engine_flags/``)."""
+"""The versions whose flags the simulated engines accept (``core/engine/engine_flags/``)."""
 
 
 def _table(engine: str, version: str) -> FlagTable:
     found = table(engine, version)
     if found is None:
-        raise SystemExit(f"no flag table for {engine} {version} in llmgw_cli/core/engine_flags")
+        raise SystemExit(f"no flag table for {engine} {version} in llmgw_cli/core/engine/engine_flags")
     return found
 
 

@@ -7,7 +7,7 @@ Run as a file by the engine's interpreter (it imports nothing of llmgw, only the
 
 ``flags`` prints every option string ``vllm serve`` (or SGLang's server) accepts, with
 what it takes: ``value`` (one word), ``switch`` (none), ``optional`` (zero or one) or
-``list`` (one or more). llmgw keeps these tables in ``llmgw_cli/core/engine_flags/`` (the
+``list`` (one or more). llmgw keeps these tables in ``llmgw_cli/core/engine/engine_flags/`` (the
 plan checks rendered command lines against them; the lab's simulated engines accept
 exactly those flags), and a test compares the committed table with a fresh one.
 

@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw_cli.core.parse.nvidia_smi import HEALTH_FIELDS, QUERY_FIELDS
+from llmgw_cli.core.observe.parse.nvidia_smi import HEALTH_FIELDS, QUERY_FIELDS
 from llmgw_cli.lab import shapes, smi, weights
 from llmgw_cli.lab.engine_args import SGLANG_VERSION, VLLM_VERSION
 from llmgw_cli.lab.host import NodeRecord

@@ -20,13 +20,13 @@ The interface: verbs in, JSON out.
 Helper (``node-helper VERB ARGS...``, from ``$SSH_ORIGINAL_COMMAND`` or argv; exit status
 0 when done, 2 with a line on stderr when refused; see ``helper.py`` for the checks):
 
-- ``probe``: the probe script's sections (text, ``core/parse/probe.py`` reads them);
+- ``probe``: the probe script's sections (text, ``core/observe/parse/probe.py`` reads them);
 - ``date``: seconds since the epoch;
 - ``show UNIT...``: ``systemctl show`` of ``SHOW_PROPERTIES`` (key=value lines);
 - ``journal UNIT SINCE LINES``: the unit's journal lines;
 - ``stop|start|restart|remove UNIT...``, ``write-unit UNIT`` (unit text on stdin),
   ``daemon-reload``: systemd's own output; ``remove`` deletes the unit's drain marker
-  (``/var/lib/llmgw-drain/<unit>``, ``core/drain.py``) with its unit file;
+  (``/var/lib/llmgw-drain/<unit>``, ``core/planning/drain.py``) with its unit file;
 - ``held PATH...``: the files of these that exist, not empty, one a line;
 - ``exists PATH...``: one JSON line ``{PATH: {"kind", "empty", "unreadable", ...}}``;
 - ``fetch``: a JSON job on stdin for the installed fetcher (below), bounded by the
@@ -42,10 +42,10 @@ Fetcher (a JSON job ``{"mode": M, ...}`` on stdin; JSON lines on stdout, an erro
   "pid"}``;
 - ``snapshot``, ``poll-snapshot``, ``verify-snapshot``, ``serve-snapshot`` (``folder``,
   ``repo``, ``commit``, ``files``): the same answers for a whole repository at one commit
-  (``core/snapshot.py`` builds these jobs and reads the answers).
+  (``core/weights/snapshot.py`` builds these jobs and reads the answers).
 
 Versions: the control host never asks a node which version it runs. It compares the
-sha256 of every file it installs with what is on the node (``core/node_access.py``
+sha256 of every file it installs with what is on the node (``core/hosts/node_access.py``
 ``helper_stale``) and installs again on any difference, so a node always runs the
 helper and fetcher of the llmgw that last ran ``apply``. ``VERSION`` names the interface
 above; the helper and the fetcher carry a copy of it in their text (so a change of it

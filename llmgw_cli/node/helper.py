@@ -87,7 +87,7 @@ PROBE = "/usr/local/libexec/llmgw/probe.sh"
 NODEFETCH = "/usr/local/libexec/llmgw/nodefetch.py"
 CONFIG = "/etc/llmgw/node-helper.json"
 UNIT_DIR = "/etc/systemd/system"
-DRAIN_DIR = "/var/lib/llmgw-drain"  # core/drain.py's
+DRAIN_DIR = "/var/lib/llmgw-drain"  # core/planning/drain.py's
 SUDO = "/usr/bin/sudo"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -96,7 +96,7 @@ REPLICA_UNIT = re.compile(r"^llmgw-([a-z0-9.-]+)-[0-9]+\.service$")
 SHOW_PROPERTIES = "Id,LoadState,ActiveState,SubState,Result,MainPID,NRestarts,ExecMainCode,ExecMainStatus"
 MAX_UNIT_BYTES = 64 * 1024
 MAX_JOURNAL_LINES = 1000
-MAX_PATHS = 64  # core/path_sources.py's
+MAX_PATHS = 64  # core/weights/path_sources.py's
 MAX_PATH_CHARS = 4096
 # What systemd (PID 1) looks a bare ExecStart= program up on; /sbin and /bin are the same
 # folders on a merged /usr, and searched last where they are not.
@@ -136,8 +136,8 @@ EXEC_PREFIXES = "+!@-:|"
 # words on. Python's own strip() also takes NBSP and other Unicode spaces, which systemd
 # keeps: " User=x" with an NBSP would count here and be an unknown key there.
 WHITESPACE = " \t\n\r"
-# The files the template hands an engine through EnvironmentFile= (core/paths.py's and
-# core/engine_access.py's): the node's engine key and this unit's model's secrets.
+# The files the template hands an engine through EnvironmentFile= (core/hosts/paths.py's and
+# core/engine/engine_access.py's): the node's engine key and this unit's model's secrets.
 ENGINE_ENV_FILE = "/etc/llmgw/engine.env"
 SECRET_ENV_DIR = "/etc/llmgw/env"
 # Wants= would start any unit (a root shell on a console, a rescue target) along with the
@@ -207,7 +207,7 @@ def _exec_words(key: str, value: str, programs: list[str], lineno: int) -> None:
 def environment_files(unit: str) -> frozenset[str]:
     """The files ``unit`` may name in ``EnvironmentFile=``, exactly as the template writes
     them: the node's engine key and the secrets of the unit's own model (its slug is the
-    unit name's, core/engines.py's ``unit_name``). systemd reads these as root, expands
+    unit name's, core/engine/engines.py's ``unit_name``). systemd reads these as root, expands
     globs and ``%``-specifiers in them and skips a missing one when it starts with ``-``:
     anything but these exact strings could hand an engine another model's secrets."""
     match = REPLICA_UNIT.fullmatch(unit)
@@ -307,7 +307,7 @@ def _under_weights(path: str, config: dict[str, list[str]]) -> str:
 
 def plain_path(path: str) -> bool:
     """Absolute and normalised (no ``.``, ``..``, ``//``, trailing ``/``), no control
-    character or NUL, at most MAX_PATH_CHARS (core/path_sources.py's rule)."""
+    character or NUL, at most MAX_PATH_CHARS (core/weights/path_sources.py's rule)."""
     return (
         path.startswith("/")
         and len(path) <= MAX_PATH_CHARS

@@ -1,5 +1,5 @@
 """What a file path inside a repository snapshot may be, judged one way on both sides: by
-the control host when the Hub lists it (``core/snapshot.py``) and by the node fetcher
+the control host when the Hub lists it (``core/weights/snapshot.py``) and by the node fetcher
 when a job names it (the Hub chose it, so the node checks it again whatever the control
 host checked)."""
 

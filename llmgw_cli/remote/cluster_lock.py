@@ -2,7 +2,7 @@
 
 Both plan on a probe of their own, so two writers at once could pick the same free cards
 or ports. The lock is ``flock(2)`` on ``<gateway.state_dir>/cluster.lock`` on the gateway
-host (``core/cluster_lock.py``), held around probe, plan, unit writes and starts; never
+host (``core/planning/cluster_lock.py``), held around probe, plan, unit writes and starts; never
 during a readiness wait.
 
 - ``FileLock``: the gateway's, in its own process (it runs on that host). A non-blocking
@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from llmgw_cli.core.cluster_lock import (
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.hosts.gateway_install import GATEWAY_ACCOUNT
+from llmgw_cli.core.planning.cluster_lock import (
     BUSY,
     HELD,
     TIMEOUT,
@@ -48,8 +50,6 @@ from llmgw_cli.core.cluster_lock import (
     shown_holder,
     waiting_message,
 )
-from llmgw_cli.core.gateway_install import GATEWAY_ACCOUNT
-from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.gateway_install import gateway_transport

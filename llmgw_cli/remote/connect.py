@@ -18,8 +18,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from llmgw_cli.core.node_access import GATEWAY_USER
-from llmgw_cli.core.spec import Become, ClusterSpec, Node, SshSettings
+from llmgw_cli.core.clusterfile.spec import Become, ClusterSpec, Node, SshSettings
+from llmgw_cli.core.hosts.node_access import GATEWAY_USER
 from llmgw_cli.remote.local import LocalTransport
 from llmgw_cli.remote.ssh import SshTarget, SshTransport
 from llmgw_cli.remote.transport import Transport

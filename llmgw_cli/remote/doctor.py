@@ -8,13 +8,13 @@ import asyncio
 import dataclasses
 import time
 
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node
 from llmgw_cli.core.doctor import Collected, DoctorFacts
 from llmgw_cli.core.doctor.checks import JOURNAL_LINES, failing_units
 from llmgw_cli.core.doctor.collect import doctor_script, parse_doctor
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.health import journal_tail
-from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe, printable
-from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.observe.health import journal_tail
+from llmgw_cli.core.observe.parse.probe import BAD_OUTPUT, complete, parse_probe, printable
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Phase, Report, silent
 from llmgw_cli.remote.connect import Connections

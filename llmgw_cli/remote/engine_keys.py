@@ -31,11 +31,11 @@ import asyncio
 import re
 from collections.abc import Awaitable, Callable, Mapping
 
-from llmgw_cli.core.engine_access import sglang_users
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.parse.probe import parse_section, section_script
-from llmgw_cli.core.plan import Plan, make_plan, running_replicas
-from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node
+from llmgw_cli.core.engine.engine_access import sglang_users
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.observe.parse.probe import parse_section, section_script
+from llmgw_cli.core.planning.plan import Plan, make_plan, running_replicas
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections

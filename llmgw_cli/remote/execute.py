@@ -22,19 +22,19 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llmgw_cli.core.drain import REPLICA_UNIT, marker_path
-from llmgw_cli.core.engine_access import (
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node
+from llmgw_cli.core.engine.engine_access import (
     engine_env_text,
     secret_env_file,
     secret_env_text,
     sglang_key_file,
     sglang_key_text,
 )
-from llmgw_cli.core.engines import ENGINE_ENV_FILE
-from llmgw_cli.core.facts import UnitState
-from llmgw_cli.core.parse.engine_env import engine_key
-from llmgw_cli.core.plan import Action, Plan
-from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.core.engine.engines import ENGINE_ENV_FILE
+from llmgw_cli.core.observe.facts import UnitState
+from llmgw_cli.core.observe.parse.engine_env import engine_key
+from llmgw_cli.core.planning.drain import REPLICA_UNIT, marker_path
+from llmgw_cli.core.planning.plan import Action, Plan
 from llmgw_cli.errors import NodeError
 from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Phase, Report
@@ -183,7 +183,7 @@ async def _apply_node(t: Transport, w: _NodeWork, key: str | None, *, operator: 
 
 
 async def clear_markers(t: Transport, units: list[str]) -> None:
-    """Remove the drain markers of ``units`` (``core/drain.py``), as root."""
+    """Remove the drain markers of ``units`` (``core/planning/drain.py``), as root."""
     paths = [marker_path(u) for u in units if REPLICA_UNIT.match(u)]
     if paths:
         await must(t, remove_command(*paths), "remove the drain markers")
@@ -244,7 +244,7 @@ NOT_READY = "not ready, stopped"
 async def _stop_not_ready(action: Action, transports: dict[str, Transport]) -> None:
     """Stop the units of a replica that did not become ready, so systemd stops restarting
     an engine that fails and its cards are free; its unit files stay, and the next
-    ``apply`` starts it again once (``core/health.py``: it is then failed)."""
+    ``apply`` starts it again once (``core/observe/health.py``: it is then failed)."""
     for node in action.nodes:
         unit = next((w.name for w in action.write if w.node == node), None)
         if unit is not None and node in transports:

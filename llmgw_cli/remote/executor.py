@@ -1,6 +1,6 @@
 """The one executor of replica changes: apply's and the gateway controller's.
 
-It carries out the replica actions of a ``Plan`` (``core/plan.py``): a start (weights,
+It carries out the replica actions of a ``Plan`` (``core/planning/plan.py``): a start (weights,
 then under the lock a last look that the cards and port are still free and the units
 written and started; outside it the readiness wait), a stop (out of rotation first, then
 under the lock the units stopped and removed), and a replacement of a serving replica:
@@ -18,7 +18,7 @@ the callers comes in through two small seams:
 - ``Steps``: how the caller locks, brings weights, checks a placement under the lock,
   writes units and waits for readiness (apply: the cluster lock and ``remote/execute.py``
   over SSH, ``remote/rollout.py``; the controller: its own lock, probe and pool,
-  ``gateway/controller.py``);
+  ``gateway/control/controller.py``);
 - ``Routing``: how a replica is seen routed and taken out of rotation (apply: every
   gateway's routes file and the drain markers; the controller: its own pool).
 
@@ -36,7 +36,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from llmgw_cli.core.plan import Action, Plan, Retired
+from llmgw_cli.core.planning.plan import Action, Plan, Retired
 from llmgw_cli.errors import LlmgwError
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.execute import Outcome

@@ -28,11 +28,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
-from llmgw_cli.core.fetch import FetchPlan, Spread, target_path, token_for
-from llmgw_cli.core.fetch_progress import NodeProgress, amounts, least_advanced, progress_text
-from llmgw_cli.core.node_access import helper_config
-from llmgw_cli.core.path_sources import MAX_PATHS, Check, by_node, judge, not_there, parse_answer
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.hosts.node_access import helper_config
+from llmgw_cli.core.weights.fetch import FetchPlan, Spread, target_path, token_for
+from llmgw_cli.core.weights.fetch_progress import NodeProgress, amounts, least_advanced, progress_text
+from llmgw_cli.core.weights.path_sources import MAX_PATHS, Check, by_node, judge, not_there, parse_answer
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import FetchReport, Phase, Report
 from llmgw_cli.remote.connect import Connections
@@ -446,7 +446,7 @@ def _where(source: str) -> str:
 
 def _progress_lines(report: Report, *, by_model: bool = False) -> FetchReport:
     """Fetch events as the executor's (subject, message) lines: ``model@node: fetching
-    142/191 files, 512 of 810 GB from origin`` (``core/fetch_progress.py`` says how).
+    142/191 files, 512 of 810 GB from origin`` (``core/weights/fetch_progress.py`` says how).
 
     By node (``apply``, a row per node): a line for each state a node enters, and one per
     10% of its bytes. By model (the gateway, whose model has one progress text): the line

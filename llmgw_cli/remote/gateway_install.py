@@ -39,8 +39,9 @@ from pathlib import Path
 
 import httpx
 
-from llmgw_cli.core.facts import UnitState
-from llmgw_cli.core.gateway_install import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import Become, ClusterSpec, Node
+from llmgw_cli.core.hosts.gateway_install import (
     CLUSTER_FILE,
     ENGINE_KEYS_FILE,
     GATEWAY_ACCOUNT,
@@ -55,10 +56,9 @@ from llmgw_cli.core.gateway_install import (
     gateway_files,
     hub_env_text,
 )
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.node_access import valid_public_key
-from llmgw_cli.core.spec import Become, ClusterSpec, Node
-from llmgw_cli.core.units import GATEWAY_HANDOVER_UNIT, GATEWAY_SOCKET, GATEWAY_UNIT
+from llmgw_cli.core.hosts.node_access import valid_public_key
+from llmgw_cli.core.hosts.units import GATEWAY_HANDOVER_UNIT, GATEWAY_SOCKET, GATEWAY_UNIT
+from llmgw_cli.core.observe.facts import UnitState
 from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Phase, Report

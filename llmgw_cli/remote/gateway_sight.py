@@ -1,13 +1,13 @@
 """Look, on a gateway host, at the llmgw its unit would run, before anything is installed
-(``core/gateway_sight.py`` says what is looked at and why)."""
+(``core/hosts/gateway_sight.py`` says what is looked at and why)."""
 
 from __future__ import annotations
 
 import shlex
 
 from llmgw_cli import __version__
-from llmgw_cli.core.gateway_install import GATEWAY_ACCOUNT
-from llmgw_cli.core.gateway_sight import SIGHT_SCRIPT, read_sight, sight_problems, sight_refusal
+from llmgw_cli.core.hosts.gateway_install import GATEWAY_ACCOUNT
+from llmgw_cli.core.hosts.gateway_sight import SIGHT_SCRIPT, read_sight, sight_problems, sight_refusal
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.transport import Transport
 

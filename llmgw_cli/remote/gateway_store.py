@@ -19,7 +19,7 @@ import contextlib
 import shlex
 import socket
 
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.gateway_install import LOCAL_NAMES, gateway_transport
 from llmgw_cli.remote.transport import CommandResult

@@ -1,6 +1,6 @@
 """Ask the Hugging Face Hub what a whole-repo source is: its commit and the files to fetch.
 
-``resolve`` turns ``org/name@revision`` into a ``Snapshot`` (``core/snapshot.py``) with
+``resolve`` turns ``org/name@revision`` into a ``Snapshot`` (``core/weights/snapshot.py``) with
 huggingface_hub's ``HfApi``, the Hub's own client, rather than hand-written requests:
 
 1. ``model_info(repo, revision)`` (``GET /api/models/{repo}/revision/{rev}``) names the
@@ -39,7 +39,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.hf_api import RepoFile, RepoFolder
 
-from llmgw_cli.core.snapshot import (
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, Model
+from llmgw_cli.core.weights.snapshot import (
     COMMIT,
     DEFAULT_ENDPOINT,
     MAX_FILES,
@@ -54,7 +55,6 @@ from llmgw_cli.core.snapshot import (
     check_repo_path,
     check_repo_paths,
 )
-from llmgw_cli.core.spec import ClusterSpec, Model
 
 TIMEOUT = 30.0
 LIBRARY = "llmgw"

@@ -13,8 +13,8 @@ import os
 import shlex
 from collections.abc import Mapping, Sequence
 
-from llmgw_cli.core.facts import NodeAccess, NodeFacts
-from llmgw_cli.core.node_access import (
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node
+from llmgw_cli.core.hosts.node_access import (
     AUTHORIZED_KEYS,
     GATEWAY_HOME,
     GATEWAY_USER,
@@ -26,8 +26,8 @@ from llmgw_cli.core.node_access import (
     node_files,
     sudoers_rule,
 )
-from llmgw_cli.core.parse.probe import parse_section, probe_script, section_script
-from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.core.observe.facts import NodeAccess, NodeFacts
+from llmgw_cli.core.observe.parse.probe import parse_section, probe_script, section_script
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections

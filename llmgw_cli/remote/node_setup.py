@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote import node_access

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.parse.probe import BAD_OUTPUT, complete, parse_probe, printable, probe_script
-from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.observe.parse.probe import BAD_OUTPUT, complete, parse_probe, printable, probe_script
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Phase, Report, silent
 from llmgw_cli.remote.connect import Connections

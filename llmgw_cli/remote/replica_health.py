@@ -1,4 +1,4 @@
-"""What a probe cannot say about a replica's health (``core/health.py``), asked of its
+"""What a probe cannot say about a replica's health (``core/observe/health.py``), asked of its
 nodes by ``plan``, ``apply`` and ``status``: whether a replica that runs answers its
 health check, and the last line of the journal of one that is not ready.
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.health import ReplicaState, telling_line
-from llmgw_cli.core.plan import Answers, Running, running_replicas
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.observe.health import ReplicaState, telling_line
+from llmgw_cli.core.planning.plan import Answers, Running, running_replicas
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import read_engine_key, ready_status, redact_keys

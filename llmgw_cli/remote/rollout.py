@@ -52,7 +52,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from llmgw_cli.core.drain import (
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.drain import (
     PROBE_NOW_SIGNAL,
     Routes,
     drain_seconds,
@@ -61,10 +63,8 @@ from llmgw_cli.core.drain import (
     parse_routes,
     routes_dir,
 )
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.plan import Action, Plan, Retired, conflicts, running_replicas
-from llmgw_cli.core.routing import serving_address
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.planning.plan import Action, Plan, Retired, conflicts, running_replicas
+from llmgw_cli.core.serving.routing import serving_address
 from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Phase, Report

@@ -24,10 +24,11 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from llmgw_cli.core.engines import weights_folder
-from llmgw_cli.core.fetch import group_key
-from llmgw_cli.core.peers import Peers
-from llmgw_cli.core.snapshot import (
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.engine.engines import weights_folder
+from llmgw_cli.core.weights.fetch import group_key
+from llmgw_cli.core.weights.peers import Peers
+from llmgw_cli.core.weights.snapshot import (
     DEFAULT_ENDPOINT,
     Snapshot,
     parse_snapshot_check,
@@ -39,7 +40,6 @@ from llmgw_cli.core.snapshot import (
     snapshot_job,
     verify_snapshot_job,
 )
-from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.fetch import POLL_SECONDS, SERVE_IDLE_SECONDS, Fetcher, FetchEvent, FetchResult, _host
 

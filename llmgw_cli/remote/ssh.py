@@ -21,7 +21,7 @@ from pathlib import Path
 
 import asyncssh
 
-from llmgw_cli.core.spec import Become, SshSettings
+from llmgw_cli.core.clusterfile.spec import Become, SshSettings
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.transport import CommandResult, write_command
 

@@ -1,20 +1,20 @@
 """The weights a plan's new replicas need, brought onto their nodes before their units
 start: single files (``remote/fetch.py``) and whole repository snapshots
 (``remote/snapshot_fetch.py``), each from its origin once per fabric; a path source is
-not brought but checked on each node (``core/path_sources.py``), and so is each unit's
-engine program (``core/engine_programs.py``)."""
+not brought but checked on each node (``core/weights/path_sources.py``), and so is each unit's
+engine program (``core/engine/engine_programs.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 
-from llmgw_cli.core import engine_programs
-from llmgw_cli.core.fetch import Peers, plan_fetch, plan_weights
-from llmgw_cli.core.path_sources import checks_for
-from llmgw_cli.core.plan import Plan
-from llmgw_cli.core.snapshot import DEFAULT_ENDPOINT, Snapshot
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.engine import engine_programs
+from llmgw_cli.core.planning.plan import Plan
+from llmgw_cli.core.weights.fetch import Peers, plan_fetch, plan_weights
+from llmgw_cli.core.weights.path_sources import checks_for
+from llmgw_cli.core.weights.snapshot import DEFAULT_ENDPOINT, Snapshot
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import Connections
@@ -28,7 +28,7 @@ async def ensure_for_plan(
 ) -> dict[str, str]:
     """Bring the weights of every replica the plan starts onto its nodes, before its units
     start: URL-sourced files and repository snapshots are fetched, path sources are checked
-    on each node (a non-empty file or folder, ``core/path_sources.py``). Returns node ->
+    on each node (a non-empty file or folder, ``core/weights/path_sources.py``). Returns node ->
     why its weights could not be brought (``weights of M: ...``). ``by_model``: progress
     lines about the least advanced node of each model, not one row per node
     (``_progress_lines``). A node whose engine account may not run a unit's engine

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from llmgw_cli.gateway.store import SqliteStore, Store
+from llmgw_cli.gateway.store.sqlite import SqliteStore, Store
 
 
 def open_named(kind: str, where: str) -> Store:
     if kind == "sqlite":
         return SqliteStore(where)
-    from llmgw_cli.gateway.pgstore import PostgresStore, read_password  # noqa: PLC0415 (only when asked for)
+    from llmgw_cli.gateway.store.postgres import PostgresStore, read_password  # noqa: PLC0415 (only when asked for)
 
     return PostgresStore(where, read_password(None))
 

@@ -20,19 +20,19 @@ from typing import Any
 import pytest
 
 from llmgw_cli.cli.gateway import load_pinned
-from llmgw_cli.core.controller import Attempts, Phase, Unavailable
-from llmgw_cli.core.drain import DRAIN_GRACE
-from llmgw_cli.core.facts import NodeFacts, UnitState
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.pins import pins_text
-from llmgw_cli.core.plan import Action, Plan, grow_plan, running_replicas
-from llmgw_cli.core.routing import Pool, RoutedReplica
-from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.gateway import controller as controller_module
-from llmgw_cli.gateway import proxy
-from llmgw_cli.gateway.admission import Admission
-from llmgw_cli.gateway.controller import Controller, replica_key
-from llmgw_cli.gateway.metrics import Metrics
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts, UnitState
+from llmgw_cli.core.planning.controller import Attempts, Phase, Unavailable
+from llmgw_cli.core.planning.drain import DRAIN_GRACE
+from llmgw_cli.core.planning.plan import Action, Plan, grow_plan, running_replicas
+from llmgw_cli.core.serving.routing import Pool, RoutedReplica
+from llmgw_cli.core.weights.pins import pins_text
+from llmgw_cli.gateway.control import controller as controller_module
+from llmgw_cli.gateway.control.controller import Controller, replica_key
+from llmgw_cli.gateway.serving import proxy
+from llmgw_cli.gateway.serving.admission import Admission
+from llmgw_cli.gateway.serving.metrics import Metrics
 from llmgw_cli.remote.execute import Outcome
 from tests.unit.facts_factory import node_facts, with_units
 

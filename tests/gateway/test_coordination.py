@@ -23,20 +23,21 @@ import openai
 import pytest
 from aiohttp import web
 
-from llmgw_cli.core.controller import Phase
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.keys import ApiKey, hash_token
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Action, Plan, grow_plan, running_replicas
-from llmgw_cli.core.routing import serving_address
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.controller import Phase
+from llmgw_cli.core.planning.plan import Action, Plan, grow_plan, running_replicas
+from llmgw_cli.core.serving.keys import ApiKey, hash_token
+from llmgw_cli.core.serving.routing import serving_address
 from llmgw_cli.errors import NotLeader
-from llmgw_cli.gateway import controller as controller_module
-from llmgw_cli.gateway import coordination, server
-from llmgw_cli.gateway.pgstore import PostgresStore
-from llmgw_cli.gateway.sources import PublishedSource
-from llmgw_cli.gateway.state import Gateway
-from llmgw_cli.gateway.store import ModelState, SqliteStore, Store
+from llmgw_cli.gateway.control import controller as controller_module
+from llmgw_cli.gateway.control import coordination
+from llmgw_cli.gateway.control.sources import PublishedSource
+from llmgw_cli.gateway.control.state import Gateway
+from llmgw_cli.gateway.serving import server
+from llmgw_cli.gateway.store.postgres import PostgresStore
+from llmgw_cli.gateway.store.sqlite import ModelState, SqliteStore, Store
 from llmgw_cli.progress import Report, silent
 from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.execute import Outcome

@@ -9,11 +9,11 @@ from html.parser import HTMLParser
 
 import pytest
 
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.summary import summarize
-from llmgw_cli.gateway.admin import page
-from llmgw_cli.gateway.recent import MINUTES
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.views.summary import summarize
+from llmgw_cli.gateway.serving.admin import page
+from llmgw_cli.gateway.serving.recent import MINUTES
 
 pytestmark = pytest.mark.any_loop  # a template: no event loop
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.gateway.sources import StaticSource
-from llmgw_cli.gateway.state import DISCOVER_SOON, Gateway
-from llmgw_cli.gateway.store import SqliteStore
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.gateway.control.sources import StaticSource
+from llmgw_cli.gateway.control.state import DISCOVER_SOON, Gateway
+from llmgw_cli.gateway.store.sqlite import SqliteStore
 
 from .harness import free_port
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import openai
 
-from llmgw_cli.gateway.pgstore import PostgresStore
-from llmgw_cli.gateway.store import SCHEMA_VERSION
+from llmgw_cli.gateway.store.postgres import PostgresStore
+from llmgw_cli.gateway.store.sqlite import SCHEMA_VERSION
 from tests.gateway.harness import Engine, Gateway
 from tests.gateway.test_gateway import MESSAGES, model
 from tests.pg import Postgres

@@ -13,9 +13,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw_cli.core.grafana import DASHBOARD_FILE, expressions
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.monitoring import monitoring_files
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.views.grafana import DASHBOARD_FILE, expressions
+from llmgw_cli.core.views.monitoring import monitoring_files
 from tests.gateway.harness import Engine, Gateway, start_gateway, stop
 from tests.promql import label_values_metric, metric_names
 

@@ -12,14 +12,14 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.gateway.fleet import FleetCollector
-from llmgw_cli.gateway.metrics import Metrics
-from llmgw_cli.gateway.server import metrics_app
-from llmgw_cli.gateway.sources import ProbeSource, StaticSource
-from llmgw_cli.gateway.state import Gateway
-from llmgw_cli.gateway.store import SqliteStore
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.gateway.control.fleet import FleetCollector
+from llmgw_cli.gateway.control.sources import ProbeSource, StaticSource
+from llmgw_cli.gateway.control.state import Gateway
+from llmgw_cli.gateway.serving.metrics import Metrics
+from llmgw_cli.gateway.serving.server import metrics_app
+from llmgw_cli.gateway.store.sqlite import SqliteStore
 from tests.unit.facts_factory import node_facts, topology, unit_state
 
 SPEC = parse_cluster(

@@ -10,10 +10,10 @@ import asyncio
 import asyncpg
 import pytest
 
-from llmgw_cli.core.keys import ApiKey, hash_token
+from llmgw_cli.core.serving.keys import ApiKey, hash_token
 from llmgw_cli.errors import InputError
-from llmgw_cli.gateway.pgstore import PostgresStore
-from llmgw_cli.gateway.store import SCHEMA_VERSION
+from llmgw_cli.gateway.store.postgres import PostgresStore
+from llmgw_cli.gateway.store.sqlite import SCHEMA_VERSION
 from tests.pg import Postgres
 
 

@@ -1,4 +1,4 @@
-"""The routes file of `llmgw gateway run` (``core/drain.py``), which ``apply`` reads to know
+"""The routes file of `llmgw gateway run` (``core/planning/drain.py``), which ``apply`` reads to know
 what the gateway routes: it appears once the gateway runs, follows a replica going unready
 and ready again, is written again within a second of SIGUSR1 (a probe round), and is
 removed when the gateway stops (real processes: simulated engines and the gateway); and a
@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from llmgw_cli.core.drain import Routes, parse_routes
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.gateway import sources
-from llmgw_cli.gateway.sources import ProbeSource
-from llmgw_cli.gateway.state import Gateway
-from llmgw_cli.gateway.store import SqliteStore
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.drain import Routes, parse_routes
+from llmgw_cli.gateway.control import sources
+from llmgw_cli.gateway.control.sources import ProbeSource
+from llmgw_cli.gateway.control.state import Gateway
+from llmgw_cli.gateway.store.sqlite import SqliteStore
 from llmgw_cli.remote.probe import Snapshot
 from tests.gateway import harness
 from tests.gateway.harness import Engine, free_port

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.routing import Health, Pool, endpoints
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.serving.routing import Health, Pool, endpoints
 
 pytestmark = pytest.mark.any_loop  # pure code
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
 from llmgw_cli.errors import InputError
-from llmgw_cli.gateway import sources
-from llmgw_cli.gateway.sources import ProbeSource, StaticSource
+from llmgw_cli.gateway.control import sources
+from llmgw_cli.gateway.control.sources import ProbeSource, StaticSource
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.probe import Snapshot
 from tests.unit.facts_factory import unit_state

@@ -1,4 +1,4 @@
-"""Reading engine answers as bytes (``gateway/sse.py``): usage, and the stream a client gets.
+"""Reading engine answers as bytes (``gateway/serving/sse.py``): usage, and the stream a client gets.
 
 The property tests split one valid stream into reads every which way: the client must get
 the same bytes and the meter the same usage as from the stream in one read.
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw_cli.gateway.sse import (
+from llmgw_cli.gateway.serving.sse import (
     TAIL_BYTES,
     StreamRelay,
     StreamUsage,

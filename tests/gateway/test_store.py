@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.keys import ApiKey, bearer, hash_token, parse_expiry
+from llmgw_cli.core.serving.keys import ApiKey, bearer, hash_token, parse_expiry
 from llmgw_cli.errors import InputError
-from llmgw_cli.gateway.request_body import with_include_usage
-from llmgw_cli.gateway.state import Admission, read_engine_key
-from llmgw_cli.gateway.store import SCHEMA_VERSION, SqliteStore, Usage
-from llmgw_cli.gateway.usage import Meter, merged
+from llmgw_cli.gateway.control.state import Admission, read_engine_key
+from llmgw_cli.gateway.serving.request_body import with_include_usage
+from llmgw_cli.gateway.store.sqlite import SCHEMA_VERSION, SqliteStore, Usage
+from llmgw_cli.gateway.store.usage import Meter, merged
 
 
 def test_keys_round_trip_and_revoke(tmp_path: Path) -> None:

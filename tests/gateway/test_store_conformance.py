@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.keys import ApiKey, hash_token
+from llmgw_cli.core.serving.keys import ApiKey, hash_token
 from llmgw_cli.errors import InputError
-from llmgw_cli.gateway.pgstore import PostgresStore
-from llmgw_cli.gateway.store import MEMBER_TTL, SCHEMA_VERSION, ModelState, SqliteStore, Store, Usage
+from llmgw_cli.gateway.store.postgres import PostgresStore
+from llmgw_cli.gateway.store.sqlite import MEMBER_TTL, SCHEMA_VERSION, ModelState, SqliteStore, Store, Usage
 from tests.pg import Postgres
 
 REPO = Path(__file__).resolve().parents[2]

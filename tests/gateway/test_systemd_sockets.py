@@ -1,4 +1,4 @@
-"""What the gateway shares with systemd (gateway/systemd.py): the listening sockets it
+"""What the gateway shares with systemd (gateway/control/systemd.py): the listening sockets it
 inherits (LISTEN_FDS), matched to its configured listeners, and READY=1 / STOPPING=1 on
 $NOTIFY_SOCKET. The processes are real `llmgw gateway run`, given real sockets on fd 3+
 the way systemd passes them, and a real datagram socket to notify."""
@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from llmgw_cli.errors import LlmgwError
-from llmgw_cli.gateway import systemd
+from llmgw_cli.gateway.control import systemd
 from tests.gateway.harness import Engine, Gateway, stop
 from tests.integration.load import running_load
 from tests.waiting import wait_until

@@ -10,7 +10,7 @@ import pytest
 import uvloop
 
 from llmgw_cli.errors import BrokenAnswer, ConnectFailed, Disconnected, ReadTimeout
-from llmgw_cli.gateway.upstream import Answer, Upstreams
+from llmgw_cli.gateway.serving.upstream import Answer, Upstreams
 
 HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer engine"}
 

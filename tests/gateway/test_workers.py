@@ -1,4 +1,4 @@
-"""Several gateway processes on one host (gateway/workers.py): real `llmgw gateway run
+"""Several gateway processes on one host (gateway/control/workers.py): real `llmgw gateway run
 --workers N` supervisors with their real worker processes, a simulated engine, and the
 sockets either bound by each worker (SO_REUSEPORT) or inherited the way systemd passes
 them (fds 3, 4, ..., LISTEN_PID)."""

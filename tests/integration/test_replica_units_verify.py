@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.engines import Member, ReplicaUnit, ray_program, replica_unit
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.engine.engines import Member, ReplicaUnit, ray_program, replica_unit
 from tests.rendered_units import every_replica_unit, pinned
 from tests.security.hostile_values import HOSTILE_ARGS, exec_argv, unit_keys
 

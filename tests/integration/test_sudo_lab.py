@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmgw_cli.core.spec import SshSettings
+from llmgw_cli.core.clusterfile.spec import SshSettings
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.ssh import SshTarget, SshTransport
 

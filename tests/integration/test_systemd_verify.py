@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.units import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.hosts.units import (
     GATEWAY_HANDOVER_UNIT,
     GATEWAY_SOCKET,
     GATEWAY_UNIT,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.cluster_lock import hold_script, lock_path
-from llmgw_cli.core.spec import SshSettings
+from llmgw_cli.core.clusterfile.spec import SshSettings
+from llmgw_cli.core.planning.cluster_lock import hold_script, lock_path
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.local import LocalTransport
 from llmgw_cli.remote.ssh import SshTarget, SshTransport
@@ -215,8 +215,8 @@ def test_commands_share_one_connection_until_closed(sshd: Sshd) -> None:
 SSH_HOLDER = """
 import asyncio, sys
 from pathlib import Path
-from llmgw_cli.core.cluster_lock import hold_script
-from llmgw_cli.core.spec import SshSettings
+from llmgw_cli.core.planning.cluster_lock import hold_script
+from llmgw_cli.core.clusterfile.spec import SshSettings
 from llmgw_cli.remote.ssh import SshTarget, SshTransport
 
 async def main() -> None:

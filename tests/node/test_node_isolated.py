@@ -51,7 +51,7 @@ def test_a_node_module_imports_the_standard_library_and_the_node_package_only(pa
 
 
 def test_the_check_sees_a_foreign_import() -> None:
-    assert foreign("llmgw_cli.core.snapshot")
+    assert foreign("llmgw_cli.core.weights.snapshot")
     assert foreign("llmgw_cli")
     assert foreign("yaml")
     assert not foreign("json") and not foreign("http.server") and not foreign(f"{PACKAGE}.fetch_disk")

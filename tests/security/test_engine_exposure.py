@@ -25,10 +25,10 @@ import httpx
 import openai
 import pytest
 
-from llmgw_cli.core.engine_access import engine_env_text
-from llmgw_cli.core.engines import Member as UnitMember
-from llmgw_cli.core.engines import engine_args
-from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.engine.engine_access import engine_env_text
+from llmgw_cli.core.engine.engines import Member as UnitMember
+from llmgw_cli.core.engine.engines import engine_args
 from tests.gateway.harness import free_port, start_gateway, stop, wait_http
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import cluster_variant, engine_keys_file, reset, run

@@ -29,16 +29,17 @@ import openai
 import pytest
 from aiohttp import web
 
-from llmgw_cli.core.controller import Phase
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.keys import ApiKey, hash_token
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Action, Plan
-from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.gateway import controller as controller_module
-from llmgw_cli.gateway import coordination, server
-from llmgw_cli.gateway.state import Gateway
-from llmgw_cli.gateway.store import ModelState, SqliteStore
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.controller import Phase
+from llmgw_cli.core.planning.plan import Action, Plan
+from llmgw_cli.core.serving.keys import ApiKey, hash_token
+from llmgw_cli.gateway.control import controller as controller_module
+from llmgw_cli.gateway.control import coordination
+from llmgw_cli.gateway.control.state import Gateway
+from llmgw_cli.gateway.serving import server
+from llmgw_cli.gateway.store.sqlite import ModelState, SqliteStore
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.execute import Outcome

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw_cli.core.node_access import AUTHORIZED_KEYS, authorized_key_line
+from llmgw_cli.core.hosts.node_access import AUTHORIZED_KEYS, authorized_key_line
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import reset, run
 from tests.security.test_least_privilege import Installed

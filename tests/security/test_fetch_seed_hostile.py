@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from llmgw_cli.core.fetch import Peers, plan_fetch
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.weights.fetch import Peers, plan_fetch
 from llmgw_cli.node.fetch_disk import side_files
 from llmgw_cli.remote.fetch import Fetcher, FetchResult, held_on_nodes
 from tests.integration.test_fetch import cluster, fetch, model, sha

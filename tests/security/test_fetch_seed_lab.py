@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.lab.nodefs import LAB_UID
 from tests.integration.conftest import Lab
 from tests.integration.test_fetch_lab import _cluster, fetch, node_sha, origin

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw_cli.errors import BadRequest
-from llmgw_cli.gateway.openai_error import bad_request
-from llmgw_cli.gateway.request_body import MAX_DEPTH, parse_body, too_deep
+from llmgw_cli.gateway.serving.openai_error import bad_request
+from llmgw_cli.gateway.serving.request_body import MAX_DEPTH, parse_body, too_deep
 from tests.gateway.harness import (
     EVENT_STREAM,
     HEALTHY,

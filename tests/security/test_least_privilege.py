@@ -17,11 +17,11 @@ import openai
 import pytest
 import yaml
 
-from llmgw_cli.core.drain import marker_path, marker_text
-from llmgw_cli.core.fetch import Peers, plan_fetch
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.node_access import HELPER_CONFIG, helper_config
-from llmgw_cli.core.parse.probe import parse_probe
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.hosts.node_access import HELPER_CONFIG, helper_config
+from llmgw_cli.core.observe.parse.probe import parse_probe
+from llmgw_cli.core.planning.drain import marker_path, marker_text
+from llmgw_cli.core.weights.fetch import Peers, plan_fetch
 from llmgw_cli.remote import connect, fetch
 from llmgw_cli.remote.transport import write_command
 from tests.integration.conftest import Lab

@@ -23,10 +23,10 @@ from llmgw_cli.cli.views import (
     spec_summary,
     status_view,
 )
+from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.doctor.facts import Finding, Severity
-from llmgw_cli.core.fetch import FetchPlan, Skip
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.summary import ClassRow, FabricRow, ModelRow, NodeRow, Summary
+from llmgw_cli.core.views.summary import ClassRow, FabricRow, ModelRow, NodeRow, Summary
+from llmgw_cli.core.weights.fetch import FetchPlan, Skip
 from llmgw_cli.errors import Problem
 from llmgw_cli.progress import Phase, Row
 from llmgw_cli.remote.connect import Connections

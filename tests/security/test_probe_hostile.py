@@ -21,10 +21,10 @@ from collections.abc import Iterator
 import pytest
 
 from llmgw_cli.cli.common import read_cluster
+from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.doctor.collect import doctor_part, parse_doctor
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.parse.probe import parse_probe
-from llmgw_cli.gateway.sources import ProbeSource
+from llmgw_cli.core.observe.parse.probe import parse_probe
+from llmgw_cli.gateway.control.sources import ProbeSource
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.probe import Snapshot, gather
 from tests.integration.conftest import Lab

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmgw_cli.core.drain import DRAIN_DIR, Routes, marker_path, marker_text, routes_text
-from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.planning.drain import DRAIN_DIR, Routes, marker_path, marker_text, routes_text
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import silent
 from llmgw_cli.remote.connect import Connections

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw_cli.core.engine_access import key_flags
-from llmgw_cli.core.engines import Member, engine_args, replica_unit
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.engine.engine_access import key_flags
+from llmgw_cli.core.engine.engines import Member, engine_args, replica_unit
 from llmgw_cli.errors import SpecError
 from tests.integration.test_replica_units_verify import assert_verifies, scratch_root
 from tests.rendered_units import pinned

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from llmgw_cli.core.facts import (
+from llmgw_cli.core.observe.facts import (
     Gpu,
     GpuHealth,
     IbPort,

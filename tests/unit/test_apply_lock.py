@@ -17,10 +17,10 @@ import typer
 from rich.console import Console
 
 from llmgw_cli.cli import apply_steps as apply_cli
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Plan, grow_plan, make_plan
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.plan import Plan, grow_plan, make_plan
 from llmgw_cli.errors import ApplyFailed, InputError, NodeError
 from llmgw_cli.remote import rollout
 from llmgw_cli.remote.cluster_lock import LockTimeout

@@ -19,13 +19,13 @@ from typer.testing import CliRunner
 from llmgw_cli.cli import apply_steps as apply_cli
 from llmgw_cli.cli.main import app
 from llmgw_cli.cli.views import plan_view
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.gateway_install import GatewayChange
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.pins import parse_pins
-from llmgw_cli.core.plan import Plan, make_plan
-from llmgw_cli.core.snapshot import Snapshot as RepoSnapshot
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.hosts.gateway_install import GatewayChange
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.plan import Plan, make_plan
+from llmgw_cli.core.weights.pins import parse_pins
+from llmgw_cli.core.weights.snapshot import Snapshot as RepoSnapshot
 from llmgw_cli.errors import DowntimeRefused, InputError, UsageError
 from llmgw_cli.remote import hub
 from llmgw_cli.remote.execute import Outcome

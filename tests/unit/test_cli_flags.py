@@ -14,7 +14,7 @@ import typer.main
 from typer.core import TyperGroup
 
 from llmgw_cli.cli.main import app
-from llmgw_cli.core.plan import Plan
+from llmgw_cli.core.planning.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llmgw_cli.cli.common import chosen_nodes, read_cluster
-from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.errors import ExitCode, UsageError
 
 ROOT = Path(__file__).resolve().parents[2]

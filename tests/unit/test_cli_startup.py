@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core import gateway_install, paths
-from llmgw_cli.core.units import GATEWAY_DIR
+from llmgw_cli.core.hosts import gateway_install, paths
+from llmgw_cli.core.hosts.units import GATEWAY_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,6 +72,6 @@ def test_validate_loads_what_reading_a_cluster_file_takes_and_no_more() -> None:
 
 
 def test_the_paths_the_options_name_are_those_the_core_writes() -> None:
-    # core/paths.py imports nothing, so it holds these paths as text of its own
+    # core/hosts/paths.py imports nothing, so it holds these paths as text of its own
     assert f"{GATEWAY_DIR}/engine-keys.json" == paths.ENGINE_KEYS_FILE
     assert gateway_install.GATEWAY_DIR == GATEWAY_DIR

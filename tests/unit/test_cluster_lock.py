@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.cluster_lock import (
+from llmgw_cli.core.planning.cluster_lock import (
     HOLDER_MAX,
     UNKNOWN_HOLDER,
     hold_script,
@@ -46,7 +46,7 @@ asyncio.run(main())
 # An apply-side holder in its own process: the shell apply runs, through the local transport.
 APPLY_HOLDER = """
 import asyncio, sys
-from llmgw_cli.core.cluster_lock import hold_script
+from llmgw_cli.core.planning.cluster_lock import hold_script
 from llmgw_cli.remote.local import LocalTransport
 
 async def main() -> None:

@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from llmgw_cli.cli import apply_steps as apply_cli
 from llmgw_cli.cli.main import app
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Action, Plan
-from llmgw_cli.core.spec import ClusterSpec, Node
-from llmgw_cli.gateway.sources import ProbeSource
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node
+from llmgw_cli.core.planning.plan import Action, Plan
+from llmgw_cli.gateway.control.sources import ProbeSource
 from llmgw_cli.progress import silent
 from llmgw_cli.remote.connect import Connections, GatewayAccess, Session
 from llmgw_cli.remote.execute import execute

@@ -1,4 +1,4 @@
-"""The model controller's decisions with a fake clock (``core/controller.py``): every rule
+"""The model controller's decisions with a fake clock (``core/planning/controller.py``): every rule
 of ``reconcile``, the phases, back-off and what a request is told."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from llmgw_cli.core.controller import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.planning.controller import (
     BACKOFF_MAX,
     Attempts,
     Phase,
@@ -22,9 +23,8 @@ from llmgw_cli.core.controller import (
     reconcile,
     unavailable,
 )
-from llmgw_cli.core.drain import DRAIN_GRACE
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.routing import Health
+from llmgw_cli.core.planning.drain import DRAIN_GRACE
+from llmgw_cli.core.serving.routing import Health
 
 SPEC = parse_cluster(
     """\

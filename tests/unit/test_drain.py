@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_cli.core.drain import (
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.engine.engines import spec_hash
+from llmgw_cli.core.planning.drain import (
     DRAIN_GRACE,
     Routes,
     abandoned,
@@ -17,8 +19,6 @@ from llmgw_cli.core.drain import (
     routes_dir,
     routes_text,
 )
-from llmgw_cli.core.engines import spec_hash
-from llmgw_cli.core.spec import ClusterSpec
 
 from .test_plan import spec as cluster
 

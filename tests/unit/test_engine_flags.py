@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw_cli.core.engine_flags import FlagTable, has_tables, release, table, unknown_flags
+from llmgw_cli.core.engine.engine_flags import FlagTable, has_tables, release, table, unknown_flags
 
 VLLM = table("vllm", "0.32.0")
 SGLANG = table("sglang", "0.5.23")

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.engine_programs import ProgramCheck, judge, program_checks, unit_programs
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Action, Plan, UnitFile
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.engine.engine_programs import ProgramCheck, judge, program_checks, unit_programs
+from llmgw_cli.core.planning.plan import Action, Plan, UnitFile
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.weights import ensure_for_plan
 from tests.rendered_units import every_replica_unit

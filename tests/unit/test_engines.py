@@ -5,14 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.engine_access import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.engine.engine_access import (
     engine_env_text,
     environment_quote,
     gateway_sources,
     secret_env_file,
     secret_env_text,
 )
-from llmgw_cli.core.engines import (
+from llmgw_cli.core.engine.engines import (
     Member,
     engine_args,
     model_path,
@@ -21,7 +22,6 @@ from llmgw_cli.core.engines import (
     spec_hash,
     systemd_quote,
 )
-from llmgw_cli.core.load import parse_cluster
 from llmgw_cli.errors import SpecError
 from llmgw_cli.remote.execute import new_engine_key
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from llmgw_cli.core import node_access
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.hosts import node_access
 from llmgw_cli.node import fetch_disk, fetch_serve
 from llmgw_cli.node import helper as node_helper
 from llmgw_cli.node.helper import Refused, check_job_bounds, check_url, literal_host_refused

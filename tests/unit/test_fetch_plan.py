@@ -10,9 +10,9 @@ import pytest
 from rich.console import Console
 
 from llmgw_cli.cli.views import fetch_plan_view
-from llmgw_cli.core.fetch import Peers, held_in_facts, plan_fetch, plan_report, select, token_for
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.weights.fetch import Peers, held_in_facts, plan_fetch, plan_report, select, token_for
 from tests.unit.facts_factory import node_facts
 
 URL = "https://huggingface.co/org/repo/resolve/0123456789abcdef0123456789abcdef01234567/m.Q4.gguf"

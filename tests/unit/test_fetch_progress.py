@@ -1,4 +1,4 @@
-"""How far a fetch is, as text: the pure formatting (``core/fetch_progress.py``), the lines
+"""How far a fetch is, as text: the pure formatting (``core/weights/fetch_progress.py``), the lines
 fetch events become (``_progress_lines``, by node for apply and by model for the gateway)
 and the events a snapshot's job reports (files and bytes as numbers, bounded by the
 snapshot's own counts whatever the node says)."""
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from llmgw_cli.cli import fetch_steps
-from llmgw_cli.core.fetch_progress import NodeProgress, amounts, least_advanced, progress_text
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.snapshot import Digest, Snapshot, SnapshotFile
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.weights.fetch_progress import NodeProgress, amounts, least_advanced, progress_text
+from llmgw_cli.core.weights.snapshot import Digest, Snapshot, SnapshotFile
 from llmgw_cli.progress import Phase
 from llmgw_cli.remote import snapshot_fetch
 from llmgw_cli.remote.fetch import FetchEvent, _progress_lines

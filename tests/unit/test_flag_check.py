@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from llmgw_cli.cli.apply_steps import flags_checked
-from llmgw_cli.core.commands import engine_commands
-from llmgw_cli.core.engine_flags import table, unknown_flags
-from llmgw_cli.core.facts import Engine, NodeFacts
-from llmgw_cli.core.flag_check import check_flags
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import make_plan
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.engine.commands import engine_commands
+from llmgw_cli.core.engine.engine_flags import table, unknown_flags
+from llmgw_cli.core.engine.flag_check import check_flags
+from llmgw_cli.core.observe.facts import Engine, NodeFacts
+from llmgw_cli.core.planning.plan import make_plan
 from llmgw_cli.errors import SpecError
 from llmgw_cli.lab import cluster as lab_cluster
 from tests.test_lab_shapes import lab_record

@@ -10,8 +10,8 @@ import itertools
 
 import pytest
 
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.units import GATEWAY_HANDOVER_UNIT, GATEWAY_UNIT
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.hosts.units import GATEWAY_HANDOVER_UNIT, GATEWAY_UNIT
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote import gateway_install
 from llmgw_cli.remote.transport import CommandResult

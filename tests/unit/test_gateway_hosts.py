@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw_cli.core.drain import Routes, routes_text
-from llmgw_cli.core.engine_access import allowed_addresses, gateway_sources
-from llmgw_cli.core.gateway_install import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node
+from llmgw_cli.core.engine.engine_access import allowed_addresses, gateway_sources
+from llmgw_cli.core.hosts.gateway_install import (
     CLUSTER_FILE,
     GATEWAY_ACCOUNT,
     HUB_ENV_FILE,
@@ -25,10 +26,9 @@ from llmgw_cli.core.gateway_install import (
     gateway_files,
     hub_env_text,
 )
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.monitoring import PROMETHEUS_FILE, monitoring_files, scrape_targets
-from llmgw_cli.core.node_access import AUTHORIZED_KEYS, HELPER, authorized_keys_text, node_files
-from llmgw_cli.core.spec import ClusterSpec, Node
+from llmgw_cli.core.hosts.node_access import AUTHORIZED_KEYS, HELPER, authorized_keys_text, node_files
+from llmgw_cli.core.planning.drain import Routes, routes_text
+from llmgw_cli.core.views.monitoring import PROMETHEUS_FILE, monitoring_files, scrape_targets
 from llmgw_cli.errors import InputError, NodeError
 from llmgw_cli.remote.cluster_lock import LockTimeout, lock_order, take_for_apply
 from llmgw_cli.remote.connect import Connections, GatewayAccess

@@ -7,7 +7,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from llmgw_cli.cli.render import app as render_app
-from llmgw_cli.core.gateway_install import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.hosts.gateway_install import (
     CLUSTER_FILE,
     GATEWAY_ACCOUNT,
     GATEWAY_KEY,
@@ -19,8 +20,7 @@ from llmgw_cli.core.gateway_install import (
     gateway_change,
     gateway_files,
 )
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.pins import PINS_NAME, pins_text
+from llmgw_cli.core.weights.pins import PINS_NAME, pins_text
 
 TEXT = "cluster: {name: c}\ngateway: {host: localhost}\n"
 REPO = (

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from llmgw_cli.cli.gateway import interval_flags
-from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.errors import SpecError
-from llmgw_cli.gateway.state import job_intervals
+from llmgw_cli.gateway.control.state import job_intervals
 
 FILE = "cluster: {name: t}\ngateway: {discover_every: 1m, health_every: 500ms, flush_every: 30s}\n"
 

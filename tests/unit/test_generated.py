@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.docgen import configuration_markdown, json_schema
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.docgen import configuration_markdown, json_schema
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml"))

@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import yaml
 
-from llmgw_cli.core.grafana import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.views.grafana import (
     DASHBOARD_FILE,
     DASHBOARDS_PROVIDER_FILE,
     DATASOURCE_FILE,
     GRID_WIDTH,
     expressions,
 )
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.monitoring import JOB, monitoring_files
+from llmgw_cli.core.views.monitoring import JOB, monitoring_files
 from tests.promql import label_values_metric, metric_names
 
 SPEC = parse_cluster(

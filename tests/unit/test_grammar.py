@@ -25,9 +25,9 @@ import yaml
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from llmgw_cli.core import grammar
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.quantities import parse_duration, parse_size
+from llmgw_cli.core.clusterfile import grammar
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.quantities import parse_duration, parse_size
 from llmgw_cli.errors import SpecError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The one notion of a replica's health (core/health.py), from `systemctl show` output as
+"""The one notion of a replica's health (core/observe/health.py), from `systemctl show` output as
 systemd 252 prints it for the properties the probe asks (order not the asked one)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.facts import UnitState
-from llmgw_cli.core.health import (
+from llmgw_cli.core.clusterfile.spec import Node
+from llmgw_cli.core.observe.facts import UnitState
+from llmgw_cli.core.observe.health import (
     ReplicaState,
     describe,
     journal_tail,
@@ -16,9 +17,8 @@ from llmgw_cli.core.health import (
     unit_health,
     worst,
 )
-from llmgw_cli.core.parse.probe import _parse_units
-from llmgw_cli.core.parse.systemctl import parse_show, unit_state
-from llmgw_cli.core.spec import Node
+from llmgw_cli.core.observe.parse.probe import _parse_units
+from llmgw_cli.core.observe.parse.systemctl import parse_show, unit_state
 
 # /proc/uptime of the node when these were read: 1000 s after boot
 NOW = 1000.0

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from llmgw_cli.core.snapshot import Digest, RepoRef, Selection, parse_repo_ref
+from llmgw_cli.core.weights.snapshot import Digest, RepoRef, Selection, parse_repo_ref
 from llmgw_cli.remote.hub import HubError, resolve
 from tests import hub_standin
 from tests.hub_standin import HubStandin, git_blob_sha1

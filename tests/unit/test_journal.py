@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core import journal
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import grow_plan, running_replicas
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.observe import journal
+from llmgw_cli.core.planning.plan import grow_plan, running_replicas
 from llmgw_cli.errors import UsageError
 from tests.unit.facts_factory import node_facts, with_units
 

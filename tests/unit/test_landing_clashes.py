@@ -6,8 +6,8 @@ from textwrap import dedent
 
 import pytest
 
-from llmgw_cli.core import refs
-from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.clusterfile import refs
+from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.errors import SpecError
 
 SHA_A, SHA_B = "a" * 64, "b" * 64

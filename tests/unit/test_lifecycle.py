@@ -1,8 +1,9 @@
-"""On-demand policy with a fake clock: every on-demand rule that is a decision (``core/lifecycle.py``)."""
+"""On-demand policy with a fake clock: every on-demand rule that is a decision (``core/planning/lifecycle.py``)."""
 
 from __future__ import annotations
 
-from llmgw_cli.core.lifecycle import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.planning.lifecycle import (
     EVICTION_GRACE,
     ReplicaUse,
     eviction_candidate,
@@ -10,7 +11,6 @@ from llmgw_cli.core.lifecycle import (
     known_last_use,
     should_scale_out,
 )
-from llmgw_cli.core.load import parse_cluster
 
 SPEC = parse_cluster(
     """\

@@ -5,8 +5,8 @@ from textwrap import dedent
 
 import pytest
 
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.errors import SpecError
 
 DATA = Path(__file__).resolve().parent.parent / "data"

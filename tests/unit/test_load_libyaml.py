@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw_cli.core import load
-from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.clusterfile import load
+from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.errors import SpecError
 
 ROOT = Path(__file__).resolve().parents[2]

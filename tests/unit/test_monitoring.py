@@ -13,8 +13,8 @@ import yaml
 from typer.testing import CliRunner
 
 from llmgw_cli.cli.main import app
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.monitoring import PROMETHEUS_FILE, RULES_FILE, monitoring_files, scrape_target
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.views.monitoring import PROMETHEUS_FILE, RULES_FILE, monitoring_files, scrape_target
 
 RULE_TESTS = Path(__file__).resolve().parents[1] / "data" / "llmgw-alerts_test.yml"
 CLUSTER = """\

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw_cli.core import drain, node_access
-from llmgw_cli.core.engine_access import ENGINE_ENV_FILE, SECRET_ENV_DIR, secret_env_file
-from llmgw_cli.core.engines import unit_name
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.engine.engine_access import ENGINE_ENV_FILE, SECRET_ENV_DIR, secret_env_file
+from llmgw_cli.core.engine.engines import unit_name
+from llmgw_cli.core.hosts import node_access
+from llmgw_cli.core.planning import drain
 from llmgw_cli.node import helper as node_helper
 from llmgw_cli.node.helper import Refused, check_unit, check_words, parse_words
 from llmgw_cli.remote import fetch

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmgw_cli.core import node_access
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Action, Plan, UnitFile
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.hosts import node_access
+from llmgw_cli.core.planning.plan import Action, Plan, UnitFile
 from llmgw_cli.errors import NodeError
 from llmgw_cli.node import helper as node_helper
 from llmgw_cli.remote.connect import Connections

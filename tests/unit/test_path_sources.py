@@ -8,10 +8,13 @@ import json
 
 import pytest
 
-from llmgw_cli.core import node_access, path_sources
-from llmgw_cli.core.fetch import plan_weights
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.path_sources import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.hosts import node_access
+from llmgw_cli.core.planning.plan import Action, Plan, UnitFile
+from llmgw_cli.core.weights import path_sources
+from llmgw_cli.core.weights.fetch import plan_weights
+from llmgw_cli.core.weights.path_sources import (
     by_node,
     checks_for,
     judge,
@@ -20,8 +23,6 @@ from llmgw_cli.core.path_sources import (
     parse_answer,
     plain_path,
 )
-from llmgw_cli.core.plan import Action, Plan, UnitFile
-from llmgw_cli.core.spec import ClusterSpec
 from llmgw_cli.node import helper as node_helper
 
 URL = "https://huggingface.co/org/repo/resolve/0123456789abcdef0123456789abcdef01234567/m.gguf"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.placement import PlacedReplica, Placer, Slot, place
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.placement import PlacedReplica, Placer, Slot, place
 
 from .facts_factory import node_facts, topology
 

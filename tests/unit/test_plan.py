@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-from llmgw_cli.core.facts import NodeFacts, UnitState
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts, UnitState
+from llmgw_cli.core.planning.plan import (
     Action,
     Plan,
     Retired,
@@ -16,8 +17,7 @@ from llmgw_cli.core.plan import (
     running_replicas,
     stop_plan,
 )
-from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.core.summary import summarize
+from llmgw_cli.core.views.summary import summarize
 
 from .facts_factory import node_facts, with_units
 
@@ -505,7 +505,7 @@ def test_a_url_source_without_sha256_is_warned_about_once_per_model() -> None:
 
 
 def _looping(restarts: int, sub_state: str = "auto-restart", age: float = 3.0) -> UnitState:
-    """An engine that exits at once, as `systemctl show` says it (``core/health.py``)."""
+    """An engine that exits at once, as `systemctl show` says it (``core/observe/health.py``)."""
     return UnitState(
         name="",
         load_state="loaded",

@@ -9,13 +9,13 @@ import pytest
 from rich.console import Console
 
 from llmgw_cli.cli.views import status_view
-from llmgw_cli.core.facts import GpuHealth, NodeFacts
-from llmgw_cli.core.hardware import fabric_status, gpu_class
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.parse.probe import parse_probe, probe_script, split_sections
-from llmgw_cli.core.parse.weights import judge
-from llmgw_cli.core.spec import Node
-from llmgw_cli.core.summary import summarize
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import Node
+from llmgw_cli.core.observe.facts import GpuHealth, NodeFacts
+from llmgw_cli.core.observe.hardware import fabric_status, gpu_class
+from llmgw_cli.core.observe.parse.probe import parse_probe, probe_script, split_sections
+from llmgw_cli.core.observe.parse.weights import judge
+from llmgw_cli.core.views.summary import summarize
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.probe import Snapshot, gather
 

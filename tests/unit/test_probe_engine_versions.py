@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.parse.probe import parse_probe, section_script
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.parse.probe import parse_probe, section_script
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core import node_access
-from llmgw_cli.core.engine_access import ENGINE_ENV_FILE, engine_env_text
-from llmgw_cli.core.facts import NodeAccess, NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.parse.probe import ENGINE_KEY_SH, SECTIONS, parse_probe, probe_script
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.engine.engine_access import ENGINE_ENV_FILE, engine_env_text
+from llmgw_cli.core.hosts import node_access
+from llmgw_cli.core.observe.facts import NodeAccess, NodeFacts
+from llmgw_cli.core.observe.parse.probe import ENGINE_KEY_SH, SECTIONS, parse_probe, probe_script
 from llmgw_cli.remote import engine_keys
 from llmgw_cli.remote import node_access as remote_node_access
 from llmgw_cli.remote.connect import Connections

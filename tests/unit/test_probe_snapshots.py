@@ -9,13 +9,13 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-from llmgw_cli.core.facts import WeightsDir
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.parse.probe import WEIGHTS_SH, _weights
-from llmgw_cli.core.placement import place
-from llmgw_cli.core.snapshot import Digest, Snapshot, SnapshotFile, manifest_text
-from llmgw_cli.core.spec import Node
-from llmgw_cli.core.templates import render_text
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import Node
+from llmgw_cli.core.engine.templates import render_text
+from llmgw_cli.core.observe.facts import WeightsDir
+from llmgw_cli.core.observe.parse.probe import WEIGHTS_SH, _weights
+from llmgw_cli.core.planning.placement import place
+from llmgw_cli.core.weights.snapshot import Digest, Snapshot, SnapshotFile, manifest_text
 
 from .facts_factory import node_facts
 

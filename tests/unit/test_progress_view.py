@@ -13,7 +13,7 @@ from rich.console import Console, RenderableType
 from llmgw_cli.cli import apply_steps
 from llmgw_cli.cli.common import node_progress
 from llmgw_cli.cli.views import progress_line, progress_view
-from llmgw_cli.core.quantities import clock
+from llmgw_cli.core.clusterfile.quantities import clock
 from llmgw_cli.progress import Board, Phase, Report
 
 YELLOW, GREEN, RED = "\x1b[33m", "\x1b[32m", "\x1b[31m"

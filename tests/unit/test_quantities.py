@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw_cli.core.quantities import format_duration, format_size, parse_duration, parse_size
+from llmgw_cli.core.clusterfile.quantities import format_duration, format_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(

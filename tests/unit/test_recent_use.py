@@ -1,9 +1,9 @@
-"""The gateway's last hour of use (gateway/recent.py) on a clock the test moves: minute
+"""The gateway's last hour of use (gateway/serving/recent.py) on a clock the test moves: minute
 buckets, the window sliding, old minutes dropped."""
 
 from __future__ import annotations
 
-from llmgw_cli.gateway.recent import MINUTES, RecentUse
+from llmgw_cli.gateway.serving.recent import MINUTES, RecentUse
 
 T0 = 1_000_020.0  # 20 s into a minute
 

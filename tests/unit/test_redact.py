@@ -1,4 +1,4 @@
-"""``core/redact.py``: a secret of every kind the gateway handles, embedded anywhere in any
+"""``core/serving/redact.py``: a secret of every kind the gateway handles, embedded anywhere in any
 text, never survives ``redact``; and what a client reads of a start's progress is a phrase
 of a fixed vocabulary (``core/controller.public_progress``)."""
 
@@ -10,8 +10,8 @@ import string
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from llmgw_cli.core.controller import public_progress
-from llmgw_cli.core.redact import MASK, redact
+from llmgw_cli.core.planning.controller import public_progress
+from llmgw_cli.core.serving.redact import MASK, redact
 
 URLSAFE = string.ascii_letters + string.digits + "-_"
 HEX = "0123456789abcdef"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.commands import SECRET, engine_command, stand_in_member, stand_in_node
-from llmgw_cli.core.engines import replica_unit
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.engine.commands import SECRET, engine_command, stand_in_member, stand_in_node
+from llmgw_cli.core.engine.engines import replica_unit
 
 ROOT = Path(__file__).resolve().parents[2]
 INVENTORIES = sorted((ROOT / "inventories").glob("*.yaml"))

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from llmgw_cli.core.drain import DRAIN_DIR, Routes, parse_marker, routes_text
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Action, Plan, Retired, make_plan
-from llmgw_cli.core.routing import serving_address
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.drain import DRAIN_DIR, Routes, parse_marker, routes_text
+from llmgw_cli.core.planning.plan import Action, Plan, Retired, make_plan
+from llmgw_cli.core.serving.routing import serving_address
 from llmgw_cli.progress import Phase
 from llmgw_cli.remote import executor, rollout
 from llmgw_cli.remote.connect import Connections

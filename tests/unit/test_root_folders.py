@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from llmgw_cli.core.drain import DRAIN_DIR
-from llmgw_cli.core.root_folders import ROOT_FOLDERS, Owned, ancestors, fix, problem
+from llmgw_cli.core.hosts.root_folders import ROOT_FOLDERS, Owned, ancestors, fix, problem
+from llmgw_cli.core.planning.drain import DRAIN_DIR
 
 
 def test_the_list_holds_every_folder_root_writes_in() -> None:

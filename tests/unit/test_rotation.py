@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Action, make_plan
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.plan import Action, make_plan
 from llmgw_cli.progress import silent
 from llmgw_cli.remote import engine_keys
 from llmgw_cli.remote.connect import Connections

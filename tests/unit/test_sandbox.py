@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw_cli.core.gateway_install import installed_gateway_unit
-from llmgw_cli.core.gateway_sight import read_sight, sight_problems, sight_refusal
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.sandbox import Sandbox, hidden_by, read_sandbox
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.hosts.gateway_install import installed_gateway_unit
+from llmgw_cli.core.hosts.gateway_sight import read_sight, sight_problems, sight_refusal
+from llmgw_cli.core.hosts.sandbox import Sandbox, hidden_by, read_sandbox
 
 SPEC = parse_cluster("cluster: {name: c}\ngateway: {host: localhost}\n")
 

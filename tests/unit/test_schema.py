@@ -19,8 +19,8 @@ import jsonschema
 import pytest
 import yaml
 
-from llmgw_cli.core.load import parse_cluster, where
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.load import parse_cluster, where
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.errors import Problem, SpecError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,10 +177,10 @@ def test_what_only_the_loader_can_refuse(path: Path) -> None:
       schema constrains each value alone and compares none with another;
     - references between sections (a model's profile must exist), uniqueness of one key
       across the items of a list (node names) and what no node could run: checked on the
-      whole file by the loader only (core/refs.py);
+      whole file by the loader only (core/clusterfile/refs.py);
     - files of two models landing on one path of a node (two URLs of one file name, a URL
       over a `./` source, one repository revision fetched with two selections): a
-      comparison across the items of a list, by the loader only (core/refs.py);
+      comparison across the items of a list, by the loader only (core/clusterfile/refs.py);
     - the total of a duration (at most 365 days, summed over `300d 100d`) and a size's
       bytes (at most 1024TiB, whatever the unit): a pattern cannot do arithmetic;
     - a key written twice: a YAML reader keeps the later one, so the schema never sees it.

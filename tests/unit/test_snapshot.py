@@ -1,5 +1,5 @@
 """Whole-repo weights, the pure part: the source grammar, the file selection, hostile
-paths, the layout on a node and the manifest (llmgw_cli/core/snapshot.py)."""
+paths, the layout on a node and the manifest (llmgw_cli/core/weights/snapshot.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from llmgw_cli.core.snapshot import (
+from llmgw_cli.core.weights.snapshot import (
     BadPath,
     BadSource,
     Digest,

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from llmgw_cli.core import snapshot as core
-from llmgw_cli.core.snapshot import (
+from llmgw_cli.core.weights import snapshot as core
+from llmgw_cli.core.weights.snapshot import (
     Digest,
     RepoRef,
     Selection,

@@ -24,8 +24,8 @@ from urllib.parse import quote, unquote
 
 import pytest
 
-from llmgw_cli.core import snapshot as core
-from llmgw_cli.core.snapshot import RepoRef, Selection, Snapshot, snapshot_job, verify_snapshot_job
+from llmgw_cli.core.weights import snapshot as core
+from llmgw_cli.core.weights.snapshot import RepoRef, Selection, Snapshot, snapshot_job, verify_snapshot_job
 from llmgw_cli.node import fetch_disk, fetch_http
 from llmgw_cli.remote.fetch import node_script
 from llmgw_cli.remote.hub import resolve

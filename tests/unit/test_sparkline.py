@@ -1,11 +1,11 @@
-"""The dashboard's inline charts (core/sparkline.py): where the points go, the empty and
+"""The dashboard's inline charts (core/views/sparkline.py): where the points go, the empty and
 all-zero series, and a hostile label that must stay text."""
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from llmgw_cli.core.sparkline import HEIGHT, PAD, WIDTH, points, sparkline
+from llmgw_cli.core.views.sparkline import HEIGHT, PAD, WIDTH, points, sparkline
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -10,10 +10,10 @@ import pytest
 
 from llmgw_cli.cli.store_access import keys_json, parse_keys, parse_usage, usage_json
 from llmgw_cli.cli.usage import _day
-from llmgw_cli.core.keys import ApiKey, parse_expiry
-from llmgw_cli.core.load import parse_cluster
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.serving.keys import ApiKey, parse_expiry
 from llmgw_cli.errors import LlmgwError, UsageError
-from llmgw_cli.gateway.store import Usage
+from llmgw_cli.gateway.store.sqlite import Usage
 from llmgw_cli.remote.gateway_store import remote_command, shown, store_host, this_machine
 
 BASE = """\

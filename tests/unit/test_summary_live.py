@@ -3,9 +3,9 @@ NVLink peers where unknown topology is not zero."""
 
 from __future__ import annotations
 
-from llmgw_cli.core.facts import UnitState
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.summary import IDLE_AFTER, Live, LiveReplica, UseRow, summarize
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.observe.facts import UnitState
+from llmgw_cli.core.views.summary import IDLE_AFTER, Live, LiveReplica, UseRow, summarize
 from tests.unit.facts_factory import node_facts, topology, with_units
 
 SPEC = parse_cluster(
@@ -117,7 +117,7 @@ def test_nvlink_peers_unknown_is_not_zero() -> None:
 
 def test_a_young_replica_counts_as_running_once_the_gateway_saw_it_ready() -> None:
     """The probe alone calls a replica younger than its start timeout starting; the
-    gateway's health check says whether it is ready (core/health.py)."""
+    gateway's health check says whether it is ready (core/observe/health.py)."""
     shown = UnitState(
         name="",
         load_state="loaded",

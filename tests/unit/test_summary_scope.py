@@ -7,10 +7,10 @@ from io import StringIO
 from rich.console import Console
 
 from llmgw_cli.cli.views import status_view
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import make_plan
-from llmgw_cli.core.summary import Summary, summarize
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.plan import make_plan
+from llmgw_cli.core.views.summary import Summary, summarize
 
 from .facts_factory import node_facts, with_units
 

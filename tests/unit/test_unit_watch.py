@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.drain import DRAIN_DIR
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Action, Plan
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.planning.drain import DRAIN_DIR
+from llmgw_cli.core.planning.plan import Action, Plan
 from llmgw_cli.progress import silent
 from llmgw_cli.remote import execute as execute_mod
 from llmgw_cli.remote.connect import Connections

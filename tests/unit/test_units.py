@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.templates import render
-from llmgw_cli.core.units import gateway_socket_unit, gateway_unit, socket_address
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.engine.templates import render
+from llmgw_cli.core.hosts.units import gateway_socket_unit, gateway_unit, socket_address
 from llmgw_cli.errors import InputError, TemplateError
 
 ROOT = Path(__file__).resolve().parents[2]

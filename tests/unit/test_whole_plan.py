@@ -11,12 +11,12 @@ from typing import Any, TypeVar, cast
 import pytest
 
 from llmgw_cli.cli import host_steps as cli_steps
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.plan import Plan, make_plan
-from llmgw_cli.core.spec import ClusterSpec
-from llmgw_cli.core.steps import GatewayState, HostFacts, host_lines
-from llmgw_cli.core.whole_plan import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.planning.plan import Plan, make_plan
+from llmgw_cli.core.planning.steps import GatewayState, HostFacts, host_lines
+from llmgw_cli.core.planning.whole_plan import (
     PLAN_FORMAT,
     action_needs,
     has_work,

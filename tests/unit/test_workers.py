@@ -9,8 +9,8 @@ import json
 import os
 import select
 
-from llmgw_cli.gateway.accesslog import LIMIT, AccessLog
-from llmgw_cli.gateway.workers import MAX_DEFAULT, Supervisor, default_count, listen_fds
+from llmgw_cli.gateway.control.workers import MAX_DEFAULT, Supervisor, default_count, listen_fds
+from llmgw_cli.gateway.serving.accesslog import LIMIT, AccessLog
 
 
 def test_the_supervisor_takes_the_count_of_sockets_passed_to_it_only() -> None:

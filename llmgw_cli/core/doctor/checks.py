@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node, ScalingMode
 from llmgw_cli.core.doctor.facts import Collected, Finding, Limit, Severity
-from llmgw_cli.core.facts import GpuHealth, IbPort, PortState, ReplicaUnit
-from llmgw_cli.core.hardware import gpu_class, same_class
-from llmgw_cli.core.health import ReplicaState, describe
-from llmgw_cli.core.parse.probe import engine_binaries
-from llmgw_cli.core.parse.units import replica_units
-from llmgw_cli.core.root_folders import ROOT_FOLDERS, ancestors, fix, problem
-from llmgw_cli.core.spec import ClusterSpec, Node, ScalingMode
+from llmgw_cli.core.hosts.root_folders import ROOT_FOLDERS, ancestors, fix, problem
+from llmgw_cli.core.observe.facts import GpuHealth, IbPort, PortState, ReplicaUnit
+from llmgw_cli.core.observe.hardware import gpu_class, same_class
+from llmgw_cli.core.observe.health import ReplicaState, describe
+from llmgw_cli.core.observe.parse.probe import engine_binaries
+from llmgw_cli.core.observe.parse.units import replica_units
 
 Check = Callable[[ClusterSpec, Node, Collected], list[Finding]]
 
@@ -417,7 +417,7 @@ JOURNAL_LINES = 5  # of a failing replica's journal, in its finding
 
 
 def failing_units(c: Collected) -> list[ReplicaUnit]:
-    """The node's replica units whose engine crash-loops or failed (``core/health.py``):
+    """The node's replica units whose engine crash-loops or failed (``core/observe/health.py``):
     the ones whose journal the doctor reads (``Collected.journals``)."""
     return [
         u for u in replica_units(c.facts) if u.health() in (ReplicaState.crash_looping, ReplicaState.failed)

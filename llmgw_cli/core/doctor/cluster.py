@@ -3,9 +3,9 @@ gateway's upstream timeouts), and ``diagnose``, which runs every check."""
 
 from __future__ import annotations
 
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.doctor.checks import check_node
 from llmgw_cli.core.doctor.facts import SEVERITY_ORDER, Collected, Finding, Severity
-from llmgw_cli.core.spec import ClusterSpec
 
 SKEW_WARNING = 2.0  # seconds: logs and usage records of nodes and gateway stop lining up
 SKEW_ERROR = 300.0  # TLS certificates and signed download URLs are judged by the node's clock

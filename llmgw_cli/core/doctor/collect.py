@@ -11,12 +11,12 @@ import binascii
 import re
 from collections.abc import Sequence
 
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node
 from llmgw_cli.core.doctor.facts import Disk, DoctorFacts, GpuFabric, Limit, Listener
-from llmgw_cli.core.parse.probe import probe_script, split_sections
-from llmgw_cli.core.parse.systemctl import parse_show
-from llmgw_cli.core.root_folders import ROOT_FOLDERS, Owned
-from llmgw_cli.core.spec import ClusterSpec, Node
-from llmgw_cli.core.templates import render
+from llmgw_cli.core.engine.templates import render
+from llmgw_cli.core.hosts.root_folders import ROOT_FOLDERS, Owned
+from llmgw_cli.core.observe.parse.probe import probe_script, split_sections
+from llmgw_cli.core.observe.parse.systemctl import parse_show
 
 # Greedy up to the last ``",pid=N,fd=N))``: the pid ss prints after the last name is the
 # kernel's, whatever a name holds (a name may itself read ``x",pid=1,fd=1)``).

@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from llmgw_cli.core.facts import Fact, NodeFacts
-from llmgw_cli.core.root_folders import Owned
+from llmgw_cli.core.hosts.root_folders import Owned
+from llmgw_cli.core.observe.facts import Fact, NodeFacts
 
 Limit = int | Literal["unlimited"]
 """A resource limit in bytes, or ``unlimited``."""

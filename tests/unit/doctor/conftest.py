@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.doctor import Collected
 from llmgw_cli.core.doctor.collect import parse_doctor
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.parse.probe import parse_probe
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.observe.parse.probe import parse_probe
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 

@@ -20,7 +20,7 @@ from llmgw_cli.core.doctor.checks import (
     failing_units,
 )
 from llmgw_cli.core.doctor.cluster import check_clocks, check_gateway_timeouts
-from llmgw_cli.core.facts import NodeFacts
+from llmgw_cli.core.observe.facts import NodeFacts
 from tests.unit.doctor.conftest import FIXTURES, collected, fixture, spec, sysfs_lines
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
-from llmgw_cli.core.engine_access import engine_env_text
+from llmgw_cli.core.engine.engine_access import engine_env_text
 from llmgw_cli.remote.doctor import failing_journals
 from llmgw_cli.remote.transport import CommandResult, Transport
 from tests.unit.doctor.conftest import collected, spec

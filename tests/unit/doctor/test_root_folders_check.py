@@ -11,8 +11,8 @@ from pathlib import Path
 from llmgw_cli.core.doctor import Severity
 from llmgw_cli.core.doctor.checks import check_node, check_root_folders
 from llmgw_cli.core.doctor.collect import MAX_OWNED, doctor_part, parse_owned
-from llmgw_cli.core.parse.probe import split_sections
-from llmgw_cli.core.root_folders import Owned
+from llmgw_cli.core.hosts.root_folders import Owned
+from llmgw_cli.core.observe.parse.probe import split_sections
 from tests.unit.doctor.conftest import collected, spec
 
 

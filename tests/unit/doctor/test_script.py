@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmgw_cli.core.doctor.collect import doctor_part, doctor_script, parse_doctor, parse_fabric
-from llmgw_cli.core.parse.probe import parse_probe, split_sections
+from llmgw_cli.core.observe.parse.probe import parse_probe, split_sections
 from tests.unit.doctor.conftest import FIXTURES, spec
 
 

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 from llmgw_cli.core.doctor.collect import doctor_part, parse_doctor
-from llmgw_cli.core.parse.probe import parse_probe, split_sections
+from llmgw_cli.core.observe.parse.probe import parse_probe, split_sections
 from tests.unit.parse.test_probe_forged import NODE, probe_output
 
 # What ss prints for three sockets: one owned by a process whose name forges probe

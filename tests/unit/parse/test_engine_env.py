@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.engine_access import ENGINE_ENV_FILE, engine_env_text
-from llmgw_cli.core.parse.engine_env import KEY_PRESENT_SH, engine_key, parse_env
+from llmgw_cli.core.engine.engine_access import ENGINE_ENV_FILE, engine_env_text
+from llmgw_cli.core.observe.parse.engine_env import KEY_PRESENT_SH, engine_key, parse_env
 
 CASES = [
     (engine_env_text("ab12"), "ab12"),  # what apply writes

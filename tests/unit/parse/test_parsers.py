@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.facts import GpuHealth, PortState
-from llmgw_cli.core.parse.cpuinfo import parse_cpuinfo
-from llmgw_cli.core.parse.infiniband import nccl_ib_hca, parse_ib_ports
-from llmgw_cli.core.parse.nvidia_smi import parse_query_gpu
-from llmgw_cli.core.parse.systemctl import parse_show, unit_state
-from llmgw_cli.core.parse.topo import parse_topology
+from llmgw_cli.core.observe.facts import GpuHealth, PortState
+from llmgw_cli.core.observe.parse.cpuinfo import parse_cpuinfo
+from llmgw_cli.core.observe.parse.infiniband import nccl_ib_hca, parse_ib_ports
+from llmgw_cli.core.observe.parse.nvidia_smi import parse_query_gpu
+from llmgw_cli.core.observe.parse.systemctl import parse_show, unit_state
+from llmgw_cli.core.observe.parse.topo import parse_topology
 
 from .conftest import FIXTURES
 

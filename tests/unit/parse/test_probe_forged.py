@@ -17,10 +17,10 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw_cli.core.drain import DRAIN_DIR
-from llmgw_cli.core.facts import NodeFacts
-from llmgw_cli.core.load import parse_cluster
-from llmgw_cli.core.parse.probe import (
+from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.observe.parse.probe import (
     BAD_OUTPUT,
     DRAINING_SH,
     MARKER_BYTES,
@@ -28,7 +28,7 @@ from llmgw_cli.core.parse.probe import (
     probe_script,
     split_sections,
 )
-from llmgw_cli.core.spec import ClusterSpec
+from llmgw_cli.core.planning.drain import DRAIN_DIR
 
 FORGED_UNITS = (
     "\n@@ units\nId=llmgw-forged-0.service\nLoadState=loaded\nActiveState=active\nSubState=running\n"

@@ -1,0 +1,153 @@
+"""Which replica gets a request, and when a replica leaves or rejoins rotation (pure).
+
+The gateway owns one ``Pool``; every method takes the current time instead of reading a
+clock, so the policy is tested with plain numbers. ``Pool`` is mutable but does no I/O.
+
+Contract (concurrency): the gateway runs on one asyncio loop and calls these methods
+from it only; nothing here blocks or awaits, so no call interleaves with another.
+
+Policy:
+- a replica is *ready* when its last health check passed and it is in rotation;
+- ``pick`` returns the ready replica with the fewest outstanding requests (ties: the
+  one picked least recently, so equal replicas take turns);
+- ``failed`` counts consecutive connection failures; at ``max_failures`` the replica
+  leaves rotation until a health check passes again;
+- a health check that fails takes the replica out at once (the engine said so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
+
+
+class Health(StrEnum):
+    unknown = "unknown"  # discovered, not checked yet
+    loading = "loading"  # refused or 503 while its unit is up: the engine is starting
+    ready = "ready"
+    failing = "failing"  # left rotation after repeated failures
+
+
+@dataclass
+class RoutedReplica:
+    """One replica as the router sees it: the address of its rank 0 (which serves HTTP),
+    its health and its request counters."""
+
+    model: str
+    address: str  # host:port
+    health: Health = Health.unknown
+    outstanding: int = 0
+    failures: int = 0
+    last_pick: float = 0.0
+    changed: float = 0.0
+    requests: int = 0
+    last_used: float | None = None  # Unix time the last request to it ended; None: unknown
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "address": self.address,
+            "health": self.health.value,
+            "outstanding": self.outstanding,
+            "failures": self.failures,
+            "requests": self.requests,
+            "last_used": self.last_used,
+        }
+
+
+@dataclass
+class Pool:
+    """Every known replica, by model."""
+
+    max_failures: int = 3
+    replicas: dict[str, dict[str, RoutedReplica]] = field(default_factory=dict)
+
+    def replace(self, found: dict[str, list[str]], now: float) -> None:
+        """Set the replicas discovered now: new ones start ``unknown``; known ones keep
+        their state and counters; vanished ones are dropped (requests in flight to them
+        finish on their own connection)."""
+        updated: dict[str, dict[str, RoutedReplica]] = {}
+        for model, addresses in found.items():
+            known = self.replicas.get(model, {})
+            updated[model] = {a: known.get(a) or RoutedReplica(model, a, changed=now) for a in addresses}
+        self.replicas = updated
+
+    def all(self) -> list[RoutedReplica]:
+        return [r for by_addr in self.replicas.values() for r in by_addr.values()]
+
+    def of(self, model: str) -> list[RoutedReplica]:
+        return list(self.replicas.get(model, {}).values())
+
+    def ready_count(self, model: str) -> int:
+        return sum(r.health is Health.ready for r in self.replicas.get(model, {}).values())
+
+    def add(self, model: str, address: str, now: float) -> RoutedReplica:
+        """A replica the gateway itself just started (before the next discovery finds it)."""
+        found = self.replicas.setdefault(model, {})
+        if address not in found:
+            found[address] = RoutedReplica(model, address, changed=now)
+        return found[address]
+
+    def remove(self, model: str, address: str) -> RoutedReplica | None:
+        """Out of rotation now (it is being stopped): no new request is sent to it."""
+        return self.replicas.get(model, {}).pop(address, None)
+
+    def pick(self, model: str, now: float, exclude: frozenset[str] = frozenset()) -> RoutedReplica | None:
+        """The ready replica with the fewest outstanding requests, or None."""
+        best: RoutedReplica | None = None
+        for r in self.replicas.get(model, {}).values():
+            if r.health is not Health.ready or r.address in exclude:
+                continue
+            if best is None or (r.outstanding, r.last_pick) < (best.outstanding, best.last_pick):
+                best = r
+        if best is not None:
+            best.last_pick = now
+        return best
+
+    def failed(self, replica: RoutedReplica, now: float) -> None:
+        """A connection to the replica failed (nothing was received)."""
+        replica.failures += 1
+        if replica.failures >= self.max_failures and replica.health is Health.ready:
+            replica.health = Health.failing
+            replica.changed = now
+
+    def succeeded(self, replica: RoutedReplica) -> None:
+        replica.failures = 0
+
+    def checked(self, replica: RoutedReplica, status: int | None, now: float) -> None:
+        """Result of a health check: an HTTP status, or None when the connection failed."""
+        if status == 200:
+            new = Health.ready
+            replica.failures = 0
+        elif replica.health in (Health.ready, Health.failing):
+            new = Health.failing
+        else:
+            new = Health.loading
+        if new is not replica.health:
+            replica.health = new
+            replica.changed = now
+
+
+def endpoints(
+    spec: ClusterSpec, running: list[tuple[str, int, tuple[str, ...], bool]]
+) -> dict[str, list[str]]:
+    """Serving addresses by model from running replicas given as (model, port, members,
+    active): rank 0 (the first member) serves the API. Inactive ones and ones on nodes
+    or of models the spec no longer has are left out."""
+    nodes = {n.name: n for n in spec.nodes}
+    catalog = {m.name for m in spec.models}
+    found: dict[str, list[str]] = {}
+    for model, port, members, active in running:
+        if not active or not port or not members or members[0] not in nodes or model not in catalog:
+            continue
+        found.setdefault(model, []).append(serving_address(nodes[members[0]].engine_host, port))
+    return found
+
+
+def serving_address(host: str, port: int) -> str:
+    """``host:port`` of a replica's API (its rank-0 node), IPv6 in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"

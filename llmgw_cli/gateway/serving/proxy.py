@@ -1,0 +1,340 @@
+"""The public OpenAI API: authenticate, admit, route, relay, meter.
+
+Hot path, per request: one dict lookup for the key, one ``json.loads`` of the body, one
+pick from the pool, one upstream request on a pooled connection. The body is checked in
+``request_body``, a stream's bytes are handled in ``sse`` (both pure), errors take the
+OpenAI format of ``openai_error``. Here: the request's path through the gateway, and the
+``RequestRecord`` that the log line, the usage meter and the metrics are written from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from llmgw_cli.core.planning.controller import Unavailable
+from llmgw_cli.core.serving.keys import ApiKey, bearer
+from llmgw_cli.errors import BadRequest, ConnectFailed, Disconnected, UpstreamError
+from llmgw_cli.gateway.control.state import Gateway, log
+from llmgw_cli.gateway.serving.openai_error import bad_request, error, request_id, withheld
+from llmgw_cli.gateway.serving.request_body import parse_body, with_include_usage
+from llmgw_cli.gateway.serving.sse import StreamRelay, body_usage
+from llmgw_cli.gateway.serving.upstream import Answer
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+
+STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions")
+MAX_ATTEMPTS = 3
+BYTES_PER_TOKEN = 4  # estimate of a prompt's tokens when the engine never said
+
+
+@dataclass
+class RequestRecord:
+    """What one request did, for the log line, the usage meter and the metrics."""
+
+    key: str = "-"  # the key's name, once authenticated
+    api_key: ApiKey | None = None  # once it may use the model: its usage is metered
+    model: str = "-"
+    replica: str = "-"
+    status: int = 0
+    stream: bool = False
+    hide_usage: bool = False  # the gateway asked for the usage event; the client did not
+    attempts: int = 0
+    first_byte_ms: float = 0.0  # the engine's answer head, from the request's start
+    first_chunk: float | None = None  # monotonic time of a stream's first read
+    prompt: int = 0
+    completion: int = 0
+    prompt_estimate: int = 0  # prompt tokens to meter when the engine never reported usage
+    usage_estimated: bool = False  # prompt and completion are the gateway's estimates
+    done: bool = False  # the stream reached `data: [DONE]`: the client got the whole answer
+    cut: bool = False  # the engine broke the stream off after bytes had reached the client
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    started = time.monotonic()
+    record = RequestRecord()
+    try:
+        response = await _forward(request, gw, record, started)
+        record.status = record.status or response.status
+        return response
+    except asyncio.CancelledError:
+        # The client went away; the upstream request is closed with us. A client that read
+        # to `data: [DONE]` and hung up without waiting for the end of the body (the openai
+        # client does) got the whole answer: that is a 200, not a 499.
+        record.status = 200 if record.done else 499
+        if record.attempts and not (record.prompt or record.completion):
+            # Gone before the engine said what it used: its prompt was read all the same.
+            record.prompt = record.prompt_estimate
+            record.usage_estimated = True
+        raise
+    finally:
+        seconds = time.monotonic() - started
+        if record.api_key is not None and record.model != "-":
+            gw.meter.record(
+                record.api_key.name,
+                record.model,
+                prompt=record.prompt,
+                completion=record.completion,
+                error=record.status >= 400,
+                latency_ms=seconds * 1000,
+                now=time.time(),
+            )
+        first_chunk = record.first_chunk
+        gw.metrics.observe(
+            record.model,
+            record.status,
+            record.key,
+            prompt=record.prompt,
+            completion=record.completion,
+            seconds=seconds,
+            first_token=None if first_chunk is None else first_chunk - started,
+        )
+        if gw.access_log is not None:
+            gw.access_log.write(
+                {
+                    "ts": round(time.time(), 3),
+                    "request_id": request_id(request),  # as the answer's x-request-id says
+                    "path": request.path,
+                    "key": record.key,
+                    "model": record.model,
+                    "replica": record.replica,
+                    "status": record.status,
+                    "stream": record.stream,
+                    "prompt_tokens": record.prompt,
+                    "completion_tokens": record.completion,
+                    "usage_estimated": record.usage_estimated,
+                    "attempts": record.attempts,
+                    "first_byte_ms": round(record.first_byte_ms, 3),
+                    "cut": record.cut,
+                    "ms": round(seconds * 1000, 3),
+                }
+            )
+
+
+async def _forward(
+    request: web.Request, gw: Gateway, record: RequestRecord, started: float
+) -> web.StreamResponse:
+    key = gw.authenticate(bearer(request.headers.get("Authorization")))
+    if key is None:
+        return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
+    record.key = key.name
+    limit = gw.spec.gateway.max_request_size
+    if (request.content_length or 0) > limit:
+        return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
+    content = request.content
+    settings = gw.spec.gateway
+    try:
+        if request.content_length is not None and content.is_eof():
+            body = content.read_nowait()  # the usual case: the whole body came with the head
+        else:
+            # A client that trickles its body holds a socket: it gets a bounded time.
+            async with asyncio.timeout(settings.client_timeouts.body):
+                body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
+    except TimeoutError:
+        late = error(
+            408,
+            f"The request body did not arrive within {settings.client_timeouts.body:g}s.",
+            "invalid_request_error",
+            "request_timeout",
+        )
+        late.force_close()
+        return late
+    try:
+        payload, body = parse_body(body)
+    except BadRequest as exc:
+        return bad_request(exc)
+    name: str = payload["model"]
+    model = gw.catalog.get(name)
+    if model is None:
+        return error(404, f"The model `{name}` does not exist.", "invalid_request_error", "model_not_found")
+    if not key.allows(name):
+        return error(
+            403, f"This key may not use the model `{name}`.", "invalid_request_error", "model_not_allowed"
+        )
+    record.model = name
+    record.api_key = key
+    record.prompt_estimate = len(body) // BYTES_PER_TOKEN
+    record.stream = payload.get("stream") is True and request.path in STREAMING_PATHS
+    if record.stream:
+        options = payload.get("stream_options")
+        if not (isinstance(options, dict) and options.get("include_usage") is True):
+            # Ask the engine for the usage chunk so streams are metered; the relay takes
+            # it out again (a client that did not ask may read choices[0] of every chunk).
+            record.hide_usage = True
+            body = with_include_usage(body, payload)
+
+    # The limit (model_concurrency per ready replica) follows capacity: the controller
+    # resizes it whenever the model's ready count changes.
+    key_queue = max(1, math.ceil(settings.model_queue * settings.key_queue_share))
+    if not await gw.admission.enter(name, settings.model_queue, key.name, key_queue):
+        queued = gw.admission.queued().get(name, 0)
+        if queued < settings.model_queue and gw.admission.key_waiting(name, key.name) >= key_queue:
+            return error(
+                429,
+                f"This key has {key_queue} requests waiting for `{name}`, its share of the "
+                "queue; retry later.",
+                "rate_limit_error",
+                "key_overloaded",
+                {"Retry-After": "1"},
+            )
+        return error(
+            429,
+            f"Too many requests for `{name}`; retry later.",
+            "rate_limit_error",
+            "overloaded",
+            {"Retry-After": "1"},
+        )
+    try:
+        return await _route(request, gw, record, body, started)
+    finally:
+        gw.admission.leave(name)
+
+
+def _refused(why: Unavailable, rid: str) -> web.Response:
+    """The answer to a request for a model that has no ready replica in time. What the
+    gateway knows of why goes to its log, under the request id the answer names."""
+    if why.status == 404:
+        return error(why.status, why.message, "invalid_request_error", why.code)
+    message = why.message
+    if why.detail:
+        loading = why.code == "model_loading"  # a start's progress, not a fault
+        _log_detail(logging.INFO if loading else logging.WARNING, rid, why.code, why.detail)
+        message = withheld(message, rid)
+    return error(why.status, message, "server_error", why.code, why.headers)
+
+
+def _upstream_failed(request: web.Request, gw: Gateway, reason: str, detail: str) -> web.Response:
+    """A 502: ``reason`` for the client, ``detail`` (an engine's address, what broke) for
+    the log, under the request id the answer names."""
+    rid = request_id(request)
+    _log_detail(logging.WARNING, rid, reason, gw.redact(detail))
+    return error(502, withheld(reason, rid), "server_error", "upstream_error")
+
+
+def _log_detail(level: int, rid: str, what: str, detail: str) -> None:
+    """One log record; each of its lines (a journal's, a traceback's) begins with the
+    request id, so a search for the id finds them all."""
+    lines = detail.splitlines() or [""]
+    log.log(level, "\n".join(f"request {rid}: {what}: {line}" for line in lines))
+
+
+async def _route(
+    request: web.Request, gw: Gateway, record: RequestRecord, body: bytes, started: float
+) -> web.StreamResponse:
+    name = record.model
+    timeout = gw.stream_timeout if record.stream else gw.plain_timeout
+    tried: set[str] = set()
+    replica = gw.pool.pick(name, time.monotonic())
+    if replica is None:
+        # None ready: the controller starts one if it may, and waits up to load_wait.
+        found = await gw.controller.ensure_ready(name, started + gw.spec.gateway.load_wait)
+        if isinstance(found, Unavailable):
+            return _refused(found, request_id(request))
+        replica = found
+    last_error = ""
+    stale_retried = False
+    while replica is not None and record.attempts < MAX_ATTEMPTS:
+        current = replica
+        record.attempts += 1
+        record.replica = replica.address
+        tried.add(replica.address)
+        replica.outstanding += 1
+        replica.requests += 1
+        try:
+            try:
+                upstream = await gw.upstreams.request(
+                    replica.address, request.path, body, timeout, fresh=stale_retried
+                )
+            except (ConnectFailed, Disconnected) as exc:
+                # Nothing reached the client and the engine did not answer: try again.
+                gw.metrics.retry(name)
+                last_error = str(exc)
+                if isinstance(exc, Disconnected) and not stale_retried:
+                    # Most likely a pooled keep-alive connection the engine had closed
+                    # (llama-server closes after every stream): once, on the same replica,
+                    # on a new connection.
+                    stale_retried = True
+                    continue
+                gw.pool.failed(replica, time.monotonic())
+                replica = gw.pool.pick(name, time.monotonic(), frozenset(tried))
+                continue
+            except UpstreamError as exc:
+                return _upstream_failed(request, gw, "The engine did not answer.", str(exc))
+            gw.pool.succeeded(replica)
+            record.first_byte_ms = (time.monotonic() - started) * 1000
+            try:
+                return await _relay(request, gw, upstream, record)
+            finally:
+                upstream.release()  # closes the connection unless the answer was read to its end
+        finally:
+            current.outstanding -= 1
+            current.last_used = time.time()  # a stream counts as use until it ends
+    return _upstream_failed(request, gw, f"No replica of `{name}` could be reached.", last_error)
+
+
+async def _relay(
+    request: web.Request, gw: Gateway, upstream: Answer, record: RequestRecord
+) -> web.StreamResponse:
+    if upstream.status == 401:
+        return error(502, "The engine refused the gateway's engine key.", "server_error", "upstream_auth")
+    content_type = upstream.content_type or "application/json"
+    if not content_type.startswith("text/event-stream"):
+        try:
+            data = await upstream.read()
+        except UpstreamError as exc:
+            return _upstream_failed(request, gw, "The engine broke off its answer.", str(exc))
+        if upstream.status == 200:
+            record.prompt, record.completion = body_usage(data)
+        return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
+    out = web.StreamResponse(
+        status=upstream.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
+    )
+    await out.prepare(request)
+    relay = StreamRelay(hide_usage=record.hide_usage)
+    try:
+        while chunk := await upstream.next_chunk():
+            if record.first_chunk is None:  # time to first token, for the metrics
+                record.first_chunk = time.monotonic()
+            sent = relay.feed(chunk)
+            if upstream.complete:  # the last read: one write with the body's end
+                await out.write_eof(sent + relay.rest())
+            elif sent:
+                await out.write(sent)
+    except UpstreamError:
+        # Bytes already reached the client: the stream can only be cut (the log line says
+        # so). An engine that closes its connection right after the last event (llama-server
+        # does) can end here with the whole answer sent. (The caller's release closes the
+        # upstream connection.)
+        record.cut = True
+        _metered(relay, record)
+        if not record.done and request.transport is not None:
+            # Half an answer must not read as a whole one: the client's body breaks off as
+            # the engine's did, without the end of the chunked body (aiohttp then skips it).
+            request.transport.close()
+        return out
+    except ConnectionResetError:
+        # The client left: the caller's release closes the upstream connection, which
+        # stops the generation. One that had read to `data: [DONE]` got a whole answer.
+        _metered(relay, record)
+        record.status = 200 if record.done else 499
+        return out
+    finally:
+        # Whatever ended the stream (its end, a cut, the client leaving, cancellation), the
+        # tokens the engine made are metered.
+        _metered(relay, record)
+    await out.write_eof(relay.rest())  # nothing more when the last read ended the body
+    return out
+
+
+def _metered(relay: StreamRelay, record: RequestRecord) -> None:
+    usage = relay.usage(record.prompt_estimate)
+    record.prompt, record.completion = usage.prompt, usage.completion
+    record.usage_estimated, record.done = usage.estimated, usage.done

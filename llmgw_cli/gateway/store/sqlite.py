@@ -1,0 +1,614 @@
+"""What the gateway processes of one cluster share: API keys, usage totals, when each
+replica last served, the replica set the leader publishes, on-demand start requests, the
+live members and who leads.
+
+Two implementations of the ``Store`` protocol: ``SqliteStore`` (``<state_dir>/gateway.sqlite3``,
+the default: the worker processes of one host) and ``PostgresStore`` (``gateway.store``: the
+gateways of several hosts, in ``postgres.py``, imported only when configured). Callers use the
+protocol only; ``open_store`` picks the implementation from the cluster file.
+
+Contract: every method is a coroutine, never called on a request's path (background jobs
+cache what requests need). SQLite's blocking calls run in a worker thread, one connection
+per call, so the object is safe to share. Writes that read first take the write lock at
+once (``BEGIN IMMEDIATE``) so two processes never deadlock upgrading a read lock. Every
+value read back is treated as written by someone else: a publication that does not parse
+is read as an empty one, not an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import sqlite3
+import stat
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from llmgw_cli.core.serving.keys import ApiKey
+from llmgw_cli.errors import InputError
+from llmgw_cli.gateway.store.values import (
+    BATCHES_KEPT,
+    MEMBER_TTL,
+    SCHEMA_VERSION,
+    ModelState,
+    Published,
+    Usage,
+    decode_published,
+    encode_published,
+    parse_key,
+)
+
+if TYPE_CHECKING:
+    from llmgw_cli.core.clusterfile.spec import ClusterSpec
+
+__all__ = [  # what callers import from here, the values included
+    "MEMBER_TTL",
+    "SCHEMA_VERSION",
+    "Leadership",
+    "ModelState",
+    "Published",
+    "SqliteLeadership",
+    "SqliteStore",
+    "Store",
+    "Usage",
+    "open_store",
+]
+
+
+class Leadership(Protocol):
+    """Who runs the model controllers: exactly one member of the cluster at a time.
+
+    PostgreSQL: a session advisory lock held on a connection of its own; SQLite: ``flock``
+    on ``<state_dir>/leader.lock``. Taking it increments the store's leader epoch, which is
+    the fencing number: every action of a leader is preceded by ``still_leader``, and every
+    publication is written only while the stored epoch is still this leader's."""
+
+    fence: int | None  # this member's epoch while it leads, else None
+
+    async def try_acquire(self) -> int | None:
+        """Take the lead if nobody holds it: the new fencing number, or None."""
+        ...
+
+    async def still_leader(self) -> bool:
+        """The fence check: the lock is still held (its connection alive) and the stored
+        epoch is still ours. False also when the store cannot be reached."""
+        ...
+
+    async def release(self) -> None: ...
+
+
+class Store(Protocol):
+    """Everything the gateway processes of one cluster share. Every method is a coroutine;
+    none runs on a request's path except through the background jobs that cache it."""
+
+    # --- API keys
+    async def add_key(self, key: ApiKey) -> None: ...
+    async def api_keys(self) -> list[ApiKey]: ...
+    async def revoke(self, name: str) -> bool: ...
+    async def keys_version(self) -> int:
+        """Grows with every key added or revoked: a cheap look before reading them all."""
+        ...
+
+    # --- usage: a batch is applied once, whatever the retries (``batch`` is its unique id)
+    async def add_usage(self, batch: str, rows: list[Usage]) -> None: ...
+    async def usage(self, since: str | None = None) -> list[Usage]:
+        """Totals per (day, key, model), from day ``since`` (YYYY-MM-DD) on when given."""
+        ...
+
+    # --- when each replica (``model@host:port``) last served a request (Unix time)
+    async def save_last_use(self, rows: dict[str, float]) -> None: ...
+    async def last_use(self) -> dict[str, float]: ...
+    async def forget_last_use(self, replicas: list[str]) -> None: ...
+
+    # --- the replica set: the leader writes, everyone reads
+    async def publish(
+        self,
+        fence: int,
+        replicas: dict[str, list[str]],
+        draining: list[str],
+        models: dict[str, ModelState],
+        leader: str,
+    ) -> bool:
+        """Write a new publication; False (nothing written) when ``fence`` is not the
+        stored leader epoch any more."""
+        ...
+
+    async def published(self) -> Published | None: ...
+    async def published_version(self) -> int:
+        """The version of the latest publication (0: none yet); a cheap look."""
+        ...
+
+    # --- on-demand starts asked for by followers, carried out by the leader
+    async def request_start(self, model: str, member: str) -> None: ...
+    async def take_start_requests(self, fence: int) -> list[str]:
+        """The models asked for since the last take (removed from the store); none when
+        ``fence`` is stale."""
+        ...
+
+    # --- the live gateway processes (each takes its share of a replica's concurrency)
+    async def heartbeat(self, member: str, host: str, pid: int, now: float) -> int:
+        """Record ``member`` alive at ``now``, forget members silent for ``MEMBER_TTL``;
+        how many members are alive, this one included."""
+        ...
+
+    async def leave(self, member: str) -> None: ...
+
+    # --- leadership, changes, schema, lifetime
+    def leadership(self, member: str) -> Leadership: ...
+    async def wait_change(self, timeout: float) -> None:
+        """Return when keys or the replica set may have changed (LISTEN/NOTIFY with
+        PostgreSQL, a poll of the change counters with SQLite), or after ``timeout``."""
+        ...
+
+    async def migrate(self) -> int:
+        """Create or upgrade the schema; the schema version now."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the object holds: its leaderships (a lead held goes to the next
+        member) and its connections."""
+        ...
+
+
+POLL_EVERY = 0.25  # seconds between two looks at SQLite's change counters in wait_change
+
+T = TypeVar("T")
+
+
+def open_store(spec: ClusterSpec) -> Store:
+    """The store the cluster file names: PostgreSQL when ``gateway.store`` is set, else
+    SQLite in ``gateway.state_dir``."""
+    if spec.gateway.store is None:
+        return SqliteStore(spec.gateway.state_dir)
+    from llmgw_cli.gateway.store.postgres import PostgresStore  # noqa: PLC0415 (its driver only when used)
+
+    return PostgresStore.from_spec(spec)
+
+
+# --- SQLite -------------------------------------------------------------------------------
+
+_SCHEMA_V1 = """
+CREATE TABLE IF NOT EXISTS api_keys (
+  name TEXT PRIMARY KEY, digest TEXT NOT NULL UNIQUE, models TEXT NOT NULL,
+  expires TEXT, created TEXT NOT NULL, revoked INTEGER NOT NULL DEFAULT 0,
+  admin INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS usage (
+  day TEXT NOT NULL, key TEXT NOT NULL, model TEXT NOT NULL,
+  requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+  errors INTEGER NOT NULL, latency_ms REAL NOT NULL, PRIMARY KEY (day, key, model));
+CREATE TABLE IF NOT EXISTS last_use (replica TEXT PRIMARY KEY, at REAL NOT NULL);
+"""
+
+_SCHEMA_V2 = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta VALUES ('keys_version', 0), ('published_version', 0);
+CREATE TABLE IF NOT EXISTS usage_batches (id TEXT PRIMARY KEY, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS usage_batches_at ON usage_batches (at);
+CREATE TABLE IF NOT EXISTS members (
+  member TEXT PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, seen REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS start_requests (
+  model TEXT PRIMARY KEY, member TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS leader (
+  id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL, member TEXT NOT NULL,
+  since REAL NOT NULL);
+INSERT OR IGNORE INTO leader VALUES (1, 0, '', 0);
+CREATE TABLE IF NOT EXISTS published (
+  id INTEGER PRIMARY KEY CHECK (id = 1), version INTEGER NOT NULL, fence INTEGER NOT NULL,
+  leader TEXT NOT NULL, at REAL NOT NULL, body TEXT NOT NULL);
+"""
+
+_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2}  # version -> the script that brings the one before to it
+
+
+class SqliteStore:
+    """``Store`` in ``<state_dir>/gateway.sqlite3`` (created 0700/0600: it holds key digests),
+    in WAL mode so readers never wait for the writer. The schema is created or upgraded when
+    the object is made: the file belongs to the gateway host, nobody else migrates it."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        directory = Path(state_dir)
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise InputError(f"gateway state_dir {directory}: {exc.strerror}") from None
+        self.directory = directory
+        self.path = directory / "gateway.sqlite3"
+        self._seen: tuple[int, int] | None = None  # the change counters wait_change last saw
+        self._leaderships: list[SqliteLeadership] = []  # released with the store
+        try:
+            # Made 0600 before SQLite opens it: its -wal and -shm files take the database
+            # file's mode, and they hold key digests too.
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            self.path.chmod(0o600)
+            self._migrate()
+        except OSError as exc:
+            raise InputError(f"gateway store {self.path}: {exc.strerror}") from None
+        except sqlite3.Error as exc:
+            raise InputError(f"gateway store {self.path}: {exc}") from None
+
+    @contextmanager
+    def _db(self, write: bool = False) -> Iterator[sqlite3.Connection]:
+        """One connection, one transaction: committed, or rolled back on an error. ``write``
+        takes the write lock at the start (a read-then-write never fails half way)."""
+        db = sqlite3.connect(self.path, timeout=10, isolation_level=None)
+        try:
+            db.execute("PRAGMA busy_timeout = 10000")
+            db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                yield db
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        finally:
+            db.close()
+
+    async def _run(self, call: Callable[[], T]) -> T:
+        return await asyncio.to_thread(call)
+
+    # --- schema
+
+    def _migrate(self) -> int:
+        db = sqlite3.connect(self.path, timeout=10, isolation_level=None)
+        try:
+            db.execute("PRAGMA busy_timeout = 10000")
+            db.execute("PRAGMA journal_mode = WAL")  # kept in the file: once is enough
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                version = self._version(db)
+                for step in range(version + 1, SCHEMA_VERSION + 1):
+                    for statement in _MIGRATIONS[step].split(";"):
+                        if statement.strip():
+                            db.execute(statement)
+                db.execute(
+                    "INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT (name) DO UPDATE SET"
+                    " value = max(value, excluded.value)",
+                    (SCHEMA_VERSION,),
+                )
+                now = self._version(db)
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        finally:
+            db.close()
+        if now > SCHEMA_VERSION:
+            raise InputError(
+                f"gateway store {self.path}: schema version {now} is newer than this llmgw knows"
+                f" ({SCHEMA_VERSION}): upgrade llmgw"
+            )
+        return now
+
+    @staticmethod
+    def _version(db: sqlite3.Connection) -> int:
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "meta" in tables:
+            row = db.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
+            if row is not None:
+                return int(row[0])
+        return 1 if "api_keys" in tables else 0  # before the meta table: the first schema
+
+    async def migrate(self) -> int:
+        return await self._run(self._migrate)
+
+    # --- API keys
+
+    async def add_key(self, key: ApiKey) -> None:
+        created = (key.created or datetime.now(UTC)).isoformat()
+        expires = key.expires.isoformat() if key.expires else None
+
+        def add() -> None:
+            with self._db(write=True) as db:
+                db.execute(
+                    "INSERT INTO api_keys (name, digest, models, expires, created, revoked, admin)"
+                    " VALUES (?, ?, ?, ?, ?, 0, ?)",
+                    (key.name, key.digest, json.dumps(list(key.models)), expires, created, int(key.admin)),
+                )
+                db.execute("UPDATE meta SET value = value + 1 WHERE name = 'keys_version'")
+
+        try:
+            await self._run(add)
+        except sqlite3.IntegrityError:
+            raise InputError(f"a key named {key.name!r} exists already") from None
+
+    async def api_keys(self) -> list[ApiKey]:
+        def read() -> list[ApiKey]:
+            with self._db() as db:
+                rows = db.execute(
+                    "SELECT name, digest, models, expires, created, revoked, admin FROM api_keys ORDER BY name"
+                ).fetchall()
+            return [parse_key(r) for r in rows]
+
+        return await self._run(read)
+
+    async def revoke(self, name: str) -> bool:
+        def revoke() -> bool:
+            with self._db(write=True) as db:
+                if db.execute("UPDATE api_keys SET revoked = 1 WHERE name = ?", (name,)).rowcount == 0:
+                    return False
+                db.execute("UPDATE meta SET value = value + 1 WHERE name = 'keys_version'")
+                return True
+
+        return await self._run(revoke)
+
+    def _counter(self, name: str) -> int:
+        with self._db() as db:
+            row = db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+        return int(row[0]) if row is not None else 0
+
+    async def keys_version(self) -> int:
+        return await self._run(lambda: self._counter("keys_version"))
+
+    # --- usage
+
+    async def add_usage(self, batch: str, rows: list[Usage]) -> None:
+        now = time.time()
+
+        def add() -> None:
+            with self._db(write=True) as db:
+                try:
+                    db.execute("INSERT INTO usage_batches VALUES (?, ?)", (batch, now))
+                except sqlite3.IntegrityError:
+                    return  # applied already: its answer was lost, not its write
+                db.executemany(
+                    "INSERT INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (day, key, model) DO UPDATE SET"
+                    " requests = requests + excluded.requests,"
+                    " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
+                    " completion_tokens = completion_tokens + excluded.completion_tokens,"
+                    " errors = errors + excluded.errors, latency_ms = latency_ms + excluded.latency_ms",
+                    [
+                        (
+                            u.day,
+                            u.key,
+                            u.model,
+                            u.requests,
+                            u.prompt_tokens,
+                            u.completion_tokens,
+                            u.errors,
+                            u.latency_ms,
+                        )
+                        for u in rows
+                    ],
+                )
+                db.execute("DELETE FROM usage_batches WHERE at < ?", (now - BATCHES_KEPT,))
+
+        await self._run(add)
+
+    async def usage(self, since: str | None = None) -> list[Usage]:
+        def read() -> list[Usage]:
+            with self._db() as db:
+                rows = db.execute(
+                    "SELECT day, key, model, requests, prompt_tokens, completion_tokens, errors, latency_ms"
+                    " FROM usage WHERE day >= ? ORDER BY day, key, model",
+                    (since or "",),
+                ).fetchall()
+            return [Usage(*r) for r in rows]
+
+        return await self._run(read)
+
+    # --- last use
+
+    async def save_last_use(self, rows: dict[str, float]) -> None:
+        """The newer time wins, so a slow writer never moves a replica's use back."""
+
+        def save() -> None:
+            with self._db(write=True) as db:
+                db.executemany(
+                    "INSERT INTO last_use VALUES (?, ?) ON CONFLICT (replica) DO UPDATE SET"
+                    " at = max(at, excluded.at)",
+                    sorted(rows.items()),
+                )
+
+        await self._run(save)
+
+    async def last_use(self) -> dict[str, float]:
+        def read() -> dict[str, float]:
+            with self._db() as db:
+                return {str(r[0]): float(r[1]) for r in db.execute("SELECT replica, at FROM last_use")}
+
+        return await self._run(read)
+
+    async def forget_last_use(self, replicas: list[str]) -> None:
+        """A stopped replica's time must not pass to the next one at its address."""
+
+        def forget() -> None:
+            with self._db(write=True) as db:
+                db.executemany("DELETE FROM last_use WHERE replica = ?", [(r,) for r in replicas])
+
+        await self._run(forget)
+
+    # --- the replica set
+
+    async def publish(
+        self,
+        fence: int,
+        replicas: dict[str, list[str]],
+        draining: list[str],
+        models: dict[str, ModelState],
+        leader: str,
+    ) -> bool:
+        body = encode_published(replicas, draining, models)
+        now = time.time()
+
+        def publish() -> bool:
+            with self._db(write=True) as db:
+                (epoch,) = db.execute("SELECT epoch FROM leader WHERE id = 1").fetchone()
+                if fence < 1 or epoch != fence:  # epoch 0: nobody has led yet
+                    return False
+                db.execute("UPDATE meta SET value = value + 1 WHERE name = 'published_version'")
+                (version,) = db.execute("SELECT value FROM meta WHERE name = 'published_version'").fetchone()
+                db.execute(
+                    "INSERT INTO published VALUES (1, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET"
+                    " version = excluded.version, fence = excluded.fence, leader = excluded.leader,"
+                    " at = excluded.at, body = excluded.body",
+                    (version, fence, leader, now, body),
+                )
+                return True
+
+        return await self._run(publish)
+
+    async def published(self) -> Published | None:
+        def read() -> Published | None:
+            with self._db() as db:
+                row = db.execute(
+                    "SELECT version, fence, leader, at, body FROM published WHERE id = 1"
+                ).fetchone()
+            if row is None:
+                return None
+            return decode_published(str(row[4]), int(row[0]), int(row[1]), str(row[2]), float(row[3]))
+
+        return await self._run(read)
+
+    async def published_version(self) -> int:
+        return await self._run(lambda: self._counter("published_version"))
+
+    # --- start requests
+
+    async def request_start(self, model: str, member: str) -> None:
+        now = time.time()
+
+        def request() -> None:
+            with self._db(write=True) as db:
+                db.execute(
+                    "INSERT INTO start_requests VALUES (?, ?, ?) ON CONFLICT (model) DO UPDATE SET"
+                    " member = excluded.member, at = excluded.at",
+                    (model, member, now),
+                )
+
+        await self._run(request)
+
+    async def take_start_requests(self, fence: int) -> list[str]:
+        def take() -> list[str]:
+            with self._db(write=True) as db:
+                (epoch,) = db.execute("SELECT epoch FROM leader WHERE id = 1").fetchone()
+                if fence < 1 or epoch != fence:  # epoch 0: nobody has led yet
+                    return []
+                models = [
+                    str(r[0]) for r in db.execute("SELECT model FROM start_requests ORDER BY at, model")
+                ]
+                db.execute("DELETE FROM start_requests")
+                return models
+
+        return await self._run(take)
+
+    # --- members
+
+    async def heartbeat(self, member: str, host: str, pid: int, now: float) -> int:
+        def beat() -> int:
+            with self._db(write=True) as db:
+                db.execute(
+                    "INSERT INTO members VALUES (?, ?, ?, ?) ON CONFLICT (member) DO UPDATE SET"
+                    " host = excluded.host, pid = excluded.pid, seen = excluded.seen",
+                    (member, host, pid, now),
+                )
+                db.execute("DELETE FROM members WHERE seen < ?", (now - MEMBER_TTL,))
+                (count,) = db.execute("SELECT count(*) FROM members").fetchone()
+                return int(count)
+
+        return await self._run(beat)
+
+    async def leave(self, member: str) -> None:
+        def leave() -> None:
+            with self._db(write=True) as db:
+                db.execute("DELETE FROM members WHERE member = ?", (member,))
+
+        await self._run(leave)
+
+    # --- leadership, changes, lifetime
+
+    def leadership(self, member: str) -> Leadership:
+        made = SqliteLeadership(self, member)
+        self._leaderships.append(made)
+        return made
+
+    def _counters(self) -> tuple[int, int]:
+        with self._db() as db:
+            values = dict(db.execute("SELECT name, value FROM meta"))
+        return int(values.get("keys_version", 0)), int(values.get("published_version", 0))
+
+    async def wait_change(self, timeout: float) -> None:
+        """Polls the change counters; a change made since the last return counts too."""
+        deadline = time.monotonic() + timeout
+        seen = self._seen if self._seen is not None else await self._run(self._counters)
+        while True:
+            now = await self._run(self._counters)
+            if now != seen or time.monotonic() >= deadline:
+                self._seen = now
+                return
+            await asyncio.sleep(min(POLL_EVERY, max(0.0, deadline - time.monotonic())))
+
+    async def close(self) -> None:
+        """Lets go of the leader lock if one of its leaderships holds it."""
+        leaderships, self._leaderships = self._leaderships, []
+        for leadership in leaderships:
+            await leadership.release()
+
+
+class SqliteLeadership:
+    """Leadership of one host: ``flock`` on ``<state_dir>/leader.lock``, held by an open
+    file for as long as this member leads (the kernel lets it go when the process dies).
+    Taking it bumps the stored epoch, the fencing number."""
+
+    def __init__(self, store: SqliteStore, member: str) -> None:
+        self.store = store
+        self.member = member
+        self.path = store.directory / "leader.lock"
+        self.fence: int | None = None
+        self._fd: int | None = None
+
+    def _open(self) -> int:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InputError(f"{self.path}: not a regular file")
+        return fd
+
+    def _acquire(self) -> int | None:
+        if self._fd is not None and self.fence is not None:
+            return self.fence
+        fd = self._open()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            with self.store._db(write=True) as db:
+                (epoch,) = db.execute(
+                    "UPDATE leader SET epoch = epoch + 1, member = ?, since = ? WHERE id = 1 RETURNING epoch",
+                    (self.member, time.time()),
+                ).fetchone()
+        except BaseException:
+            os.close(fd)  # the lock goes with it
+            raise
+        self._fd, self.fence = fd, int(epoch)
+        return self.fence
+
+    async def try_acquire(self) -> int | None:
+        return await asyncio.to_thread(self._acquire)
+
+    def _still(self) -> bool:
+        if self._fd is None or self.fence is None:
+            return False
+        try:
+            with self.store._db() as db:
+                row = db.execute("SELECT epoch FROM leader WHERE id = 1").fetchone()
+        except sqlite3.Error:
+            return False
+        return row is not None and row[0] == self.fence
+
+    async def still_leader(self) -> bool:
+        return await asyncio.to_thread(self._still)
+
+    async def release(self) -> None:
+        fd, self._fd, self.fence = self._fd, None, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor of the open file lets the lock go
