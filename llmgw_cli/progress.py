@@ -20,10 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from llmgw_cli.remote.fetch import FetchEvent
+from typing import Protocol
 
 
 class Phase(StrEnum):
@@ -38,8 +35,23 @@ class Report(Protocol):
     def __call__(self, subject: str, message: str, phase: Phase = Phase.working, /) -> None: ...
 
 
+@dataclass(frozen=True)
+class FetchEvent:
+    """Where one node's fetch of one model stands, as the fetcher tells it."""
+
+    model: str
+    node: str
+    state: str  # waiting, fetching, present, done, failed
+    source: str  # "origin" or the name of the peer copied from
+    bytes: int = 0
+    total: int | None = None
+    message: str = ""  # a remark (a peer that failed and why), not the progress
+    files: int | None = None  # a snapshot's files done; None for a single file
+    files_total: int | None = None  # and how many it has
+
+
 LineReport = Callable[[str], None]
-FetchReport = Callable[["FetchEvent"], None]
+FetchReport = Callable[[FetchEvent], None]
 
 
 def quiet(_: str) -> None:

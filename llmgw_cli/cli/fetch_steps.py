@@ -28,8 +28,9 @@ from llmgw_cli.cli.views import fetch_plan_view, fetch_results_view, plain
 from llmgw_cli.core.weights.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, plan_report, select
 from llmgw_cli.core.weights.snapshot import Snapshot
 from llmgw_cli.errors import FetchFailed, UsageError
+from llmgw_cli.progress import FetchEvent
 from llmgw_cli.remote.connect import Session
-from llmgw_cli.remote.fetch import Fetcher, FetchEvent, FetchResult, verified
+from llmgw_cli.remote.fetch import Fetcher, FetchResult, verified
 
 out = Console()
 err = Console(stderr=True)

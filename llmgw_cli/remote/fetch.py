@@ -34,7 +34,7 @@ from llmgw_cli.core.weights.fetch import FetchPlan, Spread, target_path, token_f
 from llmgw_cli.core.weights.fetch_progress import NodeProgress, amounts, least_advanced, progress_text
 from llmgw_cli.core.weights.path_sources import MAX_PATHS, Check, by_node, judge, not_there, parse_answer
 from llmgw_cli.errors import NodeError
-from llmgw_cli.progress import FetchReport, Phase, Report
+from llmgw_cli.progress import FetchEvent, FetchReport, Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.node_code import HELPER_SOURCE, NODEFETCH_SOURCE
 from llmgw_cli.remote.nodeops import NodeOps
@@ -49,19 +49,6 @@ PATH_SOURCE = "path source"
 space, so never a peer's node name)."""
 
 SCRIPT = NODEFETCH_SOURCE
-
-
-@dataclass(frozen=True)
-class FetchEvent:
-    model: str
-    node: str
-    state: str  # waiting, fetching, present, done, failed
-    source: str  # "origin" or the name of the peer copied from
-    bytes: int = 0
-    total: int | None = None
-    message: str = ""  # a remark (a peer that failed and why), not the progress
-    files: int | None = None  # a snapshot's files done; None for a single file
-    files_total: int | None = None  # and how many it has
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ from llmgw_cli.core.weights.snapshot import (
     verify_snapshot_job,
 )
 from llmgw_cli.errors import NodeError
-from llmgw_cli.remote.fetch import POLL_SECONDS, SERVE_IDLE_SECONDS, Fetcher, FetchEvent, FetchResult, _host
+from llmgw_cli.progress import FetchEvent
+from llmgw_cli.remote.fetch import POLL_SECONDS, SERVE_IDLE_SECONDS, Fetcher, FetchResult, _host
 
 RESTARTS = 3  # times a job that died (node rebooted, killed) is started again
 

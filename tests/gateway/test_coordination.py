@@ -38,10 +38,10 @@ from llmgw_cli.gateway.control.state import Gateway
 from llmgw_cli.gateway.serving import server
 from llmgw_cli.gateway.store.postgres import PostgresStore
 from llmgw_cli.gateway.store.sqlite import ModelState, SqliteStore, Store
-from llmgw_cli.progress import Report, silent
+from llmgw_cli.progress import FetchEvent, Report, silent
 from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.execute import Outcome
-from llmgw_cli.remote.fetch import FetchEvent, _progress_lines
+from llmgw_cli.remote.fetch import _progress_lines
 from tests.gateway import harness
 from tests.pg import Postgres
 from tests.unit.facts_factory import node_facts, with_units

@@ -14,9 +14,9 @@ from llmgw_cli.cli import fetch_steps
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.weights.fetch_progress import NodeProgress, amounts, least_advanced, progress_text
 from llmgw_cli.core.weights.snapshot import Digest, Snapshot, SnapshotFile
-from llmgw_cli.progress import Phase
+from llmgw_cli.progress import FetchEvent, Phase
 from llmgw_cli.remote import snapshot_fetch
-from llmgw_cli.remote.fetch import FetchEvent, _progress_lines
+from llmgw_cli.remote.fetch import _progress_lines
 
 GB, MB = 10**9, 10**6
 

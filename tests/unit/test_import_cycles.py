@@ -90,3 +90,9 @@ def test_no_gateway_module_imports_itself_through_others() -> None:
     assert "llmgw_cli.gateway.control.controller" in edges["llmgw_cli.gateway.control.state"]
     through_gateway = [c for c in cycles(edges) if any(m.startswith("llmgw_cli.gateway.") for m in c)]
     assert through_gateway == []
+
+
+def test_progress_callbacks_sit_below_what_reports_through_them() -> None:
+    """``progress`` declares what the fetcher reports (``FetchEvent``), so it imports none
+    of the modules that report through it."""
+    assert [c for c in cycles(graph()) if "llmgw_cli.progress" in c] == []
