@@ -8,8 +8,10 @@ import io
 import json
 import os
 import select
+import subprocess
+import sys
 
-from llmgw_cli.gateway.control.workers import MAX_DEFAULT, Supervisor, default_count, listen_fds
+from llmgw_cli.gateway.control.workers import MAX_DEFAULT, Supervisor, alive, default_count, listen_fds
 from llmgw_cli.gateway.serving.accesslog import LIMIT, AccessLog
 
 
@@ -78,3 +80,11 @@ def test_the_supervisor_passes_on_what_systemd_passed_it_and_nothing_else() -> N
     assert supervisor.env == {"HOME": "/h"}  # the workers get their own LISTEN_* and NOTIFY_SOCKET
     other = Supervisor(["llmgw"], 2, environ={**env, "LISTEN_PID": "1"})
     assert (other.fds, other.fdnames) == (0, None)
+
+
+def test_alive_is_true_for_a_running_process_and_false_once_it_is_reaped() -> None:
+    """The one check both the metrics folders and the routes files are cleaned up by."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert alive(os.getpid())
+    assert not alive(child.pid)

@@ -48,6 +48,7 @@ from llmgw_cli.gateway.control.controller import Controller
 from llmgw_cli.gateway.control.coordination import Coordinator, FencedHold, FencedNodes
 from llmgw_cli.gateway.control.replicas import Nodes, RemoteNodes
 from llmgw_cli.gateway.control.sources import ProbeSource, PublishedSource, ReplicaSource
+from llmgw_cli.gateway.control.workers import alive
 from llmgw_cli.gateway.serving.accesslog import AccessLog
 from llmgw_cli.gateway.serving.admission import Admission
 from llmgw_cli.gateway.serving.metrics import Metrics
@@ -433,7 +434,7 @@ class Gateway:
         if self.routes_file is None or not self.routes_file.parent.is_dir():
             return
         for path in self.routes_file.parent.glob("*.json"):
-            if path.stem.isdigit() and not _alive(int(path.stem)):
+            if path.stem.isdigit() and not alive(int(path.stem)):
                 with contextlib.suppress(OSError):
                     path.unlink()
                     log.info("removed the routes file of a gateway process that is gone: %s", path)
@@ -518,16 +519,6 @@ class Gateway:
             return None
         key = self.keys.get(hash_token(token))
         return key if key is not None and key.valid(datetime.now(UTC)) else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another account's process
-    return True
 
 
 def _on_signal(signum: int, handler: Callable[[], None]) -> bool:

@@ -351,20 +351,21 @@ def metrics_dir(state_dir: str) -> Path:
     parent = Path(state_dir) / METRICS_DIR_NAME
     parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     for entry in parent.iterdir():
-        if entry.name.isdigit() and entry.is_dir() and not entry.is_symlink() and not _alive(int(entry.name)):
+        if entry.name.isdigit() and entry.is_dir() and not entry.is_symlink() and not alive(int(entry.name)):
             shutil.rmtree(entry, ignore_errors=True)
     own = parent / str(os.getpid())
     shutil.rmtree(own, ignore_errors=True)  # a folder of a process that had this pid before
     return own
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another account's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        return True  # another account's process
     return True
 
 
