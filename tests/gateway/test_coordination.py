@@ -37,7 +37,7 @@ from llmgw_cli.gateway.control.sources import PublishedSource
 from llmgw_cli.gateway.control.state import Gateway
 from llmgw_cli.gateway.serving import server
 from llmgw_cli.gateway.store.postgres import PostgresStore
-from llmgw_cli.gateway.store.sqlite import ModelState, SqliteStore, Store
+from llmgw_cli.gateway.store.sqlite import ModelState, Publication, SqliteStore, Store
 from llmgw_cli.progress import FetchEvent, Report, silent
 from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.execute import Outcome
@@ -496,7 +496,7 @@ def test_the_published_set_is_hostile_data(tmp_path: Path) -> None:
             "not-in-the-catalog": [good],
         }
         weird = {"lazy": ModelState(phase="no-such-phase")}
-        assert await store.publish(fence, replicas, [], weird, "writer")
+        assert await store.publish(fence, Publication(replicas, [], weird), "writer")
         source = PublishedSource(store)
         assert await source.discover(spec) == {"lazy": [good]}
         await leadership.release()
@@ -525,7 +525,7 @@ def test_a_follow_process_routes_to_the_published_replicas_and_needs_no_ssh_key(
         leadership = store.leadership("the-test")
         fence = await leadership.try_acquire()
         assert fence is not None
-        assert await store.publish(fence, replicas, [], models, "the-test")
+        assert await store.publish(fence, Publication(replicas, [], models), "the-test")
         await leadership.release()
 
     asyncio.run(publish({"m": [engine.address]}, {"m": ModelState(phase="ready")}))

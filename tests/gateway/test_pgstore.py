@@ -13,7 +13,7 @@ import pytest
 from llmgw_cli.core.serving.keys import ApiKey, hash_token
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.store.postgres import PostgresStore
-from llmgw_cli.gateway.store.sqlite import SCHEMA_VERSION
+from llmgw_cli.gateway.store.sqlite import SCHEMA_VERSION, Publication
 from tests.pg import Postgres
 
 
@@ -35,8 +35,8 @@ def test_a_leader_whose_lock_connection_dies_leads_no_more(postgres: Postgres) -
         assert first.fence is None
         newer = await second.try_acquire()
         assert newer is not None and newer > fence
-        assert not await a.publish(fence, {}, [], {}, "a")  # fenced off
-        assert await b.publish(newer, {}, [], {}, "b")
+        assert not await a.publish(fence, Publication({}, [], {}), "a")  # fenced off
+        assert await b.publish(newer, Publication({}, [], {}), "b")
         await second.release()
         await a.close()
         await b.close()

@@ -19,7 +19,15 @@ import pytest
 from llmgw_cli.core.serving.keys import ApiKey, hash_token
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.store.postgres import PostgresStore
-from llmgw_cli.gateway.store.sqlite import MEMBER_TTL, SCHEMA_VERSION, ModelState, SqliteStore, Store, Usage
+from llmgw_cli.gateway.store.sqlite import (
+    MEMBER_TTL,
+    SCHEMA_VERSION,
+    ModelState,
+    Publication,
+    SqliteStore,
+    Store,
+    Usage,
+)
 from tests.pg import Postgres
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,12 +123,12 @@ def test_publish_needs_the_current_fence(backend: Backend) -> None:
     async def scenario() -> None:
         a, b = backend.open(), backend.open()
         assert await b.published() is None and await b.published_version() == 0
-        assert not await a.publish(0, {"m": ["h:1"]}, [], {}, "nobody")  # nobody ever led
+        assert not await a.publish(0, Publication({"m": ["h:1"]}, [], {}), "nobody")  # nobody ever led
         first = a.leadership("a")
         fence = await first.try_acquire()
         assert fence is not None
         models = {"m": ModelState("starting", "fetching weights", 2, "boom", 1234.5)}
-        assert await a.publish(fence, {"m": ["h:2", "h:1"]}, ["h:3"], models, "a")
+        assert await a.publish(fence, Publication({"m": ["h:2", "h:1"]}, ["h:3"], models), "a")
         seen = await b.published()
         assert seen is not None
         assert (seen.version, seen.fence, seen.leader) == (1, fence, "a")
@@ -129,9 +137,9 @@ def test_publish_needs_the_current_fence(backend: Backend) -> None:
         second = b.leadership("b")
         newer = await second.try_acquire()
         assert newer is not None and newer > fence
-        assert not await a.publish(fence, {}, [], {}, "a")  # the old leader is fenced off
+        assert not await a.publish(fence, Publication({}, [], {}), "a")  # the old leader is fenced off
         assert await b.published_version() == 1
-        assert await b.publish(newer, {}, [], {}, "b")
+        assert await b.publish(newer, Publication({}, [], {}), "b")
         assert await a.published_version() == 2
         await second.release()
         await a.close()
@@ -239,7 +247,7 @@ def test_wait_change_wakes_on_another_stores_writes(backend: Backend) -> None:
         assert fence is not None
         await a.wait_change(0)  # what it has seen so far
         for change in (
-            lambda: b.publish(fence, {"m": ["h:1"]}, [], {}, "b"),
+            lambda: b.publish(fence, Publication({"m": ["h:1"]}, [], {}), "b"),
             lambda: b.add_key(ApiKey("k", hash_token("t"))),
             lambda: b.revoke("k"),
         ):

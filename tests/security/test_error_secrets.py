@@ -39,7 +39,7 @@ from llmgw_cli.gateway.control import controller as controller_module
 from llmgw_cli.gateway.control import coordination
 from llmgw_cli.gateway.control.state import Gateway
 from llmgw_cli.gateway.serving import server
-from llmgw_cli.gateway.store.sqlite import ModelState, SqliteStore
+from llmgw_cli.gateway.store.sqlite import ModelState, Publication, SqliteStore
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.cluster_lock import gateway_lock
 from llmgw_cli.remote.execute import Outcome
@@ -304,7 +304,7 @@ def test_a_real_gateway_tells_a_client_no_secret_its_leader_published(tmp_path: 
         leadership = store.leadership("the-test")
         fence = await leadership.try_acquire()
         assert fence is not None
-        assert await store.publish(fence, {}, [], {"lazy": state}, "the-test")
+        assert await store.publish(fence, Publication({}, [], {"lazy": state}), "the-test")
         await leadership.release()
         await store.close()
 

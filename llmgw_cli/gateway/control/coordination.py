@@ -62,7 +62,7 @@ from llmgw_cli.gateway.control.controller import Controller
 from llmgw_cli.gateway.control.controller_state import Following
 from llmgw_cli.gateway.control.replicas import Nodes, UnitFailure
 from llmgw_cli.gateway.control.sources import PublishedSource, ReplicaSource
-from llmgw_cli.gateway.store.sqlite import Leadership, ModelState, Store
+from llmgw_cli.gateway.store.sqlite import Leadership, ModelState, Publication, Store
 from llmgw_cli.polling import wait_event
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.cluster_lock import Hold
@@ -465,8 +465,7 @@ class Coordinator:
         due = time.monotonic() - self._published_at >= PUBLISH_EVERY
         if snapshot == self._published and not due:
             return
-        replicas, draining, models = snapshot
-        if await self.store.publish(fence, replicas, draining, models, self.member):
+        if await self.store.publish(fence, Publication(*snapshot), self.member):
             self._published, self._published_at = snapshot, time.monotonic()
         elif self.fence == fence:
             self._lost("the store refused a publication: another process leads")

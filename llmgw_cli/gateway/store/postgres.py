@@ -45,7 +45,7 @@ from llmgw_cli.gateway.store.values import (
     BATCHES_KEPT,
     MEMBER_TTL,
     SCHEMA_VERSION,
-    ModelState,
+    Publication,
     Published,
     Usage,
     decode_published,
@@ -273,19 +273,7 @@ class PostgresStore:
                 return  # applied already: its answer was lost, not its write
             await db.executemany(
                 _USAGE_UPSERT,
-                [
-                    (
-                        u.day,
-                        u.key,
-                        u.model,
-                        u.requests,
-                        u.prompt_tokens,
-                        u.completion_tokens,
-                        u.errors,
-                        u.latency_ms,
-                    )
-                    for u in rows
-                ],
+                [u.row() for u in rows],
             )
             await db.execute("DELETE FROM usage_batches WHERE at < $1", now - BATCHES_KEPT)
 
@@ -318,17 +306,10 @@ class PostgresStore:
 
     # --- the replica set
 
-    async def publish(
-        self,
-        fence: int,
-        replicas: dict[str, list[str]],
-        draining: list[str],
-        models: dict[str, ModelState],
-        leader: str,
-    ) -> bool:
+    async def publish(self, fence: int, publication: Publication, leader: str) -> bool:
         if fence < 1:  # epoch 0: nobody has led yet
             return False
-        body = encode_published(replicas, draining, models)
+        body = encode_published(publication)
         async with self._tx() as db:
             if not await _fenced(db, fence):
                 return False

@@ -37,6 +37,7 @@ from llmgw_cli.gateway.store.values import (
     MEMBER_TTL,
     SCHEMA_VERSION,
     ModelState,
+    Publication,
     Published,
     Usage,
     decode_published,
@@ -52,6 +53,7 @@ __all__ = [  # what callers import from here, the values included
     "SCHEMA_VERSION",
     "Leadership",
     "ModelState",
+    "Publication",
     "Published",
     "SqliteLeadership",
     "SqliteStore",
@@ -107,14 +109,7 @@ class Store(Protocol):
     async def forget_last_use(self, replicas: list[str]) -> None: ...
 
     # --- the replica set: the leader writes, everyone reads
-    async def publish(
-        self,
-        fence: int,
-        replicas: dict[str, list[str]],
-        draining: list[str],
-        models: dict[str, ModelState],
-        leader: str,
-    ) -> bool:
+    async def publish(self, fence: int, publication: Publication, leader: str) -> bool:
         """Write a new publication; False (nothing written) when ``fence`` is not the
         stored leader epoch any more."""
         ...
@@ -364,19 +359,7 @@ class SqliteStore:
                     " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
                     " completion_tokens = completion_tokens + excluded.completion_tokens,"
                     " errors = errors + excluded.errors, latency_ms = latency_ms + excluded.latency_ms",
-                    [
-                        (
-                            u.day,
-                            u.key,
-                            u.model,
-                            u.requests,
-                            u.prompt_tokens,
-                            u.completion_tokens,
-                            u.errors,
-                            u.latency_ms,
-                        )
-                        for u in rows
-                    ],
+                    [u.row() for u in rows],
                 )
                 db.execute("DELETE FROM usage_batches WHERE at < ?", (now - BATCHES_KEPT,))
 
@@ -427,15 +410,8 @@ class SqliteStore:
 
     # --- the replica set
 
-    async def publish(
-        self,
-        fence: int,
-        replicas: dict[str, list[str]],
-        draining: list[str],
-        models: dict[str, ModelState],
-        leader: str,
-    ) -> bool:
-        body = encode_published(replicas, draining, models)
+    async def publish(self, fence: int, publication: Publication, leader: str) -> bool:
+        body = encode_published(publication)
         now = time.time()
 
         def publish() -> bool:

@@ -33,6 +33,19 @@ class Usage:
     errors: int = 0
     latency_ms: float = 0.0  # sum; divide by requests for the mean
 
+    def row(self) -> tuple[str, str, str, int, int, int, int, float]:
+        """In the column order of both stores' ``usage`` table."""
+        return (
+            self.day,
+            self.key,
+            self.model,
+            self.requests,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.errors,
+            self.latency_ms,
+        )
+
     def as_dict(self) -> dict[str, object]:
         return {
             "day": self.day,
@@ -74,17 +87,24 @@ class Published:
     models: dict[str, ModelState]
 
 
+@dataclass(frozen=True)
+class Publication:
+    """What a leader hands the store to publish (``Published`` is what is read back)."""
+
+    replicas: dict[str, list[str]]
+    draining: list[str]
+    models: dict[str, ModelState]
+
+
 # --- the publication as stored: JSON, read back as hostile data -------------------------
 
 
-def encode_published(
-    replicas: dict[str, list[str]], draining: list[str], models: dict[str, ModelState]
-) -> str:
+def encode_published(publication: Publication) -> str:
     return json.dumps(
         {
-            "replicas": {m: sorted(a) for m, a in sorted(replicas.items())},
-            "draining": sorted(draining),
-            "models": {m: asdict(s) for m, s in sorted(models.items())},
+            "replicas": {m: sorted(a) for m, a in sorted(publication.replicas.items())},
+            "draining": sorted(publication.draining),
+            "models": {m: asdict(s) for m, s in sorted(publication.models.items())},
         },
         separators=(",", ":"),
     )
