@@ -159,16 +159,10 @@ class Session:
     asyncssh connection belongs to the loop that opened it, so the loop is kept from one
     step to the next instead of a new ``asyncio.run`` per step."""
 
-    def __init__(
-        self,
-        spec: ClusterSpec,
-        base: Path,
-        access: GatewayAccess | None = None,
-        *,
-        opener: Opener = transport_for,
-    ) -> None:
+    def __init__(self, spec: ClusterSpec, base: Path, *args: Any, **kwargs: Any) -> None:
+        """The arguments of ``Connections``."""
         self._runner = asyncio.Runner()
-        self.conns = Connections(spec, base, access, opener=opener)
+        self.conns = Connections(spec, base, *args, **kwargs)
 
     def run(self, step: Coroutine[Any, Any, T]) -> T:
         return self._runner.run(step)

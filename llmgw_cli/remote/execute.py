@@ -31,8 +31,8 @@ from llmgw_cli.core.engine.engine_access import (
     sglang_key_text,
 )
 from llmgw_cli.core.engine.engines import ENGINE_ENV_FILE
-from llmgw_cli.core.observe.facts import UnitState
 from llmgw_cli.core.observe.parse.engine_env import engine_key
+from llmgw_cli.core.observe.unit_state import UnitState
 from llmgw_cli.core.planning.drain import REPLICA_UNIT, marker_path
 from llmgw_cli.core.planning.plan import Action, Plan
 from llmgw_cli.errors import NodeError

@@ -58,7 +58,7 @@ from llmgw_cli.core.hosts.gateway_install import (
 )
 from llmgw_cli.core.hosts.node_access import valid_public_key
 from llmgw_cli.core.hosts.units import GATEWAY_HANDOVER_UNIT, GATEWAY_SOCKET, GATEWAY_UNIT
-from llmgw_cli.core.observe.facts import UnitState
+from llmgw_cli.core.observe.unit_state import UnitState
 from llmgw_cli.errors import LlmgwError, NodeError
 from llmgw_cli.polling import poll_until
 from llmgw_cli.progress import Phase, Report

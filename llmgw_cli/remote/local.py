@@ -6,7 +6,7 @@ import asyncio
 import os
 
 from llmgw_cli.errors import NodeError
-from llmgw_cli.remote.transport import CommandResult, write_command
+from llmgw_cli.remote.transport import CommandResult, write_through
 
 
 class LocalTransport:
@@ -53,9 +53,7 @@ class LocalTransport:
     async def write_file(
         self, path: str, content: str, *, mode: int = 0o644, root: bool = False, group: str | None = None
     ) -> None:
-        result = await self.run(write_command(path, mode, group=group), root=root, stdin=content)
-        if not result.ok:
-            raise NodeError(self.node, "failed", f"cannot write {path}: {result.stderr.strip()}")
+        await write_through(self, path, content, mode=mode, root=root, group=group)
 
     async def close(self) -> None:
         return None

@@ -19,8 +19,8 @@ import shlex
 from dataclasses import dataclass
 
 from llmgw_cli.core.hosts.node_access import HELPER
-from llmgw_cli.core.observe.facts import UnitState
 from llmgw_cli.core.observe.parse.systemctl import parse_show, unit_state
+from llmgw_cli.core.observe.unit_state import UnitState
 from llmgw_cli.errors import NodeError
 from llmgw_cli.node.helper import SHOW_PROPERTIES, unit_matches
 from llmgw_cli.remote.transport import CommandResult, Transport

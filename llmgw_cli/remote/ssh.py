@@ -23,7 +23,7 @@ import asyncssh
 
 from llmgw_cli.core.clusterfile.spec import Become, SshSettings
 from llmgw_cli.errors import NodeError
-from llmgw_cli.remote.transport import CommandResult, write_command
+from llmgw_cli.remote.transport import CommandResult, write_through
 
 
 @dataclass(frozen=True)
@@ -251,9 +251,7 @@ class SshTransport:
     async def write_file(
         self, path: str, content: str, *, mode: int = 0o644, root: bool = False, group: str | None = None
     ) -> None:
-        result = await self.run(write_command(path, mode, group=group), root=root, stdin=content)
-        if not result.ok:
-            raise NodeError(self.node, "failed", f"cannot write {path}: {result.stderr.strip()}")
+        await write_through(self, path, content, mode=mode, root=root, group=group)
 
     async def close(self) -> None:
         async with self._lock:

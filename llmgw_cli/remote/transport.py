@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from llmgw_cli.errors import NodeError
 from llmgw_cli.remote import rootwrite
 
 
@@ -93,6 +94,16 @@ def write_command(path: str, mode: int, *, group: str | None = None, as_user: st
         # a system PATH: the caller's may name folders the account cannot read, or owns
         words = ["runuser", "-u", as_user, "--", "env", f"PATH={SYSTEM_PATH}", *words]
     return shlex.join(words)
+
+
+async def write_through(
+    t: Transport, path: str, content: str, *, mode: int, root: bool, group: str | None
+) -> None:
+    """``write_file`` of a transport that runs shell: ``write_command`` with ``content`` on
+    its stdin, a failure raised as the node's ``NodeError``."""
+    result = await t.run(write_command(path, mode, group=group), root=root, stdin=content)
+    if not result.ok:
+        raise NodeError(t.node, "failed", f"cannot write {path}: {result.stderr.strip()}")
 
 
 def remove_command(*paths: str) -> str:

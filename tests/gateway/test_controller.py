@@ -22,7 +22,8 @@ import pytest
 from llmgw_cli.cli.gateway import load_pinned
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
-from llmgw_cli.core.observe.facts import NodeFacts, UnitState
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.observe.unit_state import UnitState
 from llmgw_cli.core.planning.controller import Attempts, Phase, Unavailable
 from llmgw_cli.core.planning.drain import DRAIN_GRACE
 from llmgw_cli.core.planning.plan import Action, Plan, grow_plan, running_replicas

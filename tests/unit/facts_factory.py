@@ -12,9 +12,9 @@ from llmgw_cli.core.observe.facts import (
     NodeFacts,
     PortState,
     Topology,
-    UnitState,
     WeightsDir,
 )
+from llmgw_cli.core.observe.unit_state import UnitState
 
 
 def topology(n: int, link: str = "NV18", pairs: bool = False) -> Topology:

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from llmgw_cli.core.clusterfile.spec import Node
-from llmgw_cli.core.observe.facts import UnitState
 from llmgw_cli.core.observe.health import (
     ReplicaState,
     describe,
@@ -19,6 +18,7 @@ from llmgw_cli.core.observe.health import (
 )
 from llmgw_cli.core.observe.parse.probe import _parse_units
 from llmgw_cli.core.observe.parse.systemctl import parse_show, unit_state
+from llmgw_cli.core.observe.unit_state import UnitState
 
 # /proc/uptime of the node when these were read: 1000 s after boot
 NOW = 1000.0

@@ -6,7 +6,8 @@ import json
 
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
-from llmgw_cli.core.observe.facts import NodeFacts, UnitState
+from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.observe.unit_state import UnitState
 from llmgw_cli.core.planning.plan import (
     Action,
     Plan,

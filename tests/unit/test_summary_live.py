@@ -4,7 +4,7 @@ NVLink peers where unknown topology is not zero."""
 from __future__ import annotations
 
 from llmgw_cli.core.clusterfile.load import parse_cluster
-from llmgw_cli.core.observe.facts import UnitState
+from llmgw_cli.core.observe.unit_state import UnitState
 from llmgw_cli.core.views.summary import IDLE_AFTER, Live, LiveReplica, UseRow, summarize
 from tests.unit.facts_factory import node_facts, topology, with_units
 

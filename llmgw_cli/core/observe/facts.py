@@ -7,6 +7,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict
 
 from llmgw_cli.core.observe.health import DEFAULT_START_TIMEOUT, ReplicaState, unit_health
+from llmgw_cli.core.observe.unit_state import UnitState
 
 
 class Fact(BaseModel):
@@ -76,33 +77,6 @@ class IbPort(Fact):
         if self.state is PortState.down:
             return f"DOWN ({self.phys_state or 'unknown physical state'}): no link"
         return f"{self.state.value} ({self.phys_state})"
-
-
-UP_STATES = ("active", "activating", "reloading")
-"""The ``ActiveState`` values of a unit that runs (or is on its way to it)."""
-
-
-class UnitState(Fact):
-    """What ``systemctl show`` says about one unit."""
-
-    name: str
-    load_state: str
-    active_state: str
-    sub_state: str
-    result: str
-    main_pid: int
-    n_restarts: int
-    exec_main_code: int | None
-    exec_main_status: int | None
-    # Seconds since its main process (running, or the last one) started, and how long
-    # that one ran when it has exited; None when systemd did not say (the node's
-    # monotonic clock: ``core/observe/health.py`` decides a replica's state from them).
-    age: float | None = None
-    lived: float | None = None
-
-    @property
-    def up(self) -> bool:
-        return self.active_state in UP_STATES
 
 
 class ReplicaUnit(Fact):

@@ -25,10 +25,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # facts.py asks this module about its units
-    from llmgw_cli.core.observe.facts import UnitState
+from llmgw_cli.core.observe.unit_state import UnitState
 
 DEFAULT_START_TIMEOUT = 600.0
 """A profile's ``readiness.start_timeout`` unless it says otherwise (``core/clusterfile/spec.py``)."""

@@ -41,6 +41,7 @@ import asyncpg
 
 from llmgw_cli.core.serving.keys import ApiKey
 from llmgw_cli.errors import InputError
+from llmgw_cli.gateway.store import values as codec  # the encodings both stores share
 from llmgw_cli.gateway.store.values import (
     BATCHES_KEPT,
     MEMBER_TTL,
@@ -48,9 +49,6 @@ from llmgw_cli.gateway.store.values import (
     Publication,
     Published,
     Usage,
-    decode_published,
-    encode_published,
-    parse_key,
 )
 from llmgw_cli.polling import wait_event
 
@@ -241,7 +239,7 @@ class PostgresStore:
         rows = await pool.fetch(
             "SELECT name, digest, models, expires, created, revoked, admin FROM api_keys ORDER BY name"
         )
-        return [parse_key(tuple(r)) for r in rows]
+        return [codec.parse_key(tuple(r)) for r in rows]
 
     async def revoke(self, name: str) -> bool:
         async with self._tx() as db:
@@ -309,7 +307,7 @@ class PostgresStore:
     async def publish(self, fence: int, publication: Publication, leader: str) -> bool:
         if fence < 1:  # epoch 0: nobody has led yet
             return False
-        body = encode_published(publication)
+        body = codec.encode_published(publication)
         async with self._tx() as db:
             if not await _fenced(db, fence):
                 return False
@@ -332,7 +330,7 @@ class PostgresStore:
         row = await pool.fetchrow("SELECT version, fence, leader, at, body FROM published WHERE id = 1")
         if row is None:
             return None
-        return decode_published(str(row[4]), int(row[0]), int(row[1]), str(row[2]), float(row[3]))
+        return codec.decode_published(str(row[4]), int(row[0]), int(row[1]), str(row[2]), float(row[3]))
 
     async def published_version(self) -> int:
         return await self._counter("published_version")

@@ -201,6 +201,20 @@ CREATE TABLE IF NOT EXISTS published (
 _MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2}  # version -> the script that brings the one before to it
 
 
+@contextmanager
+def _transaction(db: sqlite3.Connection, begin: str) -> Iterator[None]:
+    """``begin`` … COMMIT, rolled back on any error (the connection is in autocommit mode,
+    so sqlite3 itself never opens or ends a transaction)."""
+    db.execute(begin)
+    try:
+        yield
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
 class SqliteStore:
     """``Store`` in ``<state_dir>/gateway.sqlite3`` (created 0700/0600: it holds key digests),
     in WAL mode so readers never wait for the writer. The schema is created or upgraded when
@@ -234,14 +248,8 @@ class SqliteStore:
         db = sqlite3.connect(self.path, timeout=10, isolation_level=None)
         try:
             db.execute("PRAGMA busy_timeout = 10000")
-            db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-            try:
+            with _transaction(db, "BEGIN IMMEDIATE" if write else "BEGIN"):
                 yield db
-            except BaseException:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
         finally:
             db.close()
 
@@ -255,8 +263,7 @@ class SqliteStore:
         try:
             db.execute("PRAGMA busy_timeout = 10000")
             db.execute("PRAGMA journal_mode = WAL")  # kept in the file: once is enough
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with _transaction(db, "BEGIN IMMEDIATE"):
                 version = self._version(db)
                 for step in range(version + 1, SCHEMA_VERSION + 1):
                     for statement in _MIGRATIONS[step].split(";"):
@@ -268,11 +275,6 @@ class SqliteStore:
                     (SCHEMA_VERSION,),
                 )
                 now = self._version(db)
-            except BaseException:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
         finally:
             db.close()
         if now > SCHEMA_VERSION:

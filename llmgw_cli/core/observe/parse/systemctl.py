@@ -5,7 +5,7 @@ blocks are parsed into dicts by key, never by position."""
 
 from __future__ import annotations
 
-from llmgw_cli.core.observe.facts import UnitState
+from llmgw_cli.core.observe.unit_state import UnitState
 
 
 def parse_show(text: str) -> list[dict[str, str]]:

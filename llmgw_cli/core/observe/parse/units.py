@@ -8,8 +8,9 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping
 
-from llmgw_cli.core.observe.facts import NodeFacts, ReplicaUnit, UnitState
+from llmgw_cli.core.observe.facts import NodeFacts, ReplicaUnit
 from llmgw_cli.core.observe.health import DEFAULT_START_TIMEOUT
+from llmgw_cli.core.observe.unit_state import UnitState
 
 UNIT_DIR = "/etc/systemd/system/"
 LABEL_PREFIX = "X-Llmgw-"
