@@ -288,7 +288,7 @@ def test_a_request_starts_a_stopped_model_and_gets_the_replica_once_ready(
         assert isinstance(got, RoutedReplica) and got.address == address
         assert ctl.phase("lazy") is Phase.ready
         await ctl.idle()
-        assert ctl.model("lazy").attempts.failures == 0 and not ctl.model("lazy").busy
+        assert ctl.model("lazy").state.attempts.failures == 0 and not ctl.model("lazy").state.busy
         assert [(a.model, a.action) for a in ctl.actions] == [("lazy", "start")]
 
     run(scenario)
@@ -312,7 +312,7 @@ def test_a_start_whose_engine_exits_answers_model_start_failed_at_once_then_back
         assert len(w.nodes.stops("lazy")) == 1 and not running_replicas(w.nodes.truth)
         assert w.pool.of("lazy") == []
         (first,) = w.nodes.starts("lazy")
-        assert ctl.model("lazy").attempts.nodes == frozenset(first.nodes)
+        assert ctl.model("lazy").state.attempts.nodes == frozenset(first.nodes)
         assert ctl.phase("lazy") is Phase.failed
         # while the back-off runs, a request starts nothing and is answered at once
         again = await ctl.ensure_ready("lazy", time.monotonic() + FOREVER)
@@ -327,7 +327,7 @@ def test_a_start_whose_engine_exits_answers_model_start_failed_at_once_then_back
         w.health[f"{w.spec.node(second.nodes[0]).address}:{second.port}"] = 200
         assert isinstance(await asked, RoutedReplica)
         await ctl.idle()
-        assert ctl.model("lazy").attempts == Attempts() and ctl.phase("lazy") is Phase.ready
+        assert ctl.model("lazy").state.attempts == Attempts() and ctl.phase("lazy") is Phase.ready
 
     caplog.set_level(logging.INFO, "llmgw.controller")
     run(scenario)

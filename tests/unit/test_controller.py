@@ -3,7 +3,7 @@ of ``reconcile``, the phases, back-off and what a request is told."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 
 import pytest
 
@@ -11,6 +11,7 @@ from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.planning.controller import (
     BACKOFF_MAX,
     Attempts,
+    Lifecycle,
     Phase,
     Restart,
     Seen,
@@ -308,3 +309,71 @@ def test_what_a_request_is_told_in_each_other_phase() -> None:
     )
     assert told("lazy", Phase.stopped, manages=False) == (503, "model_unavailable")
     assert told("always", Phase.stopped) == (503, "model_unavailable")
+
+
+# --- a model's record: one value, changed by its transitions -----------------------------
+
+
+def test_a_start_that_succeeds_ends_the_failures_and_allows_an_eviction_again() -> None:
+    failed = Lifecycle().start_began("placing").start_failed("no room", T0 - 9, ["node01"]).evicted_now()
+    assert failed.attempts == Attempts(1, T0 - 9, "no room", frozenset({"node01"})) and failed.evicted
+    began = failed.start_began("probing the nodes")
+    assert began.starting and began.busy and began.progress == "probing the nodes"
+    assert began.start_progress("engine loading").progress == "engine loading"
+    done = began.start_succeeded()
+    assert done.attempts == Attempts() and not done.evicted and done.starting  # not ended yet
+    assert failed.attempts.failures == 1 and failed.evicted  # the old value stays as it was
+
+
+def test_a_failed_start_adds_to_the_back_off_and_its_nodes() -> None:
+    once = Lifecycle().start_failed("unit failed", T0 - 10, ["node01"])
+    twice = once.start_failed("not ready", T0, ["node02", "node03"])
+    assert twice.attempts.failures == 2 and twice.attempts.reason == "not ready"
+    assert twice.attempts.nodes == {"node01", "node02", "node03"}
+    assert twice.attempts.retry_at(BACKOFF) == T0 + 2 * BACKOFF
+    assert not twice.starting and not twice.evicted
+
+
+def test_a_start_that_ends_clears_its_progress_and_its_loading_replica() -> None:
+    loading = Lifecycle().start_began("placing").start_progress("engine loading").loading_at("10.0.0.1:8000")
+    assert loading.loading == {"10.0.0.1:8000"}
+    ended = loading.start_ended("10.0.0.1:8000")
+    assert (ended.starting, ended.progress, ended.loading) == (False, "", frozenset())
+    unplaced = Lifecycle().start_began("placing").start_ended(None)
+    assert not unplaced.starting and not unplaced.busy and unplaced.progress == ""
+
+
+def test_a_replica_ready_loads_no_more_and_others_still_do() -> None:
+    both = Lifecycle().loading_at("10.0.0.1:8000").loading_at("10.0.0.2:8000")
+    assert both.ready("10.0.0.1:8000").loading == {"10.0.0.2:8000"}
+    assert both.ready("10.0.0.9:8000") == both and both.ready(None) == both
+
+
+def test_stops_under_way_keep_the_model_busy_until_the_last_ends() -> None:
+    two = Lifecycle().stop_began().stop_began()
+    assert two.stopping == 2 and two.busy
+    assert two.stop_ended().busy and not two.stop_ended().stop_ended().busy
+
+
+def test_a_look_is_kept_as_ready_and_on_their_way() -> None:
+    assert Lifecycle().look == (0, 0)
+    assert Lifecycle().looked(1, 2).look == (1, 2)
+
+
+def test_the_phase_reads_the_records_history_and_start_under_way() -> None:
+    lazy = MODELS["lazy"]
+    assert Lifecycle().phase(lazy, [], now=T0, backoff_first=BACKOFF) is Phase.stopped
+    starting = Lifecycle().start_began("placing")
+    assert starting.phase(lazy, [], now=T0, backoff_first=BACKOFF) is Phase.starting
+    failed = starting.start_failed("x", T0 - 1).start_ended(None)
+    assert failed.phase(lazy, [], now=T0, backoff_first=BACKOFF) is Phase.failed
+    assert failed.phase(lazy, [seen("lazy")], now=T0, backoff_first=BACKOFF) is Phase.ready
+
+
+def test_a_record_cannot_be_changed_in_place() -> None:
+    record = Lifecycle()
+    with pytest.raises(FrozenInstanceError):
+        record.starting = True  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        record.loading.add("10.0.0.1:8000")  # type: ignore[attr-defined]
+    assert record == Lifecycle() and hash(record) == hash(Lifecycle())

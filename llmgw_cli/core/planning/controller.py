@@ -152,6 +152,70 @@ class Attempts:
         return 0.0 if at is None else max(0.0, at - now)
 
 
+@dataclass(frozen=True)
+class Lifecycle:
+    """One model's record in the gateway's controller: its start history (``attempts``),
+    what is under way (a start, stops), what the start under way is doing, the replicas it
+    started that are not ready yet, whether it evicted since its last good start, and the
+    ready and on-their-way counts at the last look. The controller replaces it through
+    the transitions below, never field by field, so every change reads as an event."""
+
+    attempts: Attempts = Attempts()
+    starting: bool = False  # a start is under way (placing, fetching, loading)
+    stopping: int = 0  # stops of its replicas under way
+    progress: str = ""  # what the start under way is doing
+    loading: frozenset[str] = frozenset()  # addresses started and not ready yet
+    evicted: bool = False  # an eviction was done for it since its last good start
+    look: tuple[int, int] = (0, 0)  # (ready, on their way) at the last look
+
+    @property
+    def busy(self) -> bool:
+        """A start or stop is under way: ``reconcile`` leaves the model alone."""
+        return self.starting or self.stopping > 0
+
+    def start_began(self, progress: str) -> Lifecycle:
+        return dataclasses.replace(self, starting=True, progress=progress)
+
+    def start_progress(self, progress: str) -> Lifecycle:
+        return dataclasses.replace(self, progress=progress)
+
+    def start_succeeded(self) -> Lifecycle:
+        """A good start ends the run of failures and allows an eviction again."""
+        return dataclasses.replace(self, attempts=self.attempts.succeeded(), evicted=False)
+
+    def start_failed(self, reason: str, now: float, nodes: Sequence[str] = ()) -> Lifecycle:
+        return dataclasses.replace(self, attempts=self.attempts.failed(reason, now, nodes))
+
+    def start_ended(self, address: str | None) -> Lifecycle:
+        """The start is over, well or not: its replica (at ``address``) loads no more."""
+        return dataclasses.replace(self, starting=False, progress="").ready(address)
+
+    def stop_began(self) -> Lifecycle:
+        return dataclasses.replace(self, stopping=self.stopping + 1)
+
+    def stop_ended(self) -> Lifecycle:
+        return dataclasses.replace(self, stopping=self.stopping - 1)
+
+    def loading_at(self, address: str) -> Lifecycle:
+        return dataclasses.replace(self, loading=self.loading | {address})
+
+    def ready(self, address: str | None) -> Lifecycle:
+        """The replica at ``address`` loads no more (ready, or its start ended)."""
+        if address is None or address not in self.loading:
+            return self
+        return dataclasses.replace(self, loading=self.loading - {address})
+
+    def evicted_now(self) -> Lifecycle:
+        return dataclasses.replace(self, evicted=True)
+
+    def looked(self, ready: int, on_way: int) -> Lifecycle:
+        return dataclasses.replace(self, look=(ready, on_way))
+
+    def phase(self, model: Model, seen: Sequence[Seen], *, now: float, backoff_first: float) -> Phase:
+        """The model's phase with this record's history and start under way."""
+        return phase(model, seen, self.attempts, starting=self.starting, now=now, backoff_first=backoff_first)
+
+
 class StopCause(StrEnum):
     idle = "idle"
     never_ready = "never-ready"

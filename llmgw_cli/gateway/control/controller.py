@@ -89,9 +89,6 @@ from llmgw_cli.core.planning.controller import (
     reconcile,
     unavailable,
 )
-from llmgw_cli.core.planning.controller import (
-    phase as model_phase,
-)
 from llmgw_cli.core.planning.lifecycle import eviction_candidate
 from llmgw_cli.core.planning.plan import (
     Action,
@@ -212,13 +209,8 @@ class Controller:
         for s in self._seen(spec, now):
             by_model.setdefault(s.model, []).append(s)
         phases = {
-            m.name: model_phase(
-                m,
-                by_model.get(m.name, []),
-                self.model(m.name).attempts,
-                starting=self.model(m.name).starting,
-                now=now,
-                backoff_first=spec.gateway.start_backoff,
+            m.name: self.model(m.name).state.phase(
+                m, by_model.get(m.name, []), now=now, backoff_first=spec.gateway.start_backoff
             )
             for m in spec.models
         }
@@ -233,20 +225,20 @@ class Controller:
         if self.following is not None and name in self.following.models:
             return self.following.models[name].progress
         found = self.models.get(name)
-        return found.progress if found is not None else ""
+        return found.state.progress if found is not None else ""
 
     def model_state(self, name: str, phase: Phase | None = None) -> ModelState:
         """The model as this process knows it: what the leader publishes, what a follower
         got from the leader's publication."""
         if self.following is not None and name in self.following.models:
             return self.following.models[name]
-        mc = self.model(name)
+        state = self.model(name).state
         return ModelState(
             phase=(phase or self.phase(name)).value,
-            progress=mc.progress,
-            failures=mc.attempts.failures,
-            last_failure=mc.attempts.reason,
-            retry_at=mc.attempts.retry_at(self.spec().gateway.start_backoff),
+            progress=state.progress,
+            failures=state.attempts.failures,
+            last_failure=state.attempts.reason,
+            retry_at=state.attempts.retry_at(self.spec().gateway.start_backoff),
         )
 
     def last_use_rows(self) -> dict[str, float]:
@@ -286,8 +278,8 @@ class Controller:
         return unavailable(
             spec.model(name),
             self.phase(name),
-            mc.attempts,
-            progress=mc.progress,
+            mc.state.attempts,
+            progress=mc.state.progress,
             manages=self.manages
             or self.taking_over
             or (following is not None and spec.gateway.manage_replicas),
@@ -300,7 +292,7 @@ class Controller:
             return True
         following = self.following
         if following is None:
-            return self.model(name).starting or self.taking_over
+            return self.model(name).state.starting or self.taking_over
         return following.on_its_way(name, self.spec().model(name).mode, self.clock())
 
     def want(self, name: str) -> None:
@@ -322,9 +314,9 @@ class Controller:
         if not self.manages:
             return
         mc = self.model(name)
-        if mc.starting or self._on_its_way(name):
+        if mc.state.starting or self._on_its_way(name):
             return
-        retry_at = mc.attempts.retry_at(spec.gateway.start_backoff)
+        retry_at = mc.state.attempts.retry_at(spec.gateway.start_backoff)
         if retry_at is not None and retry_at > self.clock():
             return
         self._begin(Start(name, "requested"))
@@ -353,7 +345,7 @@ class Controller:
             if address in found.get(name, ()):
                 found[name] = [a for a in found[name] if a != address]
         for name, mc in self.models.items():
-            for address in mc.loading:
+            for address in mc.state.loading:
                 if address not in found.setdefault(name, []):
                     found[name].append(address)
         return found
@@ -372,8 +364,8 @@ class Controller:
                 self.admission.resize(m.name, limit)
             mc = self.model(m.name)
             look = (ready, sum(r.health in (Health.loading, Health.unknown) for r in replicas))
-            if look != mc.look:
-                mc.look = look
+            if look != mc.state.look:
+                mc.state = mc.state.looked(*look)
                 mc.wake()
         if self.changed is not None:
             self.changed()
@@ -404,10 +396,10 @@ class Controller:
         self.observe()
         if not self.manages or self.nodes is None or not self.nodes.facts:
             return
-        busy = {name for name, mc in self.models.items() if mc.busy}
+        busy = {name for name, mc in self.models.items() if mc.state.busy}
         monotonic = time.monotonic()
         waits = {m.name: self.admission.oldest_wait(m.name, monotonic) for m in spec.models}
-        attempts = {m.name: self.model(m.name).attempts for m in spec.models}
+        attempts = {m.name: self.model(m.name).state.attempts for m in spec.models}
         decisions = reconcile(spec, seen, attempts, busy, waits, now=now)
         by_model: dict[str, list[Decision]] = {}
         for d in decisions:
@@ -425,7 +417,7 @@ class Controller:
         if not stops and start is not None:
             self._begin(start)
             return
-        mc.stopping += 1
+        mc.state = mc.state.stop_began()
 
         async def run() -> None:
             then = start
@@ -442,8 +434,8 @@ class Controller:
                         self._record(d.model, "restart", reason, "unhealthy")
                         then = then or Start(d.model, f"restart of replica {d.replica}: {reason}")
             finally:
-                mc.stopping -= 1
-            if then is not None and not mc.starting:
+                mc.state = mc.state.stop_ended()
+            if then is not None and not mc.state.starting:
                 self._begin(then)
 
         self._spawn(run())
@@ -466,7 +458,7 @@ class Controller:
             plan = grow_plan(spec, facts, model, reserved=self._reserved())
         if not plan.changes:
             return f"no free cards for a successor ({unplaced_text(plan)})"
-        if mc.starting:
+        if mc.state.starting:
             return "a start of the model is under way already"
         self._record(
             model,
@@ -475,8 +467,7 @@ class Controller:
             f"replica {restart.replica} is stopped once it is ready",
             "unhealthy",
         )
-        mc.starting = True
-        mc.progress = "probing the nodes to place a successor"
+        mc.state = mc.state.start_began("probing the nodes to place a successor")
         mc.wake()
         successor = await self._start(
             Start(model, f"restart of replica {restart.replica}, successor first: {restart.reason}"),
@@ -581,8 +572,7 @@ class Controller:
         if start_label(start) == "scale-out":
             self.metrics.scaled_out(start.model)
         mc = self.model(start.model)
-        mc.starting = True
-        mc.progress = "probing the nodes to place a replica"
+        mc.state = mc.state.start_began("probing the nodes to place a replica")
         mc.wake()
         self._spawn(self._start(start))
 
@@ -599,8 +589,7 @@ class Controller:
         placed: tuple[str, ...] = ()
         try:
             address = await self._place_and_start(spec, start, mc, began, replacing)
-            mc.attempts = mc.attempts.succeeded()
-            mc.evicted = False
+            mc.state = mc.state.start_succeeded()
             return address
         except NotLeader as exc:  # not a failure of the model: another process leads now
             log.warning("%s: start abandoned: %s", start.model, exc)
@@ -614,10 +603,7 @@ class Controller:
             await self._failed(spec, start.model, address, why, began, nodes=placed)
             return None
         finally:
-            mc.starting = False
-            mc.progress = ""
-            if address is not None:
-                mc.loading.discard(address)
+            mc.state = mc.state.start_ended(address)
             mc.wake()
             self.observe()
 
@@ -649,7 +635,7 @@ class Controller:
                 log.exception("%s: could not stop the replica whose start failed", model)
         # Recorded, shown on the dashboard and published to the followers: without secrets.
         why = redact(why, self.secrets())
-        mc.attempts = mc.attempts.failed(why, self.clock(), nodes)
+        mc.state = mc.state.start_failed(why, self.clock(), nodes)
         self.metrics.loaded(model, time.monotonic() - began, ok=False)
         log.error("%s: start failed: %s", model, why)
         self._record(model, "start-failed", why, "start-failed")
@@ -775,7 +761,7 @@ class Controller:
         """Stop an idle on-demand replica of another model so ``start`` fits; once per run
         of failed starts (an eviction is not repeated while the back-off runs)."""
         why = unplaced_text(plan)
-        if mc.evicted and mc.attempts.failures:
+        if mc.state.evicted and mc.state.attempts.failures:
             raise StartFailed(f"{why}; an eviction for it was done already and its start failed since")
         now = self.clock()
         uses = [s.use for s in self._seen(spec, now) if s.units is UnitCondition.up and s.draining is None]
@@ -794,7 +780,7 @@ class Controller:
             spec, facts, found, known.address, reason, action="evict", label="evict"
         ):
             raise StartFailed(f"{why}; the replica chosen for eviction got a request meanwhile")
-        mc.evicted = True
+        mc.state = mc.state.evicted_now()
         self.metrics.evicted(victim.model)
         assert self.nodes is not None
         facts = self.nodes.facts  # probed by the stop, after it
@@ -815,7 +801,8 @@ class Controller:
             start.reason,
         )
         self._record(start.model, "start", start.reason, start_label(start))
-        self.model(start.model).progress = f"starting on {','.join(action.nodes)}"
+        mc = self.model(start.model)
+        mc.state = mc.state.start_progress(f"starting on {','.join(action.nodes)}")
 
     async def _written(self, spec: ClusterSpec, model: str, action: Action, outcomes: list[Outcome]) -> str:
         """Under the lock, the units written and started: the replica in the pool, loading."""
@@ -824,10 +811,9 @@ class Controller:
         address = serving_address(spec.node(action.nodes[0]).engine_host, action.port)
         broken = [f"{o.subject}: {o.message}" for o in outcomes if not o.ok]
         if broken:
-            mc.loading.add(address)  # so the failure stops what was written
+            mc.state = mc.state.loading_at(address)  # so the failure stops what was written
             raise Broken("; ".join(broken), address, action.nodes)
-        mc.progress = "engine loading"
-        mc.loading.add(address)
+        mc.state = mc.state.start_progress("engine loading").loading_at(address)
         now = self.clock()
         self.known[(model, action.replica)] = Known(
             model, action.replica, address, action.nodes, now, action.port, dict(action.gpus)
@@ -877,7 +863,7 @@ class Controller:
         known = self.known.get((model, action.replica))
         if known is not None:
             known.ready_at = self.clock()
-        mc.loading.discard(address)
+        mc.state = mc.state.ready(address)
         self.metrics.loaded(model, seconds)
         log.info("%s: %s ready after %.1fs", model, address, seconds)
         self.observe()

@@ -14,6 +14,7 @@ from llmgw_cli.core.clusterfile.spec import ClusterSpec, ScalingMode
 from llmgw_cli.core.observe.facts import NodeFacts
 from llmgw_cli.core.planning.controller import (
     Attempts,
+    Lifecycle,
     Phase,
     Seen,
     Start,
@@ -94,22 +95,13 @@ class Done:
 
 
 class ModelController:
-    """One model's starts: its attempts, what is under way, and the event its waiters sleep on."""
+    """One model's record (``state``, a ``Lifecycle``: replaced by its transitions, never
+    changed in place) and the event its waiters sleep on."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.attempts = Attempts()
-        self.starting = False  # a start is under way (placing, fetching, loading)
-        self.stopping = 0  # stops of its replicas under way
-        self.progress = ""  # what the start under way is doing
-        self.loading: set[str] = set()  # addresses of replicas started and not ready yet
-        self.evicted = False  # an eviction was done for it since its last good start
-        self.look: tuple[int, int] = (0, 0)  # (ready, on their way) at the last look
+        self.state = Lifecycle()
         self._event = asyncio.Event()
-
-    @property
-    def busy(self) -> bool:
-        return self.starting or self.stopping > 0
 
     def wake(self) -> None:
         """Wake every waiter: a replica's readiness changed, or a start ended."""
@@ -143,7 +135,7 @@ class ProgressSink:
     secrets: Callable[[], Iterable[str]]
 
     def __call__(self, subject: str, message: str, phase: ReportPhase = ReportPhase.working, /) -> None:
-        self.model.progress = redact(f"{subject}: {message}", self.secrets())
+        self.model.state = self.model.state.start_progress(redact(f"{subject}: {message}", self.secrets()))
 
 
 @dataclass
@@ -321,7 +313,7 @@ def published_phase(state: ModelState, mode: ScalingMode, now: float) -> Phase:
 def shun(start: Start, mc: ModelController) -> frozenset[str]:
     """Nodes a start goes to only when it fits nowhere else: where the replica it replaces
     crash-looped, and where the model's starts failed since its last good one."""
-    return start.shun | mc.attempts.nodes
+    return start.shun | mc.state.attempts.nodes
 
 
 def seen_in_pool(models: list[str], pool: Pool, now: float) -> list[Seen]:
