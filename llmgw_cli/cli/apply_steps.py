@@ -17,6 +17,7 @@ from rich.text import Text
 from llmgw_cli.cli import host_steps
 from llmgw_cli.cli.common import confirm, probe_with_progress, read_cluster
 from llmgw_cli.cli.repos import gateway_pins, pinned
+from llmgw_cli.cli.session import Session
 from llmgw_cli.cli.views import plan_view, progress_line, progress_view
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.engine.flag_check import check_flags
@@ -29,7 +30,7 @@ from llmgw_cli.core.weights.pins import moved, pinned_commits
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, SpecError, UsageError
 from llmgw_cli.progress import Board, Phase, Report
 from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
-from llmgw_cli.remote.connect import Connections, Session
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.engine_keys import (
     distribute_engine_keys,
     nodes_without_key,

@@ -25,10 +25,10 @@ from llmgw_cli.errors import InputError, UsageError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.core.clusterfile.spec import ClusterSpec
     from llmgw_cli.gateway.store.sqlite import Store
     from llmgw_cli.progress import Report
-    from llmgw_cli.remote.connect import Session
     from llmgw_cli.remote.probe import Snapshot
 
 T = TypeVar("T")
@@ -129,7 +129,7 @@ def probe_with_progress(
     """Probe ``nodes`` (None: every node) with a live progress bar on ``console`` (hidden
     when it is not a terminal), through ``session``'s connections (kept for the command's
     next steps), or through connections of its own."""
-    from llmgw_cli.remote.connect import Session
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.remote.probe import gather
 
     if session is None:

@@ -32,9 +32,9 @@ def doctor(
     """
     from rich.console import Console
 
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.cli.views import doctor_view
     from llmgw_cli.core.doctor import Severity, diagnose
-    from llmgw_cli.remote.connect import Session
     from llmgw_cli.remote.doctor import collect
 
     spec = read_cluster(file)

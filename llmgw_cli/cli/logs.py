@@ -20,10 +20,11 @@ from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.core.clusterfile.spec import ClusterSpec
     from llmgw_cli.core.observe import journal
     from llmgw_cli.core.planning.plan import Running
-    from llmgw_cli.remote.connect import Connections, Session
+    from llmgw_cli.remote.connect import Connections
 
 Reference = Annotated[
     str,
@@ -121,8 +122,8 @@ def logs(
     Each line: the time, the node, MODEL#N, then the journal's line (control characters
     shown as \\xNN). A multi-node replica shows every member's unit.
     """
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.core.observe import journal
-    from llmgw_cli.remote.connect import Session
 
     spec = read_cluster(file)
     parsed = journal.parse_ref(spec, ref)
@@ -202,9 +203,9 @@ def restart(
     MODEL#N`. Exit code 1 when a replica is not ready within its profile's start_timeout.
     """
     from llmgw_cli.cli.common import stdout_console
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.core.observe import journal
     from llmgw_cli.errors import InputError
-    from llmgw_cli.remote.connect import Session
 
     spec = read_cluster(file)
     parsed = journal.parse_ref(spec, ref)
