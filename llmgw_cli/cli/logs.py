@@ -148,7 +148,7 @@ async def _restart(spec: ClusterSpec, conns: Connections, replica: Running, repo
     import shlex
 
     from llmgw_cli.core.observe import journal
-    from llmgw_cli.polling import poll_until
+    from llmgw_cli.polling import attempts
     from llmgw_cli.remote.execute import ready_status
 
     model = spec.model(replica.model)
@@ -172,7 +172,10 @@ async def _restart(spec: ClusterSpec, conns: Connections, replica: Running, repo
         status = await ready_status(conns.to(head), host, replica.port, readiness.path)
         return True if status == 200 else None
 
-    ready = await poll_until(step, timeout=readiness.start_timeout, interval=0.5)
+    ready = None
+    async for _ in attempts(readiness.start_timeout, 0.5):
+        if (ready := await step()) is not None:
+            break
     took = time.monotonic() - began
     if ready:
         report.print(

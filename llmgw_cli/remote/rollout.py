@@ -66,7 +66,7 @@ from llmgw_cli.core.planning.drain import (
 from llmgw_cli.core.planning.plan import Action, Plan, Retired, conflicts, running_replicas
 from llmgw_cli.core.serving.routing import serving_address
 from llmgw_cli.errors import LlmgwError, NodeError
-from llmgw_cli.polling import poll_until
+from llmgw_cli.polling import attempts
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, execute, wait_started
@@ -241,7 +241,10 @@ class Gateways:
                 signalled = time.monotonic()
             return None
 
-        done = await poll_until(step, timeout=max(timeout, 0.0), interval=POLL)
+        done = None
+        async for _ in attempts(max(timeout, 0.0), POLL):
+            if (done := await step()) is not None:
+                break
         if done is False and not await self.views():
             self.none_seen()
             return None
@@ -382,7 +385,10 @@ class ApplyRouting:
                 report(who, f"draining ({said} in flight)")
             return 0 if count == 0 else None
 
-        done = await poll_until(idle, timeout=max(until - time.monotonic(), 0.0), interval=POLL)
+        done = None
+        async for _ in attempts(max(until - time.monotonic(), 0.0), POLL):
+            if (done := await idle()) is not None:
+                break
         left = 0 if done == 0 else last[0]
         return Drained(-1 if left is None else left, seconds)
 
