@@ -29,7 +29,7 @@ from llmgw_cli.core.planning.whole_plan import has_work, whole
 from llmgw_cli.core.weights.pins import moved, pinned_commits
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, SpecError, UsageError
 from llmgw_cli.progress import Board, Phase, Report
-from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
+from llmgw_cli.remote.cluster_lock import ApplyHold, LockTerms, LockTimeout, take_for_apply
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.engine_keys import (
     distribute_engine_keys,
@@ -42,7 +42,7 @@ from llmgw_cli.remote.gateway_install import GatewayPreviews, install, preview
 from llmgw_cli.remote.node_setup import prepare, stale_nodes
 from llmgw_cli.remote.probe import Snapshot
 from llmgw_cli.remote.replica_health import health_answers, last_lines
-from llmgw_cli.remote.rollout import TakeLock, carry_out
+from llmgw_cli.remote.rollout import carry_out
 from llmgw_cli.remote.transport import Transport
 from llmgw_cli.remote.weights import ensure_for_plan
 
@@ -62,7 +62,7 @@ async def _execute_with_progress(
     facts: dict[str, NodeFacts],
     rotate: bool = False,
     lock: ApplyHold | None = None,
-    take_lock: TakeLock | None = None,
+    take_lock: LockTerms | None = None,
     fetched: dict[str, str] | None = None,
     allow_downtime: bool = False,
     helpers: list[str] | None = None,
@@ -166,7 +166,7 @@ async def _rotate(
     facts: dict[str, NodeFacts],
     transports: list[Transport],
     report: Report,
-    take_lock: TakeLock | None,
+    take_lock: LockTerms | None,
     allow_downtime: bool,
 ) -> list[Outcome]:
     """New engine keys on every reachable node, every installed gateway holding both meanwhile."""
@@ -277,17 +277,6 @@ def _fetch_and_lock(
 def _lock_waiting(message: str) -> None:
     """Said once while apply waits for the cluster lock: who holds it."""
     err.print(Text(message, style="yellow"), highlight=False, soft_wrap=True)
-
-
-def _lock_taker(spec: ClusterSpec, conns: Connections, file: Path, timeout: float) -> TakeLock:
-    """Takes the cluster lock again for one step of a rolling replacement."""
-
-    async def take(why: str) -> ApplyHold:
-        return await take_for_apply(
-            spec, conns, wait=timeout, why=f"applying {file.name}: {why}", on_wait=_lock_waiting
-        )
-
-    return take
 
 
 def _saved_still_holds(saved: Path, chosen: Plan, facts: dict[str, NodeFacts]) -> None:
@@ -514,7 +503,9 @@ def apply(
                     facts={f.node: f for f in snapshot.nodes},
                     rotate=rotate_engine_key,
                     lock=held,
-                    take_lock=None if no_lock else _lock_taker(spec, session.conns, file, lock_timeout),
+                    take_lock=None
+                    if no_lock
+                    else LockTerms(lock_timeout, f"applying {file.name}", _lock_waiting),
                     fetched=fetched,
                     allow_downtime=allow_downtime,
                     helpers=helpers,

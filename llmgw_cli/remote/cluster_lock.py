@@ -202,6 +202,24 @@ def lock_order(hosts: list[str]) -> list[str]:
     return sorted(set(hosts))
 
 
+@dataclass(frozen=True)
+class LockTerms:
+    """How apply takes the cluster lock again for each write step of a rolling
+    replacement, as data the executor's steps use themselves: how long each take may
+    wait, the holder's note (``why``, the step's own reason appended) and where the
+    waiting message goes (a progress sink; the CLI shows it)."""
+
+    wait: float
+    why: str
+    on_wait: Callable[[str], None]
+
+    async def take(self, spec: ClusterSpec, conns: Connections, step: str) -> ApplyHold:
+        """The lock for one step, ``step`` saying which (``take_for_apply``)."""
+        return await take_for_apply(
+            spec, conns, wait=self.wait, why=f"{self.why}: {step}", on_wait=self.on_wait
+        )
+
+
 async def take_for_apply(
     spec: ClusterSpec,
     conns: Connections,

@@ -48,7 +48,7 @@ import binascii
 import contextlib
 import shlex
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -89,8 +89,11 @@ class Held(Protocol):
     async def release(self) -> None: ...
 
 
-TakeLock = Callable[[str], Awaitable[Held]]
-"""Takes the cluster lock, saying why (``take_for_apply``)."""
+class Locking(Protocol):
+    """How a write step takes the cluster lock (``LockTerms``): data the steps use
+    themselves, not a callable of the command that started them."""
+
+    async def take(self, spec: ClusterSpec, conns: Connections, step: str) -> Held: ...
 
 
 def is_roll(action: Action) -> bool:
@@ -278,7 +281,7 @@ class ApplySteps:
 
     spec: ClusterSpec
     conns: Connections
-    take_lock: TakeLock | None
+    take_lock: Locking | None
     engine_keys: dict[str, str] | None
     fetch: bool
     _one_at_a_time: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -286,7 +289,9 @@ class ApplySteps:
     @contextlib.asynccontextmanager
     async def locked(self, why: str) -> AsyncIterator[None]:
         async with self._one_at_a_time:
-            held = await self.take_lock(why) if self.take_lock is not None else None
+            held = (
+                await self.take_lock.take(self.spec, self.conns, why) if self.take_lock is not None else None
+            )
             try:
                 yield
             finally:
@@ -398,7 +403,7 @@ def _executor(
     conns: Connections,
     report: Report,
     *,
-    take_lock: TakeLock | None,
+    take_lock: Locking | None,
     engine_keys: dict[str, str] | None,
     fetch: bool,
     gateways: Gateways | None,
@@ -416,7 +421,7 @@ async def roll_each(
     actions: Sequence[Action],
     report: Report,
     *,
-    take_lock: TakeLock | None,
+    take_lock: Locking | None,
     engine_keys: dict[str, str] | None = None,
     fetch: bool = True,
     gateways: Gateways | None = None,
@@ -465,7 +470,7 @@ async def carry_out(
     *,
     facts: dict[str, NodeFacts],
     lock: Held | None,
-    take_lock: TakeLock | None,
+    take_lock: Locking | None,
     engine_keys: dict[str, str] | None,
     fetch: bool = True,
     wait: bool = True,
