@@ -51,6 +51,7 @@ from llmgw_cli.core.planning.cluster_lock import (
     waiting_message,
 )
 from llmgw_cli.errors import LlmgwError, NodeError
+from llmgw_cli.progress import quiet
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.gateway_install import gateway_transport
 from llmgw_cli.remote.transport import Spawned, Spawns
@@ -211,7 +212,7 @@ class LockTerms:
 
     wait: float
     why: str
-    on_wait: Callable[[str], None]
+    on_wait: Callable[[str], None] = quiet
 
     async def take(self, spec: ClusterSpec, conns: Connections, step: str) -> ApplyHold:
         """The lock for one step, ``step`` saying which (``take_for_apply``)."""
