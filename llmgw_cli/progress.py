@@ -12,10 +12,15 @@ Three shapes, because the callers show three different things:
   its first report to its last, without reading the message (which may quote a node).
 - ``FetchReport``: a ``FetchEvent`` with the bytes fetched and the total, so the CLI
   can draw one progress bar per model and node.
+
+``Events`` is the ``Report`` the CLI hands down: each report becomes an ``Event`` in a
+queue, which the CLI's renderer reads in a task of its own (``async for event in
+events``). Progress thus flows up as values; the work below never calls the CLI's code.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +53,52 @@ class FetchEvent:
     message: str = ""  # a remark (a peer that failed and why), not the progress
     files: int | None = None  # a snapshot's files done; None for a single file
     files_total: int | None = None  # and how many it has
+
+
+@dataclass(frozen=True)
+class Event:
+    """One ``Report``, as a value."""
+
+    subject: str
+    message: str
+    phase: Phase = Phase.working
+
+
+@dataclass(frozen=True)
+class Note:
+    """A line said once about the whole job (who holds the cluster lock apply waits for)."""
+
+    text: str
+
+
+class Events:
+    """A ``Report`` (and a ``LineReport``, ``note``) that queues what it is told, in order,
+    for one reader: ``async for item in events`` gives each ``Event`` and ``Note`` until
+    ``close()``. Telling never waits and never runs the reader's code, so the layers below
+    the CLI report without calling up into it."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Event | Note | None] = asyncio.Queue()
+
+    def __call__(self, subject: str, message: str, phase: Phase = Phase.working, /) -> None:
+        self._queue.put_nowait(Event(subject, message, phase))
+
+    def note(self, text: str) -> None:
+        self._queue.put_nowait(Note(text))
+
+    def close(self) -> None:
+        """No more events: the reader's loop ends once it has read those before."""
+        self._queue.put_nowait(None)
+
+    def __aiter__(self) -> Events:
+        return self
+
+    async def __anext__(self) -> Event | Note:
+        item = await self._queue.get()
+        if item is None:
+            self._queue.put_nowait(None)  # a second reading ends at once too
+            raise StopAsyncIteration
+        return item
 
 
 LineReport = Callable[[str], None]

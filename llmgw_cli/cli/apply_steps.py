@@ -3,9 +3,10 @@ load -> gather -> plan -> view -> confirm -> execute. Imported when one of them 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,7 +17,9 @@ from rich.text import Text
 
 from llmgw_cli.cli import host_steps
 from llmgw_cli.cli.common import confirm, probe_with_progress, read_cluster
+from llmgw_cli.cli.rendering import rendered
 from llmgw_cli.cli.repos import gateway_pins, pinned
+from llmgw_cli.cli.session import Session
 from llmgw_cli.cli.views import plan_view, progress_line, progress_view
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.engine.flag_check import check_flags
@@ -27,9 +30,9 @@ from llmgw_cli.core.planning.steps import HostFacts
 from llmgw_cli.core.planning.whole_plan import has_work, whole
 from llmgw_cli.core.weights.pins import moved, pinned_commits
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, SpecError, UsageError
-from llmgw_cli.progress import Board, Phase, Report
-from llmgw_cli.remote.cluster_lock import ApplyHold, LockTimeout, take_for_apply
-from llmgw_cli.remote.connect import Connections, Session
+from llmgw_cli.progress import Board, Event, Events, Note, Report
+from llmgw_cli.remote.cluster_lock import ApplyHold, LockTerms, LockTimeout, take_for_apply
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.engine_keys import (
     distribute_engine_keys,
     nodes_without_key,
@@ -41,7 +44,7 @@ from llmgw_cli.remote.gateway_install import GatewayPreviews, install, preview
 from llmgw_cli.remote.node_setup import prepare, stale_nodes
 from llmgw_cli.remote.probe import Snapshot
 from llmgw_cli.remote.replica_health import health_answers, last_lines
-from llmgw_cli.remote.rollout import TakeLock, carry_out
+from llmgw_cli.remote.rollout import carry_out
 from llmgw_cli.remote.transport import Transport
 from llmgw_cli.remote.weights import ensure_for_plan
 
@@ -61,7 +64,7 @@ async def _execute_with_progress(
     facts: dict[str, NodeFacts],
     rotate: bool = False,
     lock: ApplyHold | None = None,
-    take_lock: TakeLock | None = None,
+    take_lock: LockTerms | None = None,
     fetched: dict[str, str] | None = None,
     allow_downtime: bool = False,
     helpers: list[str] | None = None,
@@ -75,7 +78,8 @@ async def _execute_with_progress(
     they are; None: the executor brings them first. ``helpers``: the nodes whose helper
     the plan's steps install or update (None: every reachable node is judged again)."""
 
-    async def run(report: Report) -> list[Outcome]:
+    async def run(report: Events) -> list[Outcome]:
+        terms = None if take_lock is None else replace(take_lock, on_wait=report.note)
         # The gateway's key and the node helper first: the units below go through it.
         reachable = [n.name for n in spec.nodes if n.name not in unreachable]
         setup = await prepare(spec, conns, reachable if helpers is None else helpers, report, facts)
@@ -94,7 +98,7 @@ async def _execute_with_progress(
                 report,
                 facts=facts,
                 lock=lock,
-                take_lock=take_lock,
+                take_lock=terms,
                 engine_keys=keys,
                 fetch=fetched is None,
                 wait=wait,
@@ -108,7 +112,7 @@ async def _execute_with_progress(
                 facts=facts,
                 transports=transports,
                 report=report,
-                take_lock=take_lock,
+                take_lock=terms,
                 allow_downtime=allow_downtime,
             )
         return outcomes
@@ -116,32 +120,37 @@ async def _execute_with_progress(
     return await _with_progress(run)
 
 
-async def _with_progress(work: Callable[[Report], Awaitable[T]]) -> T:
-    """``work(report)`` with a live table of nodes and replicas on a terminal (each with its
-    elapsed time, counting while it is worked on), one line per event otherwise."""
+async def _with_progress(work: Callable[[Events], Awaitable[T]]) -> T:
+    """``work(events)`` with a live table of nodes and replicas on a terminal (each with its
+    elapsed time, counting while it is worked on), one line per event otherwise; a note
+    (who holds the cluster lock) is a line of its own either way."""
     board = Board()
-    live: Live | None = None
+    # Redrawn twice a second besides each event, so a replica's clock runs through a
+    # long engine load that reports nothing new.
+    live = (
+        Live(
+            get_renderable=lambda: progress_view(board.rows, board.clock()),
+            console=err,
+            transient=False,
+            refresh_per_second=2,
+        )
+        if err.is_terminal
+        else None
+    )
 
-    def report(subject: str, message: str, phase: Phase = Phase.working, /) -> None:
-        board(subject, message, phase)
+    def show(item: Event | Note) -> None:
+        if isinstance(item, Note):
+            _lock_waiting(item.text)
+            return
+        board(item.subject, item.message, item.phase)
         if live is None:
             # Messages carry node output (journal tails): printed as text, never as markup.
-            err.print(progress_line(subject, board.rows[subject]), highlight=False, soft_wrap=True)
+            err.print(progress_line(item.subject, board.rows[item.subject]), highlight=False, soft_wrap=True)
         else:
             live.refresh()
 
-    if not err.is_terminal:
-        return await work(report)
-    # Redrawn twice a second besides each report, so a replica's clock runs through a
-    # long engine load that reports nothing new.
-    live = Live(
-        get_renderable=lambda: progress_view(board.rows, board.clock()),
-        console=err,
-        transient=False,
-        refresh_per_second=2,
-    )
-    with live:
-        return await work(report)
+    with live or contextlib.nullcontext():
+        return await rendered(work, show)
 
 
 def _without(chosen: Plan, failed: dict[str, str]) -> Plan:
@@ -165,7 +174,7 @@ async def _rotate(
     facts: dict[str, NodeFacts],
     transports: list[Transport],
     report: Report,
-    take_lock: TakeLock | None,
+    take_lock: LockTerms | None,
     allow_downtime: bool,
 ) -> list[Outcome]:
     """New engine keys on every reachable node, every installed gateway holding both meanwhile."""
@@ -278,15 +287,16 @@ def _lock_waiting(message: str) -> None:
     err.print(Text(message, style="yellow"), highlight=False, soft_wrap=True)
 
 
-def _lock_taker(spec: ClusterSpec, conns: Connections, file: Path, timeout: float) -> TakeLock:
-    """Takes the cluster lock again for one step of a rolling replacement."""
+async def _take_lock(spec: ClusterSpec, conns: Connections, terms: LockTerms) -> ApplyHold:
+    """The cluster lock for the whole apply, who holds it meanwhile said as it comes."""
 
-    async def take(why: str) -> ApplyHold:
-        return await take_for_apply(
-            spec, conns, wait=timeout, why=f"applying {file.name}: {why}", on_wait=_lock_waiting
-        )
+    def said(item: Event | Note) -> None:
+        if isinstance(item, Note):
+            _lock_waiting(item.text)
 
-    return take
+    return await rendered(
+        lambda events: take_for_apply(spec, conns, wait=terms.wait, why=terms.why, on_wait=events.note), said
+    )
 
 
 def _saved_still_holds(saved: Path, chosen: Plan, facts: dict[str, NodeFacts]) -> None:
@@ -306,13 +316,7 @@ def _locked(
     while True:
         try:
             held = session.run(
-                take_for_apply(
-                    spec,
-                    session.conns,
-                    wait=how.lock_timeout,
-                    why=f"applying {file.name}",
-                    on_wait=_lock_waiting,
-                )
+                _take_lock(spec, session.conns, LockTerms(how.lock_timeout, f"applying {file.name}"))
             )
         except LockTimeout as exc:
             raise ApplyFailed(f"{exc}; nothing was changed, run apply again later") from None
@@ -513,7 +517,7 @@ def apply(
                     facts={f.node: f for f in snapshot.nodes},
                     rotate=rotate_engine_key,
                     lock=held,
-                    take_lock=None if no_lock else _lock_taker(spec, session.conns, file, lock_timeout),
+                    take_lock=None if no_lock else LockTerms(lock_timeout, f"applying {file.name}"),
                     fetched=fetched,
                     allow_downtime=allow_downtime,
                     helpers=helpers,

@@ -25,10 +25,10 @@ from llmgw_cli.errors import InputError, UsageError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.core.clusterfile.spec import ClusterSpec
     from llmgw_cli.gateway.store.sqlite import Store
     from llmgw_cli.progress import Report
-    from llmgw_cli.remote.connect import Session
     from llmgw_cli.remote.probe import Snapshot
 
 T = TypeVar("T")
@@ -129,7 +129,8 @@ def probe_with_progress(
     """Probe ``nodes`` (None: every node) with a live progress bar on ``console`` (hidden
     when it is not a terminal), through ``session``'s connections (kept for the command's
     next steps), or through connections of its own."""
-    from llmgw_cli.remote.connect import Session
+    from llmgw_cli.cli.rendering import rendered, to_report
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.remote.probe import gather
 
     if session is None:
@@ -137,13 +138,16 @@ def probe_with_progress(
             return probe_with_progress(spec, file, nodes, console, own)
     total = len([n for n in spec.nodes if nodes is None or n.name in nodes])
     with node_progress(console, "probing", total) as update:
-        return session.run(gather(spec, session.conns, nodes, update))
+        return session.run(
+            rendered(lambda events: gather(spec, session.conns, nodes, events), to_report(update))
+        )
 
 
 @contextmanager
 def node_progress(console: Console, doing: str, total: int) -> Iterator[Report]:
-    """A progress bar on ``console`` for work on ``total`` nodes, as the ``Report`` the work
-    calls: a node counts once its phase is done or failed. Hidden when ``console`` is not
+    """A progress bar on ``console`` for work on ``total`` nodes, drawn by the ``Report``
+    given (the renderer of the work's events, ``cli/rendering.py``): a node counts once its
+    phase is done or failed. Hidden when ``console`` is not
     a terminal, so scripts and logs see only the result."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -32,9 +32,10 @@ def doctor(
     """
     from rich.console import Console
 
+    from llmgw_cli.cli.rendering import rendered, to_report
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.cli.views import doctor_view
     from llmgw_cli.core.doctor import Severity, diagnose
-    from llmgw_cli.remote.connect import Session
     from llmgw_cli.remote.doctor import collect
 
     spec = read_cluster(file)
@@ -45,7 +46,9 @@ def doctor(
         Session(spec, file.resolve().parent) as session,
         node_progress(Console(stderr=True), "checking", total) as update,
     ):
-        collected = session.run(collect(spec, session.conns, chosen, update))
+        collected = session.run(
+            rendered(lambda events: collect(spec, session.conns, chosen, events), to_report(update))
+        )
     seconds = time.monotonic() - started
     findings = diagnose(spec, collected)
     checked = [c.facts.node for c in collected]

@@ -24,12 +24,12 @@ from rich.progress import (
 
 from llmgw_cli.cli.common import chosen_nodes, confirm, probe_with_progress, read_cluster, unknown_names
 from llmgw_cli.cli.repos import pinned
+from llmgw_cli.cli.session import Session
 from llmgw_cli.cli.views import fetch_plan_view, fetch_results_view, plain
 from llmgw_cli.core.weights.fetch import FetchPlan, Peers, held_in_facts, plan_fetch, plan_report, select
 from llmgw_cli.core.weights.snapshot import Snapshot
 from llmgw_cli.errors import FetchFailed, UsageError
 from llmgw_cli.progress import FetchEvent
-from llmgw_cli.remote.connect import Session
 from llmgw_cli.remote.fetch import Fetcher, FetchResult, verified
 
 out = Console()

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+from llmgw_cli.cli.session import Session
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.observe.facts import NodeFacts
 from llmgw_cli.core.planning.plan import Plan, facts_digest, make_plan
@@ -22,7 +23,6 @@ from llmgw_cli.core.planning.whole_plan import (
     whole,
 )
 from llmgw_cli.errors import InputError
-from llmgw_cli.remote.connect import Session
 from llmgw_cli.remote.gateway_install import GatewayPreviews
 from llmgw_cli.remote.replica_health import health_answers
 

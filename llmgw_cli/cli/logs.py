@@ -20,10 +20,11 @@ from llmgw_cli.cli.common import DEFAULT_FILE, ClusterFile, read_cluster
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.core.clusterfile.spec import ClusterSpec
     from llmgw_cli.core.observe import journal
     from llmgw_cli.core.planning.plan import Running
-    from llmgw_cli.remote.connect import Connections, Session
+    from llmgw_cli.remote.connect import Connections
 
 Reference = Annotated[
     str,
@@ -121,8 +122,8 @@ def logs(
     Each line: the time, the node, MODEL#N, then the journal's line (control characters
     shown as \\xNN). A multi-node replica shows every member's unit.
     """
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.core.observe import journal
-    from llmgw_cli.remote.connect import Session
 
     spec = read_cluster(file)
     parsed = journal.parse_ref(spec, ref)
@@ -147,7 +148,7 @@ async def _restart(spec: ClusterSpec, conns: Connections, replica: Running, repo
     import shlex
 
     from llmgw_cli.core.observe import journal
-    from llmgw_cli.polling import poll_until
+    from llmgw_cli.polling import attempts
     from llmgw_cli.remote.execute import ready_status
 
     model = spec.model(replica.model)
@@ -171,7 +172,10 @@ async def _restart(spec: ClusterSpec, conns: Connections, replica: Running, repo
         status = await ready_status(conns.to(head), host, replica.port, readiness.path)
         return True if status == 200 else None
 
-    ready = await poll_until(step, timeout=readiness.start_timeout, interval=0.5)
+    ready = None
+    async for _ in attempts(readiness.start_timeout, 0.5):
+        if (ready := await step()) is not None:
+            break
     took = time.monotonic() - began
     if ready:
         report.print(
@@ -202,9 +206,9 @@ def restart(
     MODEL#N`. Exit code 1 when a replica is not ready within its profile's start_timeout.
     """
     from llmgw_cli.cli.common import stdout_console
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.core.observe import journal
     from llmgw_cli.errors import InputError
-    from llmgw_cli.remote.connect import Session
 
     spec = read_cluster(file)
     parsed = journal.parse_ref(spec, ref)

@@ -20,10 +20,10 @@ from llmgw_cli.cli.common import (
 from llmgw_cli.errors import ExitCode
 
 if TYPE_CHECKING:
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.core.clusterfile.spec import ClusterSpec
     from llmgw_cli.core.observe.facts import NodeFacts
     from llmgw_cli.core.planning.plan import Answers
-    from llmgw_cli.remote.connect import Session
 
 
 def status(
@@ -41,9 +41,9 @@ def status(
     """
     from rich.console import Console
 
+    from llmgw_cli.cli.session import Session
     from llmgw_cli.cli.views import status_view
     from llmgw_cli.core.views.summary import summarize
-    from llmgw_cli.remote.connect import Session
 
     spec = read_cluster(file)
     chosen = chosen_nodes(spec, nodes, file)  # a wrong name stops here, before any probe

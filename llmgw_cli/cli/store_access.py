@@ -11,11 +11,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+from llmgw_cli.cli.session import Session
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.serving.keys import ApiKey
 from llmgw_cli.errors import InputError, LlmgwError
 from llmgw_cli.gateway.store.sqlite import SqliteStore, Store, Usage, open_store
-from llmgw_cli.remote.connect import Session
 from llmgw_cli.remote.gateway_store import on_gateway_host, shown
 
 T = TypeVar("T")

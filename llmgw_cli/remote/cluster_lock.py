@@ -51,6 +51,7 @@ from llmgw_cli.core.planning.cluster_lock import (
     waiting_message,
 )
 from llmgw_cli.errors import LlmgwError, NodeError
+from llmgw_cli.progress import quiet
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.gateway_install import gateway_transport
 from llmgw_cli.remote.transport import Spawned, Spawns
@@ -200,6 +201,24 @@ async def _rest(proc: Spawned, first: str, most: int = 10) -> str:
 def lock_order(hosts: list[str]) -> list[str]:
     """The order apply takes the gateway hosts' locks in: sorted, the same for every apply."""
     return sorted(set(hosts))
+
+
+@dataclass(frozen=True)
+class LockTerms:
+    """How apply takes the cluster lock again for each write step of a rolling
+    replacement, as data the executor's steps use themselves: how long each take may
+    wait, the holder's note (``why``, the step's own reason appended) and where the
+    waiting message goes (a progress sink; the CLI shows it)."""
+
+    wait: float
+    why: str
+    on_wait: Callable[[str], None] = quiet
+
+    async def take(self, spec: ClusterSpec, conns: Connections, step: str) -> ApplyHold:
+        """The lock for one step, ``step`` saying which (``take_for_apply``)."""
+        return await take_for_apply(
+            spec, conns, wait=self.wait, why=f"{self.why}: {step}", on_wait=self.on_wait
+        )
 
 
 async def take_for_apply(

@@ -12,11 +12,11 @@ Stages take the owner as a parameter, so a test can hand them a fake one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from llmgw_cli.core.clusterfile.spec import Become, ClusterSpec, Node, SshSettings
 from llmgw_cli.core.hosts.node_access import GATEWAY_USER
@@ -151,29 +151,3 @@ class Connections:
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
-
-
-class Session:
-    """One event loop and one ``Connections`` for a command that runs its steps from
-    synchronous code, with prompts and printing between them (``plan``, ``apply``): an
-    asyncssh connection belongs to the loop that opened it, so the loop is kept from one
-    step to the next instead of a new ``asyncio.run`` per step."""
-
-    def __init__(self, spec: ClusterSpec, base: Path, *args: Any, **kwargs: Any) -> None:
-        """The arguments of ``Connections``."""
-        self._runner = asyncio.Runner()
-        self.conns = Connections(spec, base, *args, **kwargs)
-
-    def run(self, step: Coroutine[Any, Any, T]) -> T:
-        return self._runner.run(step)
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        try:
-            self._runner.run(self.conns.close())
-        finally:
-            self._runner.close()

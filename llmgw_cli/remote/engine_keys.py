@@ -41,7 +41,7 @@ from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, ensure_engine_key, ensure_secret_env, node_engine_keys
 from llmgw_cli.remote.executor import subject
-from llmgw_cli.remote.rollout import TakeLock, is_roll, roll_each
+from llmgw_cli.remote.rollout import Locking, is_roll, roll_each
 from llmgw_cli.remote.transport import Transport
 
 KeyMap = dict[str, tuple[str, ...]]
@@ -109,7 +109,7 @@ async def rotate_engine_keys(
     report: Report,
     *,
     transports: dict[str, Transport],
-    take_lock: TakeLock | None,
+    take_lock: Locking | None,
     allow_downtime: bool = False,
 ) -> list[Outcome]:
     """New keys on every node in ``transports`` (the reachable ones), with no request lost

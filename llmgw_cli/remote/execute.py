@@ -36,7 +36,7 @@ from llmgw_cli.core.observe.unit_state import UnitState
 from llmgw_cli.core.planning.drain import REPLICA_UNIT, marker_path
 from llmgw_cli.core.planning.plan import Action, Plan
 from llmgw_cli.errors import NodeError
-from llmgw_cli.polling import poll_until
+from llmgw_cli.polling import attempts
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.nodeops import NodeOps, ShellOps
@@ -228,7 +228,10 @@ async def _wait_ready(
             return Outcome(subject, False, f"{NOT_READY}: {failed}")
         return None
 
-    done = await poll_until(step, timeout=profile.readiness.start_timeout, interval=0.5)
+    done = None
+    async for _ in attempts(profile.readiness.start_timeout, 0.5):
+        if (done := await step()) is not None:
+            break
     if done is not None:
         return done
     report(subject, f"failed: not ready after {profile.readiness.start_timeout:g}s ({last})", Phase.failed)

@@ -60,7 +60,7 @@ from llmgw_cli.core.hosts.node_access import valid_public_key
 from llmgw_cli.core.hosts.units import GATEWAY_HANDOVER_UNIT, GATEWAY_SOCKET, GATEWAY_UNIT
 from llmgw_cli.core.observe.unit_state import UnitState
 from llmgw_cli.errors import LlmgwError, NodeError
-from llmgw_cli.polling import poll_until
+from llmgw_cli.polling import attempts
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections, resolve_path
 from llmgw_cli.remote.execute import Outcome, UnitWatch, ensure_account, must
@@ -477,7 +477,10 @@ async def _hand_over(t: Transport, spec: ClusterSpec, report: Report, who: str =
         raise NodeError(t.node, "failed", f"{failed}\n{GATEWAY_HANDOVER_UNIT} keeps serving meanwhile")
     report(who, "restarted; stopping the hand-over gateway (it drains)")
     await must(t, f"systemctl stop --no-block {GATEWAY_HANDOVER_UNIT}", "stop the hand-over gateway")
-    stopped = await poll_until(lambda: _stopped(ops, GATEWAY_HANDOVER_UNIT), timeout=stopping, interval=0.5)
+    stopped = None
+    async for _ in attempts(stopping, 0.5):
+        if (stopped := await _stopped(ops, GATEWAY_HANDOVER_UNIT)) is not None:
+            break
     if stopped is None:
         raise NodeError(t.node, "failed", f"{GATEWAY_HANDOVER_UNIT} did not stop within {stopping:g}s")
     report(who, "handed over")
@@ -511,7 +514,10 @@ async def _until(
             return f"{unit} {state.active_state}/{state.sub_state}"
         return None
 
-    why = await poll_until(step, timeout=timeout, interval=0.5)
+    why = None
+    async for _ in attempts(timeout, 0.5):
+        if (why := await step()) is not None:
+            break
     if why == "":
         return ""
     why = why or f"{unit} not ready within {timeout:g}s"
@@ -552,7 +558,10 @@ async def _wait(
                 pass
             return None
 
-        done = await poll_until(step, timeout=timeout, interval=0.5)
+        done = None
+        async for _ in attempts(timeout, 0.5):
+            if (done := await step()) is not None:
+                break
     if done is not None:
         return done
     active = await t.run(f"systemctl is-active {GATEWAY_UNIT}")

@@ -48,7 +48,7 @@ import binascii
 import contextlib
 import shlex
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,7 +66,7 @@ from llmgw_cli.core.planning.drain import (
 from llmgw_cli.core.planning.plan import Action, Plan, Retired, conflicts, running_replicas
 from llmgw_cli.core.serving.routing import serving_address
 from llmgw_cli.errors import LlmgwError, NodeError
-from llmgw_cli.polling import poll_until
+from llmgw_cli.polling import attempts
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome, execute, wait_started
@@ -89,8 +89,11 @@ class Held(Protocol):
     async def release(self) -> None: ...
 
 
-TakeLock = Callable[[str], Awaitable[Held]]
-"""Takes the cluster lock, saying why (``take_for_apply``)."""
+class Locking(Protocol):
+    """How a write step takes the cluster lock (``LockTerms``): data the steps use
+    themselves, not a callable of the command that started them."""
+
+    async def take(self, spec: ClusterSpec, conns: Connections, step: str) -> Held: ...
 
 
 def is_roll(action: Action) -> bool:
@@ -241,7 +244,10 @@ class Gateways:
                 signalled = time.monotonic()
             return None
 
-        done = await poll_until(step, timeout=max(timeout, 0.0), interval=POLL)
+        done = None
+        async for _ in attempts(max(timeout, 0.0), POLL):
+            if (done := await step()) is not None:
+                break
         if done is False and not await self.views():
             self.none_seen()
             return None
@@ -275,7 +281,7 @@ class ApplySteps:
 
     spec: ClusterSpec
     conns: Connections
-    take_lock: TakeLock | None
+    take_lock: Locking | None
     engine_keys: dict[str, str] | None
     fetch: bool
     _one_at_a_time: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -283,7 +289,9 @@ class ApplySteps:
     @contextlib.asynccontextmanager
     async def locked(self, why: str) -> AsyncIterator[None]:
         async with self._one_at_a_time:
-            held = await self.take_lock(why) if self.take_lock is not None else None
+            held = (
+                await self.take_lock.take(self.spec, self.conns, why) if self.take_lock is not None else None
+            )
             try:
                 yield
             finally:
@@ -382,7 +390,10 @@ class ApplyRouting:
                 report(who, f"draining ({said} in flight)")
             return 0 if count == 0 else None
 
-        done = await poll_until(idle, timeout=max(until - time.monotonic(), 0.0), interval=POLL)
+        done = None
+        async for _ in attempts(max(until - time.monotonic(), 0.0), POLL):
+            if (done := await idle()) is not None:
+                break
         left = 0 if done == 0 else last[0]
         return Drained(-1 if left is None else left, seconds)
 
@@ -392,7 +403,7 @@ def _executor(
     conns: Connections,
     report: Report,
     *,
-    take_lock: TakeLock | None,
+    take_lock: Locking | None,
     engine_keys: dict[str, str] | None,
     fetch: bool,
     gateways: Gateways | None,
@@ -410,7 +421,7 @@ async def roll_each(
     actions: Sequence[Action],
     report: Report,
     *,
-    take_lock: TakeLock | None,
+    take_lock: Locking | None,
     engine_keys: dict[str, str] | None = None,
     fetch: bool = True,
     gateways: Gateways | None = None,
@@ -459,7 +470,7 @@ async def carry_out(
     *,
     facts: dict[str, NodeFacts],
     lock: Held | None,
-    take_lock: TakeLock | None,
+    take_lock: Locking | None,
     engine_keys: dict[str, str] | None,
     fetch: bool = True,
     wait: bool = True,

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from llmgw_cli.cli import apply_steps as apply_cli
+from llmgw_cli.cli.session import Session
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.observe.facts import NodeFacts
@@ -24,7 +25,7 @@ from llmgw_cli.core.planning.plan import Plan, grow_plan, make_plan
 from llmgw_cli.errors import ApplyFailed, InputError, NodeError
 from llmgw_cli.remote import rollout
 from llmgw_cli.remote.cluster_lock import LockTimeout
-from llmgw_cli.remote.connect import Connections, Session
+from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome
 from llmgw_cli.remote.probe import Snapshot
 

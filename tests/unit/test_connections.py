@@ -11,12 +11,13 @@ from typer.testing import CliRunner
 
 from llmgw_cli.cli import apply_steps as apply_cli
 from llmgw_cli.cli.main import app
+from llmgw_cli.cli.session import Session
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node
 from llmgw_cli.core.planning.plan import Action, Plan
 from llmgw_cli.gateway.control.sources import ProbeSource
 from llmgw_cli.progress import silent
-from llmgw_cli.remote.connect import Connections, GatewayAccess, Session
+from llmgw_cli.remote.connect import Connections, GatewayAccess
 from llmgw_cli.remote.execute import execute
 from llmgw_cli.remote.transport import CommandResult, Transport
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import llmgw_cli
-from llmgw_cli.polling import poll_until, wait_event
+from llmgw_cli.polling import attempts, poll_until, wait_event
 
 
 def test_returns_the_first_answer_that_is_not_none() -> None:
@@ -99,3 +99,39 @@ def test_llmgw_never_uses_asyncio_wait_for() -> None:
         if isinstance(node, ast.Attribute) and node.attr == "wait_for"
     ]
     assert found == [], f"asyncio.wait_for loses cancellations on Python 3.11: {found}"
+
+
+def test_attempts_end_at_the_deadline_after_a_first_turn_at_once_and_a_last_at_the_end() -> None:
+    now = [0.0]
+    turns_at: list[float] = []
+
+    async def count() -> None:
+        async for _ in attempts(1.0, 0.3, clock=lambda: now[0]):
+            turns_at.append(now[0])
+            now[0] += 0.4  # each question takes 0.4 s of the fake clock
+
+    asyncio.run(count())
+    assert turns_at[0] == 0.0
+    assert turns_at[-1] >= 0.8
+    assert len(turns_at) == 3
+
+
+def test_attempts_sleep_the_interval_and_never_past_the_deadline() -> None:
+    async def timed() -> tuple[int, float]:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        turns = 0
+        async for _ in attempts(0.25, 0.1):
+            turns += 1
+        return turns, loop.time() - began
+
+    turns, took = asyncio.run(timed())
+    assert 3 <= turns <= 4  # at 0, 0.1, 0.2, and the deadline
+    assert 0.25 <= took < 0.6
+
+
+def test_a_zero_timeout_still_gives_one_turn() -> None:
+    async def count() -> int:
+        return len([_ async for _ in attempts(0.0, 0.5)])
+
+    assert asyncio.run(count()) == 1

@@ -220,11 +220,12 @@ def replaced(
 
 
 def rolled(w: World, actions: list[Action], *, lock: bool = True) -> list[Outcome]:
-    async def take(why: str) -> Hold:
-        assert not w.locked, "the lock taken twice"
-        w.locked = True
-        w.event("lock")
-        return Hold(w)
+    class Take:
+        async def take(self, spec: Any, conns: Any, why: str) -> Hold:
+            assert not w.locked, "the lock taken twice"
+            w.locked = True
+            w.event("lock")
+            return Hold(w)
 
     def opener(spec: Any, node: Any, base: Any, access: Any) -> Transport:
         return Host(node.name, w)
@@ -232,7 +233,7 @@ def rolled(w: World, actions: list[Action], *, lock: bool = True) -> list[Outcom
     async def scenario() -> list[Outcome]:
         async with Connections(w.spec, Path(), opener=opener) as conns:
             rolled = await rollout.roll_each(
-                w.spec, conns, actions, w.report, take_lock=take if lock else None, fetch=False
+                w.spec, conns, actions, w.report, take_lock=Take() if lock else None, fetch=False
             )
             return [o for r in rolled for o in r.outcomes]
 

@@ -11,6 +11,7 @@ from typing import Any, TypeVar, cast
 import pytest
 
 from llmgw_cli.cli import host_steps as cli_steps
+from llmgw_cli.cli.session import Session
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.observe.facts import NodeFacts
@@ -25,7 +26,6 @@ from llmgw_cli.core.planning.whole_plan import (
     whole,
 )
 from llmgw_cli.errors import InputError
-from llmgw_cli.remote.connect import Session
 
 from .facts_factory import node_facts, with_units
 
