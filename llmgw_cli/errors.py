@@ -155,6 +155,16 @@ class StartFailed(Exception):
     never became ready."""
 
 
+class StartBroken(StartFailed):
+    """A start that failed after its units were written: where (``address``, ``nodes``),
+    so the controller stops what it wrote."""
+
+    def __init__(self, message: str, address: str, nodes: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.address = address
+        self.nodes = nodes
+
+
 class NotLeader(Exception):
     """This gateway process is not (or no longer) the cluster's leader: it must not touch
     the nodes. Raised by the fence check before a node action or under the cluster lock."""

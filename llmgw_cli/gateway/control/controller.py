@@ -111,7 +111,7 @@ from llmgw_cli.core.planning.replicas import (
 )
 from llmgw_cli.core.serving.redact import redact
 from llmgw_cli.core.serving.routing import Health, Pool, RoutedReplica, serving_address
-from llmgw_cli.errors import NodeError, NotLeader, StartFailed
+from llmgw_cli.errors import NodeError, NotLeader, StartBroken, StartFailed
 from llmgw_cli.gateway.control.controller_state import (
     Done,
     DrainClocks,
@@ -126,7 +126,7 @@ from llmgw_cli.gateway.control.controller_state import (
     seen_of,
     shun,
 )
-from llmgw_cli.gateway.control.replicas import Broken, Nodes, PoolRouting, StartSteps, StopSteps, UnitFailure
+from llmgw_cli.gateway.control.replicas import Nodes, PoolRouting, StartSteps, StopSteps, UnitFailure
 from llmgw_cli.gateway.serving.admission import Admission
 from llmgw_cli.gateway.serving.metrics import Metrics
 from llmgw_cli.gateway.store.sqlite import ModelState, Store
@@ -595,7 +595,7 @@ class Controller:
             log.warning("%s: start abandoned: %s", start.model, exc)
             return None
         except Exception as exc:  # an unexpected failure must still end the start
-            if isinstance(exc, Broken):
+            if isinstance(exc, StartBroken):
                 address, placed = exc.address, exc.nodes
             why = str(exc) if isinstance(exc, StartFailed) else f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, StartFailed):
@@ -687,7 +687,7 @@ class Controller:
             try:
                 await self._watch(spec, model, placed, where["address"], began)
             except StartFailed as exc:
-                raise Broken(str(exc), where["address"], placed.nodes) from exc
+                raise StartBroken(str(exc), where["address"], placed.nodes) from exc
 
         steps = StartSteps(spec, self.nodes, self.lock, plan, place, written, watch)
         try:
@@ -812,7 +812,7 @@ class Controller:
         broken = [f"{o.subject}: {o.message}" for o in outcomes if not o.ok]
         if broken:
             mc.state = mc.state.loading_at(address)  # so the failure stops what was written
-            raise Broken("; ".join(broken), address, action.nodes)
+            raise StartBroken("; ".join(broken), address, action.nodes)
         mc.state = mc.state.start_progress("engine loading").loading_at(address)
         now = self.clock()
         self.known[(model, action.replica)] = Known(

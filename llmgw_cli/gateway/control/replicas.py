@@ -201,12 +201,3 @@ class PoolRouting:
 
     async def drained(self, model: str, old: Retired, report: Report) -> Drained:
         return Drained(0, 0.0)
-
-
-class Broken(StartFailed):
-    """A start that failed after its units were written: where, so they are stopped."""
-
-    def __init__(self, message: str, address: str, nodes: tuple[str, ...]) -> None:
-        super().__init__(message)
-        self.address = address
-        self.nodes = nodes
