@@ -115,6 +115,17 @@ def lab() -> Iterator[Lab]:
         llmgw("lab", "down", "--state", str(STATE))
 
 
+@pytest.fixture
+def clean(lab: Lab) -> Iterator[Lab]:
+    """The lab with no fault and no llmgw unit, before the test and after it. A module whose
+    tests leave more behind defines its own ``clean`` around this rule."""
+    from tests.integration.lab_helpers import reset  # noqa: PLC0415 (lab tests only)
+
+    reset(lab)
+    yield lab
+    reset(lab)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that boot their own lab go first, before the session lab is up."""
     items.sort(key=lambda item: 0 if item.path.name == "test_lab_lifecycle.py" else 1)

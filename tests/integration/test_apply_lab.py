@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -16,18 +15,11 @@ import pytest
 from tests.waiting import wait_until
 
 from .conftest import Lab
-from .lab_helpers import cluster_variant, llmgw_units, logins, reset, run, sshd_marks, unit_props
+from .lab_helpers import cluster_variant, llmgw_units, logins, run, sshd_marks, unit_props
 
 pytestmark = pytest.mark.integration
 SMOL = "llmgw-smollm2-135m-0.service"
 LLAMA = "llmgw-llama-3.1-8b-instruct-0.service"
-
-
-@pytest.fixture
-def clean(lab: Lab) -> Iterator[Lab]:
-    reset(lab)
-    yield lab
-    reset(lab)
 
 
 def apply(cluster: Path, *extra: str) -> subprocess.CompletedProcess[str]:

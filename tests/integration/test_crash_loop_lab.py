@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +16,11 @@ import pytest
 from tests.waiting import wait_until
 
 from .conftest import Lab
-from .lab_helpers import cluster_variant, llmgw_units, reset, run, unit_props
+from .lab_helpers import cluster_variant, llmgw_units, run, unit_props
 
 pytestmark = pytest.mark.integration
 BAD = "mistral-7b-instruct"
 UNIT = f"llmgw-{BAD}-0.service"
-
-
-@pytest.fixture
-def clean(lab: Lab) -> Iterator[Lab]:
-    reset(lab)
-    yield lab
-    reset(lab)
 
 
 def status(cluster: Path) -> tuple[int, dict[str, Any]]:

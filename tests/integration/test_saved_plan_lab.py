@@ -5,25 +5,17 @@ and finds nothing to do when it is applied again."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from .conftest import Lab
-from .lab_helpers import cluster_variant, llmgw_units, reset, run, unit_props
+from .lab_helpers import cluster_variant, llmgw_units, run, unit_props
 
 pytestmark = pytest.mark.integration
 SMOL = "llmgw-smollm2-135m-0.service"
 LLAMA = "llmgw-llama-3.1-8b-instruct-0.service"
 QWEN_SCALING = "scaling: {min: 0, max: 1, idle_timeout: 2m}"
-
-
-@pytest.fixture
-def clean(lab: Lab) -> Iterator[Lab]:
-    reset(lab)
-    yield lab
-    reset(lab)
 
 
 def saved_plan(cluster: Path, folder: Path) -> Path:

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from .conftest import Lab
-from .lab_helpers import cluster_variant, node_row, reset, run, status
+from .lab_helpers import cluster_variant, node_row, run, status
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def clean(lab: Lab) -> Iterator[Lab]:
-    reset(lab)
-    yield lab
-    reset(lab)
 
 
 def test_healthy_lab(clean: Lab) -> None:
