@@ -21,7 +21,7 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -208,6 +208,12 @@ def _with_marker(facts: dict[str, NodeFacts], r: Running) -> Running:
     return r.model_copy(update={"draining": min(deadlines)}) if deadlines else r
 
 
+def digest(value: Any) -> str:
+    """A short digest of a JSON value, the same whatever the order of its keys: what a
+    saved plan carries to be checked against what holds when it is applied."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def facts_digest(facts: dict[str, NodeFacts]) -> str:
     """Digest of the facts a plan depends on (cards, their health, units and their states,
     fabric ports), not of what changes by itself (clock, free memory)."""
@@ -222,7 +228,7 @@ def facts_digest(facts: dict[str, NodeFacts]) -> str:
         }
         for name, f in sorted(facts.items())
     }
-    return hashlib.sha256(json.dumps(view, sort_keys=True).encode()).hexdigest()[:16]
+    return digest(view)
 
 
 def _as_replica(facts: dict[str, NodeFacts], r: Running) -> PlacedReplica:

@@ -20,14 +20,11 @@ refuses, naming the nodes and steps that differ.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
-from typing import Any
 
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.observe.facts import NodeFacts
-from llmgw_cli.core.planning.plan import Plan, facts_digest
+from llmgw_cli.core.planning.plan import Plan, digest, facts_digest
 from llmgw_cli.core.planning.steps import HostFacts, HostStep, needs
 from llmgw_cli.core.serving.redact import redact
 from llmgw_cli.core.weights.fetch import plan_weights
@@ -37,10 +34,6 @@ PLAN_FORMAT = 2
 without ``format`` is 1, from before them)."""
 
 
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def cluster_parts(spec: ClusterSpec) -> dict[str, str]:
     """A digest per model, node and profile of the parsed cluster file, and one of the
     rest (``cluster``): what a refusal can name."""
@@ -48,10 +41,10 @@ def cluster_parts(spec: ClusterSpec) -> dict[str, str]:
     parts: dict[str, str] = {}
     for key, label in (("models", "model"), ("nodes", "node")):
         for item in data.pop(key, []):
-            parts[f"{label} {item['name']}"] = _digest(item)
+            parts[f"{label} {item['name']}"] = digest(item)
     for name, profile in data.pop("profiles", {}).items():
-        parts[f"profile {name}"] = _digest(profile)
-    parts["cluster"] = _digest(data)
+        parts[f"profile {name}"] = digest(profile)
+    parts["cluster"] = digest(data)
     return parts
 
 
@@ -65,7 +58,7 @@ def node_digests(facts: dict[str, NodeFacts]) -> dict[str, str]:
 
 
 def host_digest(host: HostFacts) -> str:
-    return _digest(host.model_dump(mode="json"))
+    return digest(host.model_dump(mode="json"))
 
 
 def host_steps(spec: ClusterSpec, plan: Plan, host: HostFacts) -> tuple[HostStep, ...]:
@@ -138,7 +131,7 @@ def whole(
             "format": PLAN_FORMAT,
             "steps": host_steps(spec, plan, host),
             "cluster_parts": parts,
-            "cluster_digest": _digest(parts),
+            "cluster_digest": digest(parts),
             "node_digests": node_digests(facts),
             "host_digest": host_digest(host),
         }
@@ -164,10 +157,10 @@ def saved_refusal(saved: Plan, spec: ClusterSpec) -> str | None:
             "run `llmgw plan --out` again"
         )
     now = cluster_parts(spec)
-    if saved.cluster_digest == _digest(now):
+    if saved.cluster_digest == digest(now):
         return None
     what = ", ".join(changed_parts(saved.cluster_parts, now)) or (
-        f"digest {saved.cluster_digest}, now {_digest(now)}"
+        f"digest {saved.cluster_digest}, now {digest(now)}"
     )
     return f"the cluster file changed since this plan was made ({what}); run `llmgw plan` again"
 
