@@ -421,12 +421,26 @@ async def _install(t: Transport, spec: ClusterSpec, change: GatewayChange, repor
             f"systemctl stop {GATEWAY_SOCKET} {GATEWAY_HANDOVER_UNIT} {GATEWAY_UNIT}",
             "stop the gateway",
         )
-        await must(t, f"systemctl start {GATEWAY_SOCKET} {GATEWAY_UNIT}", "start the gateway")
+        await _start(t, f"systemctl start {GATEWAY_SOCKET} {GATEWAY_UNIT}")
         report(who, "restarted" if change.active else "started")
     else:
         # down, under a socket unit that runs unchanged: its queued connections wait
-        await must(t, f"systemctl restart {GATEWAY_UNIT}", "start the gateway")
+        await _start(t, f"systemctl restart {GATEWAY_UNIT}")
         report(who, "started")
+
+
+async def _start(t: Transport, command: str) -> None:
+    """``command`` starts the gateway; if it fails, the error carries the gateway's own
+    last words (its journal since the start), not only systemd's "see journalctl"."""
+    ops = ShellOps(t)
+    since = await ops.date()
+    result = await t.run(command, root=True)
+    if not result.ok:
+        said = (await ops.journal(GATEWAY_UNIT, since, 12)).strip()
+        why = (result.stderr or result.stdout).strip()
+        raise NodeError(
+            t.node, "failed", f"start the gateway: {why}" + (f"\nits journal:\n{said}" if said else "")
+        )
 
 
 async def _hand_over(t: Transport, spec: ClusterSpec, report: Report, who: str = SUBJECT) -> None:

@@ -285,3 +285,33 @@ def test_sqlite_leader_lock_is_never_a_link(tmp_path: Path) -> None:
             await SqliteStore(tmp_path).leadership("a").try_acquire()
 
     asyncio.run(scenario())
+
+
+def test_sqlite_store_is_opened_one_process_at_a_time(tmp_path: Path) -> None:
+    """The gateway's workers open the store at the same moment, and switching a new file
+    to WAL is refused at once ("database is locked") if another opening is under way: an
+    opening waits for ``store.lock``, held by another, before it touches the file."""
+    import fcntl  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    fd = os.open(tmp_path / "store.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another opening under way (flock: per open file)
+    opened: list[SqliteStore] = []
+    opening = threading.Thread(target=lambda: opened.append(SqliteStore(tmp_path)), daemon=True)
+    opening.start()
+    opening.join(0.5)
+    assert opening.is_alive() and not opened
+    assert not (tmp_path / "gateway.sqlite3-wal").exists()  # not switched to WAL behind the lock
+    os.close(fd)
+    opening.join(10)
+    assert opened and not opening.is_alive()
+    db = sqlite3.connect(tmp_path / "gateway.sqlite3")
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_sqlite_store_lock_is_never_a_link(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").write_text("")
+    (tmp_path / "store.lock").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(InputError):
+        SqliteStore(tmp_path)

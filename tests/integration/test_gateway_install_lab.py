@@ -121,6 +121,17 @@ def test_apply_installs_and_updates_the_gateway(lab: Lab, clean: None, tmp_path:
     assert "reloaded the cluster file" in journal
 
 
+def test_a_gateway_that_cannot_start_says_why_in_applys_error(lab: Lab, clean: None, tmp_path: Path) -> None:
+    """systemd's own words ("see journalctl -xeu") are not a reason: apply shows the
+    gateway's last lines, here its store that is a folder where a file belongs."""
+    lab.ssh("node02", "mkdir -p /var/lib/llmgw-gw/gateway.sqlite3")
+    applied = run("apply", "-f", str(_cluster(lab, tmp_path)), "--yes")
+    assert applied.returncode == 1, applied.stdout + applied.stderr
+    said = " ".join((applied.stdout + applied.stderr).split())  # as the table wraps it
+    assert "start the gateway" in said and "its journal:" in said, said
+    assert "gateway.sqlite3: Is a directory" in said, said
+
+
 MODEL = "llama-3.1-8b-instruct"  # a simulated vLLM: streams at 200 tokens/s
 BASE_URL = "http://10.213.0.12:8080/v1"
 

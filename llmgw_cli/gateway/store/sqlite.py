@@ -215,6 +215,28 @@ def _transaction(db: sqlite3.Connection, begin: str) -> Iterator[None]:
     db.execute("COMMIT")
 
 
+def _regular_file(path: Path) -> int:
+    """An open descriptor on ``path``, created 0600; never through a link, never anything
+    but a regular file (the state folder is the gateway's, but nothing is taken on trust)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputError(f"{path}: not a regular file")
+    return fd
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """``flock`` on ``path``, waited for, held for the block; released with the descriptor
+    even if the process dies."""
+    fd = _regular_file(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 class SqliteStore:
     """``Store`` in ``<state_dir>/gateway.sqlite3`` (created 0700/0600: it holds key digests),
     in WAL mode so readers never wait for the writer. The schema is created or upgraded when
@@ -259,10 +281,23 @@ class SqliteStore:
     # --- schema
 
     def _migrate(self) -> int:
+        """Switch the file to WAL and bring its schema up to date, one process at a time.
+
+        The gateway's workers open the store at the same moment. Switching a new file to
+        WAL is the one step SQLite may refuse at once with "database is locked" (its busy
+        timeout does not cover it) when another connection is switching or writing, so
+        every opening holds ``<state_dir>/store.lock`` while it switches and migrates; the
+        switch is made only while the file is not in WAL yet (asking for WAL again on a WAL
+        file is harmless, but it is skipped anyway)."""
+        with _file_lock(self.directory / "store.lock"):
+            return self._migrate_locked()
+
+    def _migrate_locked(self) -> int:
         db = sqlite3.connect(self.path, timeout=10, isolation_level=None)
         try:
             db.execute("PRAGMA busy_timeout = 10000")
-            db.execute("PRAGMA journal_mode = WAL")  # kept in the file: once is enough
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                db.execute("PRAGMA journal_mode = WAL")  # kept in the file: once is enough
             with _transaction(db, "BEGIN IMMEDIATE"):
                 version = self._version(db)
                 for step in range(version + 1, SCHEMA_VERSION + 1):
@@ -543,11 +578,7 @@ class SqliteLeadership:
         self._fd: int | None = None
 
     def _open(self) -> int:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise InputError(f"{self.path}: not a regular file")
-        return fd
+        return _regular_file(self.path)
 
     def _acquire(self) -> int | None:
         if self._fd is not None and self.fence is not None:
