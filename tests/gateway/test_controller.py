@@ -110,8 +110,19 @@ class FakeNodes:
         self.seen_while_stopping: list[object] = []
         self.health: dict[str, int] = {}  # address -> what its readiness path answers
         self.while_stopping: list[Callable[[], object]] = []  # called as a stop's units go
+        # awaited before a probe returns (not within itself)
+        self.while_probing: Callable[[], Coroutine[Any, Any, None]] | None = None
+        self._in_probe = False
+        self.clock_before_start = ""  # what a start's Outcome says of the node's clock
+        self.watched_since: list[str] = []  # the ``since`` each watch was given
 
     async def probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
+        if self.while_probing is not None and not self._in_probe:
+            self._in_probe = True
+            try:
+                await self.while_probing()  # another look, with what the last probe saw
+            finally:
+                self._in_probe = False
         self.facts = dict(self.truth)
         return self.facts
 
@@ -152,9 +163,12 @@ class FakeNodes:
                 head = next(w for w in action.write if w.node == action.nodes[0])
                 self.exits[head.name] = self.exit_next
                 self.exit_next = None
-        return [Outcome(n, True, "units in place") for a in plan.changes for n in a.nodes]
+        return [
+            Outcome(n, True, "units in place", self.clock_before_start) for a in plan.changes for n in a.nodes
+        ]
 
     async def watch(self, spec: ClusterSpec, action: Action, since: str = "") -> Watch:
+        self.watched_since.append(since)
         head = next(w for w in action.write if w.node == action.nodes[0])
         return Watch(self, head.name)
 
@@ -294,6 +308,26 @@ def test_a_request_starts_a_stopped_model_and_gets_the_replica_once_ready(
     run(scenario)
     assert "lazy: starting replica 0 on " in caplog.text and "(requested)" in caplog.text
     assert "ready after" in caplog.text
+
+
+def test_a_starts_watch_reads_the_journal_from_before_the_start_whatever_a_look_did_meanwhile() -> None:
+    """An engine that exits at once has its last words in the journal only from before the
+    watch began: the watch is given the head node's clock from before the units started.
+    A look at the replicas while the start probes again (its facts from before the units)
+    forgets the new replica and makes it anew at the next look; the watch's clock is the
+    start's own, not what that look left."""
+
+    async def scenario() -> None:
+        w = World()
+        ctl = w.controller
+        w.nodes.clock_before_start = "1764900000"
+        w.nodes.while_probing = ctl.tick  # the reconcile tick, during every probe
+        w.nodes.exit_next = "llmgw-lazy-0.service failed (exit-code)\nerror: --no-such-flag"
+        got = await ctl.ensure_ready("lazy", time.monotonic() + FOREVER)
+        assert isinstance(got, Unavailable) and got.code == "model_start_failed", got
+        assert w.nodes.watched_since == ["1764900000"]
+
+    run(scenario)
 
 
 def test_a_start_whose_engine_exits_answers_model_start_failed_at_once_then_backs_off(

@@ -682,10 +682,15 @@ class Controller:
 
         async def written(placed: Action, outcomes: list[Outcome]) -> None:
             where["address"] = await self._written(spec, model, placed, outcomes)
+            # The head node's clock just before its units started: the start's own, not
+            # the tick's (which may drop and remake the replica's Known meanwhile, when
+            # its last probe predates the units), so an engine that exited at once has
+            # its last words read from the journal.
+            where["since"] = next((o.since for o in outcomes if o.subject == placed.nodes[0]), "")
 
         async def watch(placed: Action) -> None:
             try:
-                await self._watch(spec, model, placed, where["address"], began)
+                await self._watch(spec, model, placed, where["address"], began, since=where.get("since", ""))
             except StartFailed as exc:
                 raise StartBroken(str(exc), where["address"], placed.nodes) from exc
 
@@ -818,23 +823,22 @@ class Controller:
         self.known[(model, action.replica)] = Known(
             model, action.replica, address, action.nodes, now, action.port, dict(action.gpus)
         )
-        self.known[(model, action.replica)].since = next(
-            (o.since for o in outcomes if o.subject == action.nodes[0]), ""
-        )
         replica = self.pool.add(model, address, time.monotonic())
         replica.last_used = now  # the request that asked for it is about to use it
         await self._probe(spec)  # so the next look sees its units (and their cards)
         return address
 
-    async def _watch(self, spec: ClusterSpec, model: str, action: Action, address: str, began: float) -> None:
+    async def _watch(
+        self, spec: ClusterSpec, model: str, action: Action, address: str, began: float, *, since: str
+    ) -> None:
         """Health every WATCH_EVERY and the head unit every UNIT_EVERY, until ready; an
-        engine that exits, or one not ready after the profile's start_timeout, fails."""
+        engine that exits, or one not ready after the profile's start_timeout, fails.
+        ``since``: the head node's clock before the units started ("": its clock now)."""
         assert self.nodes is not None
         timeout = spec.profiles[spec.model(model).profile].readiness.start_timeout
         mc = self.model(model)
         try:
-            known = self.known.get((model, action.replica))
-            watch: UnitFailure | None = await self.nodes.watch(spec, action, known.since if known else "")
+            watch: UnitFailure | None = await self.nodes.watch(spec, action, since)
         except NodeError as exc:
             log.warning("%s: cannot watch the unit of replica %d: %s", model, action.replica, exc)
             watch = None

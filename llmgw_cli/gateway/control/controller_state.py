@@ -63,7 +63,6 @@ class Known:
     lost_since: float | None = None
     failing_since: float | None = None
     replaced: bool = False
-    since: str = ""  # its head node's clock just before this gateway started it
     draining: float | None = None  # its drain deadline on this gateway's clock, when apply retires it
     restarts: int | None = None  # systemd's restarts of its units when last seen
 
