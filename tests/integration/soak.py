@@ -174,8 +174,21 @@ class SoakResult:
         )
 
 
+def _mid_stream(load: Load) -> int:
+    """Streams in flight that are past their first token (a role chunk, then content)."""
+    return sum(1 for r in load.requests if not r.done and r.chunks >= 2)
+
+
 async def _kill_loop(
-    lab: Lab, gw: SoakGateway, until: float, *, every: float, kills: list[Kill], waits: list[float]
+    lab: Lab,
+    gw: SoakGateway,
+    load: Load,
+    until: float,
+    *,
+    every: float,
+    kills: list[Kill],
+    waits: list[float],
+    mid_stream: int,
 ) -> None:
     order = sorted(gw.units)
     turn = 0
@@ -195,6 +208,13 @@ async def _kill_loop(
             what=f"{other} back in rotation before {victim} is killed",
         )
         waits.append(time.monotonic() - began)
+        # A kill is meant to land in the middle of streams: when the engines are slow to
+        # begin (a busy CPU, a queue in the engine), it waits, up to 20 s, until
+        # ``mid_stream`` streams are past their first token, so that whichever replica is
+        # the victim it holds some of them.
+        deadline = time.monotonic() + 20
+        while _mid_stream(load) < mid_stream and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         node, unit = gw.units[victim]
         # reset-failed first: the soak kills more often than the unit's StartLimitBurst
         # allows in StartLimitIntervalSec, and systemd would give up on it. The node tells
@@ -213,7 +233,14 @@ async def _kill_loop(
 
 
 async def _soak(
-    lab: Lab, gw: SoakGateway, *, concurrency: int, seconds: float, kill_every: float, max_tokens: int | None
+    lab: Lab,
+    gw: SoakGateway,
+    *,
+    concurrency: int,
+    seconds: float,
+    kill_every: float,
+    max_tokens: int | None,
+    mid_stream: int,
 ) -> tuple[list[Request], list[Kill], list[float]]:
     load = Load(
         f"http://127.0.0.1:{gw.port}/v1", gw.key, gw.model, concurrency=concurrency, max_tokens=max_tokens
@@ -222,7 +249,8 @@ async def _soak(
     kills: list[Kill] = []
     waits: list[float] = []
     await asyncio.gather(
-        _kill_loop(lab, gw, until, every=kill_every, kills=kills, waits=waits), load.run(until)
+        _kill_loop(lab, gw, load, until, every=kill_every, kills=kills, waits=waits, mid_stream=mid_stream),
+        load.run(until),
     )
     return load.requests, kills, waits
 
@@ -235,11 +263,21 @@ def soak(
     seconds: float,
     kill_every: float,
     max_tokens: int | None = None,
+    mid_stream: int = 0,
 ) -> SoakResult:
     """Stream at ``concurrency`` for ``seconds``, killing a replica every ``kill_every``
-    seconds; then stop the gateway (its log is complete) and read its access log."""
+    seconds (once ``mid_stream`` streams are past their first token, if that comes within
+    20 s); then stop the gateway (its log is complete) and read its access log."""
     streams, kills, waits = asyncio.run(
-        _soak(lab, gw, concurrency=concurrency, seconds=seconds, kill_every=kill_every, max_tokens=max_tokens)
+        _soak(
+            lab,
+            gw,
+            concurrency=concurrency,
+            seconds=seconds,
+            kill_every=kill_every,
+            max_tokens=max_tokens,
+            mid_stream=mid_stream,
+        )
     )
     gw.halt()
     return SoakResult(streams, kills, access_log(gw.log, gw.model), waits)
