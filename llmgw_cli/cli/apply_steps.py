@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,8 +26,8 @@ from llmgw_cli.core.engine.flag_check import check_flags
 from llmgw_cli.core.observe.facts import NodeFacts
 from llmgw_cli.core.observe.journal import split_ref
 from llmgw_cli.core.planning.plan import Plan, facts_digest, make_plan, running_replicas
-from llmgw_cli.core.planning.steps import HostFacts
-from llmgw_cli.core.planning.whole_plan import has_work, whole
+from llmgw_cli.core.planning.steps import HostFacts, HostStep
+from llmgw_cli.core.planning.whole_plan import has_work, remade, whole
 from llmgw_cli.core.weights.pins import moved, pinned_commits
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, SpecError, UsageError
 from llmgw_cli.progress import Board, Event, Events, Note, Report
@@ -44,7 +44,7 @@ from llmgw_cli.remote.gateway_install import GatewayPreviews, install, preview
 from llmgw_cli.remote.node_setup import prepare, stale_nodes
 from llmgw_cli.remote.probe import Snapshot
 from llmgw_cli.remote.replica_health import health_answers, last_lines
-from llmgw_cli.remote.rollout import carry_out
+from llmgw_cli.remote.rollout import apply_executor, carry_out
 from llmgw_cli.remote.transport import Transport
 from llmgw_cli.remote.weights import ensure_for_plan
 
@@ -62,36 +62,31 @@ async def _execute_with_progress(
     gateway: GatewayPreviews,
     unreachable: set[str],
     facts: dict[str, NodeFacts],
-    rotate: bool = False,
     lock: ApplyHold | None = None,
     take_lock: LockTerms | None = None,
     fetched: dict[str, str] | None = None,
     allow_downtime: bool = False,
-    helpers: list[str] | None = None,
 ) -> list[Outcome]:
-    """Run the plan, then install the gateway, with a live table of nodes and replicas on
-    a terminal, lines otherwise. ``lock`` (the cluster lock, held) is released once the
-    units are written and started, before the readiness wait; the rolling replacements
-    take it again for each of their write steps with ``take_lock`` (None: ``--no-lock``).
-    ``fetched``: the plan's
-    weights were brought already (node -> why they could not be): the units go only where
-    they are; None: the executor brings them first. ``helpers``: the nodes whose helper
-    the plan's steps install or update (None: every reachable node is judged again)."""
+    """Carry out the whole plan through the one executor (``Executor.whole``: node
+    helpers, engine keys, replicas, gateway hosts, a key rotation), with a live table of
+    nodes and replicas on a terminal, lines otherwise. ``lock`` (the cluster lock, held) is
+    released once the units are written and started, before the readiness wait; the
+    rolling replacements take it again for each of their write steps with ``take_lock``
+    (None: ``--no-lock``). ``fetched``: the plan's weights were brought already (node ->
+    why they could not be): the units go only where they are; None: the executor brings
+    them first."""
 
     async def run(report: Events) -> list[Outcome]:
         terms = None if take_lock is None else replace(take_lock, on_wait=report.note)
-        # The gateway's key and the node helper first: the units below go through it.
         reachable = [n.name for n in spec.nodes if n.name not in unreachable]
-        setup = await prepare(spec, conns, reachable if helpers is None else helpers, report, facts)
-        # Every node, not only those the plan touches: the gateway starts on-demand replicas
-        # anywhere and never writes keys or secrets itself.
-        transports = [conns.to(name) for name in reachable]
-        keys, outcomes = await distribute_engine_keys(spec, transports, report)
-        outcomes = setup + outcomes
-        if chosen.changes:
-            if fetched is not None:
-                outcomes += [Outcome(node, False, why) for node, why in sorted(fetched.items())]
-            outcomes += await carry_out(
+        host = ApplyHost(spec, conns, gateway, facts, reachable, terms, allow_downtime)
+        executor = apply_executor(
+            spec, conns, report, take_lock=terms, engine_keys=host.keys, fetch=fetched is None, gateways=None
+        )
+
+        async def replicas() -> list[Outcome]:
+            outcomes = [Outcome(node, False, why) for node, why in sorted((fetched or {}).items())]
+            return outcomes + await carry_out(
                 spec,
                 conns,
                 chosen if fetched is None else _without(chosen, fetched),
@@ -99,25 +94,64 @@ async def _execute_with_progress(
                 facts=facts,
                 lock=lock,
                 take_lock=terms,
-                engine_keys=keys,
+                engine_keys=host.keys,
                 fetch=fetched is None,
                 wait=wait,
+                executor=executor,
             )
-        outcomes += await install(spec, conns, gateway, {n: (k,) for n, k in keys.items()}, report)
-        if rotate:
-            outcomes += await _rotate(
-                spec,
-                conns,
-                gateway=gateway,
-                facts=facts,
-                transports=transports,
-                report=report,
-                take_lock=terms,
-                allow_downtime=allow_downtime,
-            )
-        return outcomes
+
+        return await executor.whole(chosen, host, replicas)
 
     return await _with_progress(run)
+
+
+@dataclass
+class ApplyHost:
+    """apply's ``HostWork``: how the executor's host steps are carried out over SSH.
+    ``keys``: every reachable node's engine key once the engine key step ran (the units
+    and the gateways are given them)."""
+
+    spec: ClusterSpec
+    conns: Connections
+    gateway: GatewayPreviews
+    facts: dict[str, NodeFacts]
+    reachable: list[str]
+    take_lock: LockTerms | None
+    allow_downtime: bool
+    keys: dict[str, str] = field(default_factory=dict)
+
+    async def helpers(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
+        # the gateway's key and the node helper first: the units go through it
+        return await prepare(self.spec, self.conns, [s.target for s in steps], report, self.facts)
+
+    async def engine_keys(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
+        # Every reachable node, not only those the steps write a key to: each one's key is
+        # read for the units and the gateways, and the models' secret environment files
+        # go everywhere (the gateway starts on-demand replicas anywhere and never writes
+        # keys or secrets itself). A node with a key keeps it.
+        keys, failed = await distribute_engine_keys(self.spec, self._transports(), report)
+        self.keys.update(keys)
+        return failed
+
+    async def gateways(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
+        hosts = {s.target for s in steps}
+        previews = GatewayPreviews(tuple(p for p in self.gateway.hosts if p.host in hosts))
+        return await install(self.spec, self.conns, previews, {n: (k,) for n, k in self.keys.items()}, report)
+
+    async def rotate(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
+        return await _rotate(
+            self.spec,
+            self.conns,
+            gateway=self.gateway,
+            facts=self.facts,
+            transports=[self.conns.to(s.target) for s in steps],
+            report=report,
+            take_lock=self.take_lock,
+            allow_downtime=self.allow_downtime,
+        )
+
+    def _transports(self) -> list[Transport]:
+        return [self.conns.to(name) for name in self.reachable]
 
 
 async def _with_progress(work: Callable[[Events], Awaitable[T]]) -> T:
@@ -313,6 +347,7 @@ def _locked(
     again that leaves a model with no serving replica is refused unless
     ``how.allow_downtime``."""
     saved = how.saved
+    first = chosen
     while True:
         try:
             held = session.run(
@@ -334,7 +369,8 @@ def _locked(
                 return chosen, snapshot, held
             if saved is not None:
                 _saved_still_holds(saved, chosen, facts)
-            chosen = flags_checked(spec, file, facts, make_plan(spec, facts, replace=how.replace))
+            again = flags_checked(spec, file, facts, make_plan(spec, facts, replace=how.replace))
+            chosen = remade(spec, again, first)
             err.print(
                 Text("The nodes changed since the plan above was made; the plan now:", style="yellow"),
                 highlight=False,
@@ -500,7 +536,6 @@ def apply(
             _unplaced_is_failure(chosen)
             return
         confirm("Apply these changes?", yes=yes, to="apply")
-        helpers = host_steps.helper_nodes(chosen)  # a plan made again under the lock has no steps
         held, fetched = None, None
         if chosen.changes and not no_lock:
             how = Replan(saved, yes, lock_timeout, wanted, allow_downtime)
@@ -515,12 +550,10 @@ def apply(
                     gateway=gateway,
                     unreachable={f.node for f in snapshot.nodes if not f.reachable},
                     facts={f.node: f for f in snapshot.nodes},
-                    rotate=rotate_engine_key,
                     lock=held,
                     take_lock=None if no_lock else LockTerms(lock_timeout, f"applying {file.name}"),
                     fetched=fetched,
                     allow_downtime=allow_downtime,
-                    helpers=helpers,
                 )
             )
         finally:

@@ -48,10 +48,6 @@ def show(plan: Plan, console: Console) -> None:
         console.print(Text(line, style="yellow" if changes else "dim"), highlight=False, soft_wrap=True)
 
 
-def helper_nodes(plan: Plan) -> list[str]:
-    return [s.target for s in plan.steps if s.kind == "node_helper"]
-
-
 def load_saved(
     path: Path,
     spec: ClusterSpec,

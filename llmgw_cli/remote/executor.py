@@ -1,4 +1,10 @@
-"""The one executor of replica changes: apply's and the gateway controller's.
+"""The one executor of a plan: apply's and the gateway controller's.
+
+A whole plan (``Executor.whole``, apply's) is carried out in the order of its step kinds
+(``core/planning/steps.py``): the node helpers (everything after goes through them), the
+engine keys, the replica changes (each start bringing its weights: the weights steps),
+then the gateway hosts, given the engine keys' map; an engine key rotation last. The
+gateway controller's small plans have replica actions only.
 
 It carries out the replica actions of a ``Plan`` (``core/planning/plan.py``): a start (weights,
 then under the lock a last look that the cards and port are still free and the units
@@ -20,7 +26,9 @@ the callers comes in through two small seams:
   over SSH, ``remote/rollout.py``; the controller: its own lock, probe and pool,
   ``gateway/control/controller.py``);
 - ``Routing``: how a replica is seen routed and taken out of rotation (apply: every
-  gateway's routes file and the drain markers; the controller: its own pool).
+  gateway's routes file and the drain markers; the controller: its own pool);
+- ``HostWork`` (apply only): how each kind of host step is carried out on its targets
+  (``cli/apply_steps.py``).
 
 Every event goes through ``Executor.event``: it is logged on the ``llmgw.executor``
 logger (with ``source="executor"``) and passed to the caller's ``Report``; the seams get
@@ -31,12 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 from llmgw_cli.core.planning.plan import Action, Plan, Retired
+from llmgw_cli.core.planning.steps import HostStep, StepKind
 from llmgw_cli.errors import LlmgwError
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.execute import Outcome
@@ -122,11 +131,57 @@ class Routing(Protocol):
         ...
 
 
+class HostWork(Protocol):
+    """How apply carries out each kind of the plan's host steps on their targets; each
+    method is called once, with the steps of its kind (none: nothing to do there, but a
+    method may still read what later steps need, e.g. every node's engine key)."""
+
+    async def helpers(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
+        """Install or update the node helper on the nodes ``steps`` name."""
+        ...
+
+    async def engine_keys(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
+        """Write the engine keys ``steps`` name (the ``write`` ones; the ``rotate`` ones go
+        to ``rotate``), and read every reachable node's, for the units and the gateways."""
+        ...
+
+    async def gateways(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
+        """Install the gateway on the hosts ``steps`` name (a ``none`` or ``skip`` step: the
+        host is left as it is, and said to be), with the engine keys' map."""
+        ...
+
+    async def rotate(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
+        """Rotate the engine keys of the nodes ``steps`` name, no request lost."""
+        ...
+
+
 @dataclass
 class Executor:
     steps: Steps
     routing: Routing
     report: Report
+
+    # --- a whole plan -------------------------------------------------------------------
+
+    async def whole(
+        self, plan: Plan, host: HostWork, replicas: Callable[[], Awaitable[list[Outcome]]]
+    ) -> list[Outcome]:
+        """Carry out ``plan``'s host steps through ``host`` in the order of their kinds,
+        and its replica changes (``replicas``: carried out through this executor, see
+        ``remote/rollout.py``'s ``carry_out``) after the engine keys, before the gateways."""
+        kinds: dict[StepKind, list[HostStep]] = {}
+        for step in plan.steps:  # a gateway host's quiet step too: it says the host is served
+            kinds.setdefault(step.kind, []).append(step)
+        keys = kinds.get("engine_key", [])
+        outcomes = await host.helpers(kinds.get("node_helper", []), self.event)
+        outcomes += await host.engine_keys([s for s in keys if s.action != "rotate"], self.event)
+        if plan.changes:
+            outcomes += await replicas()
+        outcomes += await host.gateways(kinds.get("gateway", []), self.event)
+        rotated = [s for s in keys if s.action == "rotate"]
+        if rotated:
+            outcomes += await host.rotate(rotated, self.event)
+        return outcomes
 
     def event(self, who: str, message: str, phase: Phase = Phase.working, /) -> None:
         """The one place an event of the executor is said: logged, then reported."""

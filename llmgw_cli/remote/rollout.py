@@ -398,7 +398,7 @@ class ApplyRouting:
         return Drained(-1 if left is None else left, seconds)
 
 
-def _executor(
+def apply_executor(
     spec: ClusterSpec,
     conns: Connections,
     report: Report,
@@ -408,6 +408,8 @@ def _executor(
     fetch: bool,
     gateways: Gateways | None,
 ) -> Executor:
+    """apply's executor: its seams over SSH (``ApplySteps``, ``ApplyRouting``). ``engine_keys``
+    is read when a unit is written: a map ``Executor.whole`` fills at its engine key step."""
     gateways = gateways or Gateways.of(spec, conns, report)
     steps = ApplySteps(spec, conns, take_lock, engine_keys, fetch)
     executor = Executor(steps, ApplyRouting(spec, conns, gateways), report)
@@ -431,7 +433,7 @@ async def roll_each(
     ``take_lock``: takes the cluster lock for one write step (None: no lock,
     ``--no-lock``). ``engine_keys``: as ``execute``'s. ``fetch``: bring each successor's
     weights first (False: they were brought)."""
-    executor = _executor(
+    executor = apply_executor(
         spec, conns, report, take_lock=take_lock, engine_keys=engine_keys, fetch=fetch, gateways=gateways
     )
     return await executor.replace_all(actions)
@@ -475,8 +477,9 @@ async def carry_out(
     fetch: bool = True,
     wait: bool = True,
     gateways: Gateways | None = None,
+    executor: Executor | None = None,
 ) -> list[Outcome]:
-    """apply's executor: the plan's plain actions through ``execute`` under ``lock`` (the
+    """apply's replica changes through ``executor`` (made here when None): the plan's plain actions through ``execute`` under ``lock`` (the
     cluster lock, held; released once they are written and started), then their readiness
     wait and, at the same time, the rolling replacements (``roll_each``), which take the lock
     for each write step with ``take_lock``; a ``+`` that needs what those free starts after
@@ -487,7 +490,7 @@ async def carry_out(
     later = [a for i, a in enumerate(changes) if i in later_at]
     rest = [a for i, a in enumerate(changes) if i not in later_at and not any(a is r for r in rolls)]
     now = one_plan(rest, plan.facts_digest)
-    executor = _executor(
+    executor = executor or apply_executor(
         spec, conns, report, take_lock=take_lock, engine_keys=engine_keys, fetch=fetch, gateways=gateways
     )
     done: list[Outcome] = []

@@ -17,16 +17,20 @@ import typer
 from rich.console import Console
 
 from llmgw_cli.cli import apply_steps as apply_cli
+from llmgw_cli.cli.host_steps import with_rotation
 from llmgw_cli.cli.session import Session
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.observe.facts import NodeFacts
 from llmgw_cli.core.planning.plan import Plan, grow_plan, make_plan
+from llmgw_cli.core.planning.steps import GatewayState, HostFacts
+from llmgw_cli.core.planning.whole_plan import whole
 from llmgw_cli.errors import ApplyFailed, InputError, NodeError
 from llmgw_cli.remote import rollout
 from llmgw_cli.remote.cluster_lock import LockTimeout
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome
+from llmgw_cli.remote.gateway_install import GatewayPreviews
 from llmgw_cli.remote.probe import Snapshot
 
 from .facts_factory import node_facts, with_units
@@ -142,6 +146,28 @@ def test_with_yes_a_plan_gone_stale_is_made_again_and_applied(world: World, tmp_
     assert "The nodes changed since the plan above was made; the plan now:" in world.out.getvalue()
 
 
+def test_a_plan_made_again_under_the_lock_keeps_the_host_steps(world: World, tmp_path: Path) -> None:
+    """The lock guards the replicas: what was gathered of helpers, keys and gateway hosts
+    holds still, so the plan made again carries those steps (and its own weights steps),
+    and the executor carries them out."""
+    spec = parse_cluster(CLUSTER)
+    host = HostFacts(
+        stale_helper=("a",),
+        keyless=("a",),
+        gateways=(GatewayState(host="gw.example", how="restart", files=(("cluster.yaml", "d1"),)),),
+    )
+    chosen = whole(spec, make_plan(spec, fresh()), fresh(), host)
+    world.probes = [with_lazy_started(spec)]
+    plan, _ = locked(spec, chosen, tmp_path)
+    assert plan.facts_digest != chosen.facts_digest
+    kinds = [(s.kind, s.target, s.action) for s in plan.steps if s.kind != "weights"]
+    assert kinds == [
+        ("node_helper", "a", "update"),
+        ("engine_key", "a", "write"),
+        ("gateway", "gw.example", "restart"),
+    ]
+
+
 def test_without_yes_it_lets_go_asks_again_and_checks_again(world: World, tmp_path: Path) -> None:
     spec = parse_cluster(CLUSTER)
     chosen = make_plan(spec, fresh())
@@ -253,7 +279,7 @@ def test_units_go_only_where_the_weights_are_and_the_lock_goes_before_the_wait(
             Connections(spec, tmp_path),
             chosen,
             wait=True,
-            gateway=None,  # type: ignore[arg-type]
+            gateway=GatewayPreviews(()),  # no gateway host
             unreachable=set(),
             facts={},
             lock=hold,  # type: ignore[arg-type]
@@ -265,3 +291,81 @@ def test_units_go_only_where_the_weights_are_and_the_lock_goes_before_the_wait(
     assert [n for a in plan.changes for n in a.nodes] == ["a"]
     assert Outcome("b", False, "weights of steady: 404") in outcomes
     assert hold.released == 1
+
+
+def test_apply_carries_out_the_whole_plan_through_the_one_executor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Node helpers, engine keys, the replicas, the gateway hosts, a key rotation: in that
+    order, each given the steps of its kind, and what each says is an event of the
+    executor (logged by it, with ``source="executor"``)."""
+    spec = parse_cluster(CLUSTER)
+    host = HostFacts(
+        stale_helper=("a",),
+        keyless=("a",),
+        gateways=(GatewayState(host="gw.example", how="reload", files=(("cluster.yaml", "d1"),)),),
+    )
+    chosen = with_rotation(whole(spec, make_plan(spec, fresh()), fresh(), host), spec, fresh())
+    done: list[tuple[str, object]] = []
+
+    async def prepare(spec: Any, conns: Any, nodes: list[str], report: Any, facts: Any) -> list[Outcome]:
+        done.append(("helpers", nodes))
+        report("a", "node helper in place")
+        return []
+
+    async def keys(spec: Any, transports: list[Any], report: Any) -> tuple[dict[str, str], list[Outcome]]:
+        done.append(("keys", [t.node for t in transports]))
+        report("a", "engine key written")
+        return {"a": "k"}, []
+
+    async def carry_out(spec: Any, conns: Any, plan: Plan, report: Any, **kw: Any) -> list[Outcome]:
+        done.append(("replicas", [a.model for a in plan.changes]))
+        assert kw["engine_keys"] == {"a": "k"}  # the key step ran before
+        return []
+
+    async def install(
+        spec: Any, conns: Any, previews: GatewayPreviews, keys: Any, report: Any
+    ) -> list[Outcome]:
+        done.append(("gateways", keys))
+        report("gateway", "files in place")
+        return [Outcome("gateway", True, "ready")]
+
+    async def rotate(spec: Any, conns: Any, **kw: Any) -> list[Outcome]:
+        done.append(("rotate", [t.node for t in kw["transports"]]))
+        return []
+
+    for name, fake in (
+        ("prepare", prepare),
+        ("distribute_engine_keys", keys),
+        ("carry_out", carry_out),
+        ("install", install),
+        ("_rotate", rotate),
+    ):
+        monkeypatch.setattr(apply_cli, name, fake)
+    monkeypatch.setattr(apply_cli, "err", Console(file=io.StringIO(), color_system=None))
+    with caplog.at_level("INFO", logger="llmgw.executor"):
+        outcomes = asyncio.run(
+            apply_cli._execute_with_progress(
+                spec,
+                Connections(spec, tmp_path),
+                chosen,
+                wait=True,
+                gateway=GatewayPreviews(()),
+                unreachable=set(),
+                facts=fresh(),
+            )
+        )
+    assert done == [
+        ("helpers", ["a"]),
+        ("keys", ["a"]),
+        ("replicas", ["steady"]),
+        ("gateways", {"a": ("k",)}),
+        ("rotate", ["a"]),
+    ]
+    assert outcomes == [Outcome("gateway", True, "ready")]
+    events = [(r.getMessage(), getattr(r, "source", None)) for r in caplog.records]
+    assert events == [
+        ("a: node helper in place", "executor"),
+        ("a: engine key written", "executor"),
+        ("gateway: files in place", "executor"),
+    ]

@@ -219,7 +219,8 @@ def test_a_key_rotation_that_would_take_a_model_down_is_refused_unless_allowed(
 
     async def execute(spec: ClusterSpec, conns: Any, chosen: Plan, **kw: Any) -> list[Outcome]:
         world.executed.append(chosen)
-        allowed_by.append(kw["rotate"] and kw["allow_downtime"])
+        rotates = any(s.kind == "engine_key" and s.action == "rotate" for s in chosen.steps)
+        allowed_by.append(rotates and kw["allow_downtime"])
         return []
 
     monkeypatch.setattr(apply_cli, "_execute_with_progress", execute)

@@ -97,6 +97,16 @@ def host_steps(spec: ClusterSpec, plan: Plan, host: HostFacts) -> tuple[HostStep
     return tuple(steps)
 
 
+def remade(spec: ClusterSpec, plan: Plan, first: Plan) -> Plan:
+    """``plan``, made again under the cluster lock from a new probe, carrying the host
+    steps of ``first`` (what the shell gathered of helpers, keys and gateway hosts holds
+    still: the lock guards the replicas only), with the weights steps of its own actions."""
+    kept = [s for s in first.steps if s.kind != "weights"]
+    weights = _weights(spec, plan)
+    at = next((i for i, s in enumerate(kept) if s.kind == "gateway"), len(kept))
+    return plan.model_copy(update={"steps": (*kept[:at], *weights, *kept[at:])})
+
+
 def _weights(spec: ClusterSpec, plan: Plan) -> list[HostStep]:
     need = plan_weights(spec, plan)
     commits = dict(plan.commits)
