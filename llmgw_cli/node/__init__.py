@@ -27,6 +27,8 @@ Helper (``node-helper VERB ARGS...``, from ``$SSH_ORIGINAL_COMMAND`` or argv; ex
 - ``stop|start|restart|remove UNIT...``, ``write-unit UNIT`` (unit text on stdin),
   ``daemon-reload``: systemd's own output; ``remove`` deletes the unit's drain marker
   (``/var/lib/llmgw-drain/<unit>``, ``core/planning/drain.py``) with its unit file;
+- ``drain-mark UNIT SECONDS``: the replica's drain marker, its deadline this node's clock
+  plus SECONDS (printed); ``drain-clear UNIT...``: the markers removed;
 - ``held PATH...``: the files of these that exist, not empty, one a line;
 - ``exists PATH...``: one JSON line ``{PATH: {"kind", "empty", "unreadable", ...}}``;
 - ``fetch``: a JSON job on stdin for the installed fetcher (below), bounded by the

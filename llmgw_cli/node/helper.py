@@ -77,6 +77,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -501,6 +502,50 @@ def _write_unit(name: str, text: str) -> None:
         raise
 
 
+MAX_DRAIN_SECONDS = 7 * 24 * 3600
+DRAIN_SECONDS = re.compile(r"^[0-9]{1,7}(\.[0-9]{1,3})?$")
+
+
+def _drain_dir() -> str:
+    """The markers' folder, made root's 0755 if missing; refused when it is a link, not a
+    folder, not root's or writable by others (root must not write where another account
+    could swap a file for a link)."""
+    if not os.path.lexists(DRAIN_DIR):
+        os.mkdir(DRAIN_DIR, 0o755)
+    st = os.lstat(DRAIN_DIR)
+    # the helper runs its verbs as root (main elevates first): its own uid is root's
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise Refused(f"{DRAIN_DIR} is not a folder of root's alone")
+    return DRAIN_DIR
+
+
+def drain_mark(unit: str, seconds: str) -> float:
+    """The drain marker of ``unit``: its deadline, this node's clock plus ``seconds``,
+    one line (``core/planning/drain.py`` reads it back); written whole or not at all."""
+    deadline = time.time() + float(seconds)
+    folder = _drain_dir()
+    path, tmp = os.path.join(folder, unit), os.path.join(folder, f".{unit}.llmgw-tmp")
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(f"{deadline:.3f}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+    return deadline
+
+
+def drain_clear(units: list[str]) -> None:
+    for unit in units:
+        path = os.path.join(DRAIN_DIR, unit)
+        if os.path.lexists(path):
+            os.unlink(path)
+
+
 FETCH_MODES = {
     "fetch": "target",
     "poll": "target",
@@ -682,6 +727,17 @@ def check_words(words: list[str]) -> None:
         if len(args) != 1:
             raise Refused("write-unit takes one unit name (the text on stdin)")
         check_unit_name(args[0])
+    elif verb == "drain-mark":
+        if len(args) != 2:
+            raise Refused("drain-mark takes UNIT SECONDS")
+        check_unit_name(args[0])
+        if not DRAIN_SECONDS.fullmatch(args[1]) or float(args[1]) > MAX_DRAIN_SECONDS:
+            raise Refused(f"drain-mark: SECONDS is a number of seconds up to {MAX_DRAIN_SECONDS}")
+    elif verb == "drain-clear":
+        if not args:
+            raise Refused("drain-clear needs at least one unit")
+        for a in args:
+            check_unit_name(a)
     elif verb == "held":
         if not args or not all(a.startswith("/") for a in args):
             raise Refused("held takes absolute paths")
@@ -709,7 +765,7 @@ def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
     if verb == "probe":
         return subprocess.call(["sh", PROBE])
     if verb == "date":
-        print(int(__import__("time").time()))
+        print(int(time.time()))
         return 0
     if verb == "show":
         return _systemctl("show", "-p", SHOW_PROPERTIES, *args)
@@ -738,6 +794,12 @@ def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
         text = sys.stdin.read(MAX_UNIT_BYTES + 1)
         check_unit(text, config, args[0])
         _write_unit(args[0], text)
+        return 0
+    if verb == "drain-mark":
+        print(f"{drain_mark(args[0], args[1]):.3f}")
+        return 0
+    if verb == "drain-clear":
+        drain_clear(args)
         return 0
     if verb == "daemon-reload":
         return _systemctl("daemon-reload")

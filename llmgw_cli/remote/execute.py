@@ -33,14 +33,14 @@ from llmgw_cli.core.engine.engine_access import (
 from llmgw_cli.core.engine.engines import ENGINE_ENV_FILE
 from llmgw_cli.core.observe.parse.engine_env import engine_key
 from llmgw_cli.core.observe.unit_state import UnitState
-from llmgw_cli.core.planning.drain import REPLICA_UNIT, marker_path
+from llmgw_cli.core.planning.drain import REPLICA_UNIT
 from llmgw_cli.core.planning.plan import Action, Plan
 from llmgw_cli.errors import NodeError
 from llmgw_cli.polling import attempts
 from llmgw_cli.progress import Phase, Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.nodeops import NodeOps, ShellOps
-from llmgw_cli.remote.transport import Transport, remove_command
+from llmgw_cli.remote.transport import Transport
 from llmgw_cli.remote.weights import ensure_for_plan
 
 
@@ -183,10 +183,11 @@ async def _apply_node(t: Transport, w: _NodeWork, key: str | None, *, operator: 
 
 
 async def clear_markers(t: Transport, units: list[str]) -> None:
-    """Remove the drain markers of ``units`` (``core/planning/drain.py``), as root."""
-    paths = [marker_path(u) for u in units if REPLICA_UNIT.match(u)]
-    if paths:
-        await must(t, remove_command(*paths), "remove the drain markers")
+    """Remove the drain markers of ``units`` (``core/planning/drain.py``), through the
+    node helper."""
+    replicas = [u for u in units if REPLICA_UNIT.fullmatch(u)]
+    if replicas:
+        await NodeOps(t).must("drain-clear", *replicas)
 
 
 async def must(t: Transport, command: str, what: str) -> None:

@@ -58,8 +58,6 @@ from llmgw_cli.core.planning.drain import (
     PROBE_NOW_SIGNAL,
     Routes,
     drain_seconds,
-    marker_path,
-    marker_text,
     parse_routes,
     routes_dir,
 )
@@ -74,7 +72,7 @@ from llmgw_cli.remote.executor import Drained, Executor, Rolled, one_plan, subje
 from llmgw_cli.remote.gateway_install import gateway_transport
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.probe import gather
-from llmgw_cli.remote.transport import Transport, remove_command
+from llmgw_cli.remote.transport import Transport
 from llmgw_cli.remote.weights import ensure_for_plan
 
 POLL = 0.5  # seconds between two looks at the routes files or the connection count
@@ -354,12 +352,8 @@ class ApplyRouting:
         seconds = drain_seconds(self.spec, self.spec.model(model))
 
         async def one(node: str) -> str | None:
-            t = self.conns.to(node)
-            try:
-                clock = (await NodeOps(t).date()).strip()
-                if not clock.isdigit():
-                    return f"{node}: cannot read its clock"
-                await t.write_file(marker_path(old.unit), marker_text(int(clock) + seconds), root=True)
+            try:  # the node helper writes it, with the node's own clock
+                await NodeOps(self.conns.to(node)).must("drain-mark", old.unit, f"{seconds:.3f}")
             except NodeError as exc:
                 return f"{node}: {exc.reason}"
             return None
@@ -369,7 +363,7 @@ class ApplyRouting:
             return None
         for node in old.nodes:
             with contextlib.suppress(NodeError):
-                await self.conns.to(node).run(remove_command(marker_path(old.unit)), root=True)
+                await NodeOps(self.conns.to(node)).call("drain-clear", old.unit)
         return "; ".join(failed)
 
     async def drained(self, model: str, old: Retired, report: Report) -> Drained:

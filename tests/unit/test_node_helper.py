@@ -288,6 +288,14 @@ def test_write_unit_writes_a_replica_unit_file_and_nothing_else(unit: str) -> No
         "probe extra",
         "date; id",
         "",
+        "drain-mark llmgw-gateway.service 30",  # replica units only
+        "drain-mark llmgw-a-0.service",
+        "drain-mark llmgw-a-0.service -5",
+        "drain-mark llmgw-a-0.service 1e9",
+        "drain-mark llmgw-a-0.service 9999999",  # beyond a week
+        "drain-mark ../../etc/passwd 30",
+        "drain-clear",
+        "drain-clear llmgw-a-0.service ../x",
     ],
 )
 def test_commands_outside_the_verbs_are_refused(line: str) -> None:
@@ -307,6 +315,8 @@ def test_verbs_the_gateway_uses_are_accepted() -> None:
         "remove llmgw-a-0.service",
         "write-unit llmgw-a-0.service",
         "daemon-reload",
+        "drain-mark llmgw-a-0.service 30.000",
+        "drain-clear llmgw-a-0.service llmgw-a-1.service",
         f"{node_helper.HELPER} date",
     ):
         check_words(parse_words([], line))
@@ -389,6 +399,42 @@ def test_remove_deletes_the_unit_file_and_its_drain_marker_only(
     assert sorted(p.name for p in units.iterdir()) == ["llmgw-a-1.service"]
     assert sorted(p.name for p in markers.iterdir()) == ["llmgw-a-1.service"]
     assert node_helper.run_verb(["remove", "llmgw-a-0.service"], {}) == 0  # gone already: fine
+
+
+def test_drain_mark_writes_the_deadline_on_the_nodes_clock_and_clear_takes_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    markers = tmp_path / "draining"
+    monkeypatch.setattr(node_helper, "DRAIN_DIR", str(markers))
+    monkeypatch.setattr(node_helper.time, "time", lambda: 1_700_000_000.0)
+    words = ["drain-mark", "llmgw-a-0.service", "45.5"]
+    check_words(words)
+    assert node_helper.run_verb(words, {}) == 0
+    assert capsys.readouterr().out == "1700000045.500\n"
+    assert oct(markers.stat().st_mode & 0o777) == "0o755"  # made, readable by the gateway's probe
+    text = (markers / "llmgw-a-0.service").read_text()
+    assert drain.parse_markers([("llmgw-a-0.service", text)]) == {"llmgw-a-0.service": 1_700_000_045.5}
+    assert [p.name for p in markers.iterdir()] == ["llmgw-a-0.service"]  # no temporary left
+    assert node_helper.run_verb(["drain-clear", "llmgw-a-0.service", "llmgw-a-1.service"], {}) == 0
+    assert list(markers.iterdir()) == []
+
+
+def test_drain_mark_refuses_a_folder_another_account_could_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    markers = tmp_path / "draining"
+    markers.mkdir()
+    markers.chmod(0o777)
+    monkeypatch.setattr(node_helper, "DRAIN_DIR", str(markers))
+    with pytest.raises(Refused, match="not a folder of root's alone"):
+        node_helper.run_verb(["drain-mark", "llmgw-a-0.service", "30"], {})
+    markers.chmod(0o755)
+    link = tmp_path / "link"
+    link.symlink_to(markers)
+    monkeypatch.setattr(node_helper, "DRAIN_DIR", str(link))
+    with pytest.raises(Refused):
+        node_helper.run_verb(["drain-mark", "llmgw-a-0.service", "30"], {})
+    assert list(markers.iterdir()) == []
 
 
 # --- exists: what a path source is, before its units start -------------------------------

@@ -20,7 +20,7 @@ import pytest
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.observe.facts import NodeFacts
-from llmgw_cli.core.planning.drain import DRAIN_DIR, Routes, parse_marker, routes_text
+from llmgw_cli.core.planning.drain import DRAIN_DIR, Routes, marker_text, routes_text
 from llmgw_cli.core.planning.plan import Action, Plan, Retired, make_plan
 from llmgw_cli.core.serving.routing import serving_address
 from llmgw_cli.progress import Phase
@@ -57,6 +57,7 @@ class World:
     locked: bool = False
     events: list[str] = field(default_factory=list)
     markers: dict[tuple[str, str], str] = field(default_factory=dict)
+    asked_to_mark: list[tuple[str, str, str]] = field(default_factory=list)  # (node, unit, seconds)
     in_flight: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     gateway: bool = True  # a gateway writes its routing view
     started: set[tuple[str, str]] = field(default_factory=set)  # (model, address) up
@@ -116,6 +117,17 @@ class Host:
         words = shlex.split(command)
         if words[0].endswith("node-helper") and words[1] == "date":
             return CommandResult(0, f"{CLOCK}\n", "")
+        if words[0].endswith("node-helper") and words[1] == "drain-mark":
+            # the helper writes the marker: the node's clock plus the seconds asked
+            w.must_hold("marker written")
+            w.asked_to_mark.append((self.node, words[2], words[3]))
+            w.markers[(self.node, f"{DRAIN_DIR}/{words[2]}")] = marker_text(CLOCK + float(words[3]))
+            w.event(f"marker {self.node}")
+            return CommandResult(0, "", "")
+        if words[0].endswith("node-helper") and words[1] == "drain-clear":
+            for unit in words[2:]:
+                w.markers.pop((self.node, f"{DRAIN_DIR}/{unit}"), None)
+            return CommandResult(0, "", "")
         if words[:2] == ["ss", "-Htn"]:
             port = int(words[-1].split(":")[-1].rstrip(" )"))
             counts = w.in_flight.get((self.node, port), [0])
@@ -128,12 +140,6 @@ class Host:
                 w.markers.pop((self.node, path), None)
             return CommandResult(0, "", "")
         raise AssertionError(f"{self.node}: unexpected command {command!r}")
-
-    async def write_file(self, path: str, content: str, *, mode: int = 0o644, root: bool = False) -> None:
-        assert root and path.startswith(DRAIN_DIR + "/")
-        self.world.must_hold("marker written")
-        self.world.markers[(self.node, path)] = content
-        self.world.event(f"marker {self.node}")
 
     async def close(self) -> None:
         pass
@@ -279,20 +285,12 @@ def test_a_surge_starts_the_successor_then_drains_and_stops_the_old_one(world: W
     assert world.phases == {"m#1": Phase.done, "m#0": Phase.done}  # the successor routed, the old one stopped
 
 
-def test_the_marker_holds_the_node_clock_plus_the_drain_bound(world: World) -> None:
+def test_the_node_helper_marks_the_old_replica_for_the_drain_bound(world: World) -> None:
+    """The helper writes the marker with the node's own clock (tests/unit/test_node_helper.py);
+    apply asks it for the model's drain bound, on each member node of the old replica."""
     action = replaced(world, "m", 0, "a", 8100, new=1, new_port=8102)
-    seen: dict[tuple[str, str], str] = {}
-    write_file = Host.write_file
-
-    async def keep(self: Host, path: str, content: str, **kw: Any) -> None:
-        seen[(self.node, path)] = content
-        await write_file(self, path, content, **kw)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Host, "write_file", keep)
-        rolled(world, [action])
-    assert list(seen) == [("a", f"{DRAIN_DIR}/llmgw-m-0.service")]
-    assert parse_marker(seen[("a", f"{DRAIN_DIR}/llmgw-m-0.service")]) == CLOCK + 1.0
+    rolled(world, [action])
+    assert world.asked_to_mark == [("a", "llmgw-m-0.service", "1.000")]
 
 
 def test_in_place_drains_first_then_stops_and_starts_in_one_hold(world: World) -> None:

@@ -34,7 +34,7 @@ class FakeNode:
     props: dict[str, str] = field(default_factory=dict)
     journal: list[str] = field(default_factory=list)
     commands: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)  # drain markers, by path
+    removed: list[str] = field(default_factory=list)  # drain markers the helper removed, by path
 
     def set(self, active: str, sub: str, result: str = "success", restarts: int = 0, status: int = 0) -> None:
         self.props = {
@@ -60,10 +60,8 @@ class FakeNode:
                 return CommandResult(0, "".join(f"{k}={v}\n" for k, v in self.props.items()), "")
             if verb == "journal":
                 return CommandResult(0, "".join(f"{line}\n" for line in self.journal), "")
-            return CommandResult(0, "", "")
-        if words[:2] == ["python3", "-I"] and words[4] == "remove":
-            assert all(w.startswith(DRAIN_DIR + "/") for w in words[5:])
-            self.removed += words[5:]
+            if verb == "drain-clear":
+                self.removed += [f"{DRAIN_DIR}/{unit}" for unit in words[2:]]
             return CommandResult(0, "", "")
         if words[:2] == ["cat", "/etc/llmgw/engine.env"]:
             return CommandResult(0, f"LLMGW_ENGINE_KEY={KEY}\n", "")

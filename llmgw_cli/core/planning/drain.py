@@ -11,8 +11,11 @@ root access ``apply`` has, and an ``apply`` that dies midway leaves a trace the 
 reads (a replica left draining is deleted: it is out of rotation already).
 
 - The marker: ``DRAIN_DIR/<replica unit name>``, one line: the deadline in seconds since
-  the epoch on the node's clock. Only names of replica units and finite numbers are read
-  back; a node's other files there are ignored.
+  the epoch on the node's clock (``marker_text``). The node helper writes and removes it
+  (its ``drain-mark UNIT SECONDS`` and ``drain-clear UNIT...`` verbs, ``node/helper.py``),
+  with the node's own clock; its ``remove`` takes a unit's marker with the unit. Only names
+  of replica units and finite numbers are read back; a node's other files there are
+  ignored.
 - The routing view: each gateway process writes ``<gateway.state_dir>/routes/<pid>.json``
   whenever what it routes changes and at least once per discovery round, and removes it
   when it stops. ``apply`` reads those files (as root on the gateway host) to learn that
