@@ -17,6 +17,12 @@ def fixture(name: str) -> str:
     return (DATA / name).read_text()
 
 
+def test_real_vllm_scrape() -> None:
+    """A real vLLM V1 scrape (one engine, idle): its gauges and prefix-cache counters."""
+    s = parse_signals("vllm", fixture("vllm_metrics.prom"))
+    assert s == Signals(running=0.0, waiting=0.0, kv_usage=0.0, prefix_queries=242.0, prefix_hits=0.0)
+
+
 def test_vllm_excerpt_sums_requests_over_its_engines() -> None:
     s = parse_signals("vllm", fixture("vllm_metrics_excerpt.prom"))
     assert s == Signals(running=3.0, waiting=1.0)
