@@ -77,6 +77,24 @@ def test_a_growing_conversation_keeps_its_key() -> None:
     assert prefix_key(first) == prefix_key(later)
 
 
+def test_the_default_key_is_the_first_kib() -> None:
+    """Four blocks of 256: text past the 1,024th character does not change the key, text
+    before it does."""
+    base = "a" * 1024
+    assert prefix_key({"prompt": base + "b" * 500}) == prefix_key({"prompt": base + "c" * 500})
+    assert prefix_key({"prompt": "b" + base[1:]}) != prefix_key({"prompt": base})
+    assert prefix_key({"prompt": base[:-1] + "b" + "c" * 500}) != prefix_key({"prompt": base + "c" * 500})
+
+
+def test_a_short_system_prompt_keeps_its_key_once_past_one_kib() -> None:
+    """A 700-character system prompt and a 400-character question pass 1 KiB: the answers
+    and turns after it do not move the conversation."""
+    system = "Answer as the billing desk. " * 25  # 700 chars
+    first = chat(("system", system), ("user", "q" * 400))
+    later = chat(("system", system), ("user", "q" * 400), ("assistant", "a" * 300), ("user", "more"))
+    assert prefix_key(first) == prefix_key(later) is not None
+
+
 def test_below_the_cap_the_key_changes_when_a_block_fills() -> None:
     """What a growing conversation does before its start fills the cap: documented, and
     kept so by this test (a short conversation may move when it crosses a block)."""
@@ -102,9 +120,9 @@ def test_embeddings_and_malformed_bodies_have_no_key() -> None:
 
 def test_roles_count_and_message_boundaries_count() -> None:
     assert prefix_key(chat(("user", SYSTEM))) != prefix_key(chat(("system", SYSTEM)))
-    half = len(SYSTEM) // 2
+    cut = 500  # a boundary inside the key's first KiB
     assert prefix_key(chat(("system", SYSTEM))) != prefix_key(
-        chat(("system", SYSTEM[:half]), ("system", SYSTEM[half:]))
+        chat(("system", SYSTEM[:cut]), ("system", SYSTEM[cut:]))
     )
 
 

@@ -23,6 +23,14 @@ to ``max_blocks``. The key is a BLAKE2b digest of those blocks' text, a function
 exactly those blocks as a chain of block hashes is. Fewer than ``min_blocks`` whole
 blocks: no key. A conversation keeps its key while it grows once its start fills the
 ``max_blocks`` blocks; below that the key changes each time a block fills.
+
+By default the key covers 4 blocks of 256 characters: the rendered prompt's first 1 KiB.
+A longer cap would move every conversation shorter than the cap to a new key (and likely
+a new replica, losing its prefix cache) each time a block fills; with 1 KiB most chat
+requests (a system prompt and a turn or two) are past the cap from the start and keep
+their key for the whole conversation. Conversations whose first KiB is the same (a shared
+system prompt) share a key and land together; bounded load spreads them when that
+replica fills.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from typing import NamedTuple
 from llmgw_cli.core.serving.engine_signals import Signals
 
 BLOCK_CHARS = 256
-MAX_BLOCKS = 16
+MAX_BLOCKS = 4  # the key is the prompt's first 1 KiB (module docstring)
 MIN_BLOCKS = 1
 _UNIT = "\x1f"  # between a message's role and its text
 _RECORD = "\x1e"  # after each message or prompt item
