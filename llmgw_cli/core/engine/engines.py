@@ -72,9 +72,10 @@ def spec_hash(spec: ClusterSpec, model: Model) -> str:
     """Digest of everything in the spec that shapes this model's units: a change means the
     running replicas are out of date (``~`` in the plan)."""
     payload = {
-        # neither the replica counts nor the drain bound shape a unit: changing them
-        # replaces nothing
-        "model": model.model_dump(mode="json", exclude={"scaling", "drain_timeout"}),
+        # neither the replica counts, the drain bound nor the gateway's routing shape a
+        # unit: changing them replaces nothing (and a spec written before `routing`
+        # existed keeps its hash)
+        "model": model.model_dump(mode="json", exclude={"scaling", "drain_timeout", "routing"}),
         "profile": spec.profiles[model.profile].model_dump(mode="json"),
     }
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
