@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.serving.engine_signals import Signals, signals_from_samples
+from llmgw_cli.core.serving.engine_signals import Signals, signals_from_samples, wanted_names
 from llmgw_cli.gateway.serving.engine_scrape import parse_signals
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -130,3 +131,18 @@ def test_a_scrape_the_parser_refuses_anywhere_tells_nothing() -> None:
     """The parser raises on a bad line after good ones: the whole scrape is dropped rather
     than half read, so a replica's signals never mix two readings' worth of lines."""
     assert parse_signals("vllm", "vllm:num_requests_running 3\ngarbage\n") == Signals()
+
+
+def test_only_the_wanted_lines_are_parsed_and_the_others_must_still_look_right() -> None:
+    """Lines of metrics the router never reads are skipped unparsed (a vLLM page is mostly
+    histograms), yet a mangled one still spoils the page; a hostile long line is judged in
+    linear time."""
+    page = (DATA / "vllm_metrics.prom").read_text()
+    assert parse_signals("vllm", page) == Signals(0.0, 0.0, 0.0, 242.0, 0.0)
+    assert parse_signals("vllm", page + "vllm:iteration_tokens_total_bucket{le=\n") == Signals()
+    started = time.monotonic()
+    for hostile in ("x{" + "}" * 200_000, "x " + "1 " * 200_000, "x{" + '"' * 200_000):
+        assert parse_signals("vllm", "vllm:num_requests_running 3\n" + hostile + "\n") == Signals()
+    assert time.monotonic() - started < 2.0
+    assert wanted_names("tgi") == frozenset()
+    assert "vllm:prefix_cache_hits_total" in wanted_names("vllm")

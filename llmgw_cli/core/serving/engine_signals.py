@@ -63,6 +63,15 @@ _COUNTERS = frozenset({"prefix_queries", "prefix_hits"})
 _RATIOS = frozenset({"kv_usage"})
 
 
+def wanted_names(engine: str) -> frozenset[str]:
+    """Every sample name that can give a signal of ``engine`` (counters with and without
+    their ``_total``), so a scrape's other lines need not be parsed at all; empty for an
+    engine kind not known here."""
+    names = _NAMES.get(engine, {})
+    found = {n for signal, wanted in names.items() for n in wanted}
+    return frozenset(found | {n + "_total" for s, w in names.items() if s in _COUNTERS for n in w})
+
+
 def signals_from_samples(engine: str, samples: Iterable[tuple[str, float]]) -> Signals:
     """The Signals of one scrape given as (sample name, value) pairs; an engine kind not
     known here gives all-None Signals."""
