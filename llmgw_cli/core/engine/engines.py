@@ -145,11 +145,13 @@ def engine_args(
     elif profile.engine is Engine.sglang:
         argv += ["--model-path", path, "--host", host, "--port", str(port)]
         argv += ["--served-model-name", model.name, "--tp-size", str(tp * count)]
+        argv.append("--enable-metrics")  # /metrics: the gateway routes on its queue and KV cache
         if count > 1:
             argv += ["--nnodes", str(count), "--node-rank", str(rank)]
             argv += ["--dist-init-addr", f"{head.engine_host}:{dist_port}"]
     else:
         argv += ["-m", path, "--host", host, "--port", str(port), "-a", model.name]
+        argv.append("--metrics")  # /metrics: the gateway routes on its queue
     return argv + _revision(profile, model) + list(profile.args) + list(model.args)
 
 
