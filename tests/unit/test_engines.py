@@ -129,6 +129,16 @@ def test_spec_hash_changes_with_args_not_with_scaling() -> None:
     assert spec_hash(scaled, scaled.model("qwen2.5-7b-instruct")) == h
     changed = parse_cluster(base.replace('"16384"', '"8192"'))
     assert spec_hash(changed, changed.model("qwen2.5-7b-instruct")) != h
+    # Routing is the gateway's: it shapes no unit, and a file that names it (or a version
+    # that knows it) replaces no replica.
+    routed = parse_cluster(
+        base.replace(
+            "scaling: {min: 1, max: 1}", "scaling: {min: 1, max: 1}\n    routing: {policy: round_robin}", 1
+        )
+    )
+    assert routed.model("qwen2.5-7b-instruct").routing.policy == "round_robin"
+    assert spec_hash(routed, routed.model("qwen2.5-7b-instruct")) == h
+    assert h == "abb67fb5ad886e04"  # as before routing existed: an upgrade replaces nothing
 
 
 @pytest.mark.parametrize(
