@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from llmgw_cli.core.clusterfile.load import parse_cluster
-from llmgw_cli.core.serving.routing import Health, Pool, endpoints
+from llmgw_cli.core.serving.affinity import Policy, Reason, Thresholds, rendezvous, request_key
+from llmgw_cli.core.serving.engine_signals import Signals
+from llmgw_cli.core.serving.routing import Health, Pool, endpoints, route_settings
 
 pytestmark = pytest.mark.any_loop  # pure code
 
@@ -105,3 +107,82 @@ def test_endpoints_take_rank_zero_of_active_replicas() -> None:
         ("on", 8104, ("zz",), True),  # node no longer in the spec
     ]
     assert endpoints(spec, running) == {"on": ["10.0.0.1:8100", "[fd00::2]:8101"]}
+
+
+# choose: the model's routing policy over the ready replicas
+
+
+LONG = {"model": "m", "messages": [{"role": "system", "content": "Answer as the billing desk. " * 60}]}
+
+
+def choose(pool: Pool, policy: Policy = Policy.prefix, now: float = 1.0, **kw: object) -> tuple[str, Reason]:
+    found = pool.choose(
+        "m",
+        now,
+        key=kw.pop("key", request_key(LONG, None)),  # type: ignore[arg-type]
+        policy=policy,
+        thresholds=Thresholds(),
+        exclude=kw.pop("exclude", frozenset()),  # type: ignore[arg-type]
+        stale_after=3.0,
+    )
+    assert found is not None
+    return found[0].address, found[1]
+
+
+def test_choose_sends_one_key_to_its_rendezvous_replica_from_any_pool() -> None:
+    key = request_key(LONG, None)
+    assert key is not None
+    first = rendezvous(key, ["a:1", "b:1", "c:1"])[0]
+    assert choose(ready_pool("a:1", "b:1", "c:1")) == (first, Reason.affinity)
+    assert choose(ready_pool("c:1", "a:1", "b:1")) == (first, Reason.affinity)
+
+
+def test_choose_skips_a_replica_whose_fresh_signals_say_overloaded() -> None:
+    pool = ready_pool("a:1", "b:1")
+    first, _ = choose(pool)
+    replica = next(r for r in pool.of("m") if r.address == first)
+    pool.scraped(replica, Signals(waiting=9.0), now=1.0)
+    other, reason = choose(pool, now=2.0)
+    assert other != first and reason is Reason.overloaded
+    # The same signals, older than stale_after, no longer count: the key's replica again.
+    assert choose(pool, now=10.0) == (first, Reason.affinity)
+
+
+def test_choose_excludes_tried_replicas_and_unready_ones() -> None:
+    pool = ready_pool("a:1", "b:1")
+    first, _ = choose(pool)
+    other, reason = choose(pool, exclude=frozenset({first}))
+    # A retry: the key's first replica among those not tried yet.
+    assert other != first and reason is Reason.affinity
+    assert pool.choose(
+        "m", 1.0, key=None, policy=Policy.prefix, thresholds=Thresholds(),
+        exclude=frozenset({"a:1", "b:1"}), stale_after=3.0,
+    ) is None  # fmt: skip
+
+
+def test_choose_round_robin_takes_turns_per_model() -> None:
+    pool = ready_pool("a:1", "b:1")
+    picked = [choose(pool, Policy.round_robin)[0] for _ in range(4)]
+    assert picked == ["a:1", "b:1", "a:1", "b:1"]
+
+
+def test_as_dict_shows_the_signals_and_their_age() -> None:
+    pool = ready_pool("a:1")
+    replica = pool.of("m")[0]
+    assert replica.as_dict()["signals"] is None
+    pool.scraped(replica, Signals(running=2.0, waiting=1.0), now=5.0)
+    shown = replica.as_dict(now=6.5)
+    assert shown["signals_age"] == 1.5
+    assert shown["signals"] == {
+        "running": 2.0, "waiting": 1.0, "kv_usage": None, "prefix_queries": None, "prefix_hits": None,
+    }  # fmt: skip
+
+
+def test_route_settings_follow_the_cluster_file() -> None:
+    spec = parse_cluster(
+        CLUSTER.replace("profile: p, scaling: {min: 1, max: 2}}", "profile: p, scaling: {min: 1, max: 2}, "
+        "routing: {policy: least_load, max_waiting: 2, load_factor: 0}}"),
+        "t.yaml",
+    )  # fmt: skip
+    assert route_settings(spec.model("on")) == (Policy.least_load, Thresholds(2.0, 0.9, 0.0))
+    assert route_settings(spec.model("lazy")) == (Policy.prefix, Thresholds())

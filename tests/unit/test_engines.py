@@ -77,6 +77,7 @@ def test_sglang_multi_node() -> None:
     flags = " ".join(argv)
     assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
     assert "--tp-size 16" in flags
+    assert "--enable-metrics" in argv  # the gateway routes on its /metrics
     assert f"--nnodes 2 --node-rank 1 --dist-init-addr {head.node.address}:29600" in flags
 
 
@@ -87,6 +88,7 @@ def test_llama_server_from_url_lives_in_first_weights_folder() -> None:
     argv = engine_args(HGX, model, Member(node, 0, ("GPU-x",)), port=8400, head=node, dist_port=0)
     assert argv[:3] == ["/usr/local/bin/llama-server", "-m", "/data/models/qwen2.5-7b-instruct-q4_k_m.gguf"]
     assert argv[argv.index("-a") + 1] == "qwen2.5-7b-instruct-gguf"
+    assert "--metrics" in argv  # without it llama-server serves no /metrics to route on
 
 
 def test_unit_carries_labels_env_and_settings() -> None:
@@ -127,6 +129,16 @@ def test_spec_hash_changes_with_args_not_with_scaling() -> None:
     assert spec_hash(scaled, scaled.model("qwen2.5-7b-instruct")) == h
     changed = parse_cluster(base.replace('"16384"', '"8192"'))
     assert spec_hash(changed, changed.model("qwen2.5-7b-instruct")) != h
+    # Routing is the gateway's: it shapes no unit, and a file that names it (or a version
+    # that knows it) replaces no replica.
+    routed = parse_cluster(
+        base.replace(
+            "scaling: {min: 1, max: 1}", "scaling: {min: 1, max: 1}\n    routing: {policy: round_robin}", 1
+        )
+    )
+    assert routed.model("qwen2.5-7b-instruct").routing.policy == "round_robin"
+    assert spec_hash(routed, routed.model("qwen2.5-7b-instruct")) == h
+    assert h == "abb67fb5ad886e04"  # as before routing existed: an upgrade replaces nothing
 
 
 @pytest.mark.parametrize(

@@ -344,12 +344,33 @@ class GatewaySettings(Spec):
         description="Start on-demand models at their first request, stop idle replicas, "
         "evict and scale out. Off: the gateway only routes to what `apply` started.",
     )
+    signals_interval: PositiveDuration = Field(
+        1.0,
+        description="How often each gateway process reads every ready replica's own "
+        "`/metrics` (its engine's queue and KV cache) for routing, give or take a fifth so "
+        "processes do not scrape in step.",
+    )
+    signals_timeout: PositiveDuration = Field(
+        0.5,
+        description="Longest wait for one replica's `/metrics`; at most `signals_interval`. A "
+        "scrape that fails or times out leaves that replica routed by the gateway's own "
+        "in-flight count until a scrape succeeds again.",
+    )
     engine_clients: list[FirewallEntry] = Field(
         default_factory=list,
         description="Addresses or CIDR blocks the gateway connects to engines from, besides "
         "`host` (taken when it is a node or an IP address). Every engine's firewall lets "
         "only these, the engine's own node, its peer nodes and localhost in.",
     )
+
+    @model_validator(mode="after")
+    def _signals_timeout_within_interval(self) -> GatewaySettings:
+        if self.signals_timeout > self.signals_interval:
+            raise ValueError(
+                f"signals_timeout ({self.signals_timeout:g}s) is longer than signals_interval "
+                f"({self.signals_interval:g}s): scrapes would overlap"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_host_list(self) -> GatewaySettings:
@@ -629,6 +650,46 @@ class Scaling(Spec):
         return self
 
 
+class RoutePolicy(StrEnum):
+    prefix = "prefix"
+    least_load = "least_load"
+    round_robin = "round_robin"
+
+
+class Routing(Spec):
+    """How the gateway picks one of a model's ready replicas for each request (see
+    docs/gateway.md, Routing)."""
+
+    policy: RoutePolicy = Field(
+        RoutePolicy.prefix,
+        strict=False,
+        description="`prefix`: requests whose prompts start alike (the first 1 KiB) or that "
+        "name one session (`user`, `x-session-id`) go to the same replica, for its prefix "
+        "cache, unless it is overloaded; `least_load`: the replica whose engine reports the "
+        "least work; `round_robin`: each replica in turn.",
+    )
+    max_waiting: float = Field(
+        4.0,
+        ge=0,
+        le=1_000_000,
+        description="`prefix`: a replica whose engine queues more requests than this is "
+        "overloaded and yields its requests to the next replica.",
+    )
+    max_kv_usage: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="`prefix`: a replica whose engine's KV cache is fuller than this share is overloaded.",
+    )
+    load_factor: float = Field(
+        0.25,
+        ge=0,
+        le=1000,
+        description="`prefix`: a replica with more requests in flight from this gateway process "
+        "than (1 + load_factor) times the mean of the model's ready replicas, plus one, is overloaded.",
+    )
+
+
 class SourceKind(StrEnum):
     hf_repo = "hf-repo"
     path = "path"
@@ -729,6 +790,10 @@ class Model(Spec):
         description="How long a replica being retired (replaced by `apply`) may finish its "
         "requests in flight before it is stopped; it then stops, cutting what still runs. "
         "Unset: `gateway.drain_timeout`. Changing it replaces no replica.",
+    )
+    routing: Routing = Field(
+        default_factory=Routing,
+        description="Which ready replica takes each request. Changing it replaces no replica.",
     )
 
     @field_validator("source")

@@ -72,9 +72,10 @@ def spec_hash(spec: ClusterSpec, model: Model) -> str:
     """Digest of everything in the spec that shapes this model's units: a change means the
     running replicas are out of date (``~`` in the plan)."""
     payload = {
-        # neither the replica counts nor the drain bound shape a unit: changing them
-        # replaces nothing
-        "model": model.model_dump(mode="json", exclude={"scaling", "drain_timeout"}),
+        # neither the replica counts, the drain bound nor the gateway's routing shape a
+        # unit: changing them replaces nothing (and a spec written before `routing`
+        # existed keeps its hash)
+        "model": model.model_dump(mode="json", exclude={"scaling", "drain_timeout", "routing"}),
         "profile": spec.profiles[model.profile].model_dump(mode="json"),
     }
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
@@ -144,11 +145,13 @@ def engine_args(
     elif profile.engine is Engine.sglang:
         argv += ["--model-path", path, "--host", host, "--port", str(port)]
         argv += ["--served-model-name", model.name, "--tp-size", str(tp * count)]
+        argv.append("--enable-metrics")  # /metrics: the gateway routes on its queue and KV cache
         if count > 1:
             argv += ["--nnodes", str(count), "--node-rank", str(rank)]
             argv += ["--dist-init-addr", f"{head.engine_host}:{dist_port}"]
     else:
         argv += ["-m", path, "--host", host, "--port", str(port), "-a", model.name]
+        argv.append("--metrics")  # /metrics: the gateway routes on its queue
     return argv + _revision(profile, model) + list(profile.args) + list(model.args)
 
 

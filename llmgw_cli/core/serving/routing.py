@@ -8,8 +8,12 @@ from it only; nothing here blocks or awaits, so no call interleaves with another
 
 Policy:
 - a replica is *ready* when its last health check passed and it is in rotation;
+- ``choose`` serves requests: the model's routing policy (core/serving/affinity.py) over
+  the ready replicas, each seen with the gateway's in-flight count and its engine's last
+  scraped signals (none once they are older than ``stale_after``);
 - ``pick`` returns the ready replica with the fewest outstanding requests (ties: the
-  one picked least recently, so equal replicas take turns);
+  one picked least recently, so equal replicas take turns): for the controller, which
+  waits for any ready replica and has no request to key;
 - ``failed`` counts consecutive connection failures; at ``max_failures`` the replica
   leaves rotation until a health check passes again;
 - a health check that fails takes the replica out at once (the engine said so).
@@ -17,10 +21,13 @@ Policy:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
-from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.spec import ClusterSpec, Model
+from llmgw_cli.core.serving import affinity
+from llmgw_cli.core.serving.affinity import Candidate, Policy, Reason, Thresholds
+from llmgw_cli.core.serving.engine_signals import Signals
 
 
 class Health(StrEnum):
@@ -44,8 +51,18 @@ class RoutedReplica:
     changed: float = 0.0
     requests: int = 0
     last_used: float | None = None  # Unix time the last request to it ended; None: unknown
+    signals: Signals | None = None  # its engine's own /metrics at the last good scrape
+    signals_at: float | None = None  # monotonic time of that scrape
 
-    def as_dict(self) -> dict[str, object]:
+    def fresh_signals(self, now: float, stale_after: float) -> Signals | None:
+        """The engine's signals if scraped within ``stale_after`` seconds, else None."""
+        if self.signals is None or self.signals_at is None or now - self.signals_at > stale_after:
+            return None
+        return self.signals
+
+    def as_dict(self, now: float | None = None) -> dict[str, object]:
+        """``now`` (monotonic) adds the signals' age in seconds."""
+        age = None if now is None or self.signals_at is None else round(max(0.0, now - self.signals_at), 3)
         return {
             "model": self.model,
             "address": self.address,
@@ -54,7 +71,15 @@ class RoutedReplica:
             "failures": self.failures,
             "requests": self.requests,
             "last_used": self.last_used,
+            "signals": None if self.signals is None else asdict(self.signals),
+            "signals_age": age,
         }
+
+
+def route_settings(model: Model) -> tuple[Policy, Thresholds]:
+    """The routing policy and overload thresholds the cluster file gives ``model``."""
+    r = model.routing
+    return Policy(r.policy.value), Thresholds(r.max_waiting, r.max_kv_usage, r.load_factor)
 
 
 @dataclass
@@ -63,6 +88,7 @@ class Pool:
 
     max_failures: int = 3
     replicas: dict[str, dict[str, RoutedReplica]] = field(default_factory=dict)
+    turns: dict[str, int] = field(default_factory=dict)  # choices made per model: round robin's turn
 
     def replace(self, found: dict[str, list[str]], now: float) -> None:
         """Set the replicas discovered now: new ones start ``unknown``; known ones keep
@@ -105,6 +131,41 @@ class Pool:
         if best is not None:
             best.last_pick = now
         return best
+
+    def choose(
+        self,
+        model: str,
+        now: float,
+        *,
+        key: str | None,
+        policy: Policy,
+        thresholds: Thresholds,
+        exclude: frozenset[str] = frozenset(),
+        stale_after: float,
+    ) -> tuple[RoutedReplica, Reason] | None:
+        """The ready replica (not in ``exclude``) for a request of routing key ``key`` and
+        why, or None when none is ready."""
+        ready = {
+            r.address: r
+            for r in self.replicas.get(model, {}).values()
+            if r.health is Health.ready and r.address not in exclude
+        }
+        candidates = [
+            Candidate(a, r.outstanding, r.fresh_signals(now, stale_after)) for a, r in ready.items()
+        ]
+        turn = self.turns.get(model, 0)
+        choice = affinity.choose(policy, key, candidates, thresholds, turn)
+        if choice is None:
+            return None
+        self.turns[model] = turn + 1
+        replica = ready[choice.address]
+        replica.last_pick = now
+        return replica, choice.reason
+
+    def scraped(self, replica: RoutedReplica, signals: Signals, now: float) -> None:
+        """A good scrape of the replica's /metrics at monotonic time ``now``."""
+        replica.signals = signals
+        replica.signals_at = now
 
     def failed(self, replica: RoutedReplica, now: float) -> None:
         """A connection to the replica failed (nothing was received)."""

@@ -347,6 +347,62 @@ def _replicas() -> list[Panel]:
     ]
 
 
+def _routing() -> list[Panel]:
+    # Each gateway process reads the engines for itself: the engines' figures are taken
+    # once per replica with max, their age with min (the freshest reading).
+    def engine(metric: str) -> Query:
+        return Query(f"max by (model, address) ({metric}{{{M}}})", "{{model}} {{address}}")
+
+    return [
+        Panel(
+            "timeseries",
+            "Route decisions by reason",
+            [Query(_increase("llmgw_route_decisions_total", "model, reason"), "{{model}} {{reason}}")],
+            "Why each request went to its replica: affinity (its key's own replica), overloaded "
+            "(that one was past a threshold), no_prefix (no key: least loaded), least_load, round_robin.",
+            w=8,
+            bars=True,
+        ),
+        Panel(
+            "timeseries",
+            "Engine queue per replica",
+            [engine("llmgw_replica_engine_waiting")],
+            "Requests waiting inside each engine, from its /metrics; routing keys move off a "
+            "replica past the model's routing.max_waiting.",
+            w=8,
+        ),
+        Panel(
+            "timeseries",
+            "Engine running per replica",
+            [engine("llmgw_replica_engine_running")],
+            "Requests each engine is computing, from its /metrics.",
+            w=8,
+        ),
+        Panel(
+            "timeseries",
+            "Engine KV cache per replica",
+            [engine("llmgw_replica_engine_kv_usage")],
+            "Share of each engine's KV cache in use (engines that report it).",
+            unit="percentunit",
+            w=12,
+        ),
+        Panel(
+            "timeseries",
+            "Age of the engines' signals",
+            [
+                Query(
+                    f"min by (model, address) (llmgw_replica_signals_age_seconds{{{M}}})",
+                    "{{model}} {{address}}",
+                )
+            ],
+            "Since a gateway last read the replica's /metrics; readings older than three "
+            "rounds are not used for routing.",
+            unit="s",
+            w=12,
+        ),
+    ]
+
+
 NODE_COLUMNS = (
     ("up", "max by (node) (llmgw_node_up)"),
     ("used", 'max by (node) (llmgw_node_gpus{state="used"})'),
@@ -422,5 +478,6 @@ def sections(job: str) -> list[tuple[str, list[Panel]]]:
         ("Latency and load", _latency()),
         ("Models", _models()),
         ("Replicas", _replicas()),
+        ("Routing", _routing()),
         ("Fleet (from the probe)", _fleet()),
     ]

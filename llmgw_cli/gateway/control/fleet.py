@@ -100,6 +100,29 @@ def _gauge(name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str
     return family
 
 
+def _signal_gauges(replicas: list[RoutedReplica], now: float) -> Iterator[Metric]:
+    """What each replica's engine last said on its /metrics, as this gateway process read
+    it (each process scrapes for itself), and how old that reading is: a replica whose
+    scrapes fail keeps its last values with a growing age, and the router stops using
+    them once they are stale."""
+    read = [r for r in replicas if r.signals is not None and r.signals_at is not None]
+    for name, doc, field in (
+        ("llmgw_replica_engine_waiting", "Requests queued inside the replica's engine.", "waiting"),
+        ("llmgw_replica_engine_running", "Requests the replica's engine is computing.", "running"),
+        ("llmgw_replica_engine_kv_usage", "Share of the replica's KV cache in use (0 to 1).", "kv_usage"),
+    ):
+        values = ((r, getattr(r.signals, field)) for r in read)
+        yield _gauge(
+            name, doc, ["model", "address"], (([r.model, r.address], v) for r, v in values if v is not None)
+        )
+    yield _gauge(
+        "llmgw_replica_signals_age_seconds",
+        "Seconds since this gateway process last read the replica's /metrics successfully.",
+        ["model", "address"],
+        (([r.model, r.address], max(0.0, now - (r.signals_at or now))) for r in read),
+    )
+
+
 class FleetCollector(Collector):
     """Scrape-time metrics: the gateway's replicas and queues, and the fleet from the Summary."""
 
@@ -148,6 +171,7 @@ class FleetCollector(Collector):
             ["model", "address"],
             (([r.model, r.address], float(r.idle)) for r in replicas),
         )
+        yield from _signal_gauges(gw.pool.all(), time.monotonic())
         yield _gauge(
             "llmgw_model_min_replicas",
             "Replicas the cluster file promises (scaling.min).",

@@ -52,6 +52,7 @@ from llmgw_cli.gateway.control.workers import alive
 from llmgw_cli.gateway.serving.accesslog import AccessLog
 from llmgw_cli.gateway.serving.admission import Admission
 from llmgw_cli.gateway.serving.metrics import Metrics
+from llmgw_cli.gateway.serving.signals_poll import next_wait, scrape_signals
 from llmgw_cli.gateway.serving.upstream import Upstreams
 from llmgw_cli.gateway.store.sqlite import Store
 from llmgw_cli.gateway.store.usage import Meter
@@ -158,6 +159,7 @@ class Gateway:
             "keys": keys_every,
             "log": 0.2,
             "reconcile": 1.0,
+            "signals": spec.gateway.signals_interval,
         }
         self.pool = Pool()
         self.meter = Meter()
@@ -256,6 +258,8 @@ class Gateway:
             # the API keys: the coordinator reloads them when their version changed
             ("keys", self.load_engine_keys),
             ("log", self.flush_log),
+            # each process reads the engines' /metrics for its own pool's routing
+            ("signals", self.poll_signals),
         ]
         jobs.append(("reconcile", self.controller.tick))
         for name, job in jobs:
@@ -299,6 +303,8 @@ class Gateway:
         while True:
             if name == "discover":
                 await self._until_discovery_due()
+            elif name == "signals":
+                await asyncio.sleep(next_wait(self.every[name]))
             else:
                 await asyncio.sleep(self.every[name])
             try:
@@ -341,6 +347,7 @@ class Gateway:
         self.spec = spec
         self.catalog = {m.name: m for m in spec.models}
         self.every.update(job_intervals(spec.gateway, **self._given_intervals))  # the next round on
+        self.every["signals"] = spec.gateway.signals_interval
         self._upstream_settings()
         await self.load_keys()
         await self.discover()
@@ -468,6 +475,37 @@ class Gateway:
                     replica.health.value,
                 )
         self.controller.observe()  # admission follows the ready count; waiters are woken
+
+    def signals_stale_after(self) -> float:
+        """Signals older than this no longer count for routing: three missed rounds (the
+        longest jittered wait, plus the scrape's timeout, each)."""
+        settings = self.spec.gateway
+        return 3 * (settings.signals_interval * 1.2 + settings.signals_timeout)
+
+    async def poll_signals(self) -> None:
+        """Scrape every ready replica's /metrics at once, each bounded by
+        ``signals_timeout``; a failed scrape leaves the replica's last signals to age."""
+        session = self.health_session
+        if session is None:
+            return
+        timeout = self.spec.gateway.signals_timeout
+        replicas = [r for r in self.pool.all() if r.health is Health.ready and r.model in self.catalog]
+        found = await asyncio.gather(
+            *(
+                scrape_signals(
+                    session,
+                    r.address,
+                    self.spec.profiles[self.catalog[r.model].profile].engine.value,
+                    self.upstreams.keys_for(r.address),
+                    timeout,
+                )
+                for r in replicas
+            )
+        )
+        now = time.monotonic()
+        for replica, signals in zip(replicas, found, strict=True):
+            if signals is not None:
+                self.pool.scraped(replica, signals, now)
 
     async def health_status(self, address: str, model: str) -> int | None:
         """The HTTP status of the replica's readiness path, or None when unreachable."""

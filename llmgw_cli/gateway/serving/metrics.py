@@ -116,6 +116,14 @@ class Metrics:
             ["model", "action", "reason"],
             registry=None,
         )
+        self.route_decisions = Counter(
+            "llmgw_route_decisions",
+            "Replica choices, by model, routing policy and reason (affinity: the key's own "
+            "replica; overloaded: it was past a threshold, another took the request; no_prefix: "
+            "no key, the least loaded; least_load; round_robin). A retry is a choice too.",
+            ["model", "policy", "reason"],
+            registry=None,
+        )
         self.recent = RecentUse()
         self.registry: CollectorRegistry | None = None
         self._children: dict[tuple[str, int, str], tuple[Any, ...]] = {}
@@ -157,6 +165,10 @@ class Metrics:
         if key != "-" and model != "-":
             self.recent.add(key, model, prompt + completion, time.monotonic())
 
+    def routed(self, model: str, policy: str, reason: str) -> None:
+        """A replica was chosen for a request of ``model``; all three labels are bounded."""
+        self.route_decisions.labels(model, policy, reason).inc()
+
     def retry(self, model: str) -> None:
         self.retries.labels(model).inc()
 
@@ -193,6 +205,7 @@ class Metrics:
             self.first_token,
             self.tokens,
             self.retries,
+            self.route_decisions,
             self.loads,
             self.load_seconds,
             self.evictions,

@@ -1,7 +1,8 @@
 """The public OpenAI API: authenticate, admit, route, relay, meter.
 
 Hot path, per request: one dict lookup for the key, one ``json.loads`` of the body, one
-pick from the pool, one upstream request on a pooled connection. The body is checked in
+choice from the pool (the model's routing policy; with ``prefix``, a hash of the parsed
+prompt's first KiB), one upstream request on a pooled connection. The body is checked in
 ``request_body``, a stream's bytes are handled in ``sse`` (both pure), errors take the
 OpenAI format of ``openai_error``. Here: the request's path through the gateway, and the
 ``RequestRecord`` that the log line, the usage meter and the metrics are written from.
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from llmgw_cli.core.planning.controller import Unavailable
+from llmgw_cli.core.serving.affinity import Policy, Thresholds, request_key, session_of
 from llmgw_cli.core.serving.keys import ApiKey, bearer
+from llmgw_cli.core.serving.routing import RoutedReplica, route_settings
 from llmgw_cli.errors import BadRequest, ConnectFailed, Disconnected, UpstreamError
 from llmgw_cli.gateway.control.state import Gateway, log
 from llmgw_cli.gateway.serving.openai_error import bad_request, error, request_id, withheld
@@ -41,6 +44,7 @@ class RequestRecord:
     api_key: ApiKey | None = None  # once it may use the model: its usage is metered
     model: str = "-"
     replica: str = "-"
+    route: str = "-"  # why that replica (core/serving/affinity.py's Reason)
     status: int = 0
     stream: bool = False
     hide_usage: bool = False  # the gateway asked for the usage event; the client did not
@@ -104,6 +108,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
                     "key": record.key,
                     "model": record.model,
                     "replica": record.replica,
+                    "route": record.route,
                     "status": record.status,
                     "stream": record.stream,
                     "prompt_tokens": record.prompt,
@@ -161,6 +166,10 @@ async def _forward(
         )
     record.model = name
     record.api_key = key
+    policy, thresholds = route_settings(model)
+    route_key = None
+    if policy is Policy.prefix:  # from the body parsed once above, never again
+        route_key = request_key(payload, session_of(payload, request.headers.get("x-session-id")))
     record.prompt_estimate = len(body) // BYTES_PER_TOKEN
     record.stream = payload.get("stream") is True and request.path in STREAMING_PATHS
     if record.stream:
@@ -193,7 +202,7 @@ async def _forward(
             {"Retry-After": "1"},
         )
     try:
-        return await _route(request, gw, record, body, started)
+        return await _route(request, gw, record, body, started, route=Route(route_key, policy, thresholds))
     finally:
         gw.admission.leave(name)
 
@@ -226,19 +235,49 @@ def _log_detail(level: int, rid: str, what: str, detail: str) -> None:
     log.log(level, "\n".join(f"request {rid}: {what}: {line}" for line in lines))
 
 
+@dataclass(frozen=True)
+class Route:
+    """How one request is routed: its key (None: no prefix or not the prefix policy) and
+    its model's policy and thresholds."""
+
+    key: str | None
+    policy: Policy
+    thresholds: Thresholds
+
+
+def _choose(gw: Gateway, record: RequestRecord, route: Route, tried: set[str]) -> RoutedReplica | None:
+    """The replica for the next attempt, its reason counted and kept for the log line."""
+    found = gw.pool.choose(
+        record.model,
+        time.monotonic(),
+        key=route.key,
+        policy=route.policy,
+        thresholds=route.thresholds,
+        exclude=frozenset(tried),
+        stale_after=gw.signals_stale_after(),
+    )
+    if found is None:
+        return None
+    replica, reason = found
+    record.route = reason.value
+    gw.metrics.routed(record.model, route.policy.value, reason.value)
+    return replica
+
+
 async def _route(
-    request: web.Request, gw: Gateway, record: RequestRecord, body: bytes, started: float
+    request: web.Request, gw: Gateway, record: RequestRecord, body: bytes, started: float, *, route: Route
 ) -> web.StreamResponse:
     name = record.model
     timeout = gw.stream_timeout if record.stream else gw.plain_timeout
     tried: set[str] = set()
-    replica = gw.pool.pick(name, time.monotonic())
+    replica = _choose(gw, record, route, tried)
     if replica is None:
         # None ready: the controller starts one if it may, and waits up to load_wait.
         found = await gw.controller.ensure_ready(name, started + gw.spec.gateway.load_wait)
         if isinstance(found, Unavailable):
             return _refused(found, request_id(request))
-        replica = found
+        # Ready now (no await since): the policy chooses among the ready ones.
+        replica = _choose(gw, record, route, tried) or found
     last_error = ""
     stale_retried = False
     while replica is not None and record.attempts < MAX_ATTEMPTS:
@@ -264,7 +303,7 @@ async def _route(
                     stale_retried = True
                     continue
                 gw.pool.failed(replica, time.monotonic())
-                replica = gw.pool.pick(name, time.monotonic(), frozenset(tried))
+                replica = _choose(gw, record, route, tried)
                 continue
             except UpstreamError as exc:
                 return _upstream_failed(request, gw, "The engine did not answer.", str(exc))

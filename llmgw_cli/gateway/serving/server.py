@@ -130,7 +130,7 @@ async def admin_replicas(request: web.Request) -> web.Response:
     phases = controller.phases()
     return web.json_response(
         {
-            "replicas": [r.as_dict() for r in gw.pool.all()],
+            "replicas": [r.as_dict(time.monotonic()) for r in gw.pool.all()],
             "queued": gw.admission.queued(),
             "models": {
                 name: _model_row(controller.model_state(name, phase)) for name, phase in phases.items()

@@ -294,6 +294,8 @@ class Upstreams:
     def __init__(self, connect_timeout: float, headers: dict[str, str]) -> None:
         self._auth: dict[str, tuple[bytes, ...]] = {}
         self._default_auth: tuple[bytes, ...] = ()
+        self._keys: dict[str, tuple[str, ...]] = {}
+        self._default_keys: tuple[str, ...] = ()
         self.configure(connect_timeout, headers)
         # Per address, the idle connections; a dict as an ordered set, so that the most
         # recently used (the least likely to have been closed by the engine) goes first.
@@ -316,6 +318,13 @@ class Upstreams:
 
         self._auth = {host: lines(keys) for host, keys in by_host.items()}
         self._default_auth = lines(default)
+        self._keys = {host: tuple(k for k in keys if k) for host, keys in by_host.items()}
+        self._default_keys = tuple(k for k in default if k)
+
+    def keys_for(self, address: str) -> tuple[str, ...]:
+        """The engine keys of the node at ``address`` (host:port), current key first: for
+        requests the gateway makes of its own (the engines' /metrics)."""
+        return self._keys.get(address.rpartition(":")[0].strip("[]"), self._default_keys)
 
     async def request(
         self, address: str, path: str, body: bytes, read_timeout: float, *, fresh: bool = False
