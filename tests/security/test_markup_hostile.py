@@ -25,12 +25,15 @@ from llmgw_cli.cli.views import (
 )
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.doctor.facts import Finding, Severity
+from llmgw_cli.core.planning.plan import Plan
+from llmgw_cli.core.planning.steps import HostStep
 from llmgw_cli.core.views.summary import ClassRow, FabricRow, ModelRow, NodeRow, Summary
 from llmgw_cli.core.weights.fetch import FetchPlan, Skip
 from llmgw_cli.errors import Problem
 from llmgw_cli.progress import Phase, Row
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import FetchResult
+from llmgw_cli.remote.gateway_install import GatewayPreviews
 from tests.integration.conftest import Lab
 from tests.integration.lab_helpers import llmgw_units, reset, run
 from tests.security.hostile_values import HOSTILE_ARGS, exec_argv, yaml_quoted
@@ -148,12 +151,14 @@ def test_apply_line_output_survives_a_journal_line_with_markup(
 
     monkeypatch.setattr(apply_cli, "prepare", prepare)
     spec = parse_cluster((ROOT / "inventories/single-box.yaml").read_text())
+    # a plan whose first step installs the node helper: the executor's first report
+    helper = HostStep(kind="node_helper", target=spec.nodes[0].name, action="install", reason="no helper yet")
     run = apply_cli._execute_with_progress(
         spec,
         Connections(spec, tmp_path),
-        None,  # type: ignore[arg-type]
+        Plan(actions=(), unplaced=(), warnings=(), facts_digest="", steps=(helper,)),
         wait=False,
-        gateway=None,  # type: ignore[arg-type]
+        gateway=GatewayPreviews(()),
         unreachable=set(),
         facts={},
     )
