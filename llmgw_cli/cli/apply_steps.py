@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,26 +26,24 @@ from llmgw_cli.core.engine.flag_check import check_flags
 from llmgw_cli.core.observe.facts import NodeFacts
 from llmgw_cli.core.observe.journal import split_ref
 from llmgw_cli.core.planning.plan import Plan, facts_digest, make_plan, running_replicas
-from llmgw_cli.core.planning.steps import HostFacts, HostStep
+from llmgw_cli.core.planning.steps import HostFacts
 from llmgw_cli.core.planning.whole_plan import has_work, remade, whole
 from llmgw_cli.core.weights.pins import moved, pinned_commits
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, SpecError, UsageError
-from llmgw_cli.progress import Board, Event, Events, Note, Report
+from llmgw_cli.progress import Board, Event, Events, Note
+from llmgw_cli.remote.apply_host import ApplyHost
 from llmgw_cli.remote.cluster_lock import ApplyHold, LockTerms, LockTimeout, take_for_apply
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.engine_keys import (
-    distribute_engine_keys,
     nodes_without_key,
-    rotate_engine_keys,
     rotation_plan,
 )
 from llmgw_cli.remote.execute import NOT_READY, Outcome
-from llmgw_cli.remote.gateway_install import GatewayPreviews, install, preview
-from llmgw_cli.remote.node_setup import prepare, stale_nodes
+from llmgw_cli.remote.gateway_install import GatewayPreviews, preview
+from llmgw_cli.remote.node_setup import stale_nodes
 from llmgw_cli.remote.probe import Snapshot
 from llmgw_cli.remote.replica_health import health_answers, last_lines
-from llmgw_cli.remote.rollout import apply_executor, carry_out
-from llmgw_cli.remote.transport import Transport
+from llmgw_cli.remote.rollout import apply_executor
 from llmgw_cli.remote.weights import ensure_for_plan
 
 T = TypeVar("T")
@@ -79,79 +77,25 @@ async def _execute_with_progress(
     async def run(report: Events) -> list[Outcome]:
         terms = None if take_lock is None else replace(take_lock, on_wait=report.note)
         reachable = [n.name for n in spec.nodes if n.name not in unreachable]
-        host = ApplyHost(spec, conns, gateway, facts, reachable, terms, allow_downtime)
+        host = ApplyHost(
+            spec=spec,
+            conns=conns,
+            plan=chosen,
+            gateway=gateway,
+            facts=facts,
+            reachable=reachable,
+            take_lock=terms,
+            lock=lock,
+            fetched=fetched,
+            wait=wait,
+            allow_downtime=allow_downtime,
+        )
         executor = apply_executor(
             spec, conns, report, take_lock=terms, engine_keys=host.keys, fetch=fetched is None, gateways=None
         )
-
-        async def replicas() -> list[Outcome]:
-            outcomes = [Outcome(node, False, why) for node, why in sorted((fetched or {}).items())]
-            return outcomes + await carry_out(
-                spec,
-                conns,
-                chosen if fetched is None else _without(chosen, fetched),
-                report,
-                facts=facts,
-                lock=lock,
-                take_lock=terms,
-                engine_keys=host.keys,
-                fetch=fetched is None,
-                wait=wait,
-                executor=executor,
-            )
-
-        return await executor.whole(chosen, host, replicas)
+        return await executor.whole(chosen, host)
 
     return await _with_progress(run)
-
-
-@dataclass
-class ApplyHost:
-    """apply's ``HostWork``: how the executor's host steps are carried out over SSH.
-    ``keys``: every reachable node's engine key once the engine key step ran (the units
-    and the gateways are given them)."""
-
-    spec: ClusterSpec
-    conns: Connections
-    gateway: GatewayPreviews
-    facts: dict[str, NodeFacts]
-    reachable: list[str]
-    take_lock: LockTerms | None
-    allow_downtime: bool
-    keys: dict[str, str] = field(default_factory=dict)
-
-    async def helpers(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
-        # the gateway's key and the node helper first: the units go through it
-        return await prepare(self.spec, self.conns, [s.target for s in steps], report, self.facts)
-
-    async def engine_keys(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
-        # Every reachable node, not only those the steps write a key to: each one's key is
-        # read for the units and the gateways, and the models' secret environment files
-        # go everywhere (the gateway starts on-demand replicas anywhere and never writes
-        # keys or secrets itself). A node with a key keeps it.
-        keys, failed = await distribute_engine_keys(self.spec, self._transports(), report)
-        self.keys.update(keys)
-        return failed
-
-    async def gateways(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
-        hosts = {s.target for s in steps}
-        previews = GatewayPreviews(tuple(p for p in self.gateway.hosts if p.host in hosts))
-        return await install(self.spec, self.conns, previews, {n: (k,) for n, k in self.keys.items()}, report)
-
-    async def rotate(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
-        return await _rotate(
-            self.spec,
-            self.conns,
-            gateway=self.gateway,
-            facts=self.facts,
-            transports=[self.conns.to(s.target) for s in steps],
-            report=report,
-            take_lock=self.take_lock,
-            allow_downtime=self.allow_downtime,
-        )
-
-    def _transports(self) -> list[Transport]:
-        return [self.conns.to(name) for name in self.reachable]
 
 
 async def _with_progress(work: Callable[[Events], Awaitable[T]]) -> T:
@@ -187,53 +131,11 @@ async def _with_progress(work: Callable[[Events], Awaitable[T]]) -> T:
         return await rendered(work, show)
 
 
-def _without(chosen: Plan, failed: dict[str, str]) -> Plan:
-    """``chosen`` without the starts on nodes whose weights could not be brought."""
-    kept = tuple(a for a in chosen.actions if not (a.write and set(a.nodes) & failed.keys()))
-    return chosen.model_copy(update={"actions": kept})
-
-
 async def _fetch(spec: ClusterSpec, conns: Connections, chosen: Plan) -> dict[str, str]:
     """The weights of the replicas ``chosen`` starts (URL sources and repositories brought,
     path sources checked on their nodes), before apply takes the cluster lock, so the
     gateway's starts do not wait for a download."""
     return await _with_progress(lambda report: ensure_for_plan(spec, chosen, conns, report))
-
-
-async def _rotate(
-    spec: ClusterSpec,
-    conns: Connections,
-    *,
-    gateway: GatewayPreviews,
-    facts: dict[str, NodeFacts],
-    transports: list[Transport],
-    report: Report,
-    take_lock: LockTerms | None,
-    allow_downtime: bool,
-) -> list[Outcome]:
-    """New engine keys on every reachable node, every installed gateway holding both meanwhile."""
-    # The gateways' files were installed just before: only their key maps change now.
-    settled = gateway.settled()
-
-    async def give_gateway(keys: dict[str, tuple[str, ...]]) -> Outcome:
-        given = await install(spec, conns, settled, keys, report)
-        failed = [o for o in given if not o.ok]
-        if len(given) == 1 or not failed:
-            return (
-                given[0] if len(given) == 1 else Outcome("gateway", True, "every gateway host has the keys")
-            )
-        return Outcome("gateway", False, "; ".join(f"{o.subject}: {o.message}" for o in failed))
-
-    return await rotate_engine_keys(
-        spec,
-        conns,
-        facts,
-        give_gateway,
-        report,
-        transports={t.node: t for t in transports},
-        take_lock=take_lock,
-        allow_downtime=allow_downtime,
-    )
 
 
 def flags_checked(spec: ClusterSpec, file: Path, facts: dict[str, NodeFacts], chosen: Plan) -> Plan:

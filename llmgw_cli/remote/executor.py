@@ -28,7 +28,7 @@ the callers comes in through two small seams:
 - ``Routing``: how a replica is seen routed and taken out of rotation (apply: every
   gateway's routes file and the drain markers; the controller: its own pool);
 - ``HostWork`` (apply only): how each kind of host step is carried out on its targets
-  (``cli/apply_steps.py``).
+  (``remote/apply_host.py``).
 
 Every event goes through ``Executor.event``: it is logged on the ``llmgw.executor``
 logger (with ``source="executor"``) and passed to the caller's ``Report``; the seams get
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -145,6 +145,11 @@ class HostWork(Protocol):
         to ``rotate``), and read every reachable node's, for the units and the gateways."""
         ...
 
+    async def replicas(self, executor: Executor) -> list[Outcome]:
+        """The plan's replica changes, carried out through ``executor`` (its ``start``,
+        ``stop`` and ``replace_all``)."""
+        ...
+
     async def gateways(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
         """Install the gateway on the hosts ``steps`` name (a ``none`` or ``skip`` step: the
         host is left as it is, and said to be), with the engine keys' map."""
@@ -163,12 +168,10 @@ class Executor:
 
     # --- a whole plan -------------------------------------------------------------------
 
-    async def whole(
-        self, plan: Plan, host: HostWork, replicas: Callable[[], Awaitable[list[Outcome]]]
-    ) -> list[Outcome]:
+    async def whole(self, plan: Plan, host: HostWork) -> list[Outcome]:
         """Carry out ``plan``'s host steps through ``host`` in the order of their kinds,
-        and its replica changes (``replicas``: carried out through this executor, see
-        ``remote/rollout.py``'s ``carry_out``) after the engine keys, before the gateways."""
+        and its replica changes (through this executor) after the engine keys, before the
+        gateways."""
         kinds: dict[StepKind, list[HostStep]] = {}
         for step in plan.steps:  # a gateway host's quiet step too: it says the host is served
             kinds.setdefault(step.kind, []).append(step)
@@ -176,7 +179,7 @@ class Executor:
         outcomes = await host.helpers(kinds.get("node_helper", []), self.event)
         outcomes += await host.engine_keys([s for s in keys if s.action != "rotate"], self.event)
         if plan.changes:
-            outcomes += await replicas()
+            outcomes += await host.replicas(self)
         outcomes += await host.gateways(kinds.get("gateway", []), self.event)
         rotated = [s for s in keys if s.action == "rotate"]
         if rotated:

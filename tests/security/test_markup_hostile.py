@@ -31,6 +31,7 @@ from llmgw_cli.core.views.summary import ClassRow, FabricRow, ModelRow, NodeRow,
 from llmgw_cli.core.weights.fetch import FetchPlan, Skip
 from llmgw_cli.errors import Problem
 from llmgw_cli.progress import Phase, Row
+from llmgw_cli.remote import apply_host
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import FetchResult
 from llmgw_cli.remote.gateway_install import GatewayPreviews
@@ -149,7 +150,7 @@ def test_apply_line_output_survives_a_journal_line_with_markup(
         report("llmgw-m-0.service on node01", f"failed: exited 1; journal: {text}")
         raise Stop
 
-    monkeypatch.setattr(apply_cli, "prepare", prepare)
+    monkeypatch.setattr(apply_host, "prepare", prepare)
     spec = parse_cluster((ROOT / "inventories/single-box.yaml").read_text())
     # a plan whose first step installs the node helper: the executor's first report
     helper = HostStep(kind="node_helper", target=spec.nodes[0].name, action="install", reason="no helper yet")

@@ -26,7 +26,7 @@ from llmgw_cli.core.planning.plan import Plan, grow_plan, make_plan
 from llmgw_cli.core.planning.steps import GatewayState, HostFacts
 from llmgw_cli.core.planning.whole_plan import whole
 from llmgw_cli.errors import ApplyFailed, InputError, NodeError
-from llmgw_cli.remote import rollout
+from llmgw_cli.remote import apply_host, rollout
 from llmgw_cli.remote.cluster_lock import LockTimeout
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome
@@ -269,7 +269,7 @@ def test_units_go_only_where_the_weights_are_and_the_lock_goes_before_the_wait(
         ("distribute_engine_keys", keys),
         ("install", install),
     ):
-        monkeypatch.setattr(apply_cli, name, fake)
+        monkeypatch.setattr(apply_host, name, fake)
     monkeypatch.setattr(rollout, "execute", execute)
     monkeypatch.setattr(rollout, "wait_started", wait_started)
     monkeypatch.setattr(apply_cli, "err", Console(file=io.StringIO(), color_system=None))
@@ -330,8 +330,8 @@ def test_apply_carries_out_the_whole_plan_through_the_one_executor(
         report("gateway", "files in place")
         return [Outcome("gateway", True, "ready")]
 
-    async def rotate(spec: Any, conns: Any, **kw: Any) -> list[Outcome]:
-        done.append(("rotate", [t.node for t in kw["transports"]]))
+    async def rotate(spec: Any, conns: Any, facts: Any, give: Any, report: Any, **kw: Any) -> list[Outcome]:
+        done.append(("rotate", sorted(kw["transports"])))
         return []
 
     for name, fake in (
@@ -339,9 +339,9 @@ def test_apply_carries_out_the_whole_plan_through_the_one_executor(
         ("distribute_engine_keys", keys),
         ("carry_out", carry_out),
         ("install", install),
-        ("_rotate", rotate),
+        ("rotate_engine_keys", rotate),
     ):
-        monkeypatch.setattr(apply_cli, name, fake)
+        monkeypatch.setattr(apply_host, name, fake)
     monkeypatch.setattr(apply_cli, "err", Console(file=io.StringIO(), color_system=None))
     with caplog.at_level("INFO", logger="llmgw.executor"):
         outcomes = asyncio.run(
