@@ -175,11 +175,18 @@ async def _apply_node(t: Transport, w: _NodeWork, key: str | None, *, operator: 
     try:
         await ops.start(units)
     except NodeError as exc:
-        # An engine that exits at once can fail its start job before the readiness wait
-        # would have seen it: say why with the journals of the units that did not come up.
-        tails = [await unit_failure(ops, unit, since) for unit in units]
-        raise NodeError(t.node, exc.kind, "\n".join([exc.reason, *filter(None, tails)])) from None
+        # An engine that exits at once (or cannot be executed) can fail its start job, or
+        # not, depending on whether systemd sees the exit before the job ends. Either way it
+        # is a replica that never became ready: the readiness wait reports it with its
+        # journal and stops it. A start that failed with every unit up is the node's failure.
+        if not [unit for unit in units if await _went_wrong_now(ops, unit)]:
+            raise NodeError(t.node, exc.kind, exc.reason) from None
     return since
+
+
+async def _went_wrong_now(ops: NodeOps, unit: str) -> bool:
+    state = await ops.show(unit)
+    return state is not None and went_wrong(state)
 
 
 async def clear_markers(t: Transport, units: list[str]) -> None:

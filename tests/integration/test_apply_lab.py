@@ -245,7 +245,8 @@ BAD_ENGINE = "/usr/local/bin/llmgw-bad-interpreter"
 
 def test_engine_that_cannot_start_is_reported_with_its_journal(clean: Lab, tmp_path: Path) -> None:
     """An engine whose program cannot be executed fails its start job (``Type=exec``) before
-    the readiness wait begins; apply still says why, with the unit's journal."""
+    the readiness wait begins; apply reports it as a replica that did not get ready, with
+    the unit's journal, and stops it."""
     for node in clean.nodes:
         clean.ssh(node.name, f"printf '#!/nonexistent/interpreter\\n' > {BAD_ENGINE}; chmod 755 {BAD_ENGINE}")
     try:
@@ -256,9 +257,12 @@ def test_engine_that_cannot_start_is_reported_with_its_journal(clean: Lab, tmp_p
         output = done.stdout + done.stderr
         assert done.returncode == 1, output
         words = " ".join(output.split())  # rich wraps long lines at the terminal's width
-        assert f"{SMOL} failed" in words, output
+        assert "1 replica not ready (smollm2-135m#0), stopped" in words, output
+        assert f"{SMOL} " in words, output  # the unit's state leads its journal lines
         # systemd's own journal line for the failed exec, which only the journal holds
         assert "No such file or directory" in words, output
+        states = [clean.ssh(n.name, f"systemctl is-active {SMOL}").stdout.strip() for n in clean.nodes]
+        assert "activating" not in states and "active" not in states, states  # not left restarting
     finally:
         for node in clean.nodes:
             clean.ssh(node.name, f"rm -f {BAD_ENGINE}")

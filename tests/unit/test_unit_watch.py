@@ -12,11 +12,11 @@ import pytest
 
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.planning.drain import DRAIN_DIR
-from llmgw_cli.core.planning.plan import Action, Plan
+from llmgw_cli.core.planning.plan import Action, Plan, UnitFile
 from llmgw_cli.progress import silent
 from llmgw_cli.remote import execute as execute_mod
 from llmgw_cli.remote.connect import Connections
-from llmgw_cli.remote.execute import UnitWatch, execute
+from llmgw_cli.remote.execute import NOT_READY, UnitWatch, execute
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.transport import CommandResult, Transport
 
@@ -238,3 +238,68 @@ def test_the_journal_is_read_from_before_the_start_when_the_watch_began_later() 
     assert not any(" date" in c for c in node.commands)  # the node's clock now is not asked
     later = watched(FakeNode(props=node.props))
     assert later.since == "1700000000"  # without one: the node's clock when the watch began
+
+
+class StartJobFails(FakeNode):
+    """A node whose engine exits before systemd's start job ends: ``start`` fails and the
+    unit waits to be restarted; the node's other commands (accounts, key file) succeed."""
+
+    async def run(self, command: str, *, root: bool = False, stdin: str | None = None) -> CommandResult:
+        words = shlex.split(command)
+        if words[0].endswith("node-helper") and words[1] == "start":
+            self.commands.append(command)
+            self.set("activating", "auto-restart", result="exit-code", status=2)
+            self.journal = [JOURNAL]
+            return CommandResult(1, "", f"Job for {UNIT} failed because the control process exited")
+        if words[0].endswith("node-helper") or words[:2] == ["cat", "/etc/llmgw/engine.env"]:
+            return await super().run(command, root=root, stdin=stdin)
+        self.commands.append(command)
+        return CommandResult(1 if words[:1] == ["timeout"] else 0, "", "")  # nothing answers HTTP
+
+    async def write_file(self, path: str, content: str, *, mode: int = 0o644, root: bool = False) -> None:
+        pass
+
+
+def test_an_engine_that_fails_its_start_job_is_a_replica_not_ready_and_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whether systemd sees an engine's exit before its start job ends is a race; either
+    way apply says the same: the node's units are in place, the replica was not ready (with
+    its journal) and it is stopped, not left for systemd to restart forever."""
+
+    async def no_weights(*_args: object) -> dict[str, str]:
+        return {}
+
+    monkeypatch.setattr(execute_mod, "ensure_for_plan", no_weights)
+    spec = parse_cluster(CLUSTER.replace("models: []", "models:\n  - {name: m, source: /w/m, profile: vllm}"))
+    node = StartJobFails()
+    node.set("inactive", "dead")
+    start = Plan(
+        actions=(
+            Action(
+                op="+",
+                model="m",
+                replica=0,
+                nodes=("a",),
+                reason="min",
+                port=8000,
+                write=(UnitFile(node="a", name=UNIT, text="[Service]\n"),),
+            ),
+        ),
+        unplaced=(),
+        warnings=(),
+        facts_digest="",
+    )
+
+    async def scenario() -> list[tuple[str, bool, str]]:
+        async with Connections(spec, Path(), opener=lambda *_: node) as conns:
+            outcomes = await execute(spec, conns, start, silent, engine_keys={"a": KEY})
+        return [(o.subject, o.ok, o.message) for o in outcomes]
+
+    (placed, replica) = asyncio.run(scenario())
+    assert placed == ("a", True, "units in place")
+    assert replica[:2] == ("m#0", False)
+    assert replica[2].startswith(f"{NOT_READY}: {UNIT} activating/auto-restart"), replica
+    assert JOURNAL in replica[2]
+    helper = [shlex.split(c)[1:] for c in node.commands if shlex.split(c)[0].endswith("node-helper")]
+    assert helper.index(["start", UNIT]) < helper.index(["stop", UNIT])  # stopped after the failed start
