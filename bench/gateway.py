@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_KEY = "bench-engine-key"
@@ -536,13 +537,19 @@ class Gateway:
         *,
         store: str | None = None,
         env: dict[str, str] | None = None,
+        more_upstreams: tuple[int, ...] = (),
+        gateway: dict[str, Any] | None = None,
+        model: dict[str, Any] | None = None,
     ) -> None:
         """``store``: a PostgreSQL URL for ``gateway.store`` (its password in ``env``'s
-        ``LLMGW_STORE_PASSWORD``); SQLite in the gateway's folder without it."""
+        ``LLMGW_STORE_PASSWORD``); SQLite in the gateway's folder without it.
+        ``more_upstreams``: ports of the model's other replicas; ``gateway`` and ``model``:
+        more settings of the cluster file's gateway and of its one model."""
         self.name, self.loop = name, loop
         self.dir = work / name
         self.dir.mkdir()
         self.port, admin_port, metrics_port = free_port(), free_port(), free_port()
+        self.metrics_port = metrics_port
         self.cluster = self.dir / "cluster.yaml"
         self.cluster.write_text(
             json.dumps(
@@ -554,6 +561,7 @@ class Gateway:
                         "metrics_listen": f"127.0.0.1:{metrics_port}",
                         "state_dir": str(self.dir / "state"),
                         **({"store": store} if store else {}),
+                        **(gateway or {}),
                     },
                     "nodes": [{"name": "n1", "address": "127.0.0.1", "connection": "local"}],
                     "profiles": {"p": {"engine": "vllm"}},
@@ -563,12 +571,15 @@ class Gateway:
                             "source": "org/bench",
                             "profile": "p",
                             "scaling": {"min": 1, "max": 1},
+                            **(model or {}),
                         }
                     ],
                 }
             )
         )
-        (self.dir / "replicas.yaml").write_text(json.dumps({"bench": [f"127.0.0.1:{upstream}"]}))
+        (self.dir / "replicas.yaml").write_text(
+            json.dumps({"bench": [f"127.0.0.1:{port}" for port in (upstream, *more_upstreams)]})
+        )
         (self.dir / "engine.env").write_text(f"LLMGW_ENGINE_KEY={ENGINE_KEY}\n")
         self.key = subprocess.run(
             [*LLMGW, "keys", "create", "-f", str(self.cluster), "--name", "bench"],
