@@ -17,6 +17,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -421,6 +422,73 @@ def test_a_shared_system_prompt_goes_to_one_vllm_and_is_served_from_its_prefix_c
     assert hits >= 0.5 * queries > 0, (hits, queries)
     (other,) = set(replicas) - {chosen}
     assert after[other] == before[other]
+
+
+def test_a_saturated_affine_vllm_yields_to_the_other_and_gets_its_prefix_back_once_free(
+    real: RealLab,
+) -> None:
+    """Bounded load: three long generations that share a system prompt run on the replica
+    their key picks; a fourth request of the same prompt finds that replica past (1 + 0.25)
+    x the mean in flight, plus one, and goes to the other (``overloaded``). Once the long
+    ones end, the prompt goes back to its own replica (``affinity``)."""
+    key = real.new_key("saturate")
+    system = " ".join(f"Clause {i}: every reply names a colour and a number." for i in range(40))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+    url = f"http://127.0.0.1:{real.port}/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {key}"}
+
+    def ask() -> None:
+        body = {"model": CHAT, "messages": messages, "max_tokens": 2, "temperature": 0}
+        answer = httpx.post(url, json=body, headers=headers, timeout=120)
+        assert answer.status_code == 200, answer.text
+
+    def lines() -> list[dict[str, object]]:
+        return [x for x in access_log(real.log, CHAT) if x["key"] == "saturate"]
+
+    ask()
+    (first,) = wait_until(lines, until=lambda found: len(found) == 1, timeout=10, what="the first line")
+    assert first["route"] == "affinity", first
+    home = first["replica"]
+
+    long_body = {
+        "model": CHAT,
+        "messages": messages,
+        "max_tokens": 1500,
+        "ignore_eos": True,  # vLLM's: the generation runs its whole length
+        "temperature": 0,
+        "stream": True,
+    }
+    started = threading.Barrier(4)
+    release = threading.Event()
+
+    def long_stream() -> None:
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", url, json=long_body, headers=headers) as answer,
+        ):
+            assert answer.status_code == 200
+            next(line for line in answer.iter_lines() if line.startswith("data: {"))
+            started.wait(timeout=120)
+            release.wait(timeout=120)  # the stream is closed with its generation unfinished
+
+    threads = [threading.Thread(target=long_stream) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        started.wait(timeout=120)  # all three streaming: in flight on their replica
+        ask()
+    finally:
+        release.set()
+        for t in threads:
+            t.join(timeout=60)
+    found = wait_until(lines, until=lambda found: len(found) == 5, timeout=60, what="the long streams' lines")
+    (busy,) = [x for x in found if x["route"] == "overloaded"]
+    assert busy["replica"] != home, found
+    rest = [x for x in found if x is not busy]
+    assert [(x["route"], x["replica"]) for x in rest] == [("affinity", home)] * 4, found
+    ask()
+    last = wait_until(lines, until=lambda found: len(found) == 6, timeout=10, what="the last line")[-1]
+    assert (last["route"], last["replica"]) == ("affinity", home), last
 
 
 # --- faults: the last test, it stops the gateway to read its complete access log ----------
