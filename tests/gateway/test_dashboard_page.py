@@ -64,6 +64,7 @@ def report() -> dict[str, object]:
             "in_flight": 0,
             "idle_seconds": 4000.0,
             "idle": True,
+            "load": {"read": True, "waiting": 3.0, "running": 2.0, "kv_usage": 0.25, "age_seconds": 1.5},
         }
     ]
     summary["keys"] = [
