@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import json as json_module
-import math
 import sys
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -23,6 +20,8 @@ from llmgw_cli.cli.common import (
 from llmgw_cli.errors import ExitCode
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from llmgw_cli.cli.session import Session
     from llmgw_cli.core.clusterfile.spec import ClusterSpec
     from llmgw_cli.core.observe.facts import NodeFacts
@@ -72,6 +71,8 @@ async def _health(
     """What the probe cannot say (``remote/replica_health.py``): the health checks of the
     replicas still starting, the last journal line of those not ready, and the load the
     engines of those ready report on their /metrics."""
+    import asyncio
+
     from llmgw_cli.core.observe.health import ReplicaState
     from llmgw_cli.core.planning.plan import running_replicas
     from llmgw_cli.remote.replica_health import engine_pages, health_answers, last_lines
@@ -79,7 +80,13 @@ async def _health(
     answers = await health_answers(spec, session.conns, facts)
     replicas = running_replicas(facts)
     ailing = [r for r in replicas if not r.health(answers.get((r.model, r.replica))).alive]
-    ready = [r for r in replicas if r.health(answers.get((r.model, r.replica))) is ReplicaState.ready]
+    ready = [  # on a head node probed here (--nodes: no other node is reached)
+        r
+        for r in replicas
+        if r.members[:1]
+        and r.members[0] in facts
+        and r.health(answers.get((r.model, r.replica))) is ReplicaState.ready
+    ]
     journal, pages = await asyncio.gather(
         last_lines(session.conns, ailing), engine_pages(spec, session.conns, ready)
     )
@@ -91,6 +98,8 @@ def engine_loads(
 ) -> dict[tuple[str, int], EngineLoad]:
     """(model, replica) -> its load read from its engine's /metrics ``pages`` just now; a
     page that gives no signal (an engine kind not known, a mangled page) is left out: unknown."""
+    import math
+
     from llmgw_cli.core.serving.engine_signals import Signals
     from llmgw_cli.core.views.summary import engine_load
     from llmgw_cli.gateway.serving.engine_scrape import parse_signals
