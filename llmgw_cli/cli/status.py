@@ -20,10 +20,13 @@ from llmgw_cli.cli.common import (
 from llmgw_cli.errors import ExitCode
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from llmgw_cli.cli.session import Session
     from llmgw_cli.core.clusterfile.spec import ClusterSpec
     from llmgw_cli.core.observe.facts import NodeFacts
     from llmgw_cli.core.planning.plan import Answers
+    from llmgw_cli.core.views.summary import EngineLoad
 
 
 def status(
@@ -32,7 +35,8 @@ def status(
     json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON, for scripts.")] = False,
 ) -> None:
     """Probe every node over SSH and show nodes, GPUs by class, fabrics, models and each
-    replica's state (ready, starting, crash-looping, failed, stopped).
+    replica's state (ready, starting, crash-looping, failed, stopped), with the queue and
+    KV-cache use its engine reports (— where it could not be read).
 
     With --nodes, only those nodes are probed and shown, with what runs on them.
     Unreachable nodes are listed with the reason. Exit code 1 when a model has fewer ready
@@ -50,8 +54,8 @@ def status(
     with Session(spec, file.resolve().parent) as session:
         snapshot = probe_with_progress(spec, file, chosen, Console(stderr=True), session)
         facts = {f.node: f for f in snapshot.nodes}
-        answers, journal = session.run(_health(spec, session, facts))
-    summary = summarize(spec, facts, scope=chosen, answers=answers, journal=journal)
+        answers, journal, loads = session.run(_health(spec, session, facts))
+    summary = summarize(spec, facts, scope=chosen, answers=answers, journal=journal, loads=loads)
     if json:
         report = {"probe_seconds": round(snapshot.seconds, 3), **summary.model_dump(mode="json")}
         sys.stdout.write(json_module.dumps(report, indent=2) + "\n")
@@ -63,12 +67,49 @@ def status(
 
 async def _health(
     spec: ClusterSpec, session: Session, facts: dict[str, NodeFacts]
-) -> tuple[Answers, dict[tuple[str, int], str]]:
+) -> tuple[Answers, dict[tuple[str, int], str], dict[tuple[str, int], EngineLoad]]:
     """What the probe cannot say (``remote/replica_health.py``): the health checks of the
-    replicas still starting, and the last journal line of those not ready."""
+    replicas still starting, the last journal line of those not ready, and the load the
+    engines of those ready report on their /metrics."""
+    import asyncio
+
+    from llmgw_cli.core.observe.health import ReplicaState
     from llmgw_cli.core.planning.plan import running_replicas
-    from llmgw_cli.remote.replica_health import health_answers, last_lines
+    from llmgw_cli.remote.replica_health import engine_pages, health_answers, last_lines
 
     answers = await health_answers(spec, session.conns, facts)
-    ailing = [r for r in running_replicas(facts) if not r.health(answers.get((r.model, r.replica))).alive]
-    return answers, await last_lines(session.conns, ailing)
+    replicas = running_replicas(facts)
+    ailing = [r for r in replicas if not r.health(answers.get((r.model, r.replica))).alive]
+    ready = [  # on a head node probed here (--nodes: no other node is reached)
+        r
+        for r in replicas
+        if r.members[:1]
+        and r.members[0] in facts
+        and r.health(answers.get((r.model, r.replica))) is ReplicaState.ready
+    ]
+    journal, pages = await asyncio.gather(
+        last_lines(session.conns, ailing), engine_pages(spec, session.conns, ready)
+    )
+    return answers, journal, engine_loads(spec, pages)
+
+
+def engine_loads(
+    spec: ClusterSpec, pages: Mapping[tuple[str, int], str]
+) -> dict[tuple[str, int], EngineLoad]:
+    """(model, replica) -> its load read from its engine's /metrics ``pages`` just now; a
+    page that gives no signal (an engine kind not known, a mangled page) is left out: unknown."""
+    import math
+
+    from llmgw_cli.core.serving.engine_signals import Signals
+    from llmgw_cli.core.views.summary import engine_load
+    from llmgw_cli.gateway.serving.engine_scrape import parse_signals
+
+    models = {m.name: m for m in spec.models}
+    loads = {}
+    for (model, replica), page in pages.items():
+        if model not in models:
+            continue
+        signals = parse_signals(spec.profiles[models[model].profile].engine.value, page)
+        if signals != Signals():
+            loads[(model, replica)] = engine_load(signals, 0.0, math.inf)
+    return loads

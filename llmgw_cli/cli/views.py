@@ -173,17 +173,21 @@ _STATE_STYLE = {"ready": "green", "starting": "yellow"}
 
 
 def _health_table(summary: Summary) -> Table:
-    """Each replica's state as its units say (``core/observe/health.py``), with the last journal
-    line of one not ready."""
+    """Each replica's state as its units say (``core/observe/health.py``), its engine's queue
+    and KV-cache use (— where not read), and the last journal line of one not ready."""
+    from llmgw_cli.core.views.summary import count_text, share_text
+
     table = Table(title="Replicas", title_justify="left")
-    for col in ("replica", "where", "state", "restarts", "last journal line"):
-        table.add_column(col, overflow="fold")
+    for col in ("replica", "where", "state", "restarts", "queue", "KV cache", "last journal line"):
+        table.add_column(col, overflow="fold", justify="right" if col in ("queue", "KV cache") else "left")
     for r in summary.health:
         table.add_row(
             plain(f"{r.model}#{r.replica}"),
             plain(f"{', '.join(r.nodes)}:{r.port}"),
             Text(r.state, style=_STATE_STYLE.get(r.state, "red")),
             str(r.restarts),
+            plain(count_text(r.load.waiting)),
+            plain(share_text(r.load.kv_usage)),
             plain(r.journal or "-"),
         )
     return table

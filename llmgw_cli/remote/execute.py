@@ -279,6 +279,35 @@ async def ready_status(t: Transport, host: str, port: int, path: str) -> int | N
     return int(words[1]) if result.ok and len(words) > 1 and words[1].isdigit() else None
 
 
+METRICS_BYTES = 1024 * 1024  # the most of an engine's /metrics page read (a vLLM page is about 50 kB)
+
+
+async def metrics_page(t: Transport, host: str, port: int, key: str | None) -> str | None:
+    """The page of ``http://host:port/metrics`` asked from the node itself, as
+    ``ready_status`` asks, with the node's engine key; None when it does not answer 200
+    within 5 s or the page is over ``METRICS_BYTES``. The key goes in the script on stdin,
+    never on a command line another account can read."""
+    auth = "Authorization: Bearer %s\\r\\n" if key else ""
+    args = " ".join(shlex.quote(a) for a in (host, *([key] if key else [])))
+    script = (
+        f"exec 3<>/dev/tcp/{host}/{port} || exit 1\n"
+        f"printf 'GET /metrics HTTP/1.0\\r\\nHost: %s\\r\\n{auth}\\r\\n' {args} >&3\n"
+        f"head -c {METRICS_BYTES + 64 * 1024} <&3\n"
+    )
+    result = await t.run("timeout 5 bash -s 2>/dev/null", stdin=script)
+    return response_body(result.stdout) if result.ok else None
+
+
+def response_body(raw: str) -> str | None:
+    """The body of an HTTP/1.0 response read whole (``metrics_page``): None unless its
+    status is 200 and the body is at most ``METRICS_BYTES``."""
+    head, sep, body = raw.replace("\r\n", "\n").partition("\n\n")
+    words = head.split(None, 2)
+    if not sep or len(words) < 2 or words[1] != "200" or len(body.encode()) > METRICS_BYTES:
+        return None
+    return body
+
+
 def went_wrong(state: UnitState, restarts: int | None = None) -> bool:
     """Whether a unit that was started has failed since: systemd gave up on it
     (``failed``), it waits to be restarted (``auto-restart``: an engine that exits at once

@@ -16,7 +16,7 @@ from llmgw_cli.core.observe.health import ReplicaState, telling_line
 from llmgw_cli.core.planning.plan import Answers, Running, running_replicas
 from llmgw_cli.errors import NodeError
 from llmgw_cli.remote.connect import Connections
-from llmgw_cli.remote.execute import read_engine_key, ready_status, redact_keys
+from llmgw_cli.remote.execute import metrics_page, read_engine_key, ready_status, redact_keys
 from llmgw_cli.remote.nodeops import NodeOps
 
 Key = tuple[str, int]  # (model, replica)
@@ -46,6 +46,27 @@ async def health_answers(spec: ClusterSpec, conns: Connections, facts: dict[str,
 
     found = await asyncio.gather(*(one(r) for r in running))
     return {key: ready for key, ready in found if ready is not None}
+
+
+async def engine_pages(spec: ClusterSpec, conns: Connections, replicas: Iterable[Running]) -> dict[Key, str]:
+    """(model, replica) -> the /metrics page its engine serves, asked on its head node with
+    that node's engine key (the engines' firewall lets in only the nodes); left out where
+    the node or the engine did not answer."""
+    chosen = [r for r in replicas if r.members]
+    heads = sorted({r.members[0] for r in chosen})
+    found_keys = await asyncio.gather(*(read_engine_key(conns.to(spec.node(n))) for n in heads))
+    keys = dict(zip(heads, found_keys, strict=True))
+
+    async def one(r: Running) -> tuple[Key, str | None]:
+        node = spec.node(r.members[0])
+        try:
+            page = await metrics_page(conns.to(node), node.engine_host, r.port, keys[node.name])
+        except NodeError:
+            page = None
+        return (r.model, r.replica), page
+
+    found = await asyncio.gather(*(one(r) for r in chosen))
+    return {key: page for key, page in found if page is not None}
 
 
 async def last_lines(conns: Connections, replicas: Iterable[Running]) -> dict[Key, str]:

@@ -64,6 +64,7 @@ def report() -> dict[str, object]:
             "in_flight": 0,
             "idle_seconds": 4000.0,
             "idle": True,
+            "load": {"read": True, "waiting": 3.0, "running": 2.0, "kv_usage": 0.25, "age_seconds": 1.5},
         }
     ]
     summary["keys"] = [
@@ -118,3 +119,30 @@ def test_no_model_no_charts() -> None:
     parsed = Page(page(r, "now"))
     assert [t for t, _ in parsed.tags].count("svg") == 0
     assert any(a.get("id") == "last-hour" for t, a in parsed.tags if t == "p")
+
+
+def test_each_replicas_engine_load_is_shown_read_stale_or_unknown() -> None:
+    """Fresh values as numbers, a stale reading by its age only, none as "—" (never 0)."""
+    r = report()
+    base = {"model": "chat", "health": "ready", "in_flight": 0, "idle_seconds": 1.0, "idle": False}
+    r["replicas"] = [
+        {**base, "address": "h:1", "load": {"read": True, "waiting": 0.0, "running": 2.0,
+                                            "kv_usage": 0.995, "age_seconds": 2.0}},
+        {**base, "address": "h:2", "load": {"read": False, "waiting": None, "running": None,
+                                            "kv_usage": None, "age_seconds": 95.0}},
+        {**base, "address": "h:3", "load": {"read": False, "waiting": None, "running": None,
+                                            "kv_usage": None, "age_seconds": None}},
+    ]  # fmt: skip
+    html = page(r, "now")
+    cells = {}
+    for address in ("h:1", "h:2", "h:3"):
+        row = html.split(f'data-address="{address}"', 1)[1].split("</tr>", 1)[0]
+        cells[address] = [t.strip() for t in Page(row).text if t.strip()]
+    assert cells["h:1"][-4:] == ["0", "2", "100%", "read 2s ago"]
+    assert cells["h:2"][-4:] == [
+        "\u2014",
+        "\u2014",
+        "\u2014",
+        "stale: last read 1m 35s ago",
+    ]
+    assert cells["h:3"][-4:] == ["\u2014", "\u2014", "\u2014", "not read"]

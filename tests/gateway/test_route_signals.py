@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -25,12 +26,13 @@ from llmgw_cli.gateway.control.fleet import FleetCollector
 from llmgw_cli.gateway.control.sources import StaticSource
 from llmgw_cli.gateway.control.state import Gateway
 from llmgw_cli.gateway.serving.accesslog import AccessLog
-from llmgw_cli.gateway.serving.server import public_app
+from llmgw_cli.gateway.serving.server import admin_app, public_app
 from llmgw_cli.gateway.store.sqlite import SqliteStore
 
 from .harness import ENGINE_KEY, free_port
 
 TOKEN = "client-secret"
+ADMIN = "admin-secret"
 PAGE = (Path(__file__).resolve().parents[1] / "data/vllm_metrics.prom").read_text()
 SYSTEM = "You are the billing desk of a large utility. Answer in two sentences. " * 20  # 1,400 chars
 
@@ -161,6 +163,7 @@ class Front:
 async def front(tmp_path: Path, name: str, spec_text: str, addresses: list[str]) -> AsyncIterator[Front]:
     store = SqliteStore(tmp_path / name)
     await store.add_key(ApiKey(name="k", digest=hash_token(TOKEN)))
+    await store.add_key(ApiKey(name="admin", digest=hash_token(ADMIN), admin=True))
     log = io.BytesIO()
     gw = Gateway(
         parse_cluster(spec_text),
@@ -370,3 +373,69 @@ def test_the_access_log_names_the_route_beside_the_replica(tmp_path: Path) -> No
             assert len(sessions) == 1 and g.log_lines()[-1]["route"] == "affinity"
 
     asyncio.run(scenario())
+
+
+def test_the_admin_summary_and_dashboard_show_each_replicas_queue_and_kv_as_read(tmp_path: Path) -> None:
+    """One engine says 7 waiting, 3 running, 42% of its KV cache, with HTML in its labels
+    and an absurd count on another engine; one never serves its /metrics: its signals are
+    unknown (null, "—"), never 0. What an engine says reaches the page as formatted
+    numbers only."""
+
+    async def scenario() -> None:
+        hostile = metrics_page(waiting=7, running=3, kv=0.42).replace(
+            'model_name="m"', 'model_name="<script>alert(1)</script>"'
+        )
+        async with AsyncExitStack() as stack:
+            a = await stack.enter_async_context(engine_server(FakeEngine(page=hostile)))
+            b = await stack.enter_async_context(engine_server(FakeEngine(mode="error")))
+            c = await stack.enter_async_context(engine_server(FakeEngine(page=metrics_page(waiting=1e300))))
+            g = await stack.enter_async_context(
+                front(
+                    tmp_path, "g", cluster(interval="1s", timeout="500ms"), [a.address, b.address, c.address]
+                )
+            )
+            await until(lambda: g.gw.pool.ready_count("m") == 3)
+            await until(waiting_seen(g, a.address, 7.0))
+            await until(waiting_seen(g, c.address, 1e300))
+            admin = TestClient(TestServer(admin_app(g.gw), host="127.0.0.1"))
+            await admin.start_server()
+            stack.push_async_callback(admin.close)
+            headers = {"Authorization": f"Bearer {ADMIN}"}
+            resp = await admin.get("/admin/api/summary", headers=headers)
+            assert resp.status == 200
+            loads = {r["address"]: r["load"] for r in (await resp.json())["replicas"]}
+            read = loads[a.address]
+            assert read["read"] is True
+            assert (read["waiting"], read["running"], read["kv_usage"]) == (7.0, 3.0, 0.42)
+            assert 0 <= read["age_seconds"] < 2 * 1.2 + 0.5
+            assert loads[b.address] == {
+                "read": False,
+                "waiting": None,
+                "running": None,
+                "kv_usage": None,
+                "age_seconds": None,
+            }
+            assert loads[c.address]["waiting"] == 1e300
+
+            resp = await admin.get("/admin", headers=headers)
+            html = await resp.text()
+            assert "<script>" not in html and "alert(1)" not in html
+            rows = {addr: _cells(html, addr) for addr in (a.address, b.address, c.address)}
+            assert rows[a.address]["queue"] == "7" and rows[a.address]["running"] == "3"
+            assert rows[a.address]["kv"] == "42%" and rows[a.address]["signals"].startswith("read ")
+            assert (rows[b.address]["queue"], rows[b.address]["kv"]) == ("\u2014", "\u2014")
+            assert rows[b.address]["signals"] == "not read"
+            assert rows[c.address]["queue"] == "1e+300"
+
+    asyncio.run(scenario())
+
+
+def _cells(html: str, address: str) -> dict[str, str]:
+    """The text of the replicas table's cells of ``address``, by class (queue, kv...)."""
+    row = html.split(f'data-address="{address}"', 1)[1].split("</tr>", 1)[0]
+    found = {}
+    for m in re.finditer(r'<td class="([^"]*)">(.*?)</td>', row, re.S):
+        names = [c for c in m.group(1).split() if c not in ("n", "ok", "warn", "muted")]
+        if names:
+            found[names[0]] = m.group(2).strip()
+    return found

@@ -30,6 +30,7 @@ from llmgw_cli.core.observe.hardware import fabric_status, gpu_class
 from llmgw_cli.core.observe.health import ReplicaState, worst
 from llmgw_cli.core.observe.parse.units import replica_units
 from llmgw_cli.core.planning.plan import Answers, Running, running_replicas
+from llmgw_cli.core.serving.engine_signals import Signals
 from llmgw_cli.core.serving.routing import Health, RoutedReplica, serving_address
 
 # A replica of a model without `scaling.idle_timeout` counts as held idle after this long
@@ -104,6 +105,52 @@ class ModelRow(Fact):
         return self.mode == "always" and self.running < self.desired
 
 
+UNKNOWN = "\u2014"  # a signal no engine reading gives: shown as such, never as 0
+
+
+class EngineLoad(Fact):
+    """A replica's load as its engine reports it on its own /metrics
+    (``core/serving/engine_signals.py``). ``read`` False: no usable reading (never read, the
+    last one is too old to route on, or the page gave nothing), and the three values are
+    None, not 0; a value the engine does not report is None too."""
+
+    read: bool = False
+    waiting: float | None = None  # requests queued inside the engine
+    running: float | None = None  # requests it is computing
+    kv_usage: float | None = None  # share of its KV cache in use, 0..1
+    age_seconds: float | None = None  # since the last good reading; None: never read
+
+
+def count_text(value: float | None) -> str:
+    """A request count as shown: ``3``; a huge one in short (``1.2e+09``); None: ``UNKNOWN``."""
+    if value is None:
+        return UNKNOWN
+    return f"{value:.0f}" if value < 1e6 else f"{value:.2g}"
+
+
+def share_text(value: float | None) -> str:
+    """A share of 0..1 as shown: ``42%``; None: ``UNKNOWN``."""
+    return UNKNOWN if value is None else f"{value * 100:.0f}%"
+
+
+def engine_load(signals: Signals | None, age: float | None, stale_after: float) -> EngineLoad:
+    """The load to show from a replica's last good reading (``signals``, None: never read)
+    taken ``age`` seconds ago: its values while the router would still use them
+    (``stale_after``, as ``RoutedReplica.fresh_signals``), none once it is older."""
+    if signals is None or age is None:
+        return EngineLoad()
+    age = round(max(0.0, age), 3)
+    if age > stale_after:
+        return EngineLoad(age_seconds=age)
+    return EngineLoad(
+        read=True,
+        waiting=signals.waiting,
+        running=signals.running,
+        kv_usage=signals.kv_usage,
+        age_seconds=age,
+    )
+
+
 class HealthRow(Fact):
     """One replica's state as its units say (``core/observe/health.py``)."""
 
@@ -115,6 +162,7 @@ class HealthRow(Fact):
     restarts: int  # by systemd, since its last start by llmgw (its worst unit's)
     exit_status: int | None  # of its worst unit's last engine process
     journal: str = ""  # for one not ready, the journal line that says why (health.telling_line), when read
+    load: EngineLoad = EngineLoad()  # its engine's /metrics read by `llmgw status`; not read: unknown
 
 
 class LiveReplica(Fact):
@@ -125,6 +173,7 @@ class LiveReplica(Fact):
     health: str  # routing.Health value
     in_flight: int
     idle_seconds: float | None  # since its last request or since it became ready; None: not ready
+    load: EngineLoad = EngineLoad()  # its engine's /metrics as this gateway process last read it
 
 
 class UseRow(Fact):
@@ -153,6 +202,7 @@ class ReplicaRow(Fact):
     in_flight: int
     idle_seconds: float | None
     idle: bool  # held with nobody asking: idle for the model's idle_timeout (or IDLE_AFTER)
+    load: EngineLoad = EngineLoad()  # its engine's queue and KV cache, as the gateway last read them
 
 
 class KeyRow(Fact):
@@ -259,6 +309,7 @@ def _replica_rows(spec: ClusterSpec, live: Live) -> tuple[ReplicaRow, ...]:
                 in_flight=r.in_flight,
                 idle_seconds=r.idle_seconds,
                 idle=r.idle_seconds is not None and r.in_flight == 0 and r.idle_seconds >= after,
+                load=r.load,
             )
         )
     return tuple(rows)
@@ -317,7 +368,7 @@ def _state(replica: Running, scope: set[str] | None, healthy: bool | None) -> Re
     )
 
 
-def _health_row(replica: Running, state: ReplicaState, journal: str) -> HealthRow:
+def _health_row(replica: Running, state: ReplicaState, journal: str, load: EngineLoad | None) -> HealthRow:
     units = [u.state for u in replica.units.values() if u.state is not None]
     worst_unit = max(units, key=lambda u: u.n_restarts, default=None)
     return HealthRow(
@@ -329,6 +380,7 @@ def _health_row(replica: Running, state: ReplicaState, journal: str) -> HealthRo
         restarts=worst_unit.n_restarts if worst_unit else 0,
         exit_status=worst_unit.exec_main_status if worst_unit else None,
         journal="" if state is ReplicaState.ready else journal,
+        load=load or EngineLoad(),
     )
 
 
@@ -340,12 +392,14 @@ def summarize(
     scope: Sequence[str] | None = None,
     answers: Answers | None = None,
     journal: Mapping[tuple[str, int], str] | None = None,
+    loads: Mapping[tuple[str, int], EngineLoad] | None = None,
 ) -> Summary:
     """The fleet's numbers from the spec and one snapshot of facts, plus the gateway's
     view (replica health and use, usage by key) when ``live`` is given. ``scope``: only
     those nodes (declared ones, in the file's order) and what is on them; None: every node.
     ``answers``: replicas' health checks, (model, replica) -> ready; ``journal``: the last
-    journal line of replicas not ready, when read."""
+    journal line of replicas not ready, when read; ``loads``: what the engines of replicas
+    said of their load, when read (the others' stays unknown)."""
     nodes = [n for n in spec.nodes if scope is None or n.name in scope]
     rows = [_node_row(n, facts.get(n.name) or NodeFacts(node=n.name, error="not probed")) for n in nodes]
     classes: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
@@ -395,7 +449,7 @@ def summarize(
         found.add(replica.model)
         key = (replica.model, replica.replica)
         state = _state(replica, declared if scope is not None else None, (answers or {}).get(key))
-        health_rows.append(_health_row(replica, state, (journal or {}).get(key, "")))
+        health_rows.append(_health_row(replica, state, (journal or {}).get(key, ""), (loads or {}).get(key)))
         if state is ReplicaState.ready:
             running[replica.model].append(replica)
         else:

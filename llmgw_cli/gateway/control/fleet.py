@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from llmgw_cli.core.serving.routing import Health, RoutedReplica
-from llmgw_cli.core.views.summary import Live, LiveReplica, Summary, UseRow, summarize
+from llmgw_cli.core.views.summary import Live, LiveReplica, Summary, UseRow, engine_load, summarize
 from llmgw_cli.gateway.control.sources import ProbeSource
 from llmgw_cli.gateway.control.state import Gateway
 from llmgw_cli.gateway.store.sqlite import Usage
@@ -45,6 +45,7 @@ def live(gw: Gateway, day_usage: Iterable[Usage] = ()) -> Live:
     """The gateway's state as the Summary takes it. ``day_usage``: stored plus pending
     usage rows; today's (UTC) count as the day."""
     now = time.monotonic()
+    stale_after = gw.signals_stale_after()
     replicas = tuple(
         LiveReplica(
             model=r.model,
@@ -52,6 +53,7 @@ def live(gw: Gateway, day_usage: Iterable[Usage] = ()) -> Live:
             health=r.health.value,
             in_flight=r.outstanding,
             idle_seconds=_idle_seconds(r, now),
+            load=engine_load(r.signals, None if r.signals_at is None else now - r.signals_at, stale_after),
         )
         for r in gw.pool.all()
     )

@@ -24,7 +24,7 @@ from llmgw_cli.core.clusterfile.quantities import clock
 from llmgw_cli.core.engine.templates import template_dirs
 from llmgw_cli.core.serving.keys import bearer, plausible_token
 from llmgw_cli.core.views.sparkline import sparkline
-from llmgw_cli.core.views.summary import Summary
+from llmgw_cli.core.views.summary import Summary, count_text, share_text
 from llmgw_cli.gateway.control.fleet import probe_ages, probing, summary_of
 from llmgw_cli.gateway.control.state import Gateway
 from llmgw_cli.gateway.serving.proxy import GATEWAY
@@ -98,6 +98,9 @@ def _template() -> jinja2.Template:
         lstrip_blocks=True,
     )
     env.filters["duration"] = duration
+    # numbers an engine reported: formatted here, never taken as text or markup
+    env.filters["count"] = count_text
+    env.filters["share"] = share_text
     return env.get_template("dashboard.html.j2")
 
 
