@@ -204,6 +204,7 @@ async def chat(
     prompts = [system_prompt(i, words) for i in range(PROMPTS)]
     gate = asyncio.Semaphore(concurrency)
     seen: list[Turn] = []
+    firsts: list[int] = []  # the prompt tokens of each conversation's first turn
     order = list(range(CONVERSATIONS))
     random.Random(7).shuffle(order)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -216,6 +217,8 @@ async def chat(
                 async with gate:
                     got = await turn(client, url, key, messages, tokens)
                 seen.append(got)
+                if k == 0:
+                    firsts.append(got.prompt_tokens)
                 messages.append({"role": "assistant", "content": got.reply})
 
         t0 = time.monotonic()
@@ -228,7 +231,7 @@ async def chat(
         "tokens_per_s": sum(t.tokens for t in seen) / elapsed,
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p90_ms": 1000 * ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.9))],
-        "first_turn_prompt_tokens": statistics.median(t.prompt_tokens for t in seen[: len(seen) // turns]),
+        "first_turn_prompt_tokens": statistics.median(firsts),
     }
 
 
