@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.gateway.harness import wait_http
+from tests.gateway.harness import free_port, stop, wait_http
 
 pytestmark = pytest.mark.integration
 
@@ -47,8 +46,9 @@ def _script(name: str, *args: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-@pytest.fixture(scope="module")
-def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+def llama_paths() -> tuple[str, str]:
+    """The llama-server binary and the SmolLM2 model file: built and fetched on first
+    use. Skips where the binary is not built and the tools to build it are missing."""
     missing = [tool for tool in ("cmake", "ninja", "c++") if shutil.which(tool) is None]
     built = subprocess.run(
         [str(ROOT / "scripts/build-llama-server"), "--print-path", "--no-build"],
@@ -58,29 +58,38 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     )
     if built.returncode != 0 and missing:
         pytest.skip(f"llama-server not built and {', '.join(missing)} missing (scripts/engine-packages.txt)")
-    binary = _script("build-llama-server", "--print-path")
-    model = _script("fetch-smollm2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("llama") / "server.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            server_argv(binary, model, port, KEY),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    return _script("build-llama-server", "--print-path"), _script("fetch-smollm2")
+
+
+def start_llama_server(binary: str, model: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """llama-server (``server_argv``, the key ``KEY``) on 127.0.0.1:``port``, its output
+    added to ``log``, returned once /health answers 200 (the model is loaded). One that
+    never answers is stopped, and the wait fails with the log's tail."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(server_argv(binary, model, port, KEY), stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, log, seconds=60)
+    except BaseException:
+        stop(proc, signal.SIGKILL)
+        raise
+    return proc
+
+
+def stop_llama_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, which llama-server answers by exiting 0 within 10 seconds (else it is
+    killed and this fails)."""
+    assert stop(proc, wait=10) == 0
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    binary, model = llama_paths()
+    port = free_port()
+    proc = start_llama_server(binary, model, port, tmp_path_factory.mktemp("llama") / "server.log")
+    try:
         yield port
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(10) == 0
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
+        stop_llama_server(proc)
 
 
 def _client(port: int, key: str = KEY) -> openai.OpenAI:
