@@ -467,7 +467,9 @@ def test_a_saturated_affine_vllm_yields_to_the_other_and_gets_its_prefix_back_on
             client.stream("POST", url, json=long_body, headers=headers) as answer,
         ):
             assert answer.status_code == 200
-            next(line for line in answer.iter_lines() if line.startswith("data: {"))
+            # the iterator is kept: one dropped is closed, and the stream with it
+            events = answer.iter_lines()
+            next(line for line in events if line.startswith("data: {"))
             started.wait(timeout=120)
             release.wait(timeout=120)  # the stream is closed with its generation unfinished
 
