@@ -314,3 +314,22 @@ def test_no_candidate_no_choice() -> None:
     assert choose(Policy.prefix, "k", []) is None
     with pytest.raises(ValueError):
         choose("nearest", "k", idle())
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+@pytest.mark.parametrize("key", [None, "p:k"])
+@pytest.mark.parametrize(
+    "signals",
+    [None, Signals(waiting=0, kv_usage=0.1), Signals(waiting=9), Signals(kv_usage=0.95)],
+)
+@pytest.mark.parametrize("in_flight", [0, 7])
+def test_one_candidate_gets_the_reason_the_general_walk_gives(
+    policy: Policy, key: str | None, signals: Signals | None, in_flight: int
+) -> None:
+    """A model with one ready replica skips the ordering (the request path's common case)
+    and must say why exactly as the walk over several does: the same candidate twice (equal
+    addresses are allowed and order alike) goes the general way."""
+    only = Candidate("10.0.0.1:8000", in_flight, signals)
+    fast = choose(policy, key, [only])
+    general = choose(policy, key, [only, only])
+    assert fast == general

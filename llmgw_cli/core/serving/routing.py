@@ -145,20 +145,17 @@ class Pool:
     ) -> tuple[RoutedReplica, Reason] | None:
         """The ready replica (not in ``exclude``) for a request of routing key ``key`` and
         why, or None when none is ready."""
-        ready = {
-            r.address: r
-            for r in self.replicas.get(model, {}).values()
-            if r.health is Health.ready and r.address not in exclude
-        }
-        candidates = [
-            Candidate(a, r.outstanding, r.fresh_signals(now, stale_after)) for a, r in ready.items()
-        ]
+        known = self.replicas.get(model)
+        if not known:
+            return None
+        ready = [r for r in known.values() if r.health is Health.ready and r.address not in exclude]
+        candidates = [Candidate(r.address, r.outstanding, r.fresh_signals(now, stale_after)) for r in ready]
         turn = self.turns.get(model, 0)
         choice = affinity.choose(policy, key, candidates, thresholds, turn)
         if choice is None:
             return None
         self.turns[model] = turn + 1
-        replica = ready[choice.address]
+        replica = known[choice.address]
         replica.last_pick = now
         return replica, choice.reason
 

@@ -40,9 +40,10 @@ import aiohttp
 from llmgw_cli.core.clusterfile.spec import ClusterSpec, GatewaySettings, Model
 from llmgw_cli.core.observe.parse.engine_env import engine_key
 from llmgw_cli.core.planning.drain import Routes, routes_text
+from llmgw_cli.core.serving.affinity import Policy, Thresholds
 from llmgw_cli.core.serving.keys import ApiKey, hash_token
 from llmgw_cli.core.serving.redact import redact
-from llmgw_cli.core.serving.routing import Health, Pool
+from llmgw_cli.core.serving.routing import Health, Pool, route_settings
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.control.controller import Controller
 from llmgw_cli.gateway.control.coordination import Coordinator, FencedHold, FencedNodes
@@ -113,6 +114,11 @@ def job_intervals(
     return {job: seconds if (seconds := given[job]) is not None else from_file[job] for job in from_file}
 
 
+def routing_of(spec: ClusterSpec) -> dict[str, tuple[Policy, Thresholds]]:
+    """Each model's routing policy and overload thresholds (``route_settings``)."""
+    return {m.name: route_settings(m) for m in spec.models}
+
+
 class Gateway:
     def __init__(
         self,
@@ -142,6 +148,8 @@ class Gateway:
         cluster file's (``job_intervals``); those left None follow the file, reloads too."""
         self.spec = spec
         self.catalog: dict[str, Model] = {m.name: m for m in spec.models}
+        # each model's routing policy and thresholds, made once, not on every request
+        self.routing: dict[str, tuple[Policy, Thresholds]] = routing_of(spec)
         self.source = source  # where discovery reads now: probe_source, or the publication
         self.probe_source = source  # this process's own source
         self.store = store
@@ -346,6 +354,7 @@ class Gateway:
             log.warning("listener addresses changed in the cluster file: they apply at the next restart")
         self.spec = spec
         self.catalog = {m.name: m for m in spec.models}
+        self.routing = routing_of(spec)
         self.every.update(job_intervals(spec.gateway, **self._given_intervals))  # the next round on
         self.every["signals"] = spec.gateway.signals_interval
         self._upstream_settings()

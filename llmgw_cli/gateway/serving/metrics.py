@@ -127,6 +127,7 @@ class Metrics:
         self.recent = RecentUse()
         self.registry: CollectorRegistry | None = None
         self._children: dict[tuple[str, int, str], tuple[Any, ...]] = {}
+        self._routes: dict[tuple[str, str, str], Any] = {}
 
     # --- the request path ----------------------------------------------------------
 
@@ -166,8 +167,14 @@ class Metrics:
             self.recent.add(key, model, prompt + completion, time.monotonic())
 
     def routed(self, model: str, policy: str, reason: str) -> None:
-        """A replica was chosen for a request of ``model``; all three labels are bounded."""
-        self.route_decisions.labels(model, policy, reason).inc()
+        """A replica was chosen for a request of ``model``; all three labels are bounded.
+        The labelled child is kept: ``labels()`` costs more than the increment."""
+        child = self._routes.get((model, policy, reason))
+        if child is None:
+            if len(self._routes) > MAX_CHILDREN:
+                self._routes.clear()
+            child = self._routes[(model, policy, reason)] = self.route_decisions.labels(model, policy, reason)
+        child.inc()
 
     def retry(self, model: str) -> None:
         self.retries.labels(model).inc()

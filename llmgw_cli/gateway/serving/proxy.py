@@ -15,13 +15,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from aiohttp import web
 
 from llmgw_cli.core.planning.controller import Unavailable
-from llmgw_cli.core.serving.affinity import Policy, Thresholds, request_key, session_of
+from llmgw_cli.core.serving.affinity import BLOCK_CHARS, Policy, Thresholds, request_key, session_of
 from llmgw_cli.core.serving.keys import ApiKey, bearer
-from llmgw_cli.core.serving.routing import RoutedReplica, route_settings
+from llmgw_cli.core.serving.routing import RoutedReplica
 from llmgw_cli.errors import BadRequest, ConnectFailed, Disconnected, UpstreamError
 from llmgw_cli.gateway.control.state import Gateway, log
 from llmgw_cli.gateway.serving.openai_error import bad_request, error, request_id, withheld
@@ -166,10 +167,14 @@ async def _forward(
         )
     record.model = name
     record.api_key = key
-    policy, thresholds = route_settings(model)
+    policy, thresholds = gw.routing[name]
     route_key = None
     if policy is Policy.prefix:  # from the body parsed once above, never again
-        route_key = request_key(payload, session_of(payload, request.headers.get("x-session-id")))
+        session = session_of(payload, request.headers.get("x-session-id"))
+        # A body shorter than one block cannot hold a block of prompt (its JSON spends at
+        # least a byte per character of text, and more on the field names around it).
+        if session or len(body) >= BLOCK_CHARS:
+            route_key = request_key(payload, session)
     record.prompt_estimate = len(body) // BYTES_PER_TOKEN
     record.stream = payload.get("stream") is True and request.path in STREAMING_PATHS
     if record.stream:
@@ -235,10 +240,12 @@ def _log_detail(level: int, rid: str, what: str, detail: str) -> None:
     log.log(level, "\n".join(f"request {rid}: {what}: {line}" for line in lines))
 
 
-@dataclass(frozen=True)
-class Route:
+NONE_TRIED: frozenset[str] = frozenset()
+
+
+class Route(NamedTuple):
     """How one request is routed: its key (None: no prefix or not the prefix policy) and
-    its model's policy and thresholds."""
+    its model's policy and thresholds. A tuple: one is made for every request."""
 
     key: str | None
     policy: Policy
@@ -253,7 +260,7 @@ def _choose(gw: Gateway, record: RequestRecord, route: Route, tried: set[str]) -
         key=route.key,
         policy=route.policy,
         thresholds=route.thresholds,
-        exclude=frozenset(tried),
+        exclude=frozenset(tried) if tried else NONE_TRIED,
         stale_after=gw.signals_stale_after(),
     )
     if found is None:
