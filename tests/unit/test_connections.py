@@ -14,11 +14,12 @@ from llmgw_cli.cli.main import app
 from llmgw_cli.cli.session import Session
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node
-from llmgw_cli.core.planning.plan import Action, Plan
+from llmgw_cli.core.planning.plan import Action
 from llmgw_cli.gateway.control.sources import ProbeSource
 from llmgw_cli.progress import silent
 from llmgw_cli.remote.connect import Connections, GatewayAccess
 from llmgw_cli.remote.execute import execute
+from llmgw_cli.remote.executor import one_plan
 from llmgw_cli.remote.transport import CommandResult, Transport
 
 CLUSTER = """
@@ -188,8 +189,8 @@ def test_discovery_rounds_and_the_controllers_work_share_the_gateways_connection
     access = GatewayAccess(Path("/k"))
     source = ProbeSource(Path(), access, opener=recorder)
     spec = spec_of()
-    stop = Plan(
-        actions=(
+    stop = one_plan(
+        [
             Action(
                 op="-",
                 model="m",
@@ -197,11 +198,8 @@ def test_discovery_rounds_and_the_controllers_work_share_the_gateways_connection
                 nodes=("a",),
                 reason="idle",
                 remove=(("a", "llmgw-m-0.service"),),
-            ),
-        ),
-        unplaced=(),
-        warnings=(),
-        facts_digest="",
+            )
+        ]
     )
 
     async def scenario() -> None:

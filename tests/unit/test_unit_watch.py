@@ -17,6 +17,7 @@ from llmgw_cli.progress import silent
 from llmgw_cli.remote import execute as execute_mod
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import NOT_READY, UnitWatch, execute
+from llmgw_cli.remote.executor import one_plan
 from llmgw_cli.remote.nodeops import NodeOps
 from llmgw_cli.remote.transport import CommandResult, Transport
 
@@ -204,11 +205,8 @@ def test_execute_brings_weights_unless_told_its_caller_did(
     monkeypatch.setattr(execute_mod, "ensure_for_plan", ensure_for_plan)
     spec = parse_cluster(CLUSTER)
     node = FakeNode()
-    stop = Plan(
-        actions=(Action(op="-", model="m", replica=0, nodes=("a",), reason="idle", remove=(("a", UNIT),)),),
-        unplaced=(),
-        warnings=(),
-        facts_digest="",
+    stop = one_plan(
+        [Action(op="-", model="m", replica=0, nodes=("a",), reason="idle", remove=(("a", UNIT),))]
     )
 
     def opener(*_args: object) -> Transport:
@@ -274,8 +272,8 @@ def test_an_engine_that_fails_its_start_job_is_a_replica_not_ready_and_stopped(
     spec = parse_cluster(CLUSTER.replace("models: []", "models:\n  - {name: m, source: /w/m, profile: vllm}"))
     node = StartJobFails()
     node.set("inactive", "dead")
-    start = Plan(
-        actions=(
+    start = one_plan(
+        [
             Action(
                 op="+",
                 model="m",
@@ -284,11 +282,8 @@ def test_an_engine_that_fails_its_start_job_is_a_replica_not_ready_and_stopped(
                 reason="min",
                 port=8000,
                 write=(UnitFile(node="a", name=UNIT, text="[Service]\n"),),
-            ),
-        ),
-        unplaced=(),
-        warnings=(),
-        facts_digest="",
+            )
+        ]
     )
 
     async def scenario() -> list[tuple[str, bool, str]]:
