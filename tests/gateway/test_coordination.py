@@ -33,6 +33,7 @@ from llmgw_cli.core.serving.routing import serving_address
 from llmgw_cli.errors import NotLeader
 from llmgw_cli.gateway.control import controller as controller_module
 from llmgw_cli.gateway.control import coordination
+from llmgw_cli.gateway.control import state as state_module
 from llmgw_cli.gateway.control.sources import PublishedSource
 from llmgw_cli.gateway.control.state import Gateway
 from llmgw_cli.gateway.serving import server
@@ -455,6 +456,48 @@ def test_a_revoked_key_is_refused_by_every_process(fleet: Fleet) -> None:
             await admin.revoke("k1")
             await until(lambda: one.authenticate("secret-1") is None, "refused by the leader")
             await until(lambda: two.authenticate("secret-1") is None, "refused by the follower")
+        await admin.close()
+
+    run(scenario)
+
+
+def test_a_key_made_a_moment_ago_is_accepted_by_a_process_that_has_not_looked_yet(fleet: Fleet) -> None:
+    """A client uses a key as soon as ``keys create`` printed it. The process it reaches
+    may not have seen the change yet (here its watch never looks): an unknown token makes
+    it look at the store once, and a flood of unknown tokens makes it look once."""
+
+    async def late(timeout: float) -> None:
+        await asyncio.sleep(3600)  # a change notice that never comes in this test
+
+    async def scenario() -> None:
+        admin = fleet.store()
+        one = gateway(fleet)
+        one.store.wait_change = late  # type: ignore[method-assign]
+        async with started(one), serving(one, "secret-new") as client:
+            await admin.add_key(ApiKey(name="new", digest=hash_token("secret-new"), models=()))
+            assert one.authenticate("secret-new") is None  # not in memory yet
+            # through the public API with the official client: past the key, to the model
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(model="no-such-model", messages=[], max_tokens=1)
+            assert one.authenticate("secret-new") is not None
+
+            reads = 0
+            version = one.store.keys_version
+
+            async def counted() -> int:
+                nonlocal reads
+                reads += 1
+                return await version()
+
+            one.store.keys_version = counted  # type: ignore[method-assign]
+            await asyncio.sleep(state_module.MISS_LOOK_EVERY)  # the last look is old enough
+            began = time.monotonic()
+            refused = await asyncio.gather(*(one.authenticate_fresh(f"wrong-{i}") for i in range(50)))
+            assert refused == [None] * 50
+            for i in range(50):
+                assert await one.authenticate_fresh(f"wrong-again-{i}") is None
+            # one look per MISS_LOOK_EVERY at most (one in all, unless the machine is slow)
+            assert 1 <= reads <= 1 + (time.monotonic() - began) // state_module.MISS_LOOK_EVERY
         await admin.close()
 
     run(scenario)

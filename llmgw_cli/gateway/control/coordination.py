@@ -414,6 +414,14 @@ class Coordinator:
         self._versions = (keys, published if published is not None else seen_published)
         await self.take_requests()  # a leader's: a request may be what changed
 
+    async def look_keys(self) -> None:
+        """Reload the keys when their version changed (``Gateway.authenticate_fresh``: an
+        unknown key may be one made since the last look)."""
+        keys = await self.store.keys_version()
+        if keys != self._versions[0]:
+            await self.gw.load_keys()
+            self._versions = (keys, self._versions[1])
+
     def followed(self) -> None:
         """After a follower's discovery: the controller takes the publication's model
         states and drained addresses; the waiters of a model whose state changed are

@@ -63,6 +63,8 @@ from llmgw_cli.remote.cluster_lock import Hold, LocalLock
 log = logging.getLogger("llmgw.gateway")
 
 DISCOVER_SOON = 1.0  # seconds at most from SIGUSR1, or a ready replica failing, to a probe round
+# seconds between two looks at the store that an unknown API key causes (``authenticate_fresh``)
+MISS_LOOK_EVERY = 1.0
 
 
 def read_engine_key(path: Path) -> str:
@@ -200,6 +202,8 @@ class Gateway:
         # process leads and manages replicas (a probed cluster with manage_replicas); else
         # it observes.
         self.manage_replicas = manage_replicas
+        self._miss_look: asyncio.Future[None] | None = None  # authenticate_fresh's last look
+        self._miss_look_at = 0.0
         self.controller = Controller(
             lambda: self.spec,
             self.pool,
@@ -286,6 +290,8 @@ class Gateway:
         await self.controller.stop()
 
     async def stop(self) -> None:
+        if self._miss_look is not None:
+            self._miss_look.cancel()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -566,6 +572,31 @@ class Gateway:
             return None
         key = self.keys.get(hash_token(token))
         return key if key is not None and key.valid(datetime.now(UTC)) else None
+
+    async def authenticate_fresh(self, token: str | None) -> ApiKey | None:
+        """``authenticate`` again after a look at the store, for a token this process does
+        not know: a key made a moment ago reaches every process's watch within
+        ``WATCH_EVERY``, and a client that uses it at once must not be refused by the one
+        process that has not looked yet. The look reads the keys' version (and the keys
+        when it changed); unknown tokens cause one at most every ``MISS_LOOK_EVERY`` per
+        process, so a flood of bad keys costs the store one cheap read a second. Requests
+        that miss meanwhile wait for the look under way, or are refused at once."""
+        if token is None:
+            return None
+        now = time.monotonic()
+        look = self._miss_look
+        if look is None or (look.done() and now - self._miss_look_at >= MISS_LOOK_EVERY):
+            self._miss_look_at = now
+            look = self._miss_look = asyncio.ensure_future(self._look_for_keys())
+        if not look.done():
+            await asyncio.shield(look)  # a client that leaves does not cancel it
+        return self.authenticate(token)
+
+    async def _look_for_keys(self) -> None:
+        try:
+            await self.coordinator.look_keys()
+        except Exception as exc:  # the store unreachable: the keys in memory decide
+            log.warning("gateway store: cannot look for new keys: %s", exc)
 
 
 def _on_signal(signum: int, handler: Callable[[], None]) -> bool:

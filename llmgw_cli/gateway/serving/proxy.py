@@ -126,7 +126,9 @@ async def forward(request: web.Request) -> web.StreamResponse:
 async def _forward(
     request: web.Request, gw: Gateway, record: RequestRecord, started: float
 ) -> web.StreamResponse:
-    key = gw.authenticate(bearer(request.headers.get("Authorization")))
+    token = bearer(request.headers.get("Authorization"))
+    # an unknown token: maybe a key made a moment ago, which this process has not read yet
+    key = gw.authenticate(token) or await gw.authenticate_fresh(token)
     if key is None:
         return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
     record.key = key.name
