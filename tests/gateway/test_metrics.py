@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.serving.keys import ApiKey, hash_token
 from llmgw_cli.gateway.control.fleet import FleetCollector
 from llmgw_cli.gateway.control.sources import ProbeSource, StaticSource
 from llmgw_cli.gateway.control.state import Gateway
 from llmgw_cli.gateway.serving.metrics import Metrics
 from llmgw_cli.gateway.serving.server import metrics_app
 from llmgw_cli.gateway.store.sqlite import SqliteStore
+from llmgw_cli.gateway.store.values import Usage
 from tests.unit.facts_factory import node_facts, topology, unit_state
 
 SPEC = parse_cluster(
@@ -188,3 +191,56 @@ def test_metrics_endpoint_answers_503_until_the_registry_is_built(tmp_path: Path
     status, text, later, content_type = asyncio.run(scrape())
     assert status == 503 and "not built yet" in text
     assert later == 200 and content_type.startswith("text/plain; version=")
+
+
+def test_beyond_metrics_keys_the_least_used_keys_are_counted_as_other(tmp_path: Path) -> None:
+    """Three keys, room for two in the ``key`` label: the two that used the most tokens over
+    the store's last days keep their names, the third is ``other``; a new key beyond the
+    bound is ``other`` too until the usage says otherwise."""
+    spec = SPEC.model_copy(update={"gateway": SPEC.gateway.model_copy(update={"metrics_keys": 2})})
+    store = SqliteStore(tmp_path / "state")
+    today = datetime.now(UTC).date().isoformat()
+
+    async def scenario() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        for name in ("heavy", "light", "middle"):
+            await store.add_key(ApiKey(name=name, digest=hash_token(f"token-{name}")))
+        spent = {"heavy": 9000, "middle": 500, "light": 20}
+        await store.add_usage("b1", [Usage(today, k, "big", 1, tokens, 0) for k, tokens in spent.items()])
+        gw = Gateway(spec, StaticSource({}), store, "engine-key")
+        await gw.start()
+        try:
+            assert gw.metrics.labelled == frozenset({"heavy", "middle"})
+            gw.metrics.build()  # as the server does once the gateway started
+            for name in ("heavy", "middle", "light"):
+                gw.metrics.observe("big", 200, name, prompt=3, completion=4, seconds=0.1)
+            await store.add_key(ApiKey(name="newcomer", digest=hash_token("token-newcomer")))
+            await gw.load_keys()
+            gw.metrics.observe("big", 200, "newcomer", prompt=1, completion=1, seconds=0.1)
+            body = gw.metrics.render()
+        finally:
+            await gw.stop()
+        assert body is not None
+        return samples(body.decode())
+
+    got = asyncio.run(scenario())
+    requests = {
+        dict(labels)["key"]: value for (name, labels), value in got.items() if name == "llmgw_requests_total"
+    }
+    assert requests == {"heavy": 1, "middle": 1, "other": 2}
+    tokens = {dict(labels)["key"] for (name, labels), _ in got.items() if name == "llmgw_tokens_total"}
+    assert tokens == {"heavy", "middle", "other"}
+
+
+def test_while_keys_fit_metrics_keys_every_key_is_named(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state")
+
+    async def scenario() -> frozenset[str] | None:
+        await store.add_key(ApiKey(name="only", digest=hash_token("token-only")))
+        gw = Gateway(SPEC, StaticSource({}), store, "engine-key")
+        await gw.start()
+        try:
+            return gw.metrics.labelled
+        finally:
+            await gw.stop()
+
+    assert asyncio.run(scenario()) is None

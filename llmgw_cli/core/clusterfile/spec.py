@@ -242,6 +242,14 @@ class GatewaySettings(Spec):
     metrics_listen: Listen | None = Field(
         None, description="Listener serving only `/metrics` and `/health`, for monitoring."
     )
+    metrics_keys: int = Field(
+        100,
+        ge=0,
+        le=10_000,
+        description="API keys named in the metrics' `key` label: every key while there are at "
+        "most this many, else the ones that used the most tokens over the last 7 days; the "
+        "others are counted as `other`. Bounds the series a scrape returns.",
+    )
     state_dir: PlainWord = Field("/var/lib/llmgw", description="Directory of the gateway's own data.")
     llmgw_bin: AbsolutePlainWord | None = Field(
         None,

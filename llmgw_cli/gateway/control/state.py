@@ -32,7 +32,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
@@ -41,6 +41,7 @@ from llmgw_cli.core.clusterfile.spec import ClusterSpec, GatewaySettings, Model
 from llmgw_cli.core.observe.parse.engine_env import engine_key
 from llmgw_cli.core.planning.drain import Routes, routes_text
 from llmgw_cli.core.serving.affinity import Policy, Thresholds
+from llmgw_cli.core.serving.key_labels import labelled_keys
 from llmgw_cli.core.serving.keys import ApiKey, hash_token
 from llmgw_cli.core.serving.redact import redact
 from llmgw_cli.core.serving.routing import Health, Pool, route_settings
@@ -65,6 +66,8 @@ log = logging.getLogger("llmgw.gateway")
 DISCOVER_SOON = 1.0  # seconds at most from SIGUSR1, or a ready replica failing, to a probe round
 # seconds between two looks at the store that an unknown API key causes (``authenticate_fresh``)
 MISS_LOOK_EVERY = 1.0
+KEY_LABELS_EVERY = 600.0  # seconds between two reads of the keys' usage for the metrics' labels
+KEY_USAGE_DAYS = 7
 
 
 def read_engine_key(path: Path) -> str:
@@ -170,6 +173,7 @@ class Gateway:
             "log": 0.2,
             "reconcile": 1.0,
             "signals": spec.gateway.signals_interval,
+            "labels": KEY_LABELS_EVERY,
         }
         self.pool = Pool()
         self.meter = Meter()
@@ -203,6 +207,7 @@ class Gateway:
         # it observes.
         self.manage_replicas = manage_replicas
         self._miss_look: asyncio.Future[None] | None = None  # authenticate_fresh's last look
+        self._key_usage: list[tuple[str, int]] = []  # (key, tokens) rows: read_key_usage
         self._miss_look_at = 0.0
         self.controller = Controller(
             lambda: self.spec,
@@ -258,6 +263,7 @@ class Gateway:
         )
         await self.coordinator.start(self, follows=self.follows)  # leads, follows, or neither
         await self.load_keys()
+        await self.read_key_usage()
         if self.controller.manages:  # when each replica last served, from before a restart
             self.controller.saved = await self.store.last_use()
         await self.discover()
@@ -272,6 +278,8 @@ class Gateway:
             ("log", self.flush_log),
             # each process reads the engines' /metrics for its own pool's routing
             ("signals", self.poll_signals),
+            # which keys the metrics name, when there are more than gateway.metrics_keys
+            ("labels", self.read_key_usage),
         ]
         jobs.append(("reconcile", self.controller.tick))
         for name, job in jobs:
@@ -374,7 +382,24 @@ class Gateway:
     async def load_keys(self) -> None:
         keys = await self.store.api_keys()
         self.keys = {k.digest: k for k in keys}
+        self._label_keys()
         await self.load_engine_keys()
+
+    def _label_keys(self) -> None:
+        """The keys the metrics name, from the keys and the last usage read."""
+        names = [k.name for k in self.keys.values()]
+        self.metrics.label_keys(labelled_keys(names, self._key_usage, self.spec.gateway.metrics_keys))
+
+    async def read_key_usage(self) -> None:
+        """Each key's tokens over the last ``KEY_USAGE_DAYS`` days, read again every
+        ``every["labels"]`` when there are more keys than ``gateway.metrics_keys``."""
+        if len(self.keys) <= self.spec.gateway.metrics_keys:
+            self._key_usage = []
+        else:
+            since = (datetime.now(UTC) - timedelta(days=KEY_USAGE_DAYS)).date().isoformat()
+            rows = await self.store.usage(since)
+            self._key_usage = [(u.key, u.prompt_tokens + u.completion_tokens) for u in rows]
+        self._label_keys()
 
     async def load_engine_keys(self) -> None:
         """The engine key map again, when apply rewrote it (a new node, a rotation): on

@@ -23,7 +23,8 @@ action, reason)`` for every action it carries out.
 Contract (concurrency): everything is called on the event loop; prometheus_client's own
 locks make a scrape from another thread safe too. Per request: one dict lookup for the
 cached label children, a few increments, one bisect in each histogram; no allocation
-unless a new (model, status, key) appears.
+unless a new (model, status, key) appears. The ``key`` label is bounded: beyond
+``gateway.metrics_keys`` keys, the least used are counted as ``other`` (``label_keys``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from llmgw_cli.core.serving.key_labels import key_label
 from llmgw_cli.gateway.serving.recent import RecentUse
 
 # Seconds. Non-streamed answers and whole streams: from milliseconds to minutes.
@@ -125,6 +127,9 @@ class Metrics:
             registry=None,
         )
         self.recent = RecentUse()
+        # the keys named in the ``key`` label, the rest are "other" (None: every key);
+        # set by the gateway from its keys and their usage (core/serving/key_labels.py)
+        self.labelled: frozenset[str] | None = None
         self.registry: CollectorRegistry | None = None
         self._children: dict[tuple[str, int, str], tuple[Any, ...]] = {}
         self._routes: dict[tuple[str, str, str], Any] = {}
@@ -147,11 +152,12 @@ class Metrics:
         if children is None:
             if len(self._children) > MAX_CHILDREN:
                 self._children.clear()
+            label = key_label(key, self.labelled)
             children = self._children[(model, status, key)] = (
-                self.requests.labels(model, str(status), key),
+                self.requests.labels(model, str(status), label),
                 self.latency.labels(model),
-                self.tokens.labels(model, key, "prompt"),
-                self.tokens.labels(model, key, "completion"),
+                self.tokens.labels(model, label, "prompt"),
+                self.tokens.labels(model, label, "completion"),
                 self.first_token.labels(model),
             )
         requests, latency, prompt_tokens, completion_tokens, first = children
@@ -165,6 +171,12 @@ class Metrics:
             first.observe(first_token)
         if key != "-" and model != "-":
             self.recent.add(key, model, prompt + completion, time.monotonic())
+
+    def label_keys(self, labelled: frozenset[str] | None) -> None:
+        """Name these keys from now on (None: every key); the cached children follow."""
+        if labelled != self.labelled:
+            self.labelled = labelled
+            self._children.clear()
 
     def routed(self, model: str, policy: str, reason: str) -> None:
         """A replica was chosen for a request of ``model``; all three labels are bounded.
