@@ -1,12 +1,14 @@
 """What `llmgw keys` and `llmgw usage` share: the store the cluster file names, opened from
-here or reached through the gateway host (``remote/gateway_store.py`` says which), and the
-JSON they exchange with the gateway host (parsed as hostile data: another machine's output)."""
+here or reached through the gateway host (``remote/gateway_store.py`` says which), each
+key's use against its limits (from the store's counters), and the JSON they exchange with
+the gateway host (parsed as hostile data: another machine's output)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,6 +16,7 @@ from typing import Any, TypeVar
 from llmgw_cli.cli.session import Session
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.serving.keys import ApiKey
+from llmgw_cli.core.serving.limits import NO_LIMITS, Limits, as_dict, budget_window, from_dict, minute_window
 from llmgw_cli.errors import InputError, LlmgwError
 from llmgw_cli.gateway.store.sqlite import SqliteStore, Store, Usage, open_store
 from llmgw_cli.remote.gateway_store import on_gateway_host, shown
@@ -57,11 +60,59 @@ def forward(spec: ClusterSpec, file: Path, host: str, command: list[str], args: 
     raise kind(f"on the gateway host {host}: {said}")
 
 
+# --- each key's use against its limits -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyUse:
+    """What a key used of its limits, from the store's counters: requests and tokens in the
+    UTC minute ``minute`` (a ``m:`` window id), and tokens in the budget's period
+    ``period`` (``d:YYYY-MM-DD`` or ``M:YYYY-MM``; "" without a budget)."""
+
+    minute: str
+    requests: int = 0
+    tokens: int = 0
+    period: str = ""
+    budget: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "minute": self.minute,
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "period": self.period or None,
+            "budget": self.budget,
+        }
+
+
+async def key_use(store: Store, keys: list[ApiKey], now: float) -> dict[str, KeyUse]:
+    """The use of every key with a metered limit (rpm, tpm or a budget) at ``now``; the
+    others count nothing."""
+    minute = minute_window(now)
+    found = {}
+    for key in keys:
+        if not key.limits.metered:
+            continue
+        budget = key.limits.budget
+        period = budget_window(budget.period, now) if budget is not None else ""
+        requests = (await store.used(key.name, "requests", [minute]))[minute]
+        tokens = (await store.used(key.name, "tokens", [minute]))[minute]
+        spent = (await store.used(key.name, "budget", [period]))[period] if period else 0
+        found[key.name] = KeyUse(minute, requests, tokens, period, spent)
+    return found
+
+
+async def keys_and_use(store: Store, now: float) -> tuple[list[ApiKey], dict[str, KeyUse]]:
+    keys = await store.api_keys()
+    return keys, await key_use(store, keys, now)
+
+
 # --- the JSON `keys list --json` and `usage --json` print ------------------------------------
 
 
-def keys_json(keys: list[ApiKey]) -> str:
-    """Every key without its digest (nothing a client could use)."""
+def keys_json(keys: list[ApiKey], use: dict[str, KeyUse] | None = None) -> str:
+    """Every key without its digest (nothing a client could use), with its limits and,
+    for a key with a metered limit, its use (``KeyUse``; null otherwise)."""
     return json.dumps(
         [
             {
@@ -71,6 +122,8 @@ def keys_json(keys: list[ApiKey]) -> str:
                 "created": k.created.isoformat() if k.created else None,
                 "revoked": k.revoked,
                 "admin": k.admin,
+                "limits": as_dict(k.limits),
+                "use": u.as_dict() if (u := (use or {}).get(k.name)) is not None else None,
             }
             for k in keys
         ],
@@ -127,6 +180,7 @@ def parse_keys(text: str) -> list[ApiKey]:
                     _time(row, "created"),
                     revoked=revoked,
                     admin=admin,
+                    limits=_limits(row),
                 )
             )
         except ValueError as exc:
@@ -134,8 +188,57 @@ def parse_keys(text: str) -> list[ApiKey]:
     return keys
 
 
-def usage_json(rows: list[Usage]) -> str:
-    return json.dumps([u.as_dict() for u in rows], indent=1)
+def _limits(row: dict[str, Any]) -> Limits:
+    """A row's ``limits`` (none from an llmgw older than the limits: no limits)."""
+    return NO_LIMITS if "limits" not in row else from_dict(row["limits"])
+
+
+def parse_use(text: str) -> dict[str, KeyUse]:
+    """The use of each key in ``keys_json``'s output, from another machine."""
+    found = {}
+    for row in _rows(text, "keys"):
+        use = row.get("use")
+        if use is None:
+            continue
+        try:
+            if not isinstance(use, dict):
+                raise ValueError("use")
+            period = use.get("period")
+            found[_text(row, "name")] = KeyUse(
+                _text(use, "minute", most=20),
+                _count(use, "requests"),
+                _count(use, "tokens"),
+                "" if period is None else _text(use, "period", most=20),
+                _count(use, "budget"),
+            )
+        except ValueError as exc:
+            raise LlmgwError(f"the gateway host's answer has a bad key ({exc})") from None
+    return found
+
+
+def usage_json(rows: list[Usage], limits: dict[str, Limits] | None = None) -> str:
+    """The usage rows, each with its key's limits (null: a key the store does not know)."""
+    known = limits or {}
+    return json.dumps(
+        [{**u.as_dict(), "limits": as_dict(known[u.key]) if u.key in known else None} for u in rows],
+        indent=1,
+    )
+
+
+async def usage_and_limits(store: Store, since: str | None) -> tuple[list[Usage], dict[str, Limits]]:
+    return await store.usage(since), {k.name: k.limits for k in await store.api_keys()}
+
+
+def parse_usage_limits(text: str) -> dict[str, Limits]:
+    """Each key's limits in ``usage_json``'s output, from another machine."""
+    found = {}
+    for row in _rows(text, "usage rows"):
+        try:
+            if row.get("limits") is not None:
+                found[_text(row, "key")] = _limits(row)
+        except ValueError as exc:
+            raise LlmgwError(f"the gateway host's answer has a bad usage row ({exc})") from None
+    return found
 
 
 def parse_usage(text: str) -> list[Usage]:

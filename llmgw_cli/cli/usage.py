@@ -1,5 +1,6 @@
-"""`llmgw usage`: requests, tokens, errors and latency per day, key and model, from the
-store the cluster file names (the same ways as `llmgw keys`: ``cli/store_access.py``)."""
+"""`llmgw usage`: requests, tokens, errors and latency per day, key and model, and each
+key's limits beside its use, from the store the cluster file names (the same ways as
+`llmgw keys`: ``cli/store_access.py``)."""
 
 import sys
 from datetime import date
@@ -31,8 +32,17 @@ def usage(
     store_dir: StoreDir = None,
 ) -> None:
     """Requests, tokens, errors and mean latency per day, key and model, as the gateways
-    wrote them (each gateway process writes its totals every few seconds)."""
-    from llmgw_cli.cli.store_access import forward, parse_usage, store_of, usage_json, with_store
+    wrote them (each gateway process writes its totals every few seconds), then each key's
+    totals beside its limits (JSON: each row carries its key's limits)."""
+    from llmgw_cli.cli.store_access import (
+        forward,
+        parse_usage,
+        parse_usage_limits,
+        store_of,
+        usage_and_limits,
+        usage_json,
+        with_store,
+    )
     from llmgw_cli.cli.views import usage_view
     from llmgw_cli.remote.gateway_store import store_host
 
@@ -40,12 +50,11 @@ def usage(
     spec = None if store_dir is not None else read_cluster(file)
     host = store_host(spec) if spec is not None else None
     if spec is not None and host is not None:
-        rows = parse_usage(
-            forward(spec, file, host, ["usage"], ["--json", *([f"--since={day}"] if day else [])])
-        )
+        said = forward(spec, file, host, ["usage"], ["--json", *([f"--since={day}"] if day else [])])
+        rows, limits = parse_usage(said), parse_usage_limits(said)
     else:
-        rows = with_store(store_of(spec, store_dir), lambda store: store.usage(day))
+        rows, limits = with_store(store_of(spec, store_dir), lambda store: usage_and_limits(store, day))
     if json_out:
-        sys.stdout.write(usage_json(rows) + "\n")
+        sys.stdout.write(usage_json(rows, limits) + "\n")
     else:
-        stdout_console().print(usage_view(rows))
+        stdout_console().print(usage_view(rows, limits or None))  # none: an llmgw there without limits

@@ -21,9 +21,11 @@ from llmgw_cli.core.clusterfile.spec import ClusterSpec, ScalingMode
 from llmgw_cli.errors import Problem
 
 if TYPE_CHECKING:  # what only one command shows is imported by that command (cli/common.py)
+    from llmgw_cli.cli.store_access import KeyUse
     from llmgw_cli.core.doctor import Finding
     from llmgw_cli.core.planning.plan import Plan
     from llmgw_cli.core.serving.keys import ApiKey
+    from llmgw_cli.core.serving.limits import Limits
     from llmgw_cli.core.views.summary import Summary
     from llmgw_cli.core.weights.fetch import FetchPlan
     from llmgw_cli.gateway.store.sqlite import Usage
@@ -384,11 +386,32 @@ def lab_nodes_view(rows: list[NodeStatus]) -> Table:
     return table
 
 
-def keys_view(keys: list[ApiKey], now: datetime) -> Table:
-    """``llmgw keys list``: one row per key, its state at ``now`` (never the key itself)."""
-    table = Table("name", "models", "expires", "created", "state", "admin")
+def _against(used: int, limit: int | None) -> str:
+    """``12/60``: the use against a limit; "" without one."""
+    return "" if limit is None else f"{used}/{limit}"
+
+
+def keys_view(keys: list[ApiKey], now: datetime, use: Mapping[str, KeyUse] | None = None) -> Table:
+    """``llmgw keys list``: one row per key, its state at ``now`` (never the key itself), its
+    limits and its use against them (``rpm`` and ``tpm``: this UTC minute's requests and
+    tokens; ``budget``: this day's or month's tokens)."""
+    table = Table(
+        "name",
+        "models",
+        "expires",
+        "created",
+        "state",
+        "admin",
+        "rpm",
+        "tpm",
+        "parallel",
+        "budget",
+        "priority",
+    )
     for k in keys:
         state = "revoked" if k.revoked else ("expired" if not k.valid(now) else "active")
+        limits, used = k.limits, (use or {}).get(k.name)
+        budget = limits.budget
         table.add_row(  # names come from whoever made the key (the admin API too): not markup
             Text(k.name),
             Text(",".join(k.models) or "all"),
@@ -396,12 +419,36 @@ def keys_view(keys: list[ApiKey], now: datetime) -> Table:
             k.created.strftime("%Y-%m-%d %H:%M") if k.created else "",
             state,
             "yes" if k.admin else "",
+            _against(used.requests if used else 0, limits.rpm),
+            _against(used.tokens if used else 0, limits.tpm),
+            str(limits.max_parallel) if limits.max_parallel is not None else "",
+            f"{_against(used.budget if used else 0, budget.tokens)} per {budget.period}" if budget else "",
+            str(limits.priority),
         )
     return table
 
 
-def usage_view(rows: list[Usage]) -> Table:
-    """``llmgw usage``: one row per day, key and model, then the totals."""
+def usage_view(rows: list[Usage], limits: Mapping[str, Limits] | None = None) -> RenderableType:
+    """``llmgw usage``: one row per day, key and model, then the totals; with ``limits``,
+    then each key's totals beside its limits."""
+    table = _usage_table(rows)
+    if limits is None or not rows:
+        return table
+    from llmgw_cli.core.serving.limits import describe
+
+    keys = Table("key", "requests", "tokens", "limits", title="by key")
+    for key in sorted({u.key for u in rows}):
+        mine = [u for u in rows if u.key == key]
+        keys.add_row(
+            Text(key),
+            str(sum(u.requests for u in mine)),
+            str(sum(u.prompt_tokens + u.completion_tokens for u in mine)),
+            describe(limits[key]) if key in limits else "(no such key)",
+        )
+    return Group(table, keys)
+
+
+def _usage_table(rows: list[Usage]) -> Table:
     table = Table(
         "day", "key", "model", "requests", "prompt tokens", "completion tokens", "errors", "mean ms"
     )

@@ -1,7 +1,7 @@
 """What only the PostgreSQL store does, against a real server (the ``postgres`` fixture):
 a leader whose lock connection dies is no leader any more, the schema checks at first use,
-what a wrong password or a missing database says, and LISTEN coming back after its
-connection was cut. The rest of the contract is in test_store_conformance.py."""
+what a wrong password or a missing database says, LISTEN coming back after its
+connection was cut, and a database of an older schema upgraded in place. The rest of the contract is in test_store_conformance.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import asyncpg
 import pytest
 
 from llmgw_cli.core.serving.keys import ApiKey, hash_token
+from llmgw_cli.core.serving.limits import NO_LIMITS, Limits
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.store.postgres import PostgresStore
+from llmgw_cli.gateway.store.postgres_schema import SCHEMA
 from llmgw_cli.gateway.store.sqlite import SCHEMA_VERSION, Publication
 from tests.pg import Postgres
 
@@ -104,5 +106,38 @@ def test_wait_change_listens_again_after_its_connection_is_cut(postgres: Postgre
         await asyncio.wait_for(waiting, 60)  # woken through the new connection
         await a.close()
         await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_database_of_the_second_schema_gains_the_key_limits(postgres: Postgres) -> None:
+    """A store the gateways used before the key limits: refused until `llmgw store migrate`,
+    which adds them in place; its keys keep working, without limits."""
+    url = postgres.new_database()
+
+    async def scenario() -> None:
+        old = await asyncpg.connect(url, password=postgres.password)
+        await old.execute(SCHEMA[2])
+        await old.execute(
+            "INSERT INTO meta VALUES ('schema_version', 2);"
+            "INSERT INTO api_keys VALUES ('old', 'd1', '[\"m\"]', NULL, '2026-01-01T00:00:00+00:00', false, true)"
+        )
+        await old.close()
+        store = PostgresStore(url, postgres.password)
+        with pytest.raises(InputError, match="schema version 2, this llmgw needs 3: run llmgw store migrate"):
+            await store.api_keys()
+        assert await store.migrate() == SCHEMA_VERSION == 3
+        (key,) = await store.api_keys()
+        assert (key.name, key.models, key.admin, key.revoked, key.limits) == (
+            "old",
+            ("m",),
+            True,
+            False,
+            NO_LIMITS,
+        )
+        assert await store.set_limits("old", Limits(rpm=5))
+        assert [k.limits for k in await store.api_keys()] == [Limits(rpm=5)]
+        assert await store.lease("old", "requests", "m:1", 9, 5) == 5
+        await store.close()
 
     asyncio.run(scenario())

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from llmgw_cli.core.serving.keys import ApiKey, bearer, hash_token, parse_expiry
+from llmgw_cli.core.serving.limits import NO_LIMITS, Limits
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.control.state import Admission, read_engine_key
 from llmgw_cli.gateway.serving.request_body import with_include_usage
 from llmgw_cli.gateway.store.sqlite import SCHEMA_VERSION, SqliteStore, Usage
+from llmgw_cli.gateway.store.sqlite_schema import MIGRATIONS
 from llmgw_cli.gateway.store.usage import Meter, merged
 
 
@@ -315,3 +317,50 @@ def test_sqlite_store_lock_is_never_a_link(tmp_path: Path) -> None:
     (tmp_path / "store.lock").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(InputError):
         SqliteStore(tmp_path)
+
+
+def test_sqlite_upgrades_a_second_schema_file_in_place(tmp_path: Path) -> None:
+    """A store from before the key limits gains them when a gateway opens it: its keys keep
+    working, without limits, and the counters are there."""
+    old = sqlite3.connect(tmp_path / "gateway.sqlite3")
+    old.executescript(
+        MIGRATIONS[1]
+        + MIGRATIONS[2]
+        + "INSERT INTO meta VALUES ('schema_version', 2);"
+        + "INSERT INTO api_keys VALUES ('old', 'd1', '[\"m\"]', NULL, '2026-01-01T00:00:00+00:00', 0, 1);"
+    )
+    old.close()
+
+    async def scenario() -> None:
+        store = SqliteStore(tmp_path)
+        (key,) = await store.api_keys()
+        assert (key.name, key.models, key.admin, key.revoked, key.limits) == (
+            "old",
+            ("m",),
+            True,
+            False,
+            NO_LIMITS,
+        )
+        assert await store.migrate() == SCHEMA_VERSION == 3
+        assert await store.set_limits("old", Limits(rpm=5))
+        assert [k.limits for k in await store.api_keys()] == [Limits(rpm=5)]
+        assert await store.lease("old", "requests", "m:1", 9, 5) == 5
+
+    asyncio.run(scenario())
+
+
+def test_a_key_whose_stored_limits_do_not_parse_comes_back_revoked(tmp_path: Path) -> None:
+    """Fails closed: never a key without limits because its limits were garbled."""
+
+    async def scenario() -> None:
+        store = SqliteStore(tmp_path)
+        await store.add_key(ApiKey("k", hash_token("t"), limits=Limits(rpm=5)))
+        await store.add_key(ApiKey("fine", hash_token("u"), limits=Limits(tpm=5)))
+        for bad in ('{"rpm": -1}', '{"rpm": "5"}', '{"budget": "10/week"}', '{"priority": "top"}', "[]", "x"):
+            with sqlite3.connect(tmp_path / "gateway.sqlite3") as db:
+                db.execute("UPDATE api_keys SET limits = ? WHERE name = 'k'", (bad,))
+            keys = {k.name: k for k in await store.api_keys()}
+            assert keys["k"].revoked and not keys["fine"].revoked, bad
+            assert keys["fine"].limits == Limits(tpm=5)
+
+    asyncio.run(scenario())

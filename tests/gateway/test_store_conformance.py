@@ -10,16 +10,19 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from llmgw_cli.core.serving.keys import ApiKey, hash_token
+from llmgw_cli.core.serving.keys import ApiKey, hash_token, parse_expiry
+from llmgw_cli.core.serving.limits import NO_LIMITS, Budget, Limits, Priority, minute_window
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.store.postgres import PostgresStore
 from llmgw_cli.gateway.store.sqlite import (
+    COUNTERS_KEPT,
     MEMBER_TTL,
     SCHEMA_VERSION,
     ModelState,
@@ -272,5 +275,127 @@ def test_migrate_is_idempotent(backend: Backend) -> None:
         assert await store.migrate() == SCHEMA_VERSION
         assert [k.name for k in await store.api_keys()] == ["k"]
         await store.close()
+
+    run(scenario)
+
+
+LIMITS = Limits(
+    rpm=60, tpm=100_000, max_parallel=4, budget=Budget(5_000_000, "month"), priority=Priority.high
+)
+
+
+def test_a_keys_limits_are_stored_and_changed_with_the_keys_version(backend: Backend) -> None:
+    async def scenario() -> None:
+        a, b = backend.open(), backend.open()
+        await a.add_key(ApiKey("limited", hash_token("t1"), limits=LIMITS))
+        await a.add_key(ApiKey("free", hash_token("t2")))
+        assert {k.name: k.limits for k in await b.api_keys()} == {"limited": LIMITS, "free": NO_LIMITS}
+        start = await b.keys_version()
+        fewer = Limits(rpm=10, budget=Budget(1000, "day"))
+        assert await b.set_limits("limited", fewer)
+        assert await a.keys_version() == start + 1  # every gateway process reloads the keys
+        assert not await b.set_limits("nobody", fewer)
+        assert await a.keys_version() == start + 1
+        assert await b.set_access("free", ("m1", "m2"), parse_expiry("2030-01-31"))
+        assert await a.keys_version() == start + 2
+        assert not await b.set_access("nobody", (), None)
+        keys = {k.name: k for k in await a.api_keys()}
+        assert keys["limited"].limits == fewer and keys["limited"].models == ()
+        assert keys["free"].models == ("m1", "m2") and keys["free"].expires == parse_expiry("2030-01-31")
+        assert keys["free"].limits == NO_LIMITS
+        assert await a.set_limits("limited", NO_LIMITS) and await a.set_access("free", (), None)
+        keys = {k.name: k for k in await b.api_keys()}
+        assert keys["limited"].limits == NO_LIMITS and (keys["free"].models, keys["free"].expires) == (
+            (),
+            None,
+        )
+        await a.close()
+        await b.close()
+
+    run(scenario)
+
+
+def test_a_lease_grants_up_to_the_cap_and_add_used_counts_past_it(backend: Backend) -> None:
+    async def scenario() -> None:
+        a, b = backend.open(), backend.open()
+        minute = "m:29441760"
+        assert await a.lease("k", "requests", minute, 3, 10) == 3
+        assert await b.lease("k", "requests", minute, 5, 10) == 5
+        assert await a.lease("k", "requests", minute, 5, 10) == 2  # what is left of the cap
+        assert await b.lease("k", "requests", minute, 1, 10) == 0
+        assert await b.lease("k", "requests", minute, 1, 12) == 1  # a raised cap: room again
+        assert await a.lease("k", "requests", minute, 0, 100) == 0
+        assert await a.lease("k", "tokens", minute, 7, 5) == 5  # a first lease is capped too
+        assert await a.lease("other", "requests", minute, 4, 10) == 4  # counters are per key
+        assert await b.used("k", "requests", [minute, "m:29441761"]) == {minute: 11, "m:29441761": 0}
+        await b.add_used("k", "requests", minute, 4)  # beyond the cap: counted all the same
+        assert await a.used("k", "requests", [minute]) == {minute: 15}
+        assert await a.lease("k", "requests", minute, 1, 12) == 0
+        await a.add_used("k", "requests", minute, -6)  # an allowance given back
+        assert await b.lease("k", "requests", minute, 5, 12) == 3
+        await a.add_used("k", "requests", minute, -100)  # never below 0
+        assert await b.used("k", "requests", [minute]) == {minute: 0}
+        await b.add_used("k", "budget", "d:2026-12-05", 700)
+        await b.add_used("k", "budget", "M:2026-12", -5)  # a first give-back counts 0
+        assert await a.used("k", "budget", ["d:2026-12-05", "M:2026-12"]) == {
+            "d:2026-12-05": 700,
+            "M:2026-12": 0,
+        }
+        assert await a.used("k", "tokens", [minute]) == {minute: 5}
+        with pytest.raises(ValueError, match="counter"):
+            await a.lease("k", "dollars", minute, 1, 1)
+        with pytest.raises(ValueError, match="window"):
+            await a.add_used("k", "tokens", "week:49", 1)
+        await a.close()
+        await b.close()
+
+    run(scenario)
+
+
+def test_concurrent_leases_never_grant_more_than_the_cap(backend: Backend) -> None:
+    """Many callers on stores of their own (as gateway processes are), leasing at once:
+    together they get exactly the cap, never more."""
+
+    async def scenario() -> None:
+        stores = [backend.open() for _ in range(4)]
+        window, cap = "m:29441760", 150
+
+        async def caller(store: Store) -> list[int]:
+            return [await store.lease("k", "tokens", window, 7, cap) for _ in range(15)]
+
+        grants = [
+            g for got in await asyncio.gather(*(caller(s) for s in stores for _ in range(2))) for g in got
+        ]
+        assert sum(grants) == cap  # 8 callers x 15 leases x 7 = 840 asked for
+        assert await stores[0].used("k", "tokens", [window]) == {window: cap}
+        for store in stores:
+            await store.close()
+
+    run(scenario)
+
+
+def test_counters_of_ended_windows_are_pruned(backend: Backend) -> None:
+    async def scenario() -> None:
+        a = backend.open()
+        now = 1_796_515_200.0 + 3600  # 2026-12-06 01:00 UTC
+        old_minute, this_minute = minute_window(now - 10 * 60), minute_window(now)
+        for window in (old_minute, this_minute, "d:2026-12-05", "d:2026-12-06", "M:2026-11", "M:2026-12"):
+            await a.add_used("k", "budget" if window[0] in "dM" else "requests", window, 5)
+        await a.prune_counters(now - COUNTERS_KEPT)
+        assert await a.used("k", "requests", [old_minute, this_minute]) == {old_minute: 0, this_minute: 5}
+        days = ["d:2026-12-05", "d:2026-12-06", "M:2026-11", "M:2026-12"]
+        assert await a.used("k", "budget", days) == {  # the day that ended an hour ago is gone
+            "d:2026-12-05": 0,
+            "d:2026-12-06": 5,
+            "M:2026-11": 0,
+            "M:2026-12": 5,
+        }
+        # a usage write prunes too: windows that ended before now (minus COUNTERS_KEPT) go
+        current = minute_window(time.time())
+        await a.add_used("k", "requests", "m:1", 5)  # 1970
+        await a.add_used("k", "requests", current, 5)
+        await a.add_usage("batch", [Usage("2026-12-06", "k", "m", 1, 1, 1, 0, 1.0)])
+        assert await a.used("k", "requests", ["m:1", current]) == {"m:1": 0, current: 5}
+        await a.close()
 
     run(scenario)

@@ -20,6 +20,7 @@ import pytest
 import llmgw_cli
 from llmgw_cli.cli.store_access import parse_keys, parse_usage
 from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.serving.limits import Budget, Limits
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.gateway_store import on_gateway_host
 from llmgw_cli.remote.transport import CommandResult
@@ -85,14 +86,22 @@ def test_keys_and_usage_run_as_the_state_folders_owner(folder: Path) -> None:
 
     assert parse_usage(run(state, bin, ["usage"], ["--json", "--since=2026-01-01"]).stdout) == []
 
+    # limits, as `llmgw keys create|set` forward them
+    limited = run(state, bin, ["keys", "create"], ["--name=limited", "--rpm=60", "--budget=100000/day"])
+    assert limited.ok, limited.stderr
+    changed = run(state, bin, ["keys", "set"], ["--tpm=5000", "--rpm=none", "--", "limited"])
+    assert changed.ok and "tpm 5000, budget 100000/day" in changed.stdout, changed.stderr
+    keys = {k.name: k for k in parse_keys(run(state, bin, ["keys", "list"], ["--json"]).stdout)}
+    assert keys["limited"].limits == Limits(tpm=5000, budget=Budget(100_000, "day"))
+
     hostile = "-x; touch /tmp/llmgw-pwned"
     missing = run(state, bin, ["keys", "revoke"], ["--", hostile])
     assert missing.exit_status == 2 and "no key named" in missing.stderr
     assert not Path("/tmp/llmgw-pwned").exists()
     gone = run(state, bin, ["keys", "revoke"], ["--", "team a"])
     assert gone.ok, gone.stderr
-    (key,) = parse_keys(run(state, bin, ["keys", "list"], ["--json"]).stdout)
-    assert key.revoked
+    keys = {k.name: k for k in parse_keys(run(state, bin, ["keys", "list"], ["--json"]).stdout)}
+    assert keys["team a"].revoked
 
     nowhere = run(folder / "missing", bin, ["keys", "list"], ["--json"])
     assert nowhere.exit_status == 3 and "no gateway state folder" in nowhere.stderr

@@ -8,10 +8,19 @@ import json
 
 import pytest
 
-from llmgw_cli.cli.store_access import keys_json, parse_keys, parse_usage, usage_json
+from llmgw_cli.cli.store_access import (
+    KeyUse,
+    keys_json,
+    parse_keys,
+    parse_usage,
+    parse_usage_limits,
+    parse_use,
+    usage_json,
+)
 from llmgw_cli.cli.usage import _day
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.serving.keys import ApiKey, parse_expiry
+from llmgw_cli.core.serving.limits import NO_LIMITS, Budget, Limits, Priority
 from llmgw_cli.errors import LlmgwError, UsageError
 from llmgw_cli.gateway.store.sqlite import Usage
 from llmgw_cli.remote.gateway_store import remote_command, shown, store_host, this_machine
@@ -134,3 +143,62 @@ def test_another_machines_message_is_printable_text_only() -> None:
         == "error: [31mred[0m [bold]x[/bold]\nsecond"
     )
     assert len(shown("x" * 5000)) == 2000
+
+
+def test_keys_limits_and_use_go_and_come_back_as_json() -> None:
+    limits = Limits(
+        rpm=60, tpm=100_000, max_parallel=4, budget=Budget(100_000, "day"), priority=Priority.high
+    )
+    keys = [ApiKey("team-a", "d" * 64, limits=limits), ApiKey("free", "e" * 64)]
+    use = {"team-a": KeyUse("m:29441760", 12, 3400, "d:2026-12-05", 52_000)}
+    text = keys_json(keys, use)
+    assert [k.limits for k in parse_keys(text)] == [limits, NO_LIMITS]
+    assert parse_use(text) == use
+    rows = json.loads(text)
+    assert rows[0]["limits"] == {
+        "rpm": 60,
+        "tpm": 100000,
+        "max_parallel": 4,
+        "budget": "100000/day",
+        "priority": "high",
+    }
+    assert rows[1]["use"] is None
+    # an llmgw there from before the limits: keys without limits, no use
+    older = [{k: v for k, v in row.items() if k not in ("limits", "use")} for row in rows]
+    assert [k.limits for k in parse_keys(json.dumps(older))] == [NO_LIMITS, NO_LIMITS]
+    assert parse_use(json.dumps(older)) == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [
+        ({"limits": {"rpm": -1}}, "bad key (rpm)"),
+        ({"limits": {"budget": "1/week"}}, "bad key (budget)"),
+        ({"limits": "none"}, "bad key (limits)"),
+        (
+            {"use": {"minute": "m:1", "requests": -1, "tokens": 0, "period": None, "budget": 0}},
+            "bad key (requests)",
+        ),
+        ({"use": {"minute": 5, "requests": 0, "tokens": 0, "period": None, "budget": 0}}, "bad key (minute)"),
+        ({"use": []}, "bad key (use)"),
+    ],
+)
+def test_a_keys_answer_with_bad_limits_or_use_is_an_error(change: dict[str, object], what: str) -> None:
+    row = json.loads(keys_json([ApiKey("k", "")]))[0] | change
+    with pytest.raises(LlmgwError) as bad:
+        parse_keys(json.dumps([row]))
+        parse_use(json.dumps([row]))
+    assert what in str(bad.value)
+
+
+def test_usage_rows_carry_their_keys_limits() -> None:
+    rows = [
+        Usage("2026-12-01", "team-a", "m", 4, 100, 40, 1, 200.0),
+        Usage("2026-12-01", "gone", "m", 1, 1, 1, 0, 1.0),
+    ]
+    text = usage_json(rows, {"team-a": Limits(rpm=5)})
+    assert parse_usage(text) == rows
+    assert parse_usage_limits(text) == {"team-a": Limits(rpm=5)}  # a key the store does not know: none
+    assert json.loads(text)[1]["limits"] is None
+    with pytest.raises(LlmgwError, match="bad usage row"):
+        parse_usage_limits(text.replace('"rpm": 5', '"rpm": 0'))

@@ -12,6 +12,8 @@ import hashlib
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from llmgw_cli.core.serving.limits import NO_LIMITS, Limits
+
 TOKEN_PREFIX = "llmgw-"
 
 
@@ -21,7 +23,8 @@ def hash_token(token: str) -> str:
 
 @dataclass(frozen=True)
 class ApiKey:
-    """One client key. ``models`` empty means every model; ``expires`` is a UTC time or None."""
+    """One client key. ``models`` empty means every model; ``expires`` is a UTC time or None;
+    ``limits`` what it may use (``core/serving/limits.py``)."""
 
     name: str
     digest: str
@@ -30,6 +33,7 @@ class ApiKey:
     created: datetime | None = None
     revoked: bool = False
     admin: bool = False
+    limits: Limits = NO_LIMITS
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models

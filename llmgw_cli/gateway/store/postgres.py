@@ -14,8 +14,8 @@ the epoch ON THE LOCK CONNECTION, so a dead connection answers False. ``publish`
 ``take_start_requests`` lock the leader row (``FOR SHARE``) and act only while the stored
 epoch is the caller's: a takeover waits for them, and they never act after it.
 
-Schema: ``migrate`` creates or upgrades it under a transaction-scoped advisory lock (one
-migration at a time, whoever runs it). The first use of a store checks the stored
+Schema (the scripts: ``postgres_schema.py``): ``migrate`` creates or upgrades it under a
+transaction-scoped advisory lock (one migration at a time, whoever runs it). The first use of a store checks the stored
 version: an empty database is migrated there and then (nothing can be lost); an older
 schema is refused ("run llmgw store migrate"), and so is a newer one ("upgrade llmgw").
 
@@ -40,10 +40,14 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from llmgw_cli.core.serving.keys import ApiKey
+from llmgw_cli.core.serving.limits import Limits
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.store import values as codec  # the encodings both stores share
+from llmgw_cli.gateway.store.postgres_schema import SCHEMA
 from llmgw_cli.gateway.store.values import (
     BATCHES_KEPT,
+    COUNTERS_KEPT,
+    KEY_COLUMNS,
     MEMBER_TTL,
     SCHEMA_VERSION,
     Publication,
@@ -68,35 +72,6 @@ LEADER_LOCK = 0x6C6C6D6777  # the advisory lock key of the leadership ("llmgw")
 MIGRATE_LOCK = 0x6C6C6D6778  # and of a migration
 TIMEOUT = 10.0  # seconds for a connection or a statement
 
-_SCHEMA = {
-    2: """
-CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value BIGINT NOT NULL);
-INSERT INTO meta VALUES ('keys_version', 0), ('published_version', 0) ON CONFLICT DO NOTHING;
-CREATE TABLE IF NOT EXISTS api_keys (
-  name TEXT PRIMARY KEY, digest TEXT NOT NULL UNIQUE, models TEXT NOT NULL,
-  expires TEXT, created TEXT NOT NULL, revoked BOOLEAN NOT NULL DEFAULT false,
-  admin BOOLEAN NOT NULL DEFAULT false);
-CREATE TABLE IF NOT EXISTS usage (
-  day TEXT NOT NULL, key TEXT NOT NULL, model TEXT NOT NULL,
-  requests BIGINT NOT NULL, prompt_tokens BIGINT NOT NULL, completion_tokens BIGINT NOT NULL,
-  errors BIGINT NOT NULL, latency_ms DOUBLE PRECISION NOT NULL, PRIMARY KEY (day, key, model));
-CREATE TABLE IF NOT EXISTS usage_batches (id TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL);
-CREATE INDEX IF NOT EXISTS usage_batches_at ON usage_batches (at);
-CREATE TABLE IF NOT EXISTS last_use (replica TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL);
-CREATE TABLE IF NOT EXISTS members (
-  member TEXT PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, seen DOUBLE PRECISION NOT NULL);
-CREATE TABLE IF NOT EXISTS start_requests (
-  model TEXT PRIMARY KEY, member TEXT NOT NULL, at DOUBLE PRECISION NOT NULL);
-CREATE TABLE IF NOT EXISTS leader (
-  id INTEGER PRIMARY KEY CHECK (id = 1), epoch BIGINT NOT NULL, member TEXT NOT NULL,
-  since DOUBLE PRECISION NOT NULL);
-INSERT INTO leader VALUES (1, 0, '', 0) ON CONFLICT DO NOTHING;
-CREATE TABLE IF NOT EXISTS published (
-  id INTEGER PRIMARY KEY CHECK (id = 1), version BIGINT NOT NULL, fence BIGINT NOT NULL,
-  leader TEXT NOT NULL, at DOUBLE PRECISION NOT NULL, body TEXT NOT NULL);
-""",
-}
-assert max(_SCHEMA) == SCHEMA_VERSION, "a new schema version needs its PostgreSQL migration"
 
 _USAGE_UPSERT = (
     "INSERT INTO usage VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (day, key, model) DO UPDATE SET"
@@ -221,14 +196,15 @@ class PostgresStore:
         try:
             async with self._tx() as db:
                 await db.execute(
-                    "INSERT INTO api_keys (name, digest, models, expires, created, revoked, admin)"
-                    " VALUES ($1, $2, $3, $4, $5, false, $6)",
+                    "INSERT INTO api_keys (name, digest, models, expires, created, revoked, admin, limits)"
+                    " VALUES ($1, $2, $3, $4, $5, false, $6, $7)",
                     key.name,
                     key.digest,
                     json.dumps(list(key.models)),
                     expires,
                     created,
                     key.admin,
+                    codec.encode_limits(key.limits),
                 )
                 await _bump(db, "keys_version")
         except asyncpg.UniqueViolationError:
@@ -236,20 +212,34 @@ class PostgresStore:
 
     async def api_keys(self) -> list[ApiKey]:
         pool = await self._ready()
-        rows = await pool.fetch(
-            "SELECT name, digest, models, expires, created, revoked, admin FROM api_keys ORDER BY name"
-        )
+        rows = await pool.fetch(f"SELECT {KEY_COLUMNS} FROM api_keys ORDER BY name")
         return [codec.parse_key(tuple(r)) for r in rows]
 
-    async def revoke(self, name: str) -> bool:
+    async def _change_key(self, name: str, assignments: str, *values: object) -> bool:
+        """``UPDATE api_keys SET <assignments>`` ($2 on) of the key ``name`` and bump the
+        keys' version; False when there is no such key."""
         async with self._tx() as db:
             done = await db.fetchval(
-                "UPDATE api_keys SET revoked = true WHERE name = $1 RETURNING name", name
+                f"UPDATE api_keys SET {assignments} WHERE name = $1 RETURNING name", name, *values
             )
             if done is None:
                 return False
             await _bump(db, "keys_version")
             return True
+
+    async def revoke(self, name: str) -> bool:
+        return await self._change_key(name, "revoked = true")
+
+    async def set_limits(self, name: str, limits: Limits) -> bool:
+        return await self._change_key(name, "limits = $2", codec.encode_limits(limits))
+
+    async def set_access(self, name: str, models: tuple[str, ...], expires: datetime | None) -> bool:
+        return await self._change_key(
+            name,
+            "models = $2, expires = $3",
+            json.dumps(list(models)),
+            expires.isoformat() if expires else None,
+        )
 
     async def keys_version(self) -> int:
         return await self._counter("keys_version")
@@ -274,6 +264,7 @@ class PostgresStore:
                 [u.row() for u in rows],
             )
             await db.execute("DELETE FROM usage_batches WHERE at < $1", now - BATCHES_KEPT)
+            await db.execute("DELETE FROM key_counters WHERE ends < $1", now - COUNTERS_KEPT)
 
     async def usage(self, since: str | None = None) -> list[Usage]:
         pool = await self._ready()
@@ -283,6 +274,54 @@ class PostgresStore:
             since or "",
         )
         return [Usage(*r) for r in rows]
+
+    # --- counters of the key limits
+
+    async def lease(self, key: str, counter: str, window: str, want: int, cap: int) -> int:
+        """One statement: ON CONFLICT DO UPDATE locks the row and computes the grant from its
+        latest ``used``, kept in ``granted`` to be read back."""
+        ends = codec.counter_end(counter, window)
+        pool = await self._ready()
+        granted = await pool.fetchval(
+            "INSERT INTO key_counters AS c VALUES ($1, $2, $3, GREATEST(0, LEAST($4::bigint, $5::bigint)),"
+            " GREATEST(0, LEAST($4::bigint, $5::bigint)), $6) ON CONFLICT (key, counter, win) DO UPDATE SET"
+            " granted = GREATEST(0, LEAST($4::bigint, $5::bigint - c.used)),"
+            " used = c.used + GREATEST(0, LEAST($4::bigint, $5::bigint - c.used)) RETURNING granted",
+            key,
+            counter,
+            window,
+            want,
+            cap,
+            ends,
+        )
+        return int(granted)
+
+    async def add_used(self, key: str, counter: str, window: str, n: int) -> None:
+        ends = codec.counter_end(counter, window)
+        pool = await self._ready()
+        await pool.execute(
+            "INSERT INTO key_counters AS c VALUES ($1, $2, $3, GREATEST(0, $4::bigint), 0, $5)"
+            " ON CONFLICT (key, counter, win) DO UPDATE SET used = GREATEST(0, c.used + $4::bigint)",
+            key,
+            counter,
+            window,
+            n,
+            ends,
+        )
+
+    async def used(self, key: str, counter: str, windows: list[str]) -> dict[str, int]:
+        pool = await self._ready()
+        rows = await pool.fetch(
+            "SELECT win, used FROM key_counters WHERE key = $1 AND counter = $2 AND win = ANY($3::text[])",
+            key,
+            counter,
+            windows,
+        )
+        return {**dict.fromkeys(windows, 0), **{str(r[0]): int(r[1]) for r in rows}}
+
+    async def prune_counters(self, before: float) -> None:
+        pool = await self._ready()
+        await pool.execute("DELETE FROM key_counters WHERE ends < $1", before)
 
     # --- last use
 
@@ -533,8 +572,8 @@ async def _migrate(db: Db) -> int:
         await db.execute("SELECT pg_advisory_xact_lock($1)", MIGRATE_LOCK)
         version = await _version(db)
         for step in range(version + 1, SCHEMA_VERSION + 1):
-            if step in _SCHEMA:
-                await db.execute(_SCHEMA[step])
+            if step in SCHEMA:
+                await db.execute(SCHEMA[step])
         await db.execute(
             "INSERT INTO meta VALUES ('schema_version', $1) ON CONFLICT (name) DO UPDATE SET"
             " value = GREATEST(meta.value, excluded.value)",

@@ -1,11 +1,12 @@
 """What the gateway processes of one cluster share: API keys, usage totals, when each
 replica last served, the replica set the leader publishes, on-demand start requests, the
-live members and who leads.
+live members and who leads, and the counters of the key limits.
 
-Two implementations of the ``Store`` protocol: ``SqliteStore`` (``<state_dir>/gateway.sqlite3``,
-the default: the worker processes of one host) and ``PostgresStore`` (``gateway.store``: the
-gateways of several hosts, in ``postgres.py``, imported only when configured). Callers use the
-protocol only; ``open_store`` picks the implementation from the cluster file.
+Two implementations of the ``Store`` protocol (declared in ``protocol.py``, imported from
+here): ``SqliteStore`` (``<state_dir>/gateway.sqlite3``, the default: the worker processes
+of one host) and ``PostgresStore`` (``gateway.store``: the gateways of several hosts, in
+``postgres.py``, imported only when configured). Callers use the protocol only;
+``open_store`` picks the implementation from the cluster file.
 
 Contract: every method is a coroutine, never called on a request's path (background jobs
 cache what requests need). SQLite's blocking calls run in a worker thread, one connection
@@ -28,19 +29,27 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from llmgw_cli.core.serving.keys import ApiKey
+from llmgw_cli.core.serving.limits import Limits
 from llmgw_cli.errors import InputError
+from llmgw_cli.gateway.store.protocol import Leadership, Store
+from llmgw_cli.gateway.store.sqlite_schema import MIGRATIONS
 from llmgw_cli.gateway.store.values import (
     BATCHES_KEPT,
+    COUNTERS,
+    COUNTERS_KEPT,
+    KEY_COLUMNS,
     MEMBER_TTL,
     SCHEMA_VERSION,
     ModelState,
     Publication,
     Published,
     Usage,
+    counter_end,
     decode_published,
+    encode_limits,
     encode_published,
     parse_key,
 )
@@ -49,6 +58,8 @@ if TYPE_CHECKING:
     from llmgw_cli.core.clusterfile.spec import ClusterSpec
 
 __all__ = [  # what callers import from here, the values included
+    "COUNTERS",
+    "COUNTERS_KEPT",
     "MEMBER_TTL",
     "SCHEMA_VERSION",
     "Leadership",
@@ -61,94 +72,6 @@ __all__ = [  # what callers import from here, the values included
     "Usage",
     "open_store",
 ]
-
-
-class Leadership(Protocol):
-    """Who runs the model controllers: exactly one member of the cluster at a time.
-
-    PostgreSQL: a session advisory lock held on a connection of its own; SQLite: ``flock``
-    on ``<state_dir>/leader.lock``. Taking it increments the store's leader epoch, which is
-    the fencing number: every action of a leader is preceded by ``still_leader``, and every
-    publication is written only while the stored epoch is still this leader's."""
-
-    fence: int | None  # this member's epoch while it leads, else None
-
-    async def try_acquire(self) -> int | None:
-        """Take the lead if nobody holds it: the new fencing number, or None."""
-        ...
-
-    async def still_leader(self) -> bool:
-        """The fence check: the lock is still held (its connection alive) and the stored
-        epoch is still ours. False also when the store cannot be reached."""
-        ...
-
-    async def release(self) -> None: ...
-
-
-class Store(Protocol):
-    """Everything the gateway processes of one cluster share. Every method is a coroutine;
-    none runs on a request's path except through the background jobs that cache it."""
-
-    # --- API keys
-    async def add_key(self, key: ApiKey) -> None: ...
-    async def api_keys(self) -> list[ApiKey]: ...
-    async def revoke(self, name: str) -> bool: ...
-    async def keys_version(self) -> int:
-        """Grows with every key added or revoked: a cheap look before reading them all."""
-        ...
-
-    # --- usage: a batch is applied once, whatever the retries (``batch`` is its unique id)
-    async def add_usage(self, batch: str, rows: list[Usage]) -> None: ...
-    async def usage(self, since: str | None = None) -> list[Usage]:
-        """Totals per (day, key, model), from day ``since`` (YYYY-MM-DD) on when given."""
-        ...
-
-    # --- when each replica (``model@host:port``) last served a request (Unix time)
-    async def save_last_use(self, rows: dict[str, float]) -> None: ...
-    async def last_use(self) -> dict[str, float]: ...
-    async def forget_last_use(self, replicas: list[str]) -> None: ...
-
-    # --- the replica set: the leader writes, everyone reads
-    async def publish(self, fence: int, publication: Publication, leader: str) -> bool:
-        """Write a new publication; False (nothing written) when ``fence`` is not the
-        stored leader epoch any more."""
-        ...
-
-    async def published(self) -> Published | None: ...
-    async def published_version(self) -> int:
-        """The version of the latest publication (0: none yet); a cheap look."""
-        ...
-
-    # --- on-demand starts asked for by followers, carried out by the leader
-    async def request_start(self, model: str, member: str) -> None: ...
-    async def take_start_requests(self, fence: int) -> list[str]:
-        """The models asked for since the last take (removed from the store); none when
-        ``fence`` is stale."""
-        ...
-
-    # --- the live gateway processes (each takes its share of a replica's concurrency)
-    async def heartbeat(self, member: str, host: str, pid: int, now: float) -> int:
-        """Record ``member`` alive at ``now``, forget members silent for ``MEMBER_TTL``;
-        how many members are alive, this one included."""
-        ...
-
-    async def leave(self, member: str) -> None: ...
-
-    # --- leadership, changes, schema, lifetime
-    def leadership(self, member: str) -> Leadership: ...
-    async def wait_change(self, timeout: float) -> None:
-        """Return when keys or the replica set may have changed (LISTEN/NOTIFY with
-        PostgreSQL, a poll of the change counters with SQLite), or after ``timeout``."""
-        ...
-
-    async def migrate(self) -> int:
-        """Create or upgrade the schema; the schema version now."""
-        ...
-
-    async def close(self) -> None:
-        """Release what the object holds: its leaderships (a lead held goes to the next
-        member) and its connections."""
-        ...
 
 
 POLL_EVERY = 0.25  # seconds between two looks at SQLite's change counters in wait_change
@@ -166,39 +89,7 @@ def open_store(spec: ClusterSpec) -> Store:
     return PostgresStore.from_spec(spec)
 
 
-# --- SQLite -------------------------------------------------------------------------------
-
-_SCHEMA_V1 = """
-CREATE TABLE IF NOT EXISTS api_keys (
-  name TEXT PRIMARY KEY, digest TEXT NOT NULL UNIQUE, models TEXT NOT NULL,
-  expires TEXT, created TEXT NOT NULL, revoked INTEGER NOT NULL DEFAULT 0,
-  admin INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS usage (
-  day TEXT NOT NULL, key TEXT NOT NULL, model TEXT NOT NULL,
-  requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
-  errors INTEGER NOT NULL, latency_ms REAL NOT NULL, PRIMARY KEY (day, key, model));
-CREATE TABLE IF NOT EXISTS last_use (replica TEXT PRIMARY KEY, at REAL NOT NULL);
-"""
-
-_SCHEMA_V2 = """
-CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
-INSERT OR IGNORE INTO meta VALUES ('keys_version', 0), ('published_version', 0);
-CREATE TABLE IF NOT EXISTS usage_batches (id TEXT PRIMARY KEY, at REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS usage_batches_at ON usage_batches (at);
-CREATE TABLE IF NOT EXISTS members (
-  member TEXT PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, seen REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS start_requests (
-  model TEXT PRIMARY KEY, member TEXT NOT NULL, at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS leader (
-  id INTEGER PRIMARY KEY CHECK (id = 1), epoch INTEGER NOT NULL, member TEXT NOT NULL,
-  since REAL NOT NULL);
-INSERT OR IGNORE INTO leader VALUES (1, 0, '', 0);
-CREATE TABLE IF NOT EXISTS published (
-  id INTEGER PRIMARY KEY CHECK (id = 1), version INTEGER NOT NULL, fence INTEGER NOT NULL,
-  leader TEXT NOT NULL, at REAL NOT NULL, body TEXT NOT NULL);
-"""
-
-_MIGRATIONS = {1: _SCHEMA_V1, 2: _SCHEMA_V2}  # version -> the script that brings the one before to it
+# --- SQLite (its schema: ``sqlite_schema.py``) ----------------------------------------------
 
 
 @contextmanager
@@ -301,7 +192,7 @@ class SqliteStore:
             with _transaction(db, "BEGIN IMMEDIATE"):
                 version = self._version(db)
                 for step in range(version + 1, SCHEMA_VERSION + 1):
-                    for statement in _MIGRATIONS[step].split(";"):
+                    for statement in MIGRATIONS[step].split(";"):
                         if statement.strip():
                             db.execute(statement)
                 db.execute(
@@ -340,9 +231,17 @@ class SqliteStore:
         def add() -> None:
             with self._db(write=True) as db:
                 db.execute(
-                    "INSERT INTO api_keys (name, digest, models, expires, created, revoked, admin)"
-                    " VALUES (?, ?, ?, ?, ?, 0, ?)",
-                    (key.name, key.digest, json.dumps(list(key.models)), expires, created, int(key.admin)),
+                    "INSERT INTO api_keys (name, digest, models, expires, created, revoked, admin, limits)"
+                    " VALUES (?, ?, ?, ?, ?, 0, ?, ?)",
+                    (
+                        key.name,
+                        key.digest,
+                        json.dumps(list(key.models)),
+                        expires,
+                        created,
+                        int(key.admin),
+                        encode_limits(key.limits),
+                    ),
                 )
                 db.execute("UPDATE meta SET value = value + 1 WHERE name = 'keys_version'")
 
@@ -354,22 +253,39 @@ class SqliteStore:
     async def api_keys(self) -> list[ApiKey]:
         def read() -> list[ApiKey]:
             with self._db() as db:
-                rows = db.execute(
-                    "SELECT name, digest, models, expires, created, revoked, admin FROM api_keys ORDER BY name"
-                ).fetchall()
+                rows = db.execute(f"SELECT {KEY_COLUMNS} FROM api_keys ORDER BY name").fetchall()
             return [parse_key(r) for r in rows]
 
         return await self._run(read)
 
-    async def revoke(self, name: str) -> bool:
-        def revoke() -> bool:
+    async def _change_key(self, name: str, assignments: str, values: tuple[object, ...]) -> bool:
+        """``UPDATE api_keys SET <assignments>`` of the key ``name`` and bump the keys'
+        version; False when there is no such key."""
+
+        def change() -> bool:
             with self._db(write=True) as db:
-                if db.execute("UPDATE api_keys SET revoked = 1 WHERE name = ?", (name,)).rowcount == 0:
+                if (
+                    db.execute(f"UPDATE api_keys SET {assignments} WHERE name = ?", (*values, name)).rowcount
+                    == 0
+                ):
                     return False
                 db.execute("UPDATE meta SET value = value + 1 WHERE name = 'keys_version'")
                 return True
 
-        return await self._run(revoke)
+        return await self._run(change)
+
+    async def revoke(self, name: str) -> bool:
+        return await self._change_key(name, "revoked = 1", ())
+
+    async def set_limits(self, name: str, limits: Limits) -> bool:
+        return await self._change_key(name, "limits = ?", (encode_limits(limits),))
+
+    async def set_access(self, name: str, models: tuple[str, ...], expires: datetime | None) -> bool:
+        return await self._change_key(
+            name,
+            "models = ?, expires = ?",
+            (json.dumps(list(models)), expires.isoformat() if expires else None),
+        )
 
     def _counter(self, name: str) -> int:
         with self._db() as db:
@@ -399,6 +315,7 @@ class SqliteStore:
                     [u.row() for u in rows],
                 )
                 db.execute("DELETE FROM usage_batches WHERE at < ?", (now - BATCHES_KEPT,))
+                db.execute("DELETE FROM key_counters WHERE ends < ?", (now - COUNTERS_KEPT,))
 
         await self._run(add)
 
@@ -413,6 +330,61 @@ class SqliteStore:
             return [Usage(*r) for r in rows]
 
         return await self._run(read)
+
+    # --- counters of the key limits
+
+    async def lease(self, key: str, counter: str, window: str, want: int, cap: int) -> int:
+        """One statement under the write lock: the grant is computed from the ``used`` the
+        row has when it is written, and kept in ``granted`` to be read back."""
+        ends = counter_end(counter, window)
+
+        def lease() -> int:
+            with self._db(write=True) as db:
+                (granted,) = db.execute(
+                    "INSERT INTO key_counters VALUES (:key, :counter, :win, max(0, min(:want, :cap)),"
+                    " max(0, min(:want, :cap)), :ends) ON CONFLICT (key, counter, win) DO UPDATE SET"
+                    " granted = max(0, min(:want, :cap - used)), used = used + max(0, min(:want, :cap - used))"
+                    " RETURNING granted",
+                    {"key": key, "counter": counter, "win": window, "want": want, "cap": cap, "ends": ends},
+                ).fetchone()
+            return int(granted)
+
+        return await self._run(lease)
+
+    async def add_used(self, key: str, counter: str, window: str, n: int) -> None:
+        ends = counter_end(counter, window)
+
+        def add() -> None:
+            with self._db(write=True) as db:
+                db.execute(
+                    "INSERT INTO key_counters VALUES (:key, :counter, :win, max(0, :n), 0, :ends)"
+                    " ON CONFLICT (key, counter, win) DO UPDATE SET used = max(0, used + :n)",
+                    {"key": key, "counter": counter, "win": window, "n": n, "ends": ends},
+                )
+
+        await self._run(add)
+
+    async def used(self, key: str, counter: str, windows: list[str]) -> dict[str, int]:
+        def read() -> dict[str, int]:
+            found = dict.fromkeys(windows, 0)
+            with self._db() as db:
+                for window in windows:
+                    row = db.execute(
+                        "SELECT used FROM key_counters WHERE key = ? AND counter = ? AND win = ?",
+                        (key, counter, window),
+                    ).fetchone()
+                    if row is not None:
+                        found[window] = int(row[0])
+            return found
+
+        return await self._run(read)
+
+    async def prune_counters(self, before: float) -> None:
+        def prune() -> None:
+            with self._db(write=True) as db:
+                db.execute("DELETE FROM key_counters WHERE ends < ?", (before,))
+
+        await self._run(prune)
 
     # --- last use
 

@@ -14,10 +14,14 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 
 from llmgw_cli.core.serving.keys import ApiKey
+from llmgw_cli.core.serving.limits import Limits, as_dict, from_dict, window_end
 
 MEMBER_TTL = 10.0  # seconds without a heartbeat after which a gateway process counts as gone
-SCHEMA_VERSION = 2  # 1: keys, usage and last use only (one gateway process); 2: shared
+SCHEMA_VERSION = 3  # 1: keys, usage and last use only (one gateway process); 2: shared; 3: key limits
 BATCHES_KEPT = 7 * 86400.0  # seconds a usage batch id is remembered (its retries come sooner)
+COUNTERS_KEPT = 300.0  # seconds a counter's window is kept after it ended
+COUNTERS = ("requests", "tokens", "budget")  # the names of the counters kept per key and window
+KEY_COLUMNS = "name, digest, models, expires, created, revoked, admin, limits"  # parse_key's order
 
 
 @dataclass(frozen=True)
@@ -158,16 +162,22 @@ def _time(text: str | None) -> datetime | None:
     return datetime.fromisoformat(text) if text else None
 
 
+def encode_limits(limits: Limits) -> str:
+    """The ``api_keys.limits`` column: ``as_dict``'s JSON."""
+    return json.dumps(as_dict(limits), separators=(",", ":"))
+
+
 def parse_key(r: tuple[object, ...]) -> ApiKey:
-    """An ``api_keys`` row (name, digest, models, expires, created, revoked, admin). A row
-    that does not parse fails closed: the key comes back revoked, never as one that allows
-    every model (what an empty model list means) or never expires."""
+    """An ``api_keys`` row (``KEY_COLUMNS``). A row that does not parse fails closed: the
+    key comes back revoked, never as one that allows every model (what an empty model
+    list means), never expires or has no limits."""
     try:
         models = json.loads(str(r[2]))
         if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
             raise ValueError("models: not a list of names")
         expires = _time(r[3] if isinstance(r[3], str) else None)
         created = _time(r[4] if isinstance(r[4], str) else None)
+        limits = from_dict(json.loads(str(r[7])))
     except ValueError:
         return ApiKey(name=str(r[0]), digest=str(r[1]), models=(), revoked=True)
     return ApiKey(
@@ -178,4 +188,13 @@ def parse_key(r: tuple[object, ...]) -> ApiKey:
         created=created,
         revoked=bool(r[5]),
         admin=bool(r[6]),
+        limits=limits,
     )
+
+
+def counter_end(counter: str, window: str) -> float:
+    """When a counter's window ends, the time it may be pruned after; ValueError for a
+    counter or a window of a form the stores do not keep (a caller's mistake)."""
+    if counter not in COUNTERS:
+        raise ValueError(f"counter {counter!r}: one of {', '.join(COUNTERS)}")
+    return window_end(window)
