@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gateway import LLMGW, Gateway, free_port, throughput, wait_port  # noqa: E402
+from gateway import LLMGW, Gateway, free_port, throughput, wait_port
 
 LIMITED = ["--rpm", "1000000000", "--tpm", "1000000000000", "--budget", "100000000000000/month"]
 LIMITED += ["--max-parallel", "100000"]
