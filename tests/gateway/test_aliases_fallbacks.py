@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -235,3 +236,33 @@ def test_a_fallback_cycle_is_refused_at_load(tmp_path: Path) -> None:
     )
     assert done.returncode != 0
     assert "models[0].fallbacks[0]: fallbacks form a cycle: a -> b -> c -> a" in done.stderr, done.stderr
+
+
+def test_sighup_takes_new_aliases_and_fallbacks_and_refuses_a_cycle(tmp_path: Path) -> None:
+    chat = Engine(tmp_path, "chat")
+    replicas = {"chat": [chat.address], "cold": [f"127.0.0.1:{free_port()}"]}
+    gw = Gateway(tmp_path, [model("chat"), model("cold")], replicas)
+    key = gw.cli("keys", "create", "--name", "k")
+    gw.start()
+    assert gw.proc is not None
+    try:
+        client = gw.client(key)
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="mini", messages=MESSAGES, max_tokens=1)
+        gw.write([model("chat", aliases=["mini"]), model("cold", fallbacks=["chat"])], replicas)
+        gw.proc.send_signal(signal.SIGHUP)
+        wait_until(
+            lambda: "mini" in {m.id for m in client.models.list().data}, timeout=5, what="the reloaded alias"
+        )
+        assert client.chat.completions.create(model="mini", messages=MESSAGES, max_tokens=1).model == "chat"
+        assert client.chat.completions.create(model="cold", messages=MESSAGES, max_tokens=1).model == "chat"
+        # a cycle (the only change) is refused: the running tables stay
+        gw.write(
+            [model("chat", aliases=["mini"], fallbacks=["cold"]), model("cold", fallbacks=["chat"])], replicas
+        )
+        gw.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "reload refused" in gw.log.read_text(), timeout=5, what="'reload refused'")
+        assert client.chat.completions.create(model="cold", messages=MESSAGES, max_tokens=1).model == "chat"
+    finally:
+        gw.stop()
+        chat.stop()
