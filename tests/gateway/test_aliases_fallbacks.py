@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,12 +165,10 @@ def test_a_model_with_no_ready_replica_falls_back(setup: Setup) -> None:
     """`starting` never gets ready; `secret` (its first fallback) neither, and `limited` may
     not use it: `chat`, the next one, serves, plain and streamed."""
     client = setup.gw.client(setup.keys["limited"])
-    started = time.monotonic()
     raw = client.chat.completions.with_raw_response.create(model="starting", messages=MESSAGES, max_tokens=5)
     reply = raw.parse()
     assert raw.headers[SERVED_BY] == "chat" and reply.model == "chat"
     assert reply.usage is not None and reply.usage.completion_tokens == 5
-    assert time.monotonic() - started < 5  # the load wait (1s), not one per fallback
     with client.chat.completions.with_streaming_response.create(
         model="starting", messages=MESSAGES, max_tokens=3, stream=True
     ) as streamed:
