@@ -1,5 +1,6 @@
-"""Checks across objects of a cluster file: references, uniqueness, feasibility, and
-files of two models that would land on one path.
+"""Checks across objects of a cluster file: references, uniqueness, feasibility, the
+names models answer to and fall back on, and files of two models that would land on one
+path.
 
 They run on the plain data the YAML gave, not on a validated ClusterSpec, so that a
 file with a type error in one model still gets its unknown profile reported in the same
@@ -9,6 +10,7 @@ because the schema validation already reports it.
 
 from __future__ import annotations
 
+import difflib
 import posixpath
 import re
 from collections.abc import Iterator
@@ -23,10 +25,13 @@ from llmgw_cli.core.clusterfile.spec import (
     is_address,
 )
 from llmgw_cli.core.hosts.paths import DEFAULT_WEIGHTS
+from llmgw_cli.core.serving.aliases import cycles
 from llmgw_cli.core.weights.snapshot import HF_FOLDER, RepoRef, parse_repo_ref, repo_folder_name
 
 Loc = tuple[str | int, ...]
 Finding = tuple[Loc, str]
+SHOWN_OF_A_CYCLE = 12  # models a cycle's message names at most
+SUGGEST_AMONG = 1000  # most model names an unknown fallback is compared with, for a "did you mean"
 
 
 def _items(data: dict[str, Any], key: str) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -84,6 +89,112 @@ def _references(data: dict[str, Any]) -> Iterator[Finding]:
                 f"(nodes: {_choices({str(n) for n in node_names})})"
             ),
         )
+
+
+def _strings(model: dict[str, Any], key: str) -> Iterator[tuple[int, str]]:
+    """(index, text) for each text item of the list ``model[key]``."""
+    value = model.get(key)
+    if isinstance(value, list):
+        for j, item in enumerate(value):
+            if isinstance(item, str):
+                yield j, item
+
+
+def _aliases(data: dict[str, Any], names: dict[str, int]) -> Iterator[Finding]:
+    """Each alias answers as one model: no model's name, no other alias."""
+    given: dict[str, int] = {}  # alias -> the model it was first given for
+    for i, model in _items(data, "models"):
+        for j, alias in _strings(model, "aliases"):
+            at = ("models", i, "aliases", j)
+            if alias in names:
+                k = names[alias]
+                yield (
+                    at,
+                    (
+                        f"alias {alias!r} is the name of models[{k}]: a request for it would be that "
+                        "model; remove the alias" + ("" if k == i else " or rename one of the models")
+                    ),
+                )
+            elif alias in given:
+                k = given[alias]
+                yield (
+                    at,
+                    (
+                        f"alias {alias!r} is given twice: remove one"
+                        if k == i
+                        else f"alias {alias!r} is already an alias of models[{k}]: one name answers as "
+                        "one model; remove it from one of them"
+                    ),
+                )
+            else:
+                given[alias] = i
+
+
+def _fallbacks(data: dict[str, Any], names: dict[str, int]) -> Iterator[Finding]:
+    """Fallbacks name other models of the catalog, each once, and lead to no cycle."""
+    aliases: dict[str, int] = {}  # alias -> the model it was first given for
+    for i, model in _items(data, "models"):
+        for _, alias in _strings(model, "aliases"):
+            aliases.setdefault(alias, i)
+    graph: dict[str, list[str]] = {}
+    for i, model in _items(data, "models"):
+        name = model.get("name")
+        seen: set[str] = set()
+        for j, fallback in _strings(model, "fallbacks"):
+            at = ("models", i, "fallbacks", j)
+            if fallback == name:
+                yield at, f"the model falls back to itself: remove {fallback!r}"
+            elif fallback in seen:
+                yield at, f"fallback {fallback!r} is given twice: remove one"
+            elif fallback not in names:
+                yield at, _unknown_model(fallback, aliases, data, names)
+            elif isinstance(name, str) and names.get(name) == i:
+                graph.setdefault(name, []).append(fallback)
+            seen.add(fallback)
+    for cycle in cycles(graph):
+        first = min(cycle[:-1], key=names.__getitem__)  # reported at its earliest model
+        k = cycle.index(first)
+        after = cycle[k + 1]
+        i = names[first]
+        j = next(j for j, f in _strings(_model_at(data, i), "fallbacks") if f == after)
+        around = (*cycle[k:-1], *cycle[:k])
+        if len(around) > SHOWN_OF_A_CYCLE:  # a hostile file's cycle may hold every model
+            around = (*around[: SHOWN_OF_A_CYCLE - 1], f"... ({len(around)} models in all)")
+        path = " -> ".join((*around, first))
+        yield (
+            ("models", i, "fallbacks", j),
+            (
+                f"fallbacks form a cycle: {path}; remove one of these fallbacks (a model's fallbacks "
+                "must never lead back to it)"
+            ),
+        )
+
+
+def _model_at(data: dict[str, Any], i: int) -> dict[str, Any]:
+    model: dict[str, Any] = data["models"][i]
+    return model
+
+
+def _unknown_model(name: str, aliases: dict[str, int], data: dict[str, Any], names: dict[str, int]) -> str:
+    if name in aliases:
+        owner = _model_at(data, aliases[name]).get("name")
+        return f"{name!r} is an alias of {owner!r}: name the model itself ({owner!r})"
+    # a suggestion costs a comparison with every name: only for a catalog of sensible size
+    close = (
+        difflib.get_close_matches(name, list(names), n=1, cutoff=0.6) if len(names) <= SUGGEST_AMONG else []
+    )
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown model {name!r}{hint}: a fallback names a model of `models`"
+
+
+def _names(data: dict[str, Any]) -> Iterator[Finding]:
+    names: dict[str, int] = {}  # each model's name -> the first model of that name
+    for i, model in _items(data, "models"):
+        name = model.get("name")
+        if isinstance(name, str):
+            names.setdefault(name, i)
+    yield from _aliases(data, names)
+    yield from _fallbacks(data, names)
 
 
 def _feasibility(data: dict[str, Any]) -> Iterator[Finding]:
@@ -377,6 +488,7 @@ def check(data: dict[str, Any]) -> list[Finding]:
     findings += _duplicates(data, "nodes", "address")
     findings += _duplicates(data, "models", "name")
     findings += _references(data)
+    findings += _names(data)
     findings += _feasibility(data)
     findings += _landing_clashes(data)
     return findings

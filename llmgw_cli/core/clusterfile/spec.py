@@ -22,6 +22,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -757,6 +758,23 @@ FetchSetting = Annotated[
 ]
 
 
+def _model_name(name: str) -> str:
+    if not re.fullmatch(MODEL_NAME_PATTERN, name):
+        raise ValueError(
+            f"{name!r} is not a model name: letters, digits and . _ : / -, beginning with a "
+            "letter or a digit, at most 128 characters"
+        )
+    return name
+
+
+# a name clients may send in `model`: an alias, or a model named as a fallback
+ModelName = Annotated[
+    str, AfterValidator(_model_name), Field(json_schema_extra={"pattern": MODEL_NAME_PATTERN})
+]
+MAX_ALIASES = 32
+MAX_FALLBACKS = 16
+
+
 class Model(Spec):
     """A model in the catalog."""
 
@@ -802,6 +820,28 @@ class Model(Spec):
     routing: Routing = Field(
         default_factory=Routing,
         description="Which ready replica takes each request. Changing it replaces no replica.",
+    )
+    aliases: list[ModelName] = Field(
+        default_factory=list,
+        max_length=MAX_ALIASES,
+        json_schema_extra={"uniqueItems": True},
+        description="More names clients may send in `model` for this model (e.g. `gpt-4o-mini`): "
+        "each answers as this model (the engine gets, and the answer names, the model's own "
+        "name), is listed in `/v1/models` as an entry of its own, and is metered under the "
+        "model's name. A key limited to some models may use the aliases of those. No alias may "
+        "be a model's name or another model's alias. Changing them replaces no replica.",
+    )
+    fallbacks: list[ModelName] = Field(
+        default_factory=list,
+        max_length=MAX_FALLBACKS,
+        json_schema_extra={"uniqueItems": True},
+        description="Catalog models (names, not aliases) tried in this order when this one cannot "
+        "answer: none of its replicas is ready within `gateway.load_wait` (the gateway's 503 or "
+        "404 `model_off`), or its engine answered a 5xx or failed before a byte of the answer "
+        "reached the client. A fallback's own fallbacks follow it; a key skips those it may not "
+        "use; a cycle (a -> b -> a) is refused. The answer's `x-llmgw-served-by` header and "
+        "`model` field name the model that served, and the request is metered under it. "
+        "Changing them replaces no replica.",
     )
 
     @field_validator("source")

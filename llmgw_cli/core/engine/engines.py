@@ -68,14 +68,18 @@ def unit_name(model: str, replica: int) -> str:
     return f"llmgw-{slug(model)}-{replica}.service"
 
 
+# A model's keys that only the gateway reads: no unit depends on them.
+GATEWAY_ONLY = {"scaling", "drain_timeout", "routing", "aliases", "fallbacks"}
+
+
 def spec_hash(spec: ClusterSpec, model: Model) -> str:
     """Digest of everything in the spec that shapes this model's units: a change means the
     running replicas are out of date (``~`` in the plan)."""
     payload = {
-        # neither the replica counts, the drain bound nor the gateway's routing shape a
-        # unit: changing them replaces nothing (and a spec written before `routing`
-        # existed keeps its hash)
-        "model": model.model_dump(mode="json", exclude={"scaling", "drain_timeout", "routing"}),
+        # neither the replica counts, the drain bound, the gateway's routing nor the names
+        # and fallbacks it answers with shape a unit: changing them replaces nothing (and a
+        # spec written before those keys existed keeps its hash)
+        "model": model.model_dump(mode="json", exclude=GATEWAY_ONLY),
         "profile": spec.profiles[model.profile].model_dump(mode="json"),
     }
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))

@@ -16,7 +16,8 @@ between the process's own (``probe_source``) and the publication.
 
 Contract (concurrency): everything here runs on one asyncio loop. Request handlers read
 ``keys``, ``catalog`` and the pool and bump counters without awaiting in between, so they
-need no lock. Background tasks replace ``keys`` and ``catalog`` wholesale (one assignment),
+need no lock. Background tasks replace ``keys`` and ``catalog`` (with its ``aliases`` and
+``fallbacks``) wholesale (one assignment),
 never mutate them in place. The store's calls are coroutines (SQLite's run in a worker
 thread), made from background jobs only.
 """
@@ -40,6 +41,7 @@ import aiohttp
 from llmgw_cli.core.clusterfile.spec import ClusterSpec, GatewaySettings, Model
 from llmgw_cli.core.observe.parse.engine_env import engine_key
 from llmgw_cli.core.planning.drain import Routes, routes_text
+from llmgw_cli.core.serving import aliases
 from llmgw_cli.core.serving.affinity import Policy, Thresholds
 from llmgw_cli.core.serving.key_labels import labelled_keys
 from llmgw_cli.core.serving.keys import ApiKey, hash_token
@@ -155,6 +157,8 @@ class Gateway:
         self.catalog: dict[str, Model] = {m.name: m for m in spec.models}
         # each model's routing policy and thresholds, made once, not on every request
         self.routing: dict[str, tuple[Policy, Thresholds]] = routing_of(spec)
+        # alias -> model, and each model's fallbacks in order (``core/serving/aliases.py``)
+        self.aliases, self.fallbacks = aliases.tables(spec.models)
         self.source = source  # where discovery reads now: probe_source, or the publication
         self.probe_source = source  # this process's own source
         self.store = store
@@ -369,6 +373,7 @@ class Gateway:
         self.spec = spec
         self.catalog = {m.name: m for m in spec.models}
         self.routing = routing_of(spec)
+        self.aliases, self.fallbacks = aliases.tables(spec.models)
         self.every.update(job_intervals(spec.gateway, **self._given_intervals))  # the next round on
         self.every["signals"] = spec.gateway.signals_interval
         self._upstream_settings()

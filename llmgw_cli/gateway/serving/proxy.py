@@ -6,11 +6,20 @@ prompt's first KiB), one upstream request on a pooled connection. The body is ch
 ``request_body``, a stream's bytes are handled in ``sse`` (both pure), errors take the
 OpenAI format of ``openai_error``. Here: the request's path through the gateway, and the
 ``RequestRecord`` that the log line, the usage meter and the metrics are written from.
+
+Aliases and fallbacks (``core/serving/aliases.py``): a name that is no model's costs one
+more lookup, in the alias table. A model with fallbacks that cannot answer (the
+controller's ``Unavailable``, or every attempt a 5xx or a failure before the first byte
+reached the client) hands the request to the next fallback its key may use; the last
+model tried answers whatever happens, as a model without fallbacks does. The engine gets
+the name of the model that serves (engines check ``model``), the answer says it in
+``x-llmgw-served-by``, and the request is metered, counted and logged under it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -19,8 +28,10 @@ from typing import NamedTuple
 
 from aiohttp import web
 
+from llmgw_cli.core.clusterfile.spec import Model
 from llmgw_cli.core.planning.controller import Unavailable
 from llmgw_cli.core.serving.affinity import BLOCK_CHARS, Policy, Thresholds, request_key, session_of
+from llmgw_cli.core.serving.aliases import usable
 from llmgw_cli.core.serving.keys import ApiKey, bearer
 from llmgw_cli.core.serving.routing import RoutedReplica
 from llmgw_cli.errors import BadRequest, ConnectFailed, Disconnected, UpstreamError
@@ -35,6 +46,7 @@ GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_ATTEMPTS = 3
 BYTES_PER_TOKEN = 4  # estimate of a prompt's tokens when the engine never said
+SERVED_BY = "x-llmgw-served-by"  # the model that served, on every answer of a known model
 
 
 @dataclass
@@ -43,7 +55,8 @@ class RequestRecord:
 
     key: str = "-"  # the key's name, once authenticated
     api_key: ApiKey | None = None  # once it may use the model: its usage is metered
-    model: str = "-"
+    model: str = "-"  # the model that serves (or failed last): metered and counted under it
+    asked: str = "-"  # the name the client sent: the model's, or an alias of it
     replica: str = "-"
     route: str = "-"  # why that replica (core/serving/affinity.py's Reason)
     status: int = 0
@@ -67,6 +80,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
     try:
         response = await _forward(request, gw, record, started)
         record.status = record.status or response.status
+        if record.model != "-" and not response.prepared:  # a stream's head said it already
+            response.headers[SERVED_BY] = record.model
         return response
     except asyncio.CancelledError:
         # The client went away; the upstream request is closed with us. A client that read
@@ -108,6 +123,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
                     "path": request.path,
                     "key": record.key,
                     "model": record.model,
+                    "asked": record.asked,
                     "replica": record.replica,
                     "route": record.route,
                     "status": record.status,
@@ -159,24 +175,18 @@ async def _forward(
         payload, body = parse_body(body)
     except BadRequest as exc:
         return bad_request(exc)
-    name: str = payload["model"]
-    model = gw.catalog.get(name)
-    if model is None:
-        return error(404, f"The model `{name}` does not exist.", "invalid_request_error", "model_not_found")
-    if not key.allows(name):
-        return error(
-            403, f"This key may not use the model `{name}`.", "invalid_request_error", "model_not_allowed"
-        )
+    name = record.asked = payload["model"]
+    model = _resolve(gw, key, name)
+    if isinstance(model, web.Response):
+        return model
+    if model.name != name:  # the engine checks the name: it gets its model's
+        name = payload["model"] = model.name
+        body = json.dumps(payload).encode()
     record.model = name
     record.api_key = key
+    fallbacks = _fallbacks(gw, key, name)
     policy, thresholds = gw.routing[name]
-    route_key = None
-    if policy is Policy.prefix:  # from the body parsed once above, never again
-        session = session_of(payload, request.headers.get("x-session-id"))
-        # A body shorter than one block cannot hold a block of prompt (its JSON spends at
-        # least a byte per character of text, and more on the field names around it).
-        if session or len(body) >= BLOCK_CHARS:
-            route_key = request_key(payload, session)
+    route_key = _route_key(request, payload, body) if policy is Policy.prefix else None
     record.prompt_estimate = len(body) // BYTES_PER_TOKEN
     record.stream = payload.get("stream") is True and request.path in STREAMING_PATHS
     if record.stream:
@@ -209,9 +219,93 @@ async def _forward(
             {"Retry-After": "1"},
         )
     try:
-        return await _route(request, gw, record, body, started, route=Route(route_key, policy, thresholds))
+        answer = await _route(
+            request, gw, record, body, started, route=Route(route_key, policy, thresholds), last=not fallbacks
+        )
     finally:
         gw.admission.leave(name)
+    if answer is None:
+        return await _fall_back(
+            request, gw, record, key=key, payload=payload, started=started, fallbacks=fallbacks
+        )
+    return answer
+
+
+def _resolve(gw: Gateway, key: ApiKey, name: str) -> Model | web.Response:
+    """The model ``name`` asks for (its own name, else an alias of it), or the refusal."""
+    model = gw.catalog.get(name)
+    if model is None:
+        aliased = gw.aliases.get(name)  # a name no model has: maybe an alias
+        if aliased is None:
+            return error(
+                404, f"The model `{name}` does not exist.", "invalid_request_error", "model_not_found"
+            )
+        model = gw.catalog[aliased]
+    if not key.allows(model.name):
+        return error(
+            403, f"This key may not use the model `{name}`.", "invalid_request_error", "model_not_allowed"
+        )
+    return model
+
+
+def _fallbacks(gw: Gateway, key: ApiKey, name: str) -> tuple[str, ...]:
+    """The models to try after ``name``, in order, that ``key`` may use (most models have none)."""
+    chain = gw.fallbacks.get(name)
+    return usable(chain, key.allows) if chain else ()
+
+
+def _route_key(request: web.Request, payload: dict[str, object], body: bytes) -> str | None:
+    """The prefix policy's key, from the body parsed once above, never again."""
+    session = session_of(payload, request.headers.get("x-session-id"))
+    # A body shorter than one block cannot hold a block of prompt (its JSON spends at
+    # least a byte per character of text, and more on the field names around it).
+    if session or len(body) >= BLOCK_CHARS:
+        return request_key(payload, session)
+    return None
+
+
+async def _fall_back(
+    request: web.Request,
+    gw: Gateway,
+    record: RequestRecord,
+    *,
+    key: ApiKey,
+    payload: dict[str, object],
+    started: float,
+    fallbacks: tuple[str, ...],
+) -> web.StreamResponse:
+    """The request, for each fallback in turn until one answers: the last answers
+    whatever happens (its refusal or failure is the client's answer). A fallback whose
+    queue is full is skipped; the load wait counts from the request's start."""
+    settings = gw.spec.gateway
+    key_queue = max(1, math.ceil(settings.model_queue * settings.key_queue_share))
+    for n, name in enumerate(fallbacks):
+        last = n == len(fallbacks) - 1
+        record.model = payload["model"] = name
+        body = json.dumps(payload).encode()
+        if record.hide_usage:  # the usage chunk, asked of each engine as of the first
+            body = with_include_usage(body, payload)
+        policy, thresholds = gw.routing[name]
+        route = Route(
+            _route_key(request, payload, body) if policy is Policy.prefix else None, policy, thresholds
+        )
+        if not await gw.admission.enter(name, settings.model_queue, key.name, key_queue):
+            if not last:
+                continue
+            return error(
+                429,
+                f"Too many requests for `{name}`; retry later.",
+                "rate_limit_error",
+                "overloaded",
+                {"Retry-After": "1"},
+            )
+        try:
+            answer = await _route(request, gw, record, body, started, route=route, last=last)
+        finally:
+            gw.admission.leave(name)
+        if answer is not None:
+            return answer
+    raise AssertionError("the last fallback always answers")
 
 
 def _refused(why: Unavailable, rid: str) -> web.Response:
@@ -274,8 +368,18 @@ def _choose(gw: Gateway, record: RequestRecord, route: Route, tried: set[str]) -
 
 
 async def _route(
-    request: web.Request, gw: Gateway, record: RequestRecord, body: bytes, started: float, *, route: Route
-) -> web.StreamResponse:
+    request: web.Request,
+    gw: Gateway,
+    record: RequestRecord,
+    body: bytes,
+    started: float,
+    *,
+    route: Route,
+    last: bool = True,
+) -> web.StreamResponse | None:
+    """The answer of ``record.model``'s replicas. Not the ``last`` model to try: None when
+    it has none (``Unavailable``) or every attempt failed before a byte reached the
+    client, for the next fallback."""
     name = record.model
     timeout = gw.stream_timeout if record.stream else gw.plain_timeout
     tried: set[str] = set()
@@ -284,6 +388,9 @@ async def _route(
         # None ready: the controller starts one if it may, and waits up to load_wait.
         found = await gw.controller.ensure_ready(name, started + gw.spec.gateway.load_wait)
         if isinstance(found, Unavailable):
+            if not last:
+                _passed_on(request, name, f"{found.code}: {found.message}")
+                return None
             return _refused(found, request_id(request))
         # Ready now (no await since): the policy chooses among the ready ones.
         replica = _choose(gw, record, route, tried) or found
@@ -315,22 +422,40 @@ async def _route(
                 replica = _choose(gw, record, route, tried)
                 continue
             except UpstreamError as exc:
+                if not last:
+                    _passed_on(request, name, gw.redact(str(exc)))
+                    return None
                 return _upstream_failed(request, gw, "The engine did not answer.", str(exc))
             gw.pool.succeeded(replica)
             record.first_byte_ms = (time.monotonic() - started) * 1000
             try:
-                return await _relay(request, gw, upstream, record)
+                return await _relay(request, gw, upstream, record, last)
             finally:
                 upstream.release()  # closes the connection unless the answer was read to its end
         finally:
             current.outstanding -= 1
             current.last_used = time.time()  # a stream counts as use until it ends
+    if not last:
+        _passed_on(request, name, gw.redact(last_error) or "no replica could be reached")
+        return None
     return _upstream_failed(request, gw, f"No replica of `{name}` could be reached.", last_error)
 
 
+def _passed_on(request: web.Request, name: str, why: str) -> None:
+    """Log why ``name`` hands the request to its next fallback, under the answer's request id."""
+    _log_detail(
+        logging.INFO, request_id(request), f"`{name}` could not answer, trying its next fallback", why
+    )
+
+
 async def _relay(
-    request: web.Request, gw: Gateway, upstream: Answer, record: RequestRecord
-) -> web.StreamResponse:
+    request: web.Request, gw: Gateway, upstream: Answer, record: RequestRecord, last: bool = True
+) -> web.StreamResponse | None:
+    """The engine's answer, relayed. Not the ``last`` model to try: None for a 5xx (or a
+    refused engine key), before a byte of it reaches the client."""
+    if not last and (upstream.status >= 500 or upstream.status == 401):
+        _passed_on(request, record.model, f"the engine answered {upstream.status}")
+        return None
     if upstream.status == 401:
         return error(502, "The engine refused the gateway's engine key.", "server_error", "upstream_auth")
     content_type = upstream.content_type or "application/json"
@@ -338,12 +463,16 @@ async def _relay(
         try:
             data = await upstream.read()
         except UpstreamError as exc:
+            if not last:
+                _passed_on(request, record.model, gw.redact(str(exc)))
+                return None
             return _upstream_failed(request, gw, "The engine broke off its answer.", str(exc))
         if upstream.status == 200:
             record.prompt, record.completion = body_usage(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
     out = web.StreamResponse(
-        status=upstream.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
+        status=upstream.status,
+        headers={"Content-Type": content_type, "Cache-Control": "no-cache", SERVED_BY: record.model},
     )
     await out.prepare(request)
     relay = StreamRelay(hide_usage=record.hide_usage)

@@ -65,14 +65,20 @@ async def health(_request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
+    """The models the key may use, each followed by an entry per alias of it (``alias_of``
+    names the model)."""
     gw = request.app[GATEWAY]
-    if gw.authenticate(bearer(request.headers.get("Authorization"))) is None:
+    key = gw.authenticate(bearer(request.headers.get("Authorization")))
+    if key is None:
         return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
     controller = gw.controller
     phases = controller.phases()
     progress = {name: controller.progress(name) for name, phase in phases.items() if phase is Phase.starting}
-    data = [
-        {
+    data: list[dict[str, object]] = []
+    for m in gw.catalog.values():
+        if not key.allows(m.name):
+            continue
+        entry = {
             "id": m.name,
             "object": "model",
             "created": 0,
@@ -83,8 +89,8 @@ async def models(request: web.Request) -> web.Response:
             # engine loading); empty unless starting
             "progress": public_progress(progress.get(m.name, "")),
         }
-        for m in gw.catalog.values()
-    ]
+        data.append(entry)
+        data.extend({**entry, "id": alias, "alias_of": m.name} for alias in m.aliases)
     withheld = "; ".join(f"{name}: {text}" for name, text in progress.items() if text)
     if withheld:  # the whole progress text, for the operator, under the answer's request id
         log.info("request %s: /v1/models: %s", request_id(request), withheld)
