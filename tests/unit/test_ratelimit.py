@@ -429,3 +429,21 @@ def test_tokens_overshoot_at_most_what_requests_in_flight_spent_beyond_estimates
     assert max(minutes) <= tpm + most_in_flight * extra
     assert max(minutes) > tpm  # the bound is reached for, not idle
     assert sum(minutes) >= used  # nothing used goes uncounted
+
+
+def test_a_burst_at_the_end_of_a_minute_is_the_approximations_worst_case() -> None:
+    """The documented limit of the method: the previous minute's count is assumed spread
+    evenly, so a full burst in its last instant, then a steady stream, passes nearly twice
+    the limit in the 60 s around the boundary; each fixed minute keeps to the limit."""
+    shell = Shell(Limiter(), Store())
+    limits = Limits(rpm=60)
+    passed = [T0 - 0.1 for _ in range(60) if isinstance(shell.admit("k", limits, 0, T0 - 0.1), Go)]
+    assert len(passed) == 60  # the previous minute was empty: its cap is the limit
+    now = T0
+    while now < T0 + 60:
+        if isinstance(shell.admit("k", limits, 0, now), Go):
+            passed.append(now)
+        now += 0.1
+    in_window = [t for t in passed if T0 - 0.1 <= t < T0 + 59.9]
+    assert 110 < len(in_window) <= 2 * 60
+    assert max(shell.store.counts.values()) == 60
