@@ -4,6 +4,7 @@ fairness between keys and its limits are in test_store.py)."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 from llmgw_cli.core.serving.limits import Priority
 from llmgw_cli.gateway.serving.admission import Admission, Admit
@@ -174,3 +175,95 @@ def test_a_cancelled_waiter_of_a_capped_key_leaves_no_count_behind() -> None:
         assert gate.active["m"] == 0 and gate.key_active == {}
 
     asyncio.run(scenario())
+
+
+CAPS = {"a": 1, "b": 2, "c": None, "d": None}
+PRIORITIES = {"a": Priority.high, "b": Priority.low, "c": Priority.normal, "d": Priority.low}
+MODELS = ("m", "n")
+
+
+class Traffic:
+    """Requests that hold their slot until told to leave, counting themselves inside."""
+
+    def __init__(self, gate: Admission) -> None:
+        self.gate = gate
+        self.inside: dict[str, int] = {}  # requests holding a slot, by model and by key
+        self.holding: list[tuple[asyncio.Task[Admit], asyncio.Event]] = []
+        self.every: list[asyncio.Task[Admit]] = []
+        self.allowed = dict.fromkeys(MODELS, gate.default)  # the limit, or more when lowered
+
+    def start(self, model: str, key: str) -> None:
+        done = asyncio.Event()
+        self.every.append(asyncio.create_task(self.request(model, key, done)))
+        self.holding.append((self.every[-1], done))
+
+    async def request(self, model: str, key: str, done: asyncio.Event) -> Admit:
+        admitted = await self.gate.enter(model, 6, key, 4, priority=PRIORITIES[key], key_parallel=CAPS[key])
+        if admitted:
+            self.count(model, key, 1)
+            try:
+                await done.wait()
+            finally:
+                self.count(model, key, -1)
+                self.gate.leave(model, key)
+        return admitted
+
+    def count(self, model: str, key: str, n: int) -> None:
+        self.inside[model] = self.inside.get(model, 0) + n
+        self.inside[key] = self.inside.get(key, 0) + n
+
+    def check(self) -> None:
+        gate = self.gate
+        for model in MODELS:
+            in_flight = self.inside.get(model, 0)
+            assert in_flight == gate.active.get(model, 0) <= self.allowed[model]
+            self.allowed[model] = max(gate.limit(model), in_flight)  # over the limit: never grows
+            if in_flight < gate.limit(model):  # a free slot: nobody waits who could take it
+                for key, cap in CAPS.items():
+                    if gate.key_waiting(model, key):
+                        assert cap is not None and self.inside.get(key, 0) >= cap
+        for key, cap in CAPS.items():
+            if cap is not None:
+                assert self.inside.get(key, 0) == gate.key_active.get(key, 0) <= cap
+
+
+async def quiet() -> None:
+    """Long enough for a chain of hand-overs (each waiter may leave as soon as it enters)."""
+    for _ in range(100):
+        await asyncio.sleep(0)
+
+
+def test_random_traffic_keeps_every_count_and_the_invariant() -> None:
+    """Requests of keys with and without caps and of every priority enter, leave, are
+    cancelled while waiting, and the limits change, in a seeded random order: no model
+    holds more than its limit (nor more than it held when the limit was lowered), no key
+    more than its cap, a model with a free slot has no waiter that could take it, and
+    everything ends at zero."""
+
+    async def scenario(seed: int) -> None:
+        rng = random.Random(seed)
+        gate = Admission(default=2)
+        traffic = Traffic(gate)
+        for _ in range(400):
+            action = rng.random()
+            if action < 0.5:
+                traffic.start(rng.choice(MODELS), rng.choice(list(CAPS)))
+            elif action < 0.85 and traffic.holding:
+                task, done = traffic.holding.pop(rng.randrange(len(traffic.holding)))
+                if rng.random() < 0.3:
+                    task.cancel()
+                done.set()
+            elif action < 0.9:
+                model = rng.choice(MODELS)
+                gate.resize(model, rng.randint(1, 4))
+                traffic.allowed[model] = max(gate.limit(model), traffic.inside.get(model, 0))
+            await quiet()
+            traffic.check()
+        for _, done in traffic.holding:
+            done.set()
+        await asyncio.gather(*traffic.every, return_exceptions=True)
+        assert all(v == 0 for v in gate.active.values()) and gate.key_active == {}
+        assert all(v == 0 for v in gate.queued().values())
+
+    for seed in range(10):
+        asyncio.run(scenario(seed))
