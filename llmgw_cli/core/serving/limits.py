@@ -251,3 +251,11 @@ def window_end(window: str) -> float:
         )
         return following.timestamp()
     raise ValueError(f"counter window {window!r}: not m:MINUTE, d:YYYY-MM-DD or M:YYYY-MM")
+
+
+def parallel_share(max_parallel: int, members: int) -> int:
+    """One gateway process's share of a key's ``max_parallel``: ``ceil(max_parallel /
+    members)``, at least 1. Every process together therefore allows ``max_parallel``
+    when it divides evenly, and up to one request per process when there are more
+    processes than ``max_parallel``."""
+    return max(1, -(-max_parallel // max(1, members)))
