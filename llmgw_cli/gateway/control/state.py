@@ -28,13 +28,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -45,6 +47,7 @@ from llmgw_cli.core.serving import aliases
 from llmgw_cli.core.serving.affinity import Policy, Thresholds
 from llmgw_cli.core.serving.key_labels import labelled_keys
 from llmgw_cli.core.serving.keys import ApiKey, hash_token
+from llmgw_cli.core.serving.ratelimit import Limiter
 from llmgw_cli.core.serving.redact import redact
 from llmgw_cli.core.serving.routing import Health, Pool, route_settings
 from llmgw_cli.errors import InputError
@@ -127,6 +130,8 @@ def routing_of(spec: ClusterSpec) -> dict[str, tuple[Policy, Thresholds]]:
 
 
 class Gateway:
+    limits_warned = -math.inf  # when an unreachable store was last logged (limiting.py)
+
     def __init__(
         self,
         spec: ClusterSpec,
@@ -178,6 +183,7 @@ class Gateway:
             "reconcile": 1.0,
             "signals": spec.gateway.signals_interval,
             "labels": KEY_LABELS_EVERY,
+            "limits": 60.0,
         }
         self.pool = Pool()
         self.meter = Meter()
@@ -212,6 +218,9 @@ class Gateway:
         self.manage_replicas = manage_replicas
         self._miss_look: asyncio.Future[None] | None = None  # authenticate_fresh's last look
         self._key_usage: list[tuple[str, int]] = []  # (key, tokens) rows: read_key_usage
+        # per-key limits: this process's allowances (gateway/serving/limiting.py)
+        self.limiter = Limiter()
+        self._spawned: set[asyncio.Task[None]] = set()
         self._miss_look_at = 0.0
         self.controller = Controller(
             lambda: self.spec,
@@ -284,6 +293,8 @@ class Gateway:
             ("signals", self.poll_signals),
             # which keys the metrics name, when there are more than gateway.metrics_keys
             ("labels", self.read_key_usage),
+            # the limit allowances of windows that ended (keys idle since)
+            ("limits", lambda: self.limiter.prune(time.time())),
         ]
         jobs.append(("reconcile", self.controller.tick))
         for name, job in jobs:
@@ -301,9 +312,18 @@ class Gateway:
         await self.coordinator.resign()  # another process may lead at once
         await self.controller.stop()
 
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background (a store write after an answer has gone); kept
+        until it ends, and waited for at ``stop``."""
+        task = asyncio.create_task(work)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+
     async def stop(self) -> None:
         if self._miss_look is not None:
             self._miss_look.cancel()
+        if self._spawned:
+            await asyncio.wait(self._spawned, timeout=5)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

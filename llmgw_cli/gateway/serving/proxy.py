@@ -33,9 +33,13 @@ from llmgw_cli.core.planning.controller import Unavailable
 from llmgw_cli.core.serving.affinity import BLOCK_CHARS, Policy, Thresholds, request_key, session_of
 from llmgw_cli.core.serving.aliases import usable
 from llmgw_cli.core.serving.keys import ApiKey, bearer
+from llmgw_cli.core.serving.limits import parallel_share
+from llmgw_cli.core.serving.ratelimit import Refused, Ticket
 from llmgw_cli.core.serving.routing import RoutedReplica
 from llmgw_cli.errors import BadRequest, ConnectFailed, Disconnected, UpstreamError
 from llmgw_cli.gateway.control.state import Gateway, log
+from llmgw_cli.gateway.serving import limiting
+from llmgw_cli.gateway.serving.admission import Admit
 from llmgw_cli.gateway.serving.openai_error import bad_request, error, request_id, withheld
 from llmgw_cli.gateway.serving.request_body import parse_body, with_include_usage
 from llmgw_cli.gateway.serving.sse import StreamRelay, body_usage
@@ -71,6 +75,7 @@ class RequestRecord:
     usage_estimated: bool = False  # prompt and completion are the gateway's estimates
     done: bool = False  # the stream reached `data: [DONE]`: the client got the whole answer
     cut: bool = False  # the engine broke the stream off after bytes had reached the client
+    ticket: Ticket | None = None  # what the key's limits counted: settled once the usage is known
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
@@ -95,6 +100,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         seconds = time.monotonic() - started
+        if record.ticket is not None and record.api_key is not None:
+            limiting.settle(gw, record.api_key, record.ticket, record.prompt + record.completion)
         if record.api_key is not None and record.model != "-":
             gw.meter.record(
                 record.api_key.name,
@@ -197,38 +204,69 @@ async def _forward(
             record.hide_usage = True
             body = with_include_usage(body, payload)
 
-    # The limit (model_concurrency per ready replica) follows capacity: the controller
-    # resizes it whenever the model's ready count changes.
-    key_queue = max(1, math.ceil(settings.model_queue * settings.key_queue_share))
-    if not await gw.admission.enter(name, settings.model_queue, key.name, key_queue):
-        queued = gw.admission.queued().get(name, 0)
-        if queued < settings.model_queue and gw.admission.key_waiting(name, key.name) >= key_queue:
-            return error(
-                429,
-                f"This key has {key_queue} requests waiting for `{name}`, its share of the "
-                "queue; retry later.",
-                "rate_limit_error",
-                "key_overloaded",
-                {"Retry-After": "1"},
-            )
-        return error(
-            429,
-            f"Too many requests for `{name}`; retry later.",
-            "rate_limit_error",
-            "overloaded",
-            {"Retry-After": "1"},
-        )
+    if key.limits.metered and (limited := await _limited(request, gw, key, record)) is not None:
+        return limited
+    if (full := await _enter(gw, name, key)) is not None:
+        return full
     try:
         answer = await _route(
             request, gw, record, body, started, route=Route(route_key, policy, thresholds), last=not fallbacks
         )
     finally:
-        gw.admission.leave(name)
+        gw.admission.leave(name, key.name)
     if answer is None:
         return await _fall_back(
             request, gw, record, key=key, payload=payload, started=started, fallbacks=fallbacks
         )
     return answer
+
+
+async def _limited(
+    request: web.Request, gw: Gateway, key: ApiKey, record: RequestRecord
+) -> web.Response | None:
+    """The key's rpm, tpm and budget (``limiting.py``): the 429 of a refusal, or None (the
+    request is counted, its ticket kept to settle its tokens, its headers set)."""
+    decided = await limiting.admit(gw, key, record.prompt_estimate)
+    headers = limiting.headers_for(gw, key)
+    if headers:
+        request[limiting.RATE_HEADERS] = headers  # on the answer, whatever it is
+    if isinstance(decided, Refused):
+        return limiting.refused(decided, headers)
+    record.ticket = decided.ticket
+    return None
+
+
+async def _enter(gw: Gateway, name: str, key: ApiKey) -> web.Response | None:
+    """A slot of ``name`` (the caller leaves it), or the 429 that says why not. The limit
+    (model_concurrency per ready replica) follows capacity: the controller resizes it
+    whenever the model's ready count changes."""
+    settings, limits = gw.spec.gateway, key.limits
+    key_queue = max(1, math.ceil(settings.model_queue * settings.key_queue_share))
+    parallel = parallel_share(limits.max_parallel, gw.controller.members) if limits.max_parallel else None
+    admitted = await gw.admission.enter(
+        name, settings.model_queue, key.name, key_queue, priority=limits.priority, key_parallel=parallel
+    )
+    if admitted is Admit.entered:
+        return None
+    if admitted is Admit.key_parallel:
+        message = (
+            f"This key has its {parallel} requests in flight through this gateway process "
+            f"(its share of max_parallel {limits.max_parallel}) and no room to wait for `{name}`; "
+            "retry later."
+        )
+        return error(429, message, "rate_limit_error", "key_parallel", {"Retry-After": "1"})
+    if admitted is Admit.key_queue_full:
+        message = (
+            f"This key has {key_queue} requests waiting for `{name}`, its share of the queue; retry later."
+        )
+        return error(429, message, "rate_limit_error", "key_overloaded", {"Retry-After": "1"})
+    return error(
+        429,
+        f"Too many requests for `{name}`; retry later.",
+        "rate_limit_error",
+        "overloaded",
+        {"Retry-After": "1"},
+    )
 
 
 def _resolve(gw: Gateway, key: ApiKey, name: str) -> Model | web.Response:
@@ -277,8 +315,6 @@ async def _fall_back(
     """The request, for each fallback in turn until one answers: the last answers
     whatever happens (its refusal or failure is the client's answer). A fallback whose
     queue is full is skipped; the load wait counts from the request's start."""
-    settings = gw.spec.gateway
-    key_queue = max(1, math.ceil(settings.model_queue * settings.key_queue_share))
     for n, name in enumerate(fallbacks):
         last = n == len(fallbacks) - 1
         record.model = payload["model"] = name
@@ -289,20 +325,14 @@ async def _fall_back(
         route = Route(
             _route_key(request, payload, body) if policy is Policy.prefix else None, policy, thresholds
         )
-        if not await gw.admission.enter(name, settings.model_queue, key.name, key_queue):
+        if (full := await _enter(gw, name, key)) is not None:
             if not last:
                 continue
-            return error(
-                429,
-                f"Too many requests for `{name}`; retry later.",
-                "rate_limit_error",
-                "overloaded",
-                {"Retry-After": "1"},
-            )
+            return full
         try:
             answer = await _route(request, gw, record, body, started, route=route, last=last)
         finally:
-            gw.admission.leave(name)
+            gw.admission.leave(name, key.name)
         if answer is not None:
             return answer
     raise AssertionError("the last fallback always answers")

@@ -53,7 +53,7 @@ from llmgw_cli.errors import LlmgwError
 from llmgw_cli.gateway.control import systemd
 from llmgw_cli.gateway.control.fleet import FleetCollector
 from llmgw_cli.gateway.control.state import Gateway, log
-from llmgw_cli.gateway.serving import admin
+from llmgw_cli.gateway.serving import admin, limiting
 from llmgw_cli.gateway.serving.openai_error import add_request_id, error, request_id
 from llmgw_cli.gateway.serving.proxy import GATEWAY, forward
 from llmgw_cli.gateway.store.sqlite import ModelState
@@ -103,6 +103,7 @@ def public_app(gw: Gateway) -> web.Application:
     app = web.Application(client_max_size=gw.spec.gateway.max_request_size)
     app[GATEWAY] = gw
     app.on_response_prepare.append(add_request_id)
+    app.on_response_prepare.append(limiting.add_rate_headers)  # a limited key's x-ratelimit-*
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
