@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 from llmgw_cli.cli.session import Session
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.serving.keys import ApiKey
-from llmgw_cli.core.serving.limits import NO_LIMITS, Limits, as_dict, budget_window, from_dict, minute_window
+from llmgw_cli.core.serving.limits import NO_LIMITS, Limits, as_dict, from_dict
+from llmgw_cli.core.serving.ratelimit import budget_window, minute_window
 from llmgw_cli.errors import InputError, LlmgwError
 from llmgw_cli.gateway.store.sqlite import SqliteStore, Store, Usage, open_store
 from llmgw_cli.remote.gateway_store import on_gateway_host, shown
@@ -88,13 +89,13 @@ class KeyUse:
 async def key_use(store: Store, keys: list[ApiKey], now: float) -> dict[str, KeyUse]:
     """The use of every key with a metered limit (rpm, tpm or a budget) at ``now``; the
     others count nothing."""
-    minute = minute_window(now)
+    minute = minute_window(now).id
     found = {}
     for key in keys:
         if not key.limits.metered:
             continue
         budget = key.limits.budget
-        period = budget_window(budget.period, now) if budget is not None else ""
+        period = budget_window(budget.period, now).id if budget is not None else ""
         requests = (await store.used(key.name, "requests", [minute]))[minute]
         tokens = (await store.used(key.name, "tokens", [minute]))[minute]
         spent = (await store.used(key.name, "budget", [period]))[period] if period else 0

@@ -36,7 +36,13 @@ class Setup:
 
 
 def _model(name: str) -> dict[str, object]:
-    return {"name": name, "source": f"org/{name}", "fetch": "engine", "profile": "sim", "scaling": {"min": 1, "max": 1}}
+    return {
+        "name": name,
+        "source": f"org/{name}",
+        "fetch": "engine",
+        "profile": "sim",
+        "scaling": {"min": 1, "max": 1},
+    }
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from llmgw_cli.cli import store_access
 from llmgw_cli.cli.main import app
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
-from llmgw_cli.core.serving.limits import budget_window, minute_window
+from llmgw_cli.core.serving.ratelimit import budget_window, minute_window
 from llmgw_cli.errors import InputError, LlmgwError
 from llmgw_cli.gateway.store.sqlite import SqliteStore, Store, Usage
 from tests.pg import Postgres
@@ -131,7 +131,7 @@ def test_keys_with_limits_in_the_gateway_hosts_store(tmp_path: Path) -> None:
 
     # the use against each limit: this minute's requests and tokens, this period's budget
     now = time.time()
-    minute, day = minute_window(now), budget_window("day", now)
+    minute, day = minute_window(now).id, budget_window("day", now).id
     count(SqliteStore(tmp_path), "team-a", "tokens", minute, 3400)
     count(SqliteStore(tmp_path), "team-a", "budget", day, 52_000)
     count(SqliteStore(tmp_path), "team-a", "budget", "d:2020-01-01", 99)  # another day: not this one's
@@ -304,7 +304,7 @@ def test_keys_with_limits_in_postgresql(tmp_path: Path, postgres: Postgres) -> N
         "minute": key["use"]["minute"],  # type: ignore[index]
         "requests": 0,
         "tokens": 0,
-        "period": budget_window("month", time.time()),
+        "period": budget_window("month", time.time()).id,
         "budget": 0,
     }
     missing = llmgw("keys", "set", "nobody", "--rpm", "1", "-f", str(cluster), env=env)

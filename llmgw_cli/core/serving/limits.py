@@ -219,20 +219,10 @@ def from_dict(data: object) -> Limits:
     )
 
 
-# --- counter windows: the ids the stores' counters are kept under --------------------------
+# --- counter windows: the ids the stores' counters are kept under (``m:MINUTE``,
+# ``d:YYYY-MM-DD``, ``M:YYYY-MM``, UTC), made by core/serving/ratelimit.py -------------------
 
 MINUTE = 60.0
-
-
-def minute_window(now: float) -> str:
-    """The UTC minute of ``now``: ``m:`` and the minutes since the epoch (``m:29441760``)."""
-    return f"m:{int(now // MINUTE)}"
-
-
-def budget_window(period: Period, now: float) -> str:
-    """The budget's period of ``now``: ``d:2026-12-05`` (UTC day) or ``M:2026-12`` (month)."""
-    day = datetime.fromtimestamp(now, UTC)
-    return f"d:{day:%Y-%m-%d}" if period == "day" else f"M:{day:%Y-%m}"
 
 
 def window_end(window: str) -> float:

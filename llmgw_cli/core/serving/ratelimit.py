@@ -62,9 +62,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 
-from llmgw_cli.core.serving.limits import Limits
+from llmgw_cli.core.serving.limits import MINUTE, Limits, Period
 
-MINUTE = 60.0
 LEASES_PER_WINDOW = 8
 """A process leases about ``limit / (LEASES_PER_WINDOW * members)`` at a time: the store
 sees about ``LEASES_PER_WINDOW`` leases per window at full use, and a process strands at
@@ -151,12 +150,14 @@ def lease_size(limit: int, members: int) -> int:
     return max(1, math.ceil(limit / (LEASES_PER_WINDOW * max(1, members))))
 
 
+def budget_window(period: Period, now: float) -> Window:
+    return month_window(now) if period == "month" else day_window(now)
+
+
 def window_of(counter: Counter, now: float, limits: Limits) -> Window:
     if counter.sliding:
         return minute_window(now)
-    if limits.budget is not None and limits.budget.period == "month":
-        return month_window(now)
-    return day_window(now)
+    return budget_window(limits.budget.period if limits.budget is not None else "day", now)
 
 
 # What ``admit`` answers. A call the shell makes (``Read``, ``Lease``) carries the store's
