@@ -267,7 +267,7 @@ def list_keys(
     store_dir: StoreDir = None,
 ) -> None:
     """Keys with their models, expiry, state and limits, and the use against each limit:
-    this UTC minute's requests and tokens, this day's or month's budget (never the key
+    the last minute's requests and tokens, this day's or month's budget (never the key
     itself)."""
     from rich.console import Console
 

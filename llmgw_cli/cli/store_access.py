@@ -17,7 +17,7 @@ from llmgw_cli.cli.session import Session
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.serving.keys import ApiKey
 from llmgw_cli.core.serving.limits import NO_LIMITS, Limits, as_dict, from_dict
-from llmgw_cli.core.serving.ratelimit import budget_window, minute_window
+from llmgw_cli.core.serving.ratelimit import budget_window, earlier_slots, slot_window
 from llmgw_cli.errors import InputError, LlmgwError
 from llmgw_cli.gateway.store.sqlite import SqliteStore, Store, Usage, open_store
 from llmgw_cli.remote.gateway_store import on_gateway_host, shown
@@ -66,9 +66,10 @@ def forward(spec: ClusterSpec, file: Path, host: str, command: list[str], args: 
 
 @dataclass(frozen=True)
 class KeyUse:
-    """What a key used of its limits, from the store's counters: requests and tokens in the
-    UTC minute ``minute`` (a ``m:`` window id), and tokens in the budget's period
-    ``period`` (``d:YYYY-MM-DD`` or ``M:YYYY-MM``; "" without a budget)."""
+    """What a key used of its limits, from the store's counters: requests and tokens over
+    the last minute ``minute`` (its slots, ``s:FIRST..s:LAST``: the one under way and the
+    five before it), and tokens in the budget's period ``period`` (``d:YYYY-MM-DD`` or
+    ``M:YYYY-MM``; "" without a budget)."""
 
     minute: str
     requests: int = 0
@@ -89,15 +90,17 @@ class KeyUse:
 async def key_use(store: Store, keys: list[ApiKey], now: float) -> dict[str, KeyUse]:
     """The use of every key with a metered limit (rpm, tpm or a budget) at ``now``; the
     others count nothing."""
-    minute = minute_window(now).id
+    current = slot_window(now)
+    recent = [*earlier_slots(current)[1:], current.id]
+    minute = f"{recent[0]}..{recent[-1]}"
     found = {}
     for key in keys:
         if not key.limits.metered:
             continue
         budget = key.limits.budget
         period = budget_window(budget.period, now).id if budget is not None else ""
-        requests = (await store.used(key.name, "requests", [minute]))[minute]
-        tokens = (await store.used(key.name, "tokens", [minute]))[minute]
+        requests = sum((await store.used(key.name, "requests", recent)).values())
+        tokens = sum((await store.used(key.name, "tokens", recent)).values())
         spent = (await store.used(key.name, "budget", [period]))[period] if period else 0
         found[key.name] = KeyUse(minute, requests, tokens, period, spent)
     return found
@@ -206,7 +209,7 @@ def parse_use(text: str) -> dict[str, KeyUse]:
                 raise ValueError("use")
             period = use.get("period")
             found[_text(row, "name")] = KeyUse(
-                _text(use, "minute", most=20),
+                _text(use, "minute", most=40),
                 _count(use, "requests"),
                 _count(use, "tokens"),
                 "" if period is None else _text(use, "period", most=20),

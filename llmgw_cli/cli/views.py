@@ -393,7 +393,7 @@ def _against(used: int, limit: int | None) -> str:
 
 def keys_view(keys: list[ApiKey], now: datetime, use: Mapping[str, KeyUse] | None = None) -> Table:
     """``llmgw keys list``: one row per key, its state at ``now`` (never the key itself), its
-    limits and its use against them (``rpm`` and ``tpm``: this UTC minute's requests and
+    limits and its use against them (``rpm`` and ``tpm``: the last minute's requests and
     tokens; ``budget``: this day's or month's tokens)."""
     table = Table(
         "name",

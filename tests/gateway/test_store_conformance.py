@@ -19,7 +19,7 @@ import pytest
 
 from llmgw_cli.core.serving.keys import ApiKey, hash_token, parse_expiry
 from llmgw_cli.core.serving.limits import NO_LIMITS, Budget, Limits, Priority
-from llmgw_cli.core.serving.ratelimit import minute_window
+from llmgw_cli.core.serving.ratelimit import slot_window
 from llmgw_cli.errors import InputError
 from llmgw_cli.gateway.store.postgres import PostgresStore
 from llmgw_cli.gateway.store.sqlite import (
@@ -379,7 +379,7 @@ def test_counters_of_ended_windows_are_pruned(backend: Backend) -> None:
     async def scenario() -> None:
         a = backend.open()
         now = 1_796_515_200.0 + 3600  # 2026-12-06 01:00 UTC
-        old_minute, this_minute = minute_window(now - 10 * 60).id, minute_window(now).id
+        old_minute, this_minute = slot_window(now - 10 * 60).id, slot_window(now).id
         for window in (old_minute, this_minute, "d:2026-12-05", "d:2026-12-06", "M:2026-11", "M:2026-12"):
             await a.add_used("k", "budget" if window[0] in "dM" else "requests", window, 5)
         await a.prune_counters(now - COUNTERS_KEPT)
@@ -392,7 +392,7 @@ def test_counters_of_ended_windows_are_pruned(backend: Backend) -> None:
             "M:2026-12": 5,
         }
         # a usage write prunes too: windows that ended before now (minus COUNTERS_KEPT) go
-        current = minute_window(time.time()).id
+        current = slot_window(time.time()).id
         await a.add_used("k", "requests", "m:1", 5)  # 1970
         await a.add_used("k", "requests", current, 5)
         await a.add_usage("batch", [Usage("2026-12-06", "k", "m", 1, 1, 1, 0, 1.0)])

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from llmgw_cli.cli import store_access
 from llmgw_cli.cli.main import app
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
-from llmgw_cli.core.serving.ratelimit import budget_window, minute_window
+from llmgw_cli.core.serving.ratelimit import budget_window, slot_window
 from llmgw_cli.errors import InputError, LlmgwError
 from llmgw_cli.gateway.store.sqlite import SqliteStore, Store, Usage
 from tests.pg import Postgres
@@ -129,15 +129,17 @@ def test_keys_with_limits_in_the_gateway_hosts_store(tmp_path: Path) -> None:
     ok(llmgw("keys", "set", "team-a", "--expires", "never", *store))
     assert listed(*store)["team-a"]["expires"] is None
 
-    # the use against each limit: this minute's requests and tokens, this period's budget
+    # the use against each limit: the last minute's requests and tokens (six slots), this
+    # period's budget
     now = time.time()
-    minute, day = minute_window(now).id, budget_window("day", now).id
-    count(SqliteStore(tmp_path), "team-a", "tokens", minute, 3400)
+    slot, day = slot_window(now), budget_window("day", now).id
+    minute = f"s:{int(slot.start // 10) - 5}..{slot.id}"
+    count(SqliteStore(tmp_path), "team-a", "tokens", slot.id, 3400)
     count(SqliteStore(tmp_path), "team-a", "budget", day, 52_000)
     count(SqliteStore(tmp_path), "team-a", "budget", "d:2020-01-01", 99)  # another day: not this one's
     use = listed(*store)["team-a"]["use"]
     assert isinstance(use, dict)
-    if use["minute"] == minute:  # (the minute did not turn between counting and listing)
+    if use["minute"] == minute:  # (the slot did not turn between counting and listing)
         assert (use["requests"], use["tokens"]) == (0, 3400)
     assert (use["period"], use["budget"]) == (day, 52_000)
     table = ok(llmgw("keys", "list", *store))

@@ -21,7 +21,7 @@ from llmgw_cli.core.serving.limits import (
     parse_changes,
     window_end,
 )
-from llmgw_cli.core.serving.ratelimit import budget_window, minute_window
+from llmgw_cli.core.serving.ratelimit import budget_window, slot_window
 
 
 def given(**texts: str) -> dict[str, object]:
@@ -136,13 +136,14 @@ def test_describe_names_only_the_limits_a_key_has() -> None:
 
 def test_counter_windows_and_when_they_end() -> None:
     now = datetime(2026, 12, 5, 10, 30, 15, tzinfo=UTC).timestamp()
-    minute = minute_window(now).id
-    assert minute == f"m:{int(now // 60)}"
+    minute = f"m:{int(now // 60)}"
+    assert slot_window(now).id == f"s:{int(now // 10)}"
+    assert window_end(slot_window(now).id) == datetime(2026, 12, 5, 10, 30, 20, tzinfo=UTC).timestamp()
     assert window_end(minute) == datetime(2026, 12, 5, 10, 31, tzinfo=UTC).timestamp()
     assert budget_window("day", now).id == "d:2026-12-05"
     assert budget_window("month", now).id == "M:2026-12"
     # each window ends where window_end, reading only its id, says
-    for window in (minute_window(now), budget_window("day", now), budget_window("month", now)):
+    for window in (slot_window(now), budget_window("day", now), budget_window("month", now)):
         assert window_end(window.id) == window.end
     assert window_end("d:2026-12-05") == datetime(2026, 12, 6, tzinfo=UTC).timestamp()
     assert window_end("M:2026-12") == datetime(2027, 1, 1, tzinfo=UTC).timestamp()

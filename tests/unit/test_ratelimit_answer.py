@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 
 from llmgw_cli.core.serving.limits import Budget, Limits
-from llmgw_cli.core.serving.ratelimit import Counter, Go, Lease, Limiter, Read, Refused
+from llmgw_cli.core.serving.ratelimit import (
+    Counter,
+    Go,
+    Lease,
+    Limiter,
+    Read,
+    Refused,
+    earlier_slots,
+    slot_window,
+)
 from llmgw_cli.core.serving.ratelimit_answer import (
     CLIENT_MAX_RETRY_AFTER,
     duration,
@@ -129,23 +138,24 @@ def test_limit_headers_say_what_this_process_knows() -> None:
     headers = limit_headers(limiter, "k", limits, T0 + 15)
     assert headers["x-ratelimit-remaining-requests"] == "57"
     assert headers["x-ratelimit-remaining-tokens"] == "8500"
-    # What this minute used counts until the end of the next one.
-    assert headers["x-ratelimit-reset-requests"] == headers["x-ratelimit-reset-tokens"] == "1m45s"
+    # What this slot (T0 + 10 to T0 + 20) used counts until a minute after its end.
+    assert headers["x-ratelimit-reset-requests"] == headers["x-ratelimit-reset-tokens"] == "1m5s"
 
 
 def test_limit_headers_of_a_minute_after_a_busy_one() -> None:
     limiter = Limiter()
     limits = Limits(rpm=60)
-    minute = int(T0 // 60)
-    used: Used = {(Counter.requests, f"m:{minute - 1}"): 60}
-    admitted(limiter, limits, 0, T0 + 30, used)  # the cap: 60 - 30 = 30; one taken of a lease of 8
-    headers = limit_headers(limiter, "k", limits, T0 + 30)
+    now = T0 + 35  # half way through the slot from T0 + 30
+    slot = slot_window(now)
+    used: Used = {(Counter.requests, earlier_slots(slot)[0]): 60}  # a full slot a minute back
+    admitted(limiter, limits, 0, now, used)  # the cap: 60 - 30 = 30; one taken of a lease of 2
+    headers = limit_headers(limiter, "k", limits, now)
     assert headers["x-ratelimit-remaining-requests"] == "29"
-    assert headers["x-ratelimit-reset-requests"] == "1m30s"
+    assert headers["x-ratelimit-reset-requests"] == "1m5s"
     # Another process took the rest: a lease comes back short, and the headers say so.
-    used[Counter.requests, f"m:{minute}"] = 30  # the cap now
+    used[Counter.requests, slot.id] = 30  # the cap now
     limiter.allowances["k", Counter.requests].held = 0
-    step = limiter.admit("k", limits, 0, T0 + 30)
+    step = limiter.admit("k", limits, 0, now)
     assert isinstance(step, Lease)
-    limiter.granted(step, 0, T0 + 30)
-    assert limit_headers(limiter, "k", limits, T0 + 30)["x-ratelimit-remaining-requests"] == "0"
+    limiter.granted(step, 0, now)
+    assert limit_headers(limiter, "k", limits, now)["x-ratelimit-remaining-requests"] == "0"

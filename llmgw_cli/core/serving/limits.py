@@ -223,13 +223,15 @@ def from_dict(data: object) -> Limits:
 # ``d:YYYY-MM-DD``, ``M:YYYY-MM``, UTC), made by core/serving/ratelimit.py -------------------
 
 MINUTE = 60.0
+SLOT = 10.0  # seconds: rpm and tpm count in slots this long, six to a sliding minute
+SLOTS = 6
 
 
 def window_end(window: str) -> float:
     """When the window ``window`` ends (Unix time); ValueError for a form not made here."""
     kind, _, rest = window.partition(":")
-    if kind == "m" and rest.isascii() and rest.isdigit() and len(rest) <= 12:
-        return (int(rest) + 1) * MINUTE
+    if kind in ("m", "s") and rest.isascii() and rest.isdigit() and len(rest) <= 12:
+        return (int(rest) + 1) * (MINUTE if kind == "m" else SLOT)
     if kind == "d" and len(rest) == 10:
         return datetime.strptime(rest, "%Y-%m-%d").replace(tzinfo=UTC).timestamp() + 86400
     if kind == "M" and len(rest) == 7:
@@ -240,7 +242,7 @@ def window_end(window: str) -> float:
             else first.replace(month=first.month + 1)
         )
         return following.timestamp()
-    raise ValueError(f"counter window {window!r}: not m:MINUTE, d:YYYY-MM-DD or M:YYYY-MM")
+    raise ValueError(f"counter window {window!r}: not s:SLOT, m:MINUTE, d:YYYY-MM-DD or M:YYYY-MM")
 
 
 def parallel_share(max_parallel: int, members: int) -> int:

@@ -4,26 +4,31 @@ clock is passed in, the store is called by the shell).
 Counters and windows. A key's ``rpm`` counts ``requests`` and its ``tpm`` counts
 ``tokens`` (prompt and completion), each over a *sliding minute*; its ``budget`` counts
 ``budget`` tokens over a fixed UTC day or calendar month. The store keeps, per key,
-counter and window id, one number: what was used (``m:<minute>``, ``d:YYYY-MM-DD``,
-``M:YYYY-MM``, see ``minute_window``, ``day_window``, ``month_window``).
+counter and window id, one number: what was used (``s:<slot>``, ``d:YYYY-MM-DD``,
+``M:YYYY-MM``, see ``slot_window``, ``day_window``, ``month_window``).
 
-The sliding minute is approximated from two fixed minutes (the method Cloudflare and
-others describe): at ``elapsed`` seconds into a minute, the current minute may hold
-``limit - floor(prev_used * (1 - elapsed / 60))``, ``prev_used`` being the whole previous
-minute's count. It assumes the previous minute's traffic was spread evenly; for traffic
-that is, any 60 s hold about ``limit``. A burst at the very end of one minute followed by
-a steady stream can pass up to about twice ``limit`` in the 60 s around the boundary, never
-more than ``limit`` in one fixed minute, and never more than ``limit`` a minute on average.
+The sliding minute is counted in ``SLOTS`` slots of ``SLOT`` seconds (six of ten): at
+``elapsed`` seconds into a slot, the current slot may hold ``limit`` less the five slots
+before it and less ``floor(oldest * (1 - elapsed / SLOT))``, ``oldest`` being the slot a
+minute back, weighed down as the current slot goes on (the method Cloudflare and others
+describe for two minutes, here over ten-second slots). Only the oldest slot is
+approximated, as if its traffic had been spread evenly over its ten seconds: any 60 s hold
+``limit`` give or take what that assumption misplaces within one slot. The worst case is
+a burst at the very end of a slot followed by a steady stream, which can come back up to
+ten seconds early (so up to ``limit`` more in the 60 s around it); steady traffic, from
+whatever moment it starts, keeps to the limit over every 60 s (a single minute-long
+window instead let through about 1.4 times the limit in a minute that began mid-window).
 
 Leases. Asking the store for every request would cost a round trip each; instead each
 process leases a share of a window from the store (``lease``: granted only up to the cap it
 sends) and takes from it locally (``Allowance``). A lease asks for ``lease_size``: an
-eighth of the limit (``LEASES_PER_WINDOW``) divided among the live processes, or more
-when one request needs more. So:
+eighth of the limit (``LEASES_PER_WINDOW``) divided among the live processes and, for rpm
+and tpm, among the six slots of a minute, or more when one request needs more. So:
 
-- *requests never overshoot*: what the store grants in a minute never exceeds the cap;
+- *requests never overshoot the cap*: what the store grants in a slot never exceeds it;
 - *undershoot*: what a process leased and did not use when the window ends counts as
-  used. That is at most one lease per process and window (a request that asks while a
+  used. That is at most one lease per process and window (for rpm and tpm, about an
+  eighth of the limit a minute over every process) (a request that asks while a
   batch lease is out asks for exactly what it needs), plus tokens given back by requests
   that used fewer than estimated, and what was leased for a request that another of the
   key's limits then refused (each is used by the next requests while the window runs);
@@ -62,7 +67,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 
-from llmgw_cli.core.serving.limits import MINUTE, Limits, Period
+from llmgw_cli.core.serving.limits import MINUTE, SLOT, SLOTS, Limits, Period
 
 LEASES_PER_WINDOW = 8
 """A process leases about ``limit / (LEASES_PER_WINDOW * members)`` at a time: the store
@@ -93,15 +98,6 @@ class Window:
         return max(0.0, self.end - now)
 
 
-def minute_window(now: float) -> Window:
-    index = int(now // MINUTE)
-    return Window(f"m:{index}", index * MINUTE, (index + 1) * MINUTE)
-
-
-def previous_minute(window: Window) -> Window:
-    return minute_window(window.start - MINUTE)
-
-
 def day_window(now: float) -> Window:
     day = datetime.fromtimestamp(now, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
     start = day.timestamp()
@@ -118,36 +114,60 @@ def month_window(now: float) -> Window:
     return Window(f"M:{first:%Y-%m}", first.timestamp(), following.timestamp())
 
 
-def sliding_cap(limit: int, prev_used: int, elapsed: float) -> int:
-    """What the current minute may hold ``elapsed`` seconds into it."""
-    weight = 1.0 - min(max(elapsed, 0.0), MINUTE) / MINUTE
-    return max(0, limit - math.floor(prev_used * weight))
+def slot_window(now: float) -> Window:
+    """The ``SLOT``-second slot of ``now`` (``s:`` and the slots since the epoch): rpm and
+    tpm are counted in these."""
+    index = int(now // SLOT)
+    return Window(f"s:{index}", index * SLOT, (index + 1) * SLOT)
 
 
-def sliding_wait(limit: int, prev_used: int, used: int, need: int, elapsed: float) -> float | None:
-    """Seconds until the sliding cap admits ``need`` more when the current minute holds
+def earlier_slots(window: Window) -> tuple[str, ...]:
+    """The ids of the ``SLOTS`` slots before ``window``, oldest first."""
+    index = int(window.start // SLOT)
+    return tuple(f"s:{index - n}" for n in range(SLOTS, 0, -1))
+
+
+def sliding_cap(limit: int, before: tuple[int, ...], elapsed: float) -> int:
+    """What the current slot may hold ``elapsed`` seconds into it: ``limit`` less the
+    ``SLOTS - 1`` slots before it and the oldest one (``before[0]``, the slot a minute
+    back) weighed down as the current slot goes on."""
+    weight = 1.0 - min(max(elapsed, 0.0), SLOT) / SLOT
+    return max(0, limit - sum(before[1:]) - math.floor(before[0] * weight))
+
+
+def sliding_wait(limit: int, before: tuple[int, ...], used: int, need: int, elapsed: float) -> float | None:
+    """Seconds until the sliding cap admits ``need`` more when the current slot holds
     ``used`` (if nobody else takes any meanwhile), to the millisecond after the exact
-    moment; None when ``need`` exceeds ``limit``."""
+    moment; None when ``need`` exceeds ``limit``. Slot by slot: the counts known move one
+    slot back at each boundary, later slots holding nothing."""
     if need > limit:
         return None
-    elapsed = min(max(elapsed, 0.0), MINUTE)
-    if sliding_cap(limit, prev_used, elapsed) >= used + need:
+    elapsed = min(max(elapsed, 0.0), SLOT)
+    if sliding_cap(limit, before, elapsed) >= used + need:
         return 0.0
-    # floor(weighed * (1 - e/60)) <= room once weighed * (1 - e/60) < room + 1.
-    room = limit - used - need
-    if room >= 0:  # within this minute, once the previous one weighs little enough
-        return max(0.0, MINUTE * (1.0 - (room + 1) / prev_used) - elapsed) + _AFTER
-    # The next minute: this one's count becomes its previous one, and nothing else counts.
-    rest = MINUTE - elapsed
-    return rest + max(0.0, MINUTE * (1.0 - (limit - need + 1) / used)) + _AFTER
+    counts = (*before, used, *([0] * SLOTS))
+    for ahead in range(SLOTS + 1):
+        prior, here = counts[ahead : ahead + SLOTS], counts[ahead + SLOTS]
+        room = limit - sum(prior[1:]) - here - need
+        if room < 0:
+            continue  # not in this slot, whatever the oldest one weighs
+        # floor(oldest * (1 - e/SLOT)) <= room once oldest * (1 - e/SLOT) < room + 1
+        oldest = prior[0]
+        at = 0.0 if oldest <= room else SLOT * (1.0 - (room + 1) / oldest)
+        since = elapsed if ahead == 0 else 0.0
+        return ahead * SLOT - elapsed + max(at, since) + _AFTER
+    return None  # unreachable: SLOTS + 1 slots on, every count known has gone
 
 
 _AFTER = 0.001  # the cap admits just after the moment computed
+NOTHING_BEFORE = (0,) * SLOTS
 
 
-def lease_size(limit: int, members: int) -> int:
-    """What one lease asks for: ``max(1, ceil(limit / (LEASES_PER_WINDOW * members)))``."""
-    return max(1, math.ceil(limit / (LEASES_PER_WINDOW * max(1, members))))
+def lease_size(limit: int, members: int, windows: int = 1) -> int:
+    """What one lease asks for: ``max(1, ceil(limit / (LEASES_PER_WINDOW * members *
+    windows)))``; ``windows``: how many windows the limit spans (``SLOTS`` for rpm and
+    tpm), so that what every process may strand is an eighth of the limit in all."""
+    return max(1, math.ceil(limit / (LEASES_PER_WINDOW * max(1, members) * windows)))
 
 
 def budget_window(period: Period, now: float) -> Window:
@@ -156,7 +176,7 @@ def budget_window(period: Period, now: float) -> Window:
 
 def window_of(counter: Counter, now: float, limits: Limits) -> Window:
     if counter.sliding:
-        return minute_window(now)
+        return slot_window(now)
     return budget_window(limits.budget.period if limits.budget is not None else "day", now)
 
 
@@ -196,11 +216,12 @@ class Refused:
 
 @dataclass(frozen=True, slots=True)
 class Read:
-    """Read ``used(key, counter, windows)``: the previous minute and the current one."""
+    """Read ``used(key, counter, windows)``: the ``SLOTS`` slots before the current one
+    (oldest first) and the current one."""
 
     key: str
     counter: Counter
-    windows: tuple[str, str]
+    windows: tuple[str, ...]
 
     @property
     def call(self) -> tuple[str, str, list[str]]:
@@ -245,15 +266,16 @@ class Allowance:
 
     State: ``window``; ``held``, leased from the store and not taken yet; ``leased``, all
     this process leased in the window; ``floor``, what the store's count of the window is
-    known to be at least (what we leased, or the cap a short lease met); ``prev_used``, the
-    store's count of the previous minute (sliding counters; None until read); ``batching``,
-    whether a batch lease is out; ``full``, whether a lease came back short (the store was
+    known to be at least (what we leased, or the cap a short lease met); ``before``, the
+    store's counts of the ``SLOTS`` slots before this one (sliding counters; None until
+    read); ``batching``, whether a batch lease is out; ``full``, whether a lease came back short (the store was
     at the cap). A new window resets them all: what was held is dropped
     (it counts as used in the store: the undershoot).
     """
 
     __slots__ = (
         "batching",
+        "before",
         "counter",
         "floor",
         "full",
@@ -261,7 +283,6 @@ class Allowance:
         "leased",
         "limit",
         "period",
-        "prev_used",
         "window",
     )
 
@@ -277,7 +298,8 @@ class Allowance:
         self.held = 0
         self.leased = 0
         self.floor = 0
-        self.prev_used: int | None = None if self.counter.sliding else 0
+        # the counts of the SLOTS slots before this one (sliding counters; None until read)
+        self.before: tuple[int, ...] | None = None if self.counter.sliding else ()
         self.batching = False
         self.full = False
 
@@ -286,10 +308,10 @@ class Allowance:
             self._reset(window)
 
     def cap(self, now: float) -> int:
-        """What the store may hold for this window now (prev_used read)."""
+        """What the store may hold for this window now (``before`` read)."""
         if not self.counter.sliding:
             return self.limit
-        return sliding_cap(self.limit, self.prev_used or 0, now - self.window.start)
+        return sliding_cap(self.limit, self.before or NOTHING_BEFORE, now - self.window.start)
 
     def need(self, key: str, n: int, now: float, members: int) -> Refused | Read | Lease | None:
         """None when ``n`` can be taken at once; else what to do first, or the refusal."""
@@ -297,11 +319,10 @@ class Allowance:
             return None
         if n > self.limit:
             return Refused(self.counter, self.limit, n, None, self.period)
-        if self.prev_used is None:
-            previous = previous_minute(self.window)
-            return Read(key, self.counter, (previous.id, self.window.id))
+        if self.before is None:
+            return Read(key, self.counter, (*earlier_slots(self.window), self.window.id))
         short = n - self.held
-        size = lease_size(self.limit, members)
+        size = lease_size(self.limit, members, SLOTS if self.counter.sliding else 1)
         # Once the store was found full, it is asked again when the cap has grown by a
         # whole lease: in a minute used to its cap the cap grows a unit at a time, and
         # asking at each would cost a store call per request.
@@ -318,13 +339,13 @@ class Allowance:
         if not self.counter.sliding:
             return self.window.resets_in(now)
         elapsed = now - self.window.start
-        found = sliding_wait(self.limit, self.prev_used or 0, self.floor, short, elapsed)
+        found = sliding_wait(self.limit, self.before or NOTHING_BEFORE, self.floor, short, elapsed)
         return self.window.resets_in(now) if found is None else found
 
-    def read(self, windows: tuple[str, str], used: dict[str, int]) -> None:
-        if windows[1] == self.window.id:
-            self.prev_used = max(0, used.get(windows[0], 0))
-            self.floor = max(self.floor, used.get(windows[1], 0))
+    def read(self, windows: tuple[str, ...], used: dict[str, int]) -> None:
+        if windows[-1] == self.window.id:
+            self.before = tuple(max(0, used.get(w, 0)) for w in windows[:-1])
+            self.floor = max(self.floor, used.get(windows[-1], 0))
 
     def granted(self, lease: Lease, got: int) -> None:
         if lease.window != self.window.id:
@@ -367,18 +388,21 @@ class Allowance:
     def remaining(self, now: float) -> int:
         """An estimate of what the key may still use now: the cap less what is known used,
         plus what this process holds."""
-        if self.prev_used is None:
+        if self.before is None:
             return max(0, self.limit - self.spent())
         return max(0, self.cap(now) - self.floor) + self.held
 
     def reset_in(self, now: float) -> float:
-        """Seconds until what is known used no longer counts: for a sliding counter the end
-        of the next minute when this one used some, else the end of this one when the
-        previous did."""
+        """Seconds until what is known used no longer counts: a budget's window end; for a
+        sliding counter, a minute after the end of the newest slot that used some."""
+        if not self.counter.sliding:
+            return self.window.resets_in(now) if self.spent() > 0 else 0.0
         if self.spent() > 0:
-            return self.window.resets_in(now) + (MINUTE if self.counter.sliding else 0.0)
-        if self.prev_used:
-            return self.window.resets_in(now)
+            return self.window.resets_in(now) + MINUTE
+        before = self.before or ()
+        for back, count in enumerate(reversed(before)):  # 0: the slot just before this one
+            if count:
+                return self.window.resets_in(now) + MINUTE - (back + 1) * SLOT
         return 0.0
 
 
