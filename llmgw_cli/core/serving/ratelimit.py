@@ -428,9 +428,12 @@ class Limiter:
         limit = _limit_of(limits, counter)
         if limit is None:
             return None
-        window = window_of(counter, now, limits)
         period = limits.budget.period if counter is Counter.budget and limits.budget else "minute"
         found = self.allowances.get((key, counter))
+        if found is not None and found.period == period and found.window.start <= now < found.window.end:
+            found.limit = limit  # the window runs: no need to work it out again (the hot path)
+            return found
+        window = window_of(counter, now, limits)
         if found is None:
             found = self.allowances[key, counter] = Allowance(counter, limit, window, period)
         else:

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
 import tempfile
@@ -47,7 +46,6 @@ from llmgw_cli.core.serving import aliases
 from llmgw_cli.core.serving.affinity import Policy, Thresholds
 from llmgw_cli.core.serving.key_labels import labelled_keys
 from llmgw_cli.core.serving.keys import ApiKey, hash_token
-from llmgw_cli.core.serving.ratelimit import Limiter
 from llmgw_cli.core.serving.redact import redact
 from llmgw_cli.core.serving.routing import Health, Pool, route_settings
 from llmgw_cli.errors import InputError
@@ -58,6 +56,7 @@ from llmgw_cli.gateway.control.sources import ProbeSource, PublishedSource, Repl
 from llmgw_cli.gateway.control.workers import alive
 from llmgw_cli.gateway.serving.accesslog import AccessLog
 from llmgw_cli.gateway.serving.admission import Admission
+from llmgw_cli.gateway.serving.limit_state import LimitState
 from llmgw_cli.gateway.serving.metrics import Metrics
 from llmgw_cli.gateway.serving.signals_poll import next_wait, scrape_signals
 from llmgw_cli.gateway.serving.upstream import Upstreams
@@ -130,8 +129,6 @@ def routing_of(spec: ClusterSpec) -> dict[str, tuple[Policy, Thresholds]]:
 
 
 class Gateway:
-    limits_warned = -math.inf  # when an unreachable store was last logged (limiting.py)
-
     def __init__(
         self,
         spec: ClusterSpec,
@@ -219,7 +216,7 @@ class Gateway:
         self._miss_look: asyncio.Future[None] | None = None  # authenticate_fresh's last look
         self._key_usage: list[tuple[str, int]] = []  # (key, tokens) rows: read_key_usage
         # per-key limits: this process's allowances (gateway/serving/limiting.py)
-        self.limiter = Limiter()
+        self.limits = LimitState()
         self._spawned: set[asyncio.Task[None]] = set()
         self._miss_look_at = 0.0
         self.controller = Controller(
@@ -294,7 +291,7 @@ class Gateway:
             # which keys the metrics name, when there are more than gateway.metrics_keys
             ("labels", self.read_key_usage),
             # the limit allowances of windows that ended (keys idle since)
-            ("limits", lambda: self.limiter.prune(time.time())),
+            ("limits", lambda: self.limits.limiter.prune(time.time())),
         ]
         jobs.append(("reconcile", self.controller.tick))
         for name, job in jobs:

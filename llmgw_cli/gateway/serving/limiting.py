@@ -18,10 +18,12 @@ only between awaits, and every answer is asked again after a store call.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmgw.gateway")
 
+
 ROUNDS = 10  # store calls one admission may make (two per counter is the most expected)
 RATE_HEADERS = "llmgw_rate_headers"  # the request's x-ratelimit-* headers, for the answer
 WARN_EVERY = 60.0  # seconds between two warnings of an unreachable store
@@ -41,34 +44,69 @@ WARN_EVERY = 60.0  # seconds between two warnings of an unreachable store
 
 async def admit(gw: Gateway, key: ApiKey, tokens: int) -> Go | Refused:
     """Admit a request of ``key`` estimated at ``tokens``: ``Go`` (its ticket for
-    ``settle``) or the refusal."""
-    limiter, limits, members = gw.limiter, key.limits, max(1, gw.controller.members)
+    ``settle``) or the refusal.
+
+    Store calls are shared: while one request reads a slot's earlier counts or takes a
+    batch lease, the others of that key and counter wait for it and ask again, rather
+    than each making a call of its own (at the start of every slot, a busy key's requests
+    in flight would otherwise all read, and all lease, at once)."""
+    limiter, limits, members = gw.limits.limiter, key.limits, max(1, gw.controller.members)
     for _ in range(ROUNDS):
         step = limiter.admit(key.name, limits, tokens, time.time(), members)
-        if isinstance(step, Lease):
-            try:
-                got = await gw.store.lease(*step.call)
-            except Exception as exc:
-                limiter.failed(step)
-                _unreachable(gw, exc)
+        if isinstance(step, Read):
+            if not await _shared(gw, ("read", step.key, step.counter, step.windows[-1]), _read(gw, step)):
                 return FREE
-            limiter.granted(step, got, time.time())
-        elif isinstance(step, Read):
-            try:
-                used = await gw.store.used(*step.call)
-            except Exception as exc:
-                _unreachable(gw, exc)
+        elif isinstance(step, Lease):
+            slot = ("lease", step.key, step.counter, step.window)
+            if step.batch:
+                if not await _shared(gw, slot, _lease(gw, step)):
+                    return FREE
+            elif slot in gw.limits.calls:  # a batch lease is out: wait for it, then ask again
+                await asyncio.shield(gw.limits.calls[slot])
+            elif not await _lease(gw, step):
                 return FREE
-            limiter.read(step, used, time.time())
         else:
             return step
     log.warning("key %s: no decision on its limits after %d store calls; let through", key.name, ROUNDS)
     return FREE
 
 
+async def _shared(gw: Gateway, call: tuple[str, str, str, str], work: Coroutine[Any, Any, bool]) -> bool:
+    """``work``, unless the same call is under way: then wait for that one (``work`` is
+    not run). False: the store could not be reached."""
+    running = gw.limits.calls.get(call)
+    if running is not None:
+        work.close()
+        return await asyncio.shield(running)
+    task = gw.limits.calls[call] = asyncio.ensure_future(work)
+    task.add_done_callback(lambda _: gw.limits.calls.pop(call, None))
+    return await asyncio.shield(task)
+
+
+async def _read(gw: Gateway, step: Read) -> bool:
+    try:
+        used = await gw.store.used(*step.call)
+    except Exception as exc:
+        _unreachable(gw, exc)
+        return False
+    gw.limits.limiter.read(step, used, time.time())
+    return True
+
+
+async def _lease(gw: Gateway, step: Lease) -> bool:
+    try:
+        got = await gw.store.lease(*step.call)
+    except Exception as exc:
+        gw.limits.limiter.failed(step)
+        _unreachable(gw, exc)
+        return False
+    gw.limits.limiter.granted(step, got, time.time())
+    return True
+
+
 def settle(gw: Gateway, key: ApiKey, ticket: Ticket, tokens: int) -> None:
     """The request of ``ticket`` used ``tokens`` in all (prompt and completion)."""
-    for call in gw.limiter.settle(ticket, tokens, key.limits, time.time()):
+    for call in gw.limits.limiter.settle(ticket, tokens, key.limits, time.time()):
         gw.spawn(_add_used(gw, call.call))
 
 
@@ -81,8 +119,8 @@ async def _add_used(gw: Gateway, call: tuple[str, str, str, int]) -> None:
 
 def _unreachable(gw: Gateway, exc: Exception) -> None:
     now = time.monotonic()
-    if now - gw.limits_warned >= WARN_EVERY:
-        gw.limits_warned = now
+    if now - gw.limits.warned >= WARN_EVERY:
+        gw.limits.warned = now
         log.warning("gateway store: cannot count against key limits, requests pass uncounted: %s", exc)
 
 
@@ -99,7 +137,7 @@ def headers_for(gw: Gateway, key: ApiKey) -> dict[str, str]:
     limits = key.limits
     if limits.rpm is None and limits.tpm is None:
         return {}
-    return limit_headers(gw.limiter, key.name, limits, time.time())
+    return limit_headers(gw.limits.limiter, key.name, limits, time.time())
 
 
 async def add_rate_headers(request: web.Request, response: web.StreamResponse) -> None:
