@@ -394,38 +394,38 @@ def _against(used: int, limit: int | None) -> str:
 def keys_view(keys: list[ApiKey], now: datetime, use: Mapping[str, KeyUse] | None = None) -> Table:
     """``llmgw keys list``: one row per key, its state at ``now`` (never the key itself), its
     limits and its use against them (``rpm`` and ``tpm``: the last minute's requests and
-    tokens; ``budget``: this day's or month's tokens)."""
-    table = Table(
-        "name",
-        "models",
-        "expires",
-        "created",
-        "state",
-        "admin",
-        "rpm",
-        "tpm",
-        "parallel",
-        "budget",
-        "priority",
-    )
+    tokens; ``budget``: this day's or month's tokens), one limit a line. The name is never
+    cut (it is what ``keys set`` and ``revoke`` take); the other columns fold to fit the
+    terminal (80 columns when it is not one). The creation time is in ``--json``."""
+    table = Table("name", "state", "models", "expires", "limits")
+    table.columns[0].no_wrap = True
+    for column in table.columns[1:]:
+        column.overflow = "fold"
     for k in keys:
         state = "revoked" if k.revoked else ("expired" if not k.valid(now) else "active")
-        limits, used = k.limits, (use or {}).get(k.name)
-        budget = limits.budget
         table.add_row(  # names come from whoever made the key (the admin API too): not markup
             Text(k.name),
+            state + (", admin" if k.admin else ""),
             Text(",".join(k.models) or "all"),
-            k.expires.isoformat() if k.expires else "never",
-            k.created.strftime("%Y-%m-%d %H:%M") if k.created else "",
-            state,
-            "yes" if k.admin else "",
-            _against(used.requests if used else 0, limits.rpm),
-            _against(used.tokens if used else 0, limits.tpm),
-            str(limits.max_parallel) if limits.max_parallel is not None else "",
-            f"{_against(used.budget if used else 0, budget.tokens)} per {budget.period}" if budget else "",
-            str(limits.priority),
+            k.expires.strftime("%Y-%m-%d %H:%M") if k.expires else "never",
+            "\n".join(_limit_lines(k.limits, (use or {}).get(k.name))) or "none",
         )
     return table
+
+
+def _limit_lines(limits: Limits, used: KeyUse | None) -> list[str]:
+    lines = []
+    if limits.rpm is not None:
+        lines.append(f"rpm {_against(used.requests if used else 0, limits.rpm)}")
+    if limits.tpm is not None:
+        lines.append(f"tpm {_against(used.tokens if used else 0, limits.tpm)}")
+    if (budget := limits.budget) is not None:
+        lines.append(f"budget {_against(used.budget if used else 0, budget.tokens)} per {budget.period}")
+    if limits.max_parallel is not None:
+        lines.append(f"parallel {limits.max_parallel}")
+    if limits.priority != "normal":  # (a StrEnum: the limits module loads only with its commands)
+        lines.append(f"priority {limits.priority}")
+    return lines
 
 
 def usage_view(rows: list[Usage], limits: Mapping[str, Limits] | None = None) -> RenderableType:

@@ -11,14 +11,19 @@ import os
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from llmgw_cli.cli import store_access
 from llmgw_cli.cli.main import app
+from llmgw_cli.cli.views import keys_view
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.serving.keys import ApiKey
+from llmgw_cli.core.serving.limits import Budget, Limits, Priority
 from llmgw_cli.core.serving.ratelimit import budget_window, slot_window
 from llmgw_cli.errors import InputError, LlmgwError
 from llmgw_cli.gateway.store.sqlite import SqliteStore, Store, Usage
@@ -311,3 +316,22 @@ def test_keys_with_limits_in_postgresql(tmp_path: Path, postgres: Postgres) -> N
     }
     missing = llmgw("keys", "set", "nobody", "--rpm", "1", "-f", str(cluster), env=env)
     assert missing.returncode == 2 and "no key named 'nobody'" in missing.stderr
+
+
+def test_keys_list_never_cuts_a_name_in_80_columns() -> None:
+    """The name is what `keys set` and `revoke` take: whole, however many limits a key has
+    and however narrow the terminal (80 columns when output is not a terminal)."""
+    limits = Limits(
+        rpm=60, tpm=100_000, max_parallel=4, budget=Budget(5_000_000, "month"), priority=Priority.high
+    )
+    keys = [
+        ApiKey("far-user", "d1", models=("smollm2-135m",)),
+        ApiKey("team-analytics-production", "d2", models=("a-long-model-name", "another-one"), limits=limits),
+    ]
+    console = Console(width=80, record=True)
+    console.print(keys_view(keys, datetime.now(UTC)))
+    text = console.export_text()
+    assert "far-user" in text and "team-analytics-production" in text
+    for line in ("rpm 0/60", "tpm 0/100000", "parallel 4", "priority high"):
+        assert line in text
+    assert max(len(line) for line in text.splitlines()) <= 80
