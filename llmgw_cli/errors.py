@@ -195,6 +195,11 @@ class BrokenAnswer(UpstreamError):
     """The connection closed in the middle of the answer, or the answer is not HTTP."""
 
 
+class LimitError(ValueError):
+    """A key limit's text that is no limit (``core/serving/limits.py``): the message names
+    the option and its form."""
+
+
 class BadRequest(Exception):
     """A client mistake in a request body (``gateway/serving/request_body.py``): answered 400 in
     the OpenAI format with this message, code and param."""

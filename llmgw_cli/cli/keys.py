@@ -67,7 +67,8 @@ PriorityOption = Annotated[
 def _changes(
     rpm: str | None, tpm: str | None, max_parallel: str | None, budget: str | None, priority: str | None
 ) -> dict[str, object]:
-    from llmgw_cli.core.serving.limits import LimitError, parse_changes
+    from llmgw_cli.core.serving.limits import parse_changes
+    from llmgw_cli.errors import LimitError
 
     try:
         return parse_changes(

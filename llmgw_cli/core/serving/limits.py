@@ -20,6 +20,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Literal
 
+from llmgw_cli.errors import LimitError
+
 Period = Literal["day", "month"]
 
 
@@ -78,10 +80,6 @@ MOST = 10**15  # far beyond any real limit; keeps every value a 64-bit integer i
 FIELDS = ("rpm", "tpm", "max_parallel", "budget", "priority")
 OPTIONS = {f: "--" + f.replace("_", "-") for f in FIELDS}  # rpm -> --rpm, max_parallel -> --max-parallel
 EXAMPLES = {"rpm": "60", "tpm": "100000 or 100k", "max_parallel": "4"}
-
-
-class LimitError(ValueError):
-    """An option's text that is no limit: the message names the option and its form."""
 
 
 def _count(text: str) -> int | None:
