@@ -205,6 +205,7 @@ class Replan:
     lock_timeout: float = 600.0
     replace: frozenset[tuple[str, int]] = frozenset()
     allow_downtime: bool = False
+    cordoned: frozenset[str] = frozenset()  # nodes that take no new replica
 
 
 def _fetch_and_lock(
@@ -271,7 +272,9 @@ def _locked(
                 return chosen, snapshot, held
             if saved is not None:
                 _saved_still_holds(saved, chosen, facts)
-            again = flags_checked(spec, file, facts, make_plan(spec, facts, replace=how.replace))
+            again = flags_checked(
+                spec, file, facts, make_plan(spec, facts, replace=how.replace, cordoned=how.cordoned)
+            )
             chosen = remade(spec, again, first)
             err.print(
                 Text("The nodes changed since the plan above was made; the plan now:", style="yellow"),
@@ -299,7 +302,10 @@ def plan(file: Path, save: Path | None, replace: list[str], *, json_out: bool = 
         snapshot = probe_with_progress(spec, file, None, err, session)
         facts = {f.node: f for f in snapshot.nodes}
         answers = session.run(health_answers(spec, session.conns, facts))
-        result = make_plan(spec, facts, replace=replacements(replace, facts), answers=answers)
+        cordoned = _cordoned(spec, session)
+        result = make_plan(
+            spec, facts, replace=replacements(replace, facts), answers=answers, cordoned=cordoned
+        )
         result = flags_checked(spec, file, facts, result)
         gateway = session.run(
             preview(
@@ -331,6 +337,8 @@ def _choose(
     saved: Path | None,
     replace: list[str],
     session: Session | None = None,
+    *,
+    cordoned: frozenset[str] = frozenset(),
 ) -> tuple[Plan, frozenset[tuple[str, int]]]:
     """The plan to apply (the saved one, checked against the nodes, or a new one) and the
     replicas it was told to replace."""
@@ -338,7 +346,7 @@ def _choose(
         wanted = replacements(replace, facts)
         # the health checks of replicas still starting (``core/observe/health.py``)
         answers = session.run(health_answers(spec, session.conns, facts)) if session else {}
-        return make_plan(spec, facts, replace=wanted, answers=answers), wanted
+        return make_plan(spec, facts, replace=wanted, answers=answers, cordoned=cordoned), wanted
     _no_replace(replace)
     chosen = Plan.model_validate_json(saved.read_text(encoding="utf-8"))
     _saved_still_holds(saved, chosen, facts)
@@ -367,6 +375,18 @@ def _gathered(
         keyless=tuple(keyless),
         gateways=host_steps.gateway_states(gateway),
     )
+
+
+def _cordoned(spec: ClusterSpec, session: Session) -> frozenset[str]:
+    """The nodes that take no new replica: the cluster file's cordons and the store's
+    (``llmgw cordon``), read before placing; a store that cannot be read is said."""
+    from llmgw_cli.cli.cordon_steps import stored_cordons_in
+    from llmgw_cli.core.planning.cordon import cordoned_nodes
+
+    stored, warning = stored_cordons_in(spec, session)
+    if warning:
+        err.print(Text(warning, style="yellow"), highlight=False, soft_wrap=True)
+    return cordoned_nodes(spec, stored)
 
 
 def _no_replace(replace: list[str]) -> None:
@@ -410,7 +430,8 @@ def apply(
             if host_steps.load_saved(saved, spec, session, facts, host, written=as_written) is None:
                 out.print(Text(f"Nothing to do: every step of {saved} is done already.", style="green"))
                 return
-        chosen, wanted = _choose(spec, facts, saved, replace, session)
+        cordoned = _cordoned(spec, session)
+        chosen, wanted = _choose(spec, facts, saved, replace, session, cordoned=cordoned)
         chosen = flags_checked(spec, file, facts, chosen)
         if saved is None:
             chosen = whole(spec, chosen, facts, host, written=as_written)
@@ -440,7 +461,7 @@ def apply(
         confirm("Apply these changes?", yes=yes, to="apply")
         held, fetched = None, None
         if chosen.changes and not no_lock:
-            how = Replan(saved, yes, lock_timeout, wanted, allow_downtime)
+            how = Replan(saved, yes, lock_timeout, wanted, allow_downtime, cordoned)
             chosen, snapshot, held, fetched = _fetch_and_lock(spec, file, session, chosen, how)
         try:
             outcomes = session.run(

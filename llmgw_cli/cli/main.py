@@ -10,6 +10,7 @@ from typer.core import TyperGroup
 from llmgw_cli import __version__
 from llmgw_cli.cli import gateway, keys, lab, render, store
 from llmgw_cli.cli.apply import apply, plan
+from llmgw_cli.cli.cordon import cordon, cordons, drain, uncordon
 from llmgw_cli.cli.doctor import doctor
 from llmgw_cli.cli.fetch import fetch
 from llmgw_cli.cli.logs import logs, restart
@@ -65,6 +66,10 @@ app.command(rich_help_panel=INSPECT)(schema)
 app.command(rich_help_panel=CHANGE)(apply)
 app.command(rich_help_panel=CHANGE)(fetch)
 app.command(rich_help_panel=CHANGE)(restart)
+app.command(rich_help_panel=CHANGE)(cordon)
+app.command(rich_help_panel=CHANGE)(drain)
+app.command(rich_help_panel=CHANGE)(uncordon)
+app.command(hidden=True)(cordons)
 app.add_typer(keys.app, name="keys", rich_help_panel=CHANGE)
 app.add_typer(store.app, name="store", rich_help_panel=CHANGE)
 app.add_typer(gateway.app, name="gateway", rich_help_panel=SERVE)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from llmgw_cli.cli.session import Session
     from llmgw_cli.core.clusterfile.spec import ClusterSpec
     from llmgw_cli.core.observe.facts import NodeFacts
+    from llmgw_cli.core.planning.cordon import Cordon
     from llmgw_cli.core.planning.plan import Answers
     from llmgw_cli.core.views.summary import EngineLoad
 
@@ -55,14 +56,37 @@ def status(
         snapshot = probe_with_progress(spec, file, chosen, Console(stderr=True), session)
         facts = {f.node: f for f in snapshot.nodes}
         answers, journal, loads = session.run(_health(spec, session, facts))
+        listed = _cordons(spec, session, chosen)
     summary = summarize(spec, facts, scope=chosen, answers=answers, journal=journal, loads=loads)
     if json:
         report = {"probe_seconds": round(snapshot.seconds, 3), **summary.model_dump(mode="json")}
+        report["cordons"] = [c.as_dict() for c in listed]
         sys.stdout.write(json_module.dumps(report, indent=2) + "\n")
     else:
         stdout_console().print(status_view(summary, snapshot.seconds))
+        if listed:
+            import time
+
+            from llmgw_cli.cli.cordon_steps import cordons_view
+
+            stdout_console().print(cordons_view(listed, time.time()))
     if chosen is None and any(m.short for m in summary.models):
         raise typer.Exit(ExitCode.failed)
+
+
+def _cordons(spec: ClusterSpec, session: Session, chosen: list[str] | None) -> list[Cordon]:
+    """The cordoned and draining nodes (the cluster file's and the store's), of ``chosen``
+    only when given; a store that cannot be read is said on stderr."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from llmgw_cli.cli.cordon_steps import stored_cordons_in
+    from llmgw_cli.core.planning.cordon import all_cordons
+
+    stored, warning = stored_cordons_in(spec, session)
+    if warning:
+        Console(stderr=True).print(Text(warning, style="yellow"), soft_wrap=True)
+    return [c for c in all_cordons(spec, stored) if chosen is None or c.node in chosen]
 
 
 async def _health(

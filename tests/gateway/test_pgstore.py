@@ -10,6 +10,7 @@ import asyncio
 import asyncpg
 import pytest
 
+from llmgw_cli.core.planning.cordon import Cordon
 from llmgw_cli.core.serving.keys import ApiKey, hash_token
 from llmgw_cli.core.serving.limits import NO_LIMITS, Limits
 from llmgw_cli.errors import InputError
@@ -124,9 +125,9 @@ def test_a_database_of_the_second_schema_gains_the_key_limits(postgres: Postgres
         )
         await old.close()
         store = PostgresStore(url, postgres.password)
-        with pytest.raises(InputError, match="schema version 2, this llmgw needs 3: run llmgw store migrate"):
+        with pytest.raises(InputError, match="schema version 2, this llmgw needs 4: run llmgw store migrate"):
             await store.api_keys()
-        assert await store.migrate() == SCHEMA_VERSION == 3
+        assert await store.migrate() == SCHEMA_VERSION == 4
         (key,) = await store.api_keys()
         assert (key.name, key.models, key.admin, key.revoked, key.limits) == (
             "old",
@@ -138,6 +139,32 @@ def test_a_database_of_the_second_schema_gains_the_key_limits(postgres: Postgres
         assert await store.set_limits("old", Limits(rpm=5))
         assert [k.limits for k in await store.api_keys()] == [Limits(rpm=5)]
         assert await store.lease("old", "requests", "m:1", 9, 5) == 5
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_database_of_the_third_schema_gains_the_cordons(postgres: Postgres) -> None:
+    """A store from before the cordons: refused until `llmgw store migrate`, which adds
+    their table; its keys are kept."""
+    url = postgres.new_database()
+
+    async def scenario() -> None:
+        old = await asyncpg.connect(url, password=postgres.password)
+        await old.execute(SCHEMA[2])
+        await old.execute(SCHEMA[3])
+        await old.execute(
+            "INSERT INTO meta VALUES ('schema_version', 3);"
+            "INSERT INTO api_keys VALUES ('old', 'd1', '[]', NULL, '2026-01-01T00:00:00+00:00', false, false, '{}')"
+        )
+        await old.close()
+        store = PostgresStore(url, postgres.password)
+        with pytest.raises(InputError, match="schema version 3, this llmgw needs 4: run llmgw store migrate"):
+            await store.cordons()
+        assert await store.migrate() == SCHEMA_VERSION == 4
+        assert [k.name for k in await store.api_keys()] == ["old"]
+        await store.cordon(Cordon("node01", "fans", "ops@desk", 5.0, draining=True))
+        assert await store.cordons() == [Cordon("node01", "fans", "ops@desk", 5.0, draining=True)]
         await store.close()
 
     asyncio.run(scenario())

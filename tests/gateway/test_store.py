@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_cli.core.planning.cordon import Cordon
 from llmgw_cli.core.serving.keys import ApiKey, bearer, hash_token, parse_expiry
 from llmgw_cli.core.serving.limits import NO_LIMITS, Limits
 from llmgw_cli.errors import InputError
@@ -341,7 +342,7 @@ def test_sqlite_upgrades_a_second_schema_file_in_place(tmp_path: Path) -> None:
             False,
             NO_LIMITS,
         )
-        assert await store.migrate() == SCHEMA_VERSION == 3
+        assert await store.migrate() == SCHEMA_VERSION == 4
         assert await store.set_limits("old", Limits(rpm=5))
         assert [k.limits for k in await store.api_keys()] == [Limits(rpm=5)]
         assert await store.lease("old", "requests", "m:1", 9, 5) == 5
@@ -364,3 +365,42 @@ def test_a_key_whose_stored_limits_do_not_parse_comes_back_revoked(tmp_path: Pat
             assert keys["fine"].limits == Limits(tpm=5)
 
     asyncio.run(scenario())
+
+
+def test_sqlite_upgrades_a_third_schema_file_in_place(tmp_path: Path) -> None:
+    """A store from before the cordons gains their table when a gateway opens it; its keys
+    are kept."""
+    old = sqlite3.connect(tmp_path / "gateway.sqlite3")
+    old.executescript(
+        MIGRATIONS[1]
+        + MIGRATIONS[2]
+        + MIGRATIONS[3]
+        + "INSERT INTO meta VALUES ('schema_version', 3);"
+        + "INSERT INTO api_keys VALUES ('old', 'd1', '[]', NULL, '2026-01-01T00:00:00+00:00', 0, 0, '{}');"
+    )
+    old.close()
+
+    async def scenario() -> None:
+        store = SqliteStore(tmp_path)
+        assert [k.name for k in await store.api_keys()] == ["old"]
+        assert await store.cordons() == []
+        await store.cordon(Cordon("node01", "fans", "ops@desk", 5.0))
+        assert await store.cordons() == [Cordon("node01", "fans", "ops@desk", 5.0)]
+        assert await store.migrate() == SCHEMA_VERSION == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_cordon_row_that_does_not_parse_is_left_out_or_masked(tmp_path: Path) -> None:
+    """Rows are read as someone else's writing: a control character is never shown, a row
+    of the wrong types is left out."""
+    store = SqliteStore(tmp_path)
+    db = sqlite3.connect(tmp_path / "gateway.sqlite3")
+    db.executescript(
+        "INSERT INTO cordons VALUES ('node01', 'a' || char(27) || '[2J', 'x', 1.0, 0);"
+        "INSERT INTO cordons VALUES ('node02', 'ok', 'y', 'yesterday', 0);"
+    )
+    db.commit()
+    db.close()
+    (found,) = asyncio.run(store.cordons())
+    assert (found.node, found.reason, found.by) == ("node01", "?", "?")

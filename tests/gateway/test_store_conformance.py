@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_cli.core.planning.cordon import Cordon
 from llmgw_cli.core.serving.keys import ApiKey, hash_token, parse_expiry
 from llmgw_cli.core.serving.limits import NO_LIMITS, Budget, Limits, Priority
 from llmgw_cli.core.serving.ratelimit import slot_window
@@ -398,5 +399,29 @@ def test_counters_of_ended_windows_are_pruned(backend: Backend) -> None:
         await a.add_usage("batch", [Usage("2026-12-06", "k", "m", 1, 1, 1, 0, 1.0)])
         assert await a.used("k", "requests", ["m:1", current]) == {"m:1": 0, current: 5}
         await a.close()
+
+    run(scenario)
+
+
+def test_cordons_are_shared_replaced_and_lifted(backend: Backend) -> None:
+    async def scenario() -> None:
+        a, b = backend.open(), backend.open()
+        assert await b.cordons() == []
+        first = Cordon("node02", "disk swap", "ops@desk", 1_796_515_200.5)
+        await a.cordon(first)
+        await a.cordon(Cordon("node01", "", "root@lab", 1_796_515_300.0, draining=True))
+        assert await b.cordons() == [
+            Cordon("node01", "", "root@lab", 1_796_515_300.0, draining=True),
+            first,
+        ]
+        # a second cordon of a node replaces the first (a drain marks it draining, then not)
+        await b.cordon(Cordon("node02", "disk swap", "ops@desk", 1_796_515_200.5, draining=True))
+        assert [c.draining for c in await a.cordons()] == [True, True]
+        assert await a.uncordon("node01") and not await a.uncordon("node01")
+        assert await b.cordons() == [
+            Cordon("node02", "disk swap", "ops@desk", 1_796_515_200.5, draining=True)
+        ]
+        for store in (a, b):
+            await store.close()
 
     run(scenario)

@@ -44,7 +44,7 @@ def test_help_lists_the_commands_by_what_they_do_with_the_lab_apart() -> None:
         "logs",
         "schema",
     ]
-    assert listed["Change"] == ["apply", "fetch", "restart", "keys", "store"]
+    assert listed["Change"] == ["apply", "fetch", "restart", "cordon", "drain", "uncordon", "keys", "store"]
     assert listed["Serve"] == ["gateway", "render"]
     assert listed["Try it without GPUs"] == ["lab"]
     assert {"--install-completion", "--show-completion", "--version"} <= set(listed["Options"])

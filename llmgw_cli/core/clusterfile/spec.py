@@ -498,6 +498,19 @@ class Node(Spec):
     ] = Field(default_factory=list, description="Directories scanned for model weights.")
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
     gpus: ExpectedGpus | None = Field(None, description="Expected GPUs, checked against the probe.")
+    # --- maintenance (docs/operations.md, "Maintenance: cordon, drain, uncordon")
+    cordoned: bool = Field(
+        False,
+        description="Out for maintenance: `apply` and the gateway place no new replica here "
+        "(those running keep serving; `llmgw drain` moves them). For a short stay, "
+        "`llmgw cordon NODE` does the same without editing this file.",
+    )
+    cordon_reason: str | None = Field(
+        None,
+        max_length=200,
+        pattern=r"^[^\x00-\x1f\x7f]*$",
+        description="Why the node is cordoned, shown by `llmgw status` (one line).",
+    )
 
     @property
     def engine_host(self) -> str:

@@ -13,6 +13,8 @@ Pure and deterministic: the same inputs give the same placement. Rules, in order
 - running replicas are given first and keep their cards;
 - a replacement may name the nodes it prefers (its predecessor's): the first of them that
   fits wins, before every rule above but the card rules;
+- a cordoned node (out for maintenance: ``core/planning/cordon.py``) takes no new replica;
+  those it runs keep their cards;
 - every replica that cannot be placed comes back with a sentence saying why.
 """
 
@@ -125,8 +127,15 @@ class Placer:
     """The cluster's free cards as replicas are placed, taken and given back (``place``
     runs one; ``make_plan`` steps one through a rolling replacement)."""
 
-    def __init__(self, spec: ClusterSpec, facts: dict[str, NodeFacts], running: list[PlacedReplica]) -> None:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        facts: dict[str, NodeFacts],
+        running: list[PlacedReplica],
+        cordoned: frozenset[str] = frozenset(),
+    ) -> None:
         self.spec = spec
+        self.cordoned = cordoned  # node names: their running replicas are taken, nothing new goes there
         self.states: dict[str, _NodeState] = {}
         for node in spec.nodes:
             f = facts.get(node.name)
@@ -184,6 +193,8 @@ class Placer:
         return self.multi(model, prefer) if model.nodes > 1 else self.single(model, prefer)
 
     def _fits(self, state: _NodeState, model: Model) -> bool:
+        if state.node.name in self.cordoned:
+            return False
         if model.gpu_class and not (state.cls and same_class(state.cls, model.gpu_class)):
             return False
         return len(self._usable(state, model)) >= model.tensor_parallel
@@ -277,13 +288,19 @@ class Placer:
             (
                 len(self._usable(s, model))
                 for s in self.states.values()
-                if not model.gpu_class or (s.cls and same_class(s.cls, model.gpu_class))
+                if (not model.gpu_class or (s.cls and same_class(s.cls, model.gpu_class)))
+                and s.node.name not in self.cordoned
             ),
             default=0,
         )
         unreachable = len(self.spec.nodes) - len(self.states)
         tail = f"; {unreachable} node(s) unreachable" if unreachable else ""
+        tail += self._cordoned_tail()
         return f"{model.name} needs {self._what(model)} on one node; the most any node has is {best}{tail}"
+
+    def _cordoned_tail(self) -> str:
+        shut = sorted(n for n in self.cordoned if n in self.states)
+        return f"; cordoned: {', '.join(shut)}" if shut else ""
 
     def _why_multi(self, model: Model, ready: dict[str, list[_NodeState]]) -> str:
         cls = f" {model.gpu_class}" if model.gpu_class else ""
@@ -296,6 +313,8 @@ class Placer:
                 state = self.states.get(node.name)
                 if state is None:
                     blocked.append(f"{node.name}: unreachable")
+                elif node.name in self.cordoned:
+                    blocked.append(f"{node.name}: cordoned")
                 elif state in ready.get(fabric, []):
                     continue
                 elif not fabric_status(node, state.facts).advertises:
@@ -311,13 +330,18 @@ class Placer:
 
 
 def place(
-    spec: ClusterSpec, facts: dict[str, NodeFacts], running: list[PlacedReplica], want: dict[str, int]
+    spec: ClusterSpec,
+    facts: dict[str, NodeFacts],
+    running: list[PlacedReplica],
+    want: dict[str, int],
+    cordoned: frozenset[str] = frozenset(),
 ) -> Placement:
-    """Place ``want[model]`` new replicas of each model around the ``running`` ones.
+    """Place ``want[model]`` new replicas of each model around the ``running`` ones, on
+    no node of ``cordoned``.
 
     Multi-node models go first (they need whole nodes), then larger groups, then spec order.
     """
-    placer = Placer(spec, facts, running)
+    placer = Placer(spec, facts, running, cordoned)
     order = sorted(
         (m for m in spec.models if want.get(m.name, 0) > 0),
         key=lambda m: (-m.nodes, -m.tensor_parallel, spec.models.index(m)),

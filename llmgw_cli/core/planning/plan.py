@@ -425,6 +425,7 @@ def grow_plan(
     reserved: Sequence[Action] = (),
     avoid: frozenset[str] = frozenset(),
     shun: frozenset[str] = frozenset(),
+    cordoned: frozenset[str] = frozenset(),
 ) -> Plan:
     """Start ``count`` more replicas of ``model`` around everything on the nodes (an
     on-demand start, a scale-out, a replacement), with the placement rules of ``apply``.
@@ -434,17 +435,20 @@ def grow_plan(
     weights are still being fetched): their cards, ports and replica numbers count as
     taken. ``avoid``: GPU UUIDs not to use (the cards of a unit systemd gave up on).
     ``shun``: nodes whose cards are used only when the replicas fit nowhere else (where
-    the model crash-looped or failed to start: the node itself can be the cause)."""
+    the model crash-looped or failed to start: the node itself can be the cause).
+    ``cordoned``: nodes out for maintenance, never used."""
     if shun:
         shunned = {g.uuid for name in shun if name in facts for g in facts[name].gpus}
-        plan = grow_plan(spec, facts, model, count, reserved=reserved, avoid=avoid | shunned)
+        plan = grow_plan(
+            spec, facts, model, count, reserved=reserved, avoid=avoid | shunned, cordoned=cordoned
+        )
         if plan.changes and not plan.unplaced:
             return plan
     running = running_replicas(facts)
     held = [_as_replica(facts, r) for r in running] + [
         _holding(facts, a.model, a.nodes, a.gpus) for a in reserved
     ]
-    placement = place(spec, _without(facts, avoid), held, {model: count})
+    placement = place(spec, _without(facts, avoid), held, {model: count}, cordoned)
     used = _used_ports(running)
     for a in reserved:
         if a.port is not None:
@@ -539,22 +543,24 @@ def make_plan(
     *,
     replace: frozenset[tuple[str, int]] = frozenset(),
     answers: Answers | None = None,
+    cordoned: frozenset[str] = frozenset(),
 ) -> Plan:
     """The plan that brings the nodes to the spec: ``min`` replicas of each always-on model,
     nothing lost or restarted that already matches; a replica that is not ready nor
     starting (``core/observe/health.py``) is started again in place. ``replace``: (model, replica)
     pairs to replace even though they match (the caller checks that they run).
-    ``answers``: the health checks' answers the caller has, (model, replica) -> ready."""
+    ``answers``: the health checks' answers the caller has, (model, replica) -> ready.
+    ``cordoned``: nodes that take no new replica (the ones there are left as they are)."""
     running = running_replicas(facts)
     sorted_ = _sort_running(spec, running, replace, answers)
     actions = sorted_.delete + _keep_actions(spec, sorted_.keep, answers or {})
-    roll = _Rolling(spec, facts, running, sorted_)
+    roll = _Rolling(spec, facts, running, sorted_, cordoned)
     actions += roll.actions
     unplaced = roll.unplaced
     # `+` for always-on models below min, around what runs once the replacements are done
     final = sorted_.keep + roll.left
     held = [_as_replica(facts, r) for r in final] + roll.successors
-    placement = place(spec, facts, held, _wanted(spec, sorted_))
+    placement = place(spec, facts, held, _wanted(spec, sorted_), cordoned)
     indices = running + [_placeholder(a) for a in roll.actions]
     created, missed = _placed_actions(spec, facts, placement, indices, used=roll.used)
     actions += created
@@ -579,6 +585,37 @@ def make_plan(
     )
 
 
+def move_plan(
+    spec: ClusterSpec,
+    facts: dict[str, NodeFacts],
+    moving: frozenset[tuple[str, int]],
+    cordoned: frozenset[str],
+) -> tuple[list[Action], list[tuple[Running, str]]]:
+    """Successors for the running replicas ``moving`` (model, replica: each of a model in
+    the spec), placed off the ``cordoned`` nodes as ``make_plan`` rolls a replacement
+    (successor first where one fits), every other replica keeping its cards: the ``~``
+    actions, and the replicas that fit nowhere with why (``llmgw drain``)."""
+    running = running_replicas(facts)
+    s = _Sorted()
+    for r in running:
+        if (r.model, r.replica) in moving:
+            s.replace[r.model].append(r)
+        else:
+            s.keep.append(r)
+    roll = _Rolling(spec, facts, running, s, cordoned)
+    left = []
+    for old in roll.left:
+        tried = roll.placer.one(spec.model(old.model))
+        if isinstance(tried, PlacedReplica):  # the cards are there, a port is not
+            roll.placer.release(tried)
+            head = tried.slots[0].node
+            why = f"no free port in profile {spec.model(old.model).profile}'s range on {head}"
+        else:
+            why = tried.reason
+        left.append((old, why))
+    return roll.actions, left
+
+
 class _Rolling:
     """The replacements of a plan, simulated one at a time per model, in replica order, as
     the executor carries them out (models side by side, each model's one after another).
@@ -591,10 +628,17 @@ class _Rolling:
     which leaves the model with no serving replica meanwhile when no other one serves. A
     replica that is down serves nothing: it is replaced in place."""
 
-    def __init__(self, spec: ClusterSpec, facts: dict[str, NodeFacts], running: list[Running], s: _Sorted):
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        facts: dict[str, NodeFacts],
+        running: list[Running],
+        s: _Sorted,
+        cordoned: frozenset[str] = frozenset(),
+    ):
         self.spec, self.facts = spec, facts
         olds = [r for rs in s.replace.values() for r in rs]
-        self.placer = Placer(spec, facts, [_as_replica(facts, r) for r in s.keep + olds])
+        self.placer = Placer(spec, facts, [_as_replica(facts, r) for r in s.keep + olds], cordoned)
         # ports: an old replica keeps its own until the end (a successor of another model
         # may start while it still runs); one replaced in place gives its own to its successor
         self.used = _used_ports(s.keep + olds)

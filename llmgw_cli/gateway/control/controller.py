@@ -113,6 +113,7 @@ from llmgw_cli.core.serving.redact import redact
 from llmgw_cli.core.serving.routing import Health, Pool, RoutedReplica, serving_address
 from llmgw_cli.errors import NodeError, NotLeader, StartBroken, StartFailed
 from llmgw_cli.gateway.control.controller_state import (
+    Cordons,
     Done,
     DrainClocks,
     Fetching,
@@ -180,6 +181,8 @@ class Controller:
         self._tickets = itertools.count()
         self._stopping: dict[tuple[str, int], str] = {}  # (model, replica) being stopped -> address
         self._clocks = DrainClocks()
+        self._cordons = Cordons()  # nodes out for maintenance, read with every probe: no start there
+        self.cordoned: frozenset[str] = frozenset()
         self.changed: Callable[[], None] | None = None  # called by every ``observe``
         # Secrets the gateway holds by value (its engine keys): never in a recorded failure.
         self.secrets: Callable[[], Iterable[str]] = tuple
@@ -455,7 +458,7 @@ class Controller:
             return unresolved
         async with self.lock.hold(f"place a successor of {model}#{restart.replica}"):
             facts = await self._probe(spec)
-            plan = grow_plan(spec, facts, model, reserved=self._reserved())
+            plan = grow_plan(spec, facts, model, reserved=self._reserved(), cordoned=self.cordoned)
         if not plan.changes:
             return f"no free cards for a successor ({unplaced_text(plan)})"
         if mc.state.starting:
@@ -641,8 +644,27 @@ class Controller:
         self._record(model, "start-failed", why, "start-failed")
 
     async def _probe(self, spec: ClusterSpec) -> dict[str, NodeFacts]:
+        """The nodes' facts, and the cordons read again with them: every placement is made
+        on a probe taken under the lock, so it sees a cordon set before that probe."""
         assert self.nodes is not None
+        self.cordoned = await self._cordons.read(spec, self.store)
         return await self.nodes.probe(spec)
+
+    def _grow(
+        self,
+        spec: ClusterSpec,
+        facts: dict[str, NodeFacts],
+        start: Start,
+        mc: ModelController,
+        *,
+        reserved: list[Action],
+    ) -> Plan:
+        """Where ``start`` goes (``grow_plan``): not on the cards it avoids, on the nodes it
+        shuns only when it fits nowhere else, never on a cordoned node."""
+        avoid, shunned = start.avoid, shun(start, mc)
+        return grow_plan(
+            spec, facts, start.model, reserved=reserved, avoid=avoid, shun=shunned, cordoned=self.cordoned
+        )
 
     def _reserved(self, but: int | None = None) -> list[Action]:
         """What a new start must not take besides the units on the nodes: the starts still
@@ -665,9 +687,7 @@ class Controller:
         ticket = next(self._tickets)
         async with self.lock.hold(f"place a replica of {model}"):
             facts = await self._probe(spec)
-            plan = grow_plan(
-                spec, facts, model, reserved=self._reserved(), avoid=start.avoid, shun=shun(start, mc)
-            )
+            plan = self._grow(spec, facts, start, mc, reserved=self._reserved())
             if not plan.changes:
                 plan = await self._evict_for(spec, facts, plan, start, mc)
             action = plan.changes[0]
@@ -746,14 +766,7 @@ class Controller:
         taken = conflicts(facts, action)
         if taken is not None:
             log.info("%s: re-planning: %s", start.model, taken)
-            plan = grow_plan(
-                spec,
-                facts,
-                start.model,
-                reserved=self._reserved(ticket),
-                avoid=start.avoid,
-                shun=shun(start, mc),
-            )
+            plan = self._grow(spec, facts, start, mc, reserved=self._reserved(ticket))
             if not plan.changes:
                 raise StartFailed(f"{taken}; {unplaced_text(plan)}")
             action = plan.changes[0]
@@ -789,9 +802,7 @@ class Controller:
         self.metrics.evicted(victim.model)
         assert self.nodes is not None
         facts = self.nodes.facts  # probed by the stop, after it
-        plan = grow_plan(
-            spec, facts, start.model, reserved=self._reserved(), avoid=start.avoid, shun=shun(start, mc)
-        )
+        plan = self._grow(spec, facts, start, mc, reserved=self._reserved())
         if not plan.changes:
             raise StartFailed(unplaced_text(plan) or "no room after an eviction")
         return plan

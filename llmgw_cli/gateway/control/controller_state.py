@@ -6,6 +6,7 @@ has seen (``Known``), each model's starts (``ModelController``), its recent acti
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -23,11 +24,12 @@ from llmgw_cli.core.planning.controller import (
     backoff,
     unavailable,
 )
+from llmgw_cli.core.planning.cordon import Cordon, cordoned_nodes
 from llmgw_cli.core.planning.lifecycle import known_last_use
 from llmgw_cli.core.planning.plan import Action, Plan, Running
 from llmgw_cli.core.serving.redact import redact
 from llmgw_cli.core.serving.routing import Health, Pool, RoutedReplica
-from llmgw_cli.gateway.store.sqlite import ModelState
+from llmgw_cli.gateway.store.sqlite import ModelState, Store
 from llmgw_cli.progress import Phase as ReportPhase
 
 REQUEST_EVERY = 1.0  # seconds: a follower asks the leader to start a model at most this often
@@ -38,6 +40,8 @@ REQUEST_PATIENCE = 5.0
 # worker that starts beside its leader serves before the leader has published anything,
 # and without a publication it knows no replica of any model.
 FIRST_PUBLICATION_WAIT = 15.0
+
+log = logging.getLogger("llmgw.controller")
 
 
 def replica_key(model: str, address: str) -> str:
@@ -334,3 +338,21 @@ def seen_in_pool(models: list[str], pool: Pool, now: float) -> list[Seen]:
         for name in models
         for index, routed in enumerate(pool.of(name))
     ]
+
+
+@dataclass
+class Cordons:
+    """The nodes out for maintenance as the controller reads them before each placement
+    (``core/planning/cordon.py``): the cluster file's and the store's. When the store
+    cannot be read, the store's cordons read last count (a cordon is never dropped
+    because the store hiccupped)."""
+
+    stored: list[Cordon] = field(default_factory=list)
+
+    async def read(self, spec: ClusterSpec, store: Store | None) -> frozenset[str]:
+        if store is not None:
+            try:
+                self.stored = await store.cordons()
+            except Exception as exc:  # whatever the store raised: the placement goes on
+                log.warning("cordons not read from the store (those read last count): %s", exc)
+        return cordoned_nodes(spec, self.stored)

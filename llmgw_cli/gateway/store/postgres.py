@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
+from llmgw_cli.core.planning.cordon import Cordon
 from llmgw_cli.core.serving.keys import ApiKey
 from llmgw_cli.core.serving.limits import Limits
 from llmgw_cli.errors import InputError
@@ -46,6 +47,7 @@ from llmgw_cli.gateway.store import values as codec  # the encodings both stores
 from llmgw_cli.gateway.store.postgres_schema import SCHEMA
 from llmgw_cli.gateway.store.values import (
     BATCHES_KEPT,
+    CORDON_COLUMNS,
     COUNTERS_KEPT,
     KEY_COLUMNS,
     MEMBER_TTL,
@@ -414,6 +416,26 @@ class PostgresStore:
     async def leave(self, member: str) -> None:
         pool = await self._ready()
         await pool.execute("DELETE FROM members WHERE member = $1", member)
+
+    # --- cordons
+
+    async def cordon(self, cordon: Cordon) -> None:
+        pool = await self._ready()
+        await pool.execute(
+            f"INSERT INTO cordons ({CORDON_COLUMNS}) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (node)"
+            " DO UPDATE SET reason = excluded.reason, who = excluded.who, since = excluded.since,"
+            " draining = excluded.draining",
+            *codec.cordon_row(cordon),
+        )
+
+    async def uncordon(self, node: str) -> bool:
+        pool = await self._ready()
+        return await pool.fetchval("DELETE FROM cordons WHERE node = $1 RETURNING node", node) is not None
+
+    async def cordons(self) -> list[Cordon]:
+        pool = await self._ready()
+        rows = await pool.fetch(f"SELECT {CORDON_COLUMNS} FROM cordons ORDER BY node")
+        return [c for c in (codec.parse_cordon(tuple(r)) for r in rows) if c is not None]
 
     # --- leadership, changes, lifetime
 

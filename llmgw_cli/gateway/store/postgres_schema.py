@@ -2,7 +2,7 @@
 transaction under an advisory lock, the scripts from the database's version to
 ``SCHEMA_VERSION``. It starts at version 2 (the first shared schema; version 1 was SQLite
 only); 3 adds the key limits (a JSON column, so a new limit needs no migration) and their
-counters."""
+counters; 4 the cordoned nodes (``llmgw cordon``)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ CREATE TABLE IF NOT EXISTS key_counters (
   key TEXT NOT NULL, counter TEXT NOT NULL, win TEXT NOT NULL, used BIGINT NOT NULL,
   granted BIGINT NOT NULL, ends DOUBLE PRECISION NOT NULL, PRIMARY KEY (key, counter, win));
 CREATE INDEX IF NOT EXISTS key_counters_ends ON key_counters (ends);
+""",
+    4: """
+CREATE TABLE IF NOT EXISTS cordons (
+  node TEXT PRIMARY KEY, reason TEXT NOT NULL, who TEXT NOT NULL, since DOUBLE PRECISION NOT NULL,
+  draining BOOLEAN NOT NULL DEFAULT false);
 """,
 }
 assert max(SCHEMA) == SCHEMA_VERSION, "a new schema version needs its PostgreSQL migration"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Protocol
 
+from llmgw_cli.core.planning.cordon import Cordon
 from llmgw_cli.core.serving.keys import ApiKey
 from llmgw_cli.core.serving.limits import Limits
 from llmgw_cli.gateway.store.values import Publication, Published, Usage
@@ -116,6 +117,20 @@ class Store(Protocol):
         ...
 
     async def leave(self, member: str) -> None: ...
+
+    # --- cordoned nodes (``core/planning/cordon.py``): `llmgw cordon` and `drain` write,
+    # `apply` and the leader's controller read before they place
+    async def cordon(self, cordon: Cordon) -> None:
+        """Cordon ``cordon.node``, or replace the cordon it has (reason, who, since, draining)."""
+        ...
+
+    async def uncordon(self, node: str) -> bool:
+        """Lift the node's cordon; False: it had none."""
+        ...
+
+    async def cordons(self) -> list[Cordon]:
+        """Every cordon, by node name (a row that does not parse is left out)."""
+        ...
 
     # --- leadership, changes, schema, lifetime
     def leadership(self, member: str) -> Leadership: ...

@@ -31,6 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from llmgw_cli.core.planning.cordon import Cordon
 from llmgw_cli.core.serving.keys import ApiKey
 from llmgw_cli.core.serving.limits import Limits
 from llmgw_cli.errors import InputError
@@ -38,6 +39,7 @@ from llmgw_cli.gateway.store.protocol import Leadership, Store
 from llmgw_cli.gateway.store.sqlite_schema import MIGRATIONS
 from llmgw_cli.gateway.store.values import (
     BATCHES_KEPT,
+    CORDON_COLUMNS,
     COUNTERS,
     COUNTERS_KEPT,
     KEY_COLUMNS,
@@ -47,10 +49,12 @@ from llmgw_cli.gateway.store.values import (
     Publication,
     Published,
     Usage,
+    cordon_row,
     counter_end,
     decode_published,
     encode_limits,
     encode_published,
+    parse_cordon,
     parse_key,
 )
 
@@ -506,6 +510,35 @@ class SqliteStore:
                 db.execute("DELETE FROM members WHERE member = ?", (member,))
 
         await self._run(leave)
+
+    # --- cordons
+
+    async def cordon(self, cordon: Cordon) -> None:
+        def write() -> None:
+            with self._db(write=True) as db:
+                db.execute(
+                    f"INSERT INTO cordons ({CORDON_COLUMNS}) VALUES (?, ?, ?, ?, ?) ON CONFLICT (node)"
+                    " DO UPDATE SET reason = excluded.reason, who = excluded.who, since = excluded.since,"
+                    " draining = excluded.draining",
+                    cordon_row(cordon),
+                )
+
+        await self._run(write)
+
+    async def uncordon(self, node: str) -> bool:
+        def lift() -> bool:
+            with self._db(write=True) as db:
+                return db.execute("DELETE FROM cordons WHERE node = ?", (node,)).rowcount > 0
+
+        return await self._run(lift)
+
+    async def cordons(self) -> list[Cordon]:
+        def read() -> list[Cordon]:
+            with self._db() as db:
+                rows = db.execute(f"SELECT {CORDON_COLUMNS} FROM cordons ORDER BY node").fetchall()
+            return [c for c in (parse_cordon(tuple(r)) for r in rows) if c is not None]
+
+        return await self._run(read)
 
     # --- leadership, changes, lifetime
 

@@ -1,7 +1,8 @@
 """The SQLite store's schema, one script per version: ``sqlite.py`` runs, in one
 transaction, the scripts from the file's version to ``SCHEMA_VERSION`` (statements split at
 ``;``). Version 1 is the state file of gateways from before the shared store; 3 adds the
-key limits (a JSON column, so a new limit needs no migration) and their counters."""
+key limits (a JSON column, so a new limit needs no migration) and their counters; 4 the
+cordoned nodes (``llmgw cordon``)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,15 @@ CREATE TABLE IF NOT EXISTS key_counters (
 CREATE INDEX IF NOT EXISTS key_counters_ends ON key_counters (ends);
 """
 
+_SCHEMA_V4 = """
+CREATE TABLE IF NOT EXISTS cordons (
+  node TEXT PRIMARY KEY, reason TEXT NOT NULL, who TEXT NOT NULL, since REAL NOT NULL,
+  draining INTEGER NOT NULL DEFAULT 0);
+"""
+
 MIGRATIONS = {
     1: _SCHEMA_V1,
     2: _SCHEMA_V2,
     3: _SCHEMA_V3,
+    4: _SCHEMA_V4,
 }  # version -> the script that brings the one before to it

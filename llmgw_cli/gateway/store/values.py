@@ -13,15 +13,18 @@ import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
+from llmgw_cli.core.planning.cordon import REASON_MOST, Cordon
 from llmgw_cli.core.serving.keys import ApiKey
 from llmgw_cli.core.serving.limits import Limits, as_dict, from_dict, window_end
 
 MEMBER_TTL = 10.0  # seconds without a heartbeat after which a gateway process counts as gone
-SCHEMA_VERSION = 3  # 1: keys, usage and last use only (one gateway process); 2: shared; 3: key limits
+# 1: keys, usage and last use only (one gateway process); 2: shared; 3: key limits; 4: cordons
+SCHEMA_VERSION = 4
 BATCHES_KEPT = 7 * 86400.0  # seconds a usage batch id is remembered (its retries come sooner)
 COUNTERS_KEPT = 300.0  # seconds a counter's window is kept after it ended
 COUNTERS = ("requests", "tokens", "budget")  # the names of the counters kept per key and window
 KEY_COLUMNS = "name, digest, models, expires, created, revoked, admin, limits"  # parse_key's order
+CORDON_COLUMNS = "node, reason, who, since, draining"  # parse_cordon's order
 
 
 @dataclass(frozen=True)
@@ -198,3 +201,28 @@ def counter_end(counter: str, window: str) -> float:
     if counter not in COUNTERS:
         raise ValueError(f"counter {counter!r}: one of {', '.join(COUNTERS)}")
     return window_end(window)
+
+
+# --- cordons (``core/planning/cordon.py``) ---------------------------------------------
+
+
+def cordon_row(cordon: Cordon) -> tuple[str, str, str, float, bool]:
+    """A ``cordons`` row (``CORDON_COLUMNS``)."""
+    return (cordon.node, cordon.reason, cordon.by, cordon.since, cordon.draining)
+
+
+def parse_cordon(r: tuple[object, ...]) -> Cordon | None:
+    """A ``cordons`` row; None when it does not parse (never shown as it is)."""
+    node, reason, who, since, draining = r
+    if not all(isinstance(x, str) and len(x) <= REASON_MOST for x in (node, reason, who)):
+        return None
+    if isinstance(since, bool) or not isinstance(since, int | float):
+        return None
+    printable = all(c.isprintable() for c in f"{node}{reason}{who}")
+    return Cordon(
+        node=str(node),
+        reason=str(reason) if printable else "?",
+        by=str(who) if printable else "?",
+        since=float(since),
+        draining=bool(draining),
+    )
