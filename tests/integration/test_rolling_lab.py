@@ -13,21 +13,28 @@ official openai client (tests/integration/load.py) while `apply` runs:
 - `--replace MODEL#N` of one replica of two: 0 refused, 0 cut, the other untouched;
 - a replica whose streams outlast its drain bound (`drain_timeout: 2s`, 16 s streams):
   stopped at the bound, and the streams cut are the ones the client saw cut, the ones
-  apply reports and the ones the gateway logged.
+  apply reports and the ones the gateway logged;
+- `llmgw drain` of the node holding an always-on replica, under load: its successor
+  starts on the other node first, 0 refused, 0 cut; the drained node stays cordoned
+  (`status` says who and since when), so an on-demand start finds no room there, and
+  `llmgw uncordon` lets the next start go there.
 
 The figures are printed (`pytest -s`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.waiting import wait_until
 
 from .conftest import Lab
+from .lab_helpers import run
 from .load import access_log
 from .rolling import Rig, cut_at_bound, model, rig
 
@@ -152,3 +159,67 @@ def test_a_replica_that_does_not_drain_is_stopped_at_its_bound(lab: Lab, tmp_pat
         assert len(cut_logged()) == 4, cut_logged()
         (new,) = made.units("sticky")
         assert new.replica != old.replica and new.spec_hash == made.expected_hash("sticky"), new
+
+
+def ask(made: Rig, name: str) -> httpx.Response:
+    """One short chat completion of ``name`` through the gateway (not streamed)."""
+    return httpx.post(
+        f"http://127.0.0.1:{made.port}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {made.key}"},
+        json={"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=120,
+    )
+
+
+def test_drain_moves_an_always_on_replica_under_load_and_a_cordon_holds_placement(
+    lab: Lab, tmp_path: Path
+) -> None:
+    roller = model("roller", tp=8)  # a whole node: its successor can only go to the other
+    on_demand = {**model("od", tp=8), "scaling": {"min": 0, "max": 1}}
+    with rig(lab, tmp_path, ("node01", "node02"), [roller, on_demand]) as made:
+        (old,) = made.units("roller")
+        other = next(n for n in made.nodes if n != old.node)
+        file = str(made.cluster)
+
+        shown = run("drain", old.node, "-f", file, "--dry-run")
+        assert shown.returncode == 0, shown.stderr
+        assert f"roller#{old.replica} on {old.node} -> {other} as #" in shown.stdout, shown.stdout
+        assert made.units("roller") == [old]  # the dry run changed nothing
+        assert json.loads(run("cordons", "--json", "-f", file).stdout) == []
+
+        with made.load("roller", concurrency=8) as load:
+            began = time.monotonic()
+            done = run("drain", old.node, "-f", file, "--json")
+            took = time.monotonic() - began
+            served = len(load.completed)
+            wait_until(lambda: len(load.completed) >= served + 8, timeout=60, what=load.failures)
+        print(
+            f"\ndrain of {old.node} (roller, tp=8) at concurrency 8: {len(load.finished)} requests sent,"
+            f" {len(load.refused)} failed before their first byte, {len(load.cut)} failed after it;"
+            f" llmgw drain took {took:.1f}s"
+        )
+        assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{made.tail()}"
+        report = json.loads(done.stdout)
+        assert report["drained"] and [m["to"] for m in report["moves"]] == [[other]], report
+        assert not load.refused and not load.cut, figures(made, load.failures())
+        (new,) = made.units("roller")
+        assert new.node == other and new.active == "active", new
+        made.wait_routed("roller", [new])
+
+        # the drained node stays cordoned, as `status` says; the on-demand model finds no
+        # room (the other node is full): it is not started there
+        status = json.loads(run("status", "--json", "-f", file).stdout)
+        (cordon,) = status["cordons"]
+        assert (cordon["node"], cordon["draining"], cordon["source"]) == (old.node, False, "store")
+        assert "@" in cordon["by"] and cordon["since"] > time.time() - 600, cordon
+        refused = ask(made, "od")
+        assert refused.status_code == 503, refused.text
+        assert made.units("od") == []
+        wait_until(lambda: f"cordoned: {old.node}" in made.log_text(), timeout=10, what=made.tail)
+
+        # uncordon: the next start of the on-demand model may go there again
+        lifted = run("uncordon", old.node, "-f", file)
+        assert lifted.returncode == 0 and f"uncordoned {old.node}" in lifted.stdout, lifted.stderr
+        wait_until(lambda: ask(made, "od").status_code == 200, timeout=90, interval=2, what=made.tail)
+        (started,) = made.units("od")
+        assert started.node == old.node, started
