@@ -27,7 +27,8 @@ from llmgw_cli.errors import ApplyFailed, DowntimeRefused, NodeError
 from llmgw_cli.progress import Events
 from llmgw_cli.remote.cluster_lock import LockTerms, LockTimeout
 from llmgw_cli.remote.execute import Outcome
-from llmgw_cli.remote.rollout import carry_out
+from llmgw_cli.remote.executor import one_plan
+from llmgw_cli.remote.rollout import apply_executor, carry_out
 
 out = Console()
 err = Console(stderr=True)
@@ -148,16 +149,27 @@ def _carried_out(
         raise
 
     async def run(report: Events) -> list[Outcome]:
-        return await carry_out(
+        # the moves through apply's path; then the replicas with nowhere to go, each
+        # drained before it stops (apply's plain stops are not: their models are gone)
+        taking = replace(terms, on_wait=report.note)
+        executor = apply_executor(
+            spec, session.conns, report, take_lock=taking, engine_keys=None, fetch=True, gateways=None
+        )
+        moves = one_plan([a for a in planned.plan.changes if a.op == "~"], planned.plan.facts_digest)
+        done = await carry_out(
             spec,
             session.conns,
-            planned.plan,
+            moves,
             report,
             facts=facts,
             lock=held,
-            take_lock=replace(terms, on_wait=report.note),
+            take_lock=taking,
             engine_keys=None,
+            executor=executor,
         )
+        for stop in (a for a in planned.plan.changes if a.op == "-"):
+            done += await executor.retire(stop)
+        return done
 
     if not planned.plan.changes:
         session.run(held.release())

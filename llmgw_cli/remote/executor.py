@@ -249,6 +249,28 @@ class Executor:
                 self.event(who, f"stopping: {o.subject}: {o.message}", Phase.failed)
         return True, outcomes
 
+    async def retire(self, removal: Action) -> list[Outcome]:
+        """Stop the replica ``removal`` (a ``-``) removes the way a replacement retires its
+        old one: out of rotation, its requests given up to the drain bound, then its units
+        stopped and removed under the lock (``llmgw drain`` of a replica that fits on no
+        other node). Not taken out of rotation: it serves on, a failed Outcome says why."""
+        who = subject(removal.model, removal.replica)
+        old = _as_retired(removal)
+        async with self.steps.locked(f"draining {who}"):
+            refused = await self.routing.mark(removal.model, old)
+        if refused is not None:
+            self.event(who, f"not stopped: {refused}", Phase.failed)
+            return [Outcome(who, False, f"not stopped: {refused}; it serves on")]
+        self.event(who, "draining")
+        drained = await self.routing.drained(removal.model, old, self.event)
+        async with self.steps.locked(f"stopping {who}"):
+            outcomes = await self.steps.write([removal], self.event)
+        if not all(o.ok for o in outcomes):
+            return outcomes
+        text = cut_text(drained.seconds, drained.left) if drained.left > 0 else "drained and stopped"
+        self.event(who, text, Phase.done)
+        return [*outcomes, Outcome(who, True, text)]
+
     # --- replacements -------------------------------------------------------------------
 
     async def replace_all(self, actions: Sequence[Action]) -> list[Rolled]:

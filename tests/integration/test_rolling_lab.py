@@ -212,6 +212,13 @@ def test_drain_moves_an_always_on_replica_under_load_and_a_cordon_holds_placemen
         (cordon,) = status["cordons"]
         assert (cordon["node"], cordon["draining"], cordon["source"]) == (old.node, False, "store")
         assert "@" in cordon["by"] and cordon["since"] > time.time() - 600, cordon
+        # draining the other node now would leave roller with nothing: refused, nothing changed
+        blocked = run("drain", other, "-f", file)
+        said = blocked.stdout + blocked.stderr
+        assert blocked.returncode == 1 and "roller would have no serving replica" in said, said
+        assert f"cordoned: {old.node}" in said and "--allow-downtime" in said, said
+        assert made.units("roller") == [new]
+        assert [c["node"] for c in json.loads(run("cordons", "--json", "-f", file).stdout)] == [old.node]
         refused = ask(made, "od")
         assert refused.status_code == 503, refused.text
         assert made.units("od") == []

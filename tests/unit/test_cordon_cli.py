@@ -5,6 +5,7 @@ and their refusals of bad input."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -13,8 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from llmgw_cli.cli.cordon_steps import parse_cordons
+from llmgw_cli.cli.cordon_steps import cordons_view, parse_cordons
+from llmgw_cli.core.planning.cordon import Cordon
 from llmgw_cli.errors import LlmgwError
 
 CLUSTER = """\
@@ -100,3 +103,20 @@ def test_an_answer_from_the_gateway_host_is_checked() -> None:
         parse_cordons('[{"node": "a\\u001b[2J", "reason": "", "by": "", "since": 1, "draining": false}]')
     with pytest.raises(LlmgwError, match="bad cordon"):
         parse_cordons('[{"node": "a", "reason": "", "by": "", "since": "now", "draining": false}]')
+
+
+def test_status_shows_each_cordon_with_its_state_reason_who_and_since() -> None:
+    now = 1_796_515_200.0  # 2026-12-06 00:00 UTC
+    console = Console(file=io.StringIO(), width=120, color_system=None)
+    console.print(
+        cordons_view(
+            [
+                Cordon("node01", "[red]PSU[/red] swap", "ops@desk", now - 300, draining=True),
+                Cordon("node02", "rack move", source="file"),
+            ],
+            now,
+        )
+    )
+    lines = [" ".join(x.split()) for x in console.file.getvalue().splitlines()]  # type: ignore[attr-defined]
+    assert "│ node01 │ draining │ [red]PSU[/red] swap │ ops@desk │ 2026-12-05 23:55 UTC (5m ago) │" in lines
+    assert "│ node02 │ cordoned │ rack move │ cluster file │ — │" in lines

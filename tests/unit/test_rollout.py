@@ -285,6 +285,59 @@ def test_a_surge_starts_the_successor_then_drains_and_stops_the_old_one(world: W
     assert world.phases == {"m#1": Phase.done, "m#0": Phase.done}  # the successor routed, the old one stopped
 
 
+def test_a_replica_a_drain_stops_is_taken_out_of_rotation_and_drained_first(world: World) -> None:
+    """``llmgw drain`` of a replica with nowhere to go (``Executor.retire``): the same steps
+    as the old half of a surge, the lock held for the marker and the stop only."""
+    world.started.add(("m", world.address("a", 8100)))
+    world.units[world.address("a", 8100)] = "llmgw-m-0.service"
+    world.routed.add(("m", world.address("a", 8100)))
+    world.in_flight[("a", 8100)] = [1, 0]
+    stop = Action(
+        op="-",
+        model="m",
+        replica=0,
+        nodes=("a",),
+        reason="drain a: fits on no other node",
+        remove=(("a", "llmgw-m-0.service"),),
+        port=8100,
+    )
+
+    class Take:
+        async def take(self, spec: Any, conns: Any, why: str) -> Hold:
+            world.locked = True
+            world.event("lock")
+            return Hold(world)
+
+    async def scenario() -> list[Outcome]:
+        opener = lambda spec, node, base, access: Host(node.name, world)  # noqa: E731
+        async with Connections(world.spec, Path(), opener=opener) as conns:
+            made = rollout.apply_executor(
+                world.spec,
+                conns,
+                world.report,
+                take_lock=Take(),
+                engine_keys=None,
+                fetch=False,
+                gateways=None,
+            )
+            return await made.retire(stop)
+
+    outcomes = asyncio.run(scenario())
+    assert world.events == [
+        "lock",
+        "marker a",
+        "unlock",
+        "probe now",
+        "count a:8100=1",
+        "count a:8100=0",
+        "lock",
+        "stop m#0",
+        "unlock",
+    ]
+    assert outcomes[-1] == Outcome("m#0", True, "drained and stopped")
+    assert ("m", world.address("a", 8100)) not in world.routed
+
+
 def test_the_node_helper_marks_the_old_replica_for_the_drain_bound(world: World) -> None:
     """The helper writes the marker with the node's own clock (tests/unit/test_node_helper.py);
     apply asks it for the model's drain bound, on each member node of the old replica."""
