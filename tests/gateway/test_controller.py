@@ -25,6 +25,7 @@ from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.observe.facts import NodeFacts
 from llmgw_cli.core.observe.unit_state import UnitState
 from llmgw_cli.core.planning.controller import Attempts, Phase, Unavailable
+from llmgw_cli.core.planning.cordon import Cordon
 from llmgw_cli.core.planning.drain import DRAIN_GRACE
 from llmgw_cli.core.planning.plan import Action, Plan, grow_plan, running_replicas
 from llmgw_cli.core.serving.routing import Pool, RoutedReplica
@@ -34,6 +35,7 @@ from llmgw_cli.gateway.control.controller import Controller, replica_key
 from llmgw_cli.gateway.serving import proxy
 from llmgw_cli.gateway.serving.admission import Admission
 from llmgw_cli.gateway.serving.metrics import Metrics
+from llmgw_cli.gateway.store.sqlite import SqliteStore
 from llmgw_cli.remote.execute import Outcome
 from tests.unit.facts_factory import node_facts, with_units
 
@@ -1094,3 +1096,43 @@ def _units_of(w: World, node: str) -> list[tuple[str, str, str]]:
         (node, name, "".join(f"X-Llmgw-{k}={v}\n" for k, v in labels.items()))
         for name, labels in facts.unit_labels.items()
     ]
+
+
+class CordonsUnreadable(SqliteStore):
+    """A store whose cordons cannot be read (the rest works)."""
+
+    async def cordons(self) -> list[Cordon]:
+        raise OSError("store unreachable")
+
+
+def test_starts_read_the_cordons_first_and_keep_the_last_read_when_the_store_fails(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        w = World()
+        store = SqliteStore(tmp_path)
+        await store.cordon(Cordon("a", "fans", "ops@desk", T0))
+        w.controller.store = store
+        asked = asyncio.create_task(w.controller.ensure_ready("lazy", time.monotonic() + FOREVER))
+        await until(lambda: w.nodes.starts("lazy"), "a start")
+        (start,) = w.nodes.starts("lazy")
+        assert start.nodes == ("b",)  # a ranks first, but it is cordoned
+        w.health[f"10.0.0.2:{start.port}"] = 200
+        assert isinstance(await asked, RoutedReplica)
+        # b is full, a is cordoned: the other model's start fails, saying so
+        w.controller.store = CordonsUnreadable(tmp_path)
+        got = await w.controller.ensure_ready("other", time.monotonic() + FOREVER)
+        assert isinstance(got, Unavailable) and got.code == "model_start_failed", got
+        assert "cordoned: a" in got.detail, got.detail  # the cordon read last still counts
+        assert w.nodes.starts("other") == []
+        # once the cordon is lifted, the next start (after the back-off) goes to a
+        w.controller.store = store
+        assert await store.uncordon("a")
+        w.clock.now += w.spec.gateway.start_backoff + 1
+        again = asyncio.create_task(w.controller.ensure_ready("other", time.monotonic() + FOREVER))
+        await until(lambda: w.nodes.starts("other"), "a start on a")
+        (on_a,) = w.nodes.starts("other")
+        assert on_a.nodes == ("a",)
+        w.health[f"10.0.0.1:{on_a.port}"] = 200
+        assert isinstance(await again, RoutedReplica)
+        await w.controller.idle()
+
+    run(scenario)
