@@ -168,7 +168,8 @@ def change(
     ``local(store)`` on the store reached from here (None returned)."""
     host = remote_host(spec)
     if spec is not None and host is not None:
-        return forward(spec, file, host, command, [*args, "--json"])
+        cut = args.index("--") if "--" in args else len(args)  # options before the node's name
+        return forward(spec, file, host, command, [*args[:cut], "--json", *args[cut:]])
     with_store(store_of(spec, store_dir), local)
     return None
 

@@ -15,10 +15,14 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from llmgw_cli.cli import cordon_steps
 from llmgw_cli.cli.cordon_steps import cordons_view, parse_cordons
+from llmgw_cli.cli.main import app
+from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.planning.cordon import Cordon
-from llmgw_cli.errors import LlmgwError
+from llmgw_cli.errors import InputError, LlmgwError
 
 CLUSTER = """\
 cluster: {{name: t}}
@@ -120,3 +124,40 @@ def test_status_shows_each_cordon_with_its_state_reason_who_and_since() -> None:
     lines = [" ".join(x.split()) for x in console.file.getvalue().splitlines()]  # type: ignore[attr-defined]
     assert "│ node01 │ draining │ [red]PSU[/red] swap │ ops@desk │ 2026-12-05 23:55 UTC (5m ago) │" in lines
     assert "│ node02 │ cordoned │ rack move │ cluster file │ — │" in lines
+
+
+def test_through_the_gateway_host_the_command_runs_there_with_who_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite on another host: the command runs there (here standing in for SSH: the same
+    llmgw with ``--store-dir`` and the forwarded arguments, as ``remote_command`` builds it),
+    carrying the caller's user@host and the reason; its JSON answer is read back."""
+    state = tmp_path / "state"
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER.format(state=state).replace("host: localhost", "host: far.invalid"))
+    sent: list[tuple[list[str], list[str]]] = []
+
+    def on_host(spec: ClusterSpec, file: Path, host: str, command: list[str], args: list[str]) -> str:
+        assert host == "far.invalid"
+        sent.append((command, args))
+        done = llmgw(*command, "--store-dir", str(state), *args)
+        if done.returncode:
+            raise (InputError if done.returncode == 2 else LlmgwError)(f"{args}: {done.stderr[-600:]}")
+        return done.stdout
+
+    monkeypatch.setattr(cordon_steps, "forward", on_host)
+    monkeypatch.setattr(cordon_steps, "caller", lambda: "ops@desk")
+    runner = CliRunner()
+
+    def cli(*args: str) -> str:
+        done = runner.invoke(app, [*args, "-f", str(cluster)])
+        assert done.exit_code == 0, (done.output, done.exception)
+        return done.output
+
+    assert cli("cordon", "node01", "--reason", "fans").strip() == "cordoned node01: no new replica goes there"
+    assert sent[-1] == (["cordon"], ["--by=ops@desk", "--reason=fans", "--json", "--", "node01"])
+    (found,) = json.loads(cli("cordons", "--json"))
+    assert (found["node"], found["reason"], found["by"]) == ("node01", "fans", "ops@desk")
+    assert cli("uncordon", "node01").strip() == "uncordoned node01"
+    assert sent[-1] == (["uncordon"], ["--json", "--", "node01"])
+    assert json.loads(cli("cordons", "--json")) == []
