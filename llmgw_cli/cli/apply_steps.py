@@ -64,6 +64,7 @@ async def _execute_with_progress(
     take_lock: LockTerms | None = None,
     fetched: dict[str, str] | None = None,
     allow_downtime: bool = False,
+    cordoned: frozenset[str] = frozenset(),
 ) -> list[Outcome]:
     """Carry out the whole plan through the one executor (``Executor.whole``: node
     helpers, engine keys, replicas, gateway hosts, a key rotation), with a live table of
@@ -89,6 +90,7 @@ async def _execute_with_progress(
             fetched=fetched,
             wait=wait,
             allow_downtime=allow_downtime,
+            cordoned=cordoned,
         )
         executor = apply_executor(
             spec, conns, report, take_lock=terms, engine_keys=host.keys, fetch=fetched is None, gateways=None
@@ -454,7 +456,7 @@ def apply(
                 "--rotate-engine-key rotates a settled cluster: run `llmgw apply` first, then rotate"
             )
         if rotate_engine_key:  # it replaces every replica: the same rule as any replacement
-            refuse_downtime(rotation_plan(spec, facts), allow_downtime)
+            refuse_downtime(rotation_plan(spec, facts, cordoned), allow_downtime)
         if not has_work(chosen):
             _unplaced_is_failure(chosen)
             return
@@ -477,6 +479,7 @@ def apply(
                     take_lock=None if no_lock else LockTerms(lock_timeout, f"applying {file.name}"),
                     fetched=fetched,
                     allow_downtime=allow_downtime,
+                    cordoned=cordoned,
                 )
             )
         finally:

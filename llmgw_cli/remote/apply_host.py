@@ -50,6 +50,7 @@ class ApplyHost:
     wait: bool
     allow_downtime: bool
     keys: dict[str, str] = field(default_factory=dict)
+    cordoned: frozenset[str] = frozenset()  # nodes a key rotation's successors avoid
 
     async def helpers(self, steps: Sequence[HostStep], report: Report) -> list[Outcome]:
         # the gateway's key and the node helper first: the units go through it
@@ -111,6 +112,7 @@ class ApplyHost:
             transports={s.target: self.conns.to(s.target) for s in steps},
             take_lock=self.take_lock,
             allow_downtime=self.allow_downtime,
+            cordoned=self.cordoned,
         )
 
 

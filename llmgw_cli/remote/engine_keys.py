@@ -92,13 +92,16 @@ async def nodes_without_key(
     return [n for n in names if not (asked[n] if n in asked else known[n])]
 
 
-def rotation_plan(spec: ClusterSpec, facts: dict[str, NodeFacts]) -> Plan:
+def rotation_plan(
+    spec: ClusterSpec, facts: dict[str, NodeFacts], cordoned: frozenset[str] = frozenset()
+) -> Plan:
     """The plan that replaces every running replica of the cluster file's models (each
     one's successor starts with the node's new key), as ``apply`` replaces any replica:
-    the downtime it would cause is in ``Plan.downtime``."""
+    the downtime it would cause is in ``Plan.downtime``. No successor goes to a node of
+    ``cordoned``."""
     models = {m.name for m in spec.models}
     replace = frozenset((r.model, r.replica) for r in running_replicas(facts) if r.model in models and r.up)
-    return make_plan(spec, facts, replace=replace)
+    return make_plan(spec, facts, replace=replace, cordoned=cordoned)
 
 
 async def rotate_engine_keys(
@@ -111,6 +114,7 @@ async def rotate_engine_keys(
     transports: dict[str, Transport],
     take_lock: Locking | None,
     allow_downtime: bool = False,
+    cordoned: frozenset[str] = frozenset(),
 ) -> list[Outcome]:
     """New keys on every node in ``transports`` (the reachable ones), with no request lost
     (module docstring). ``take_lock``: the cluster lock for each write step of the replacements (None: none).
@@ -131,7 +135,7 @@ async def rotate_engine_keys(
         return [first, *failed]
     outcomes = [first]
     behind: set[str] = set()  # nodes with a replica still on its old key: they keep both
-    plan = rotation_plan(spec, facts)
+    plan = rotation_plan(spec, facts, cordoned)
     rolls = []
     for action in plan.changes:
         if not is_roll(action) or action.retire is None:
