@@ -166,7 +166,8 @@ def test_vllm_with_adapters_starts_with_lora_on_and_runtime_loading_allowed() ->
         spec, spec.model("chat"), replica=0, member=Member(spec.node("n1"), 0, ("GPU-0",)), port=8100,
         members=(Member(spec.node("n1"), 0, ("GPU-0",)),), dist_port=29500,
     )  # fmt: skip
-    assert f"Environment={LORA_RUNTIME_VAR}=True" in unit.text or f'"{LORA_RUNTIME_VAR}=True"' in unit.text
+    assert f'Environment="{LORA_RUNTIME_VAR}=True"' in unit.text.splitlines()
+    assert " --enable-lora --max-loras 2 --max-lora-rank 64" in unit.text
 
 
 def test_without_adapters_nothing_changes_not_even_the_spec_hash() -> None:
