@@ -76,6 +76,7 @@ class RoutedReplica:
             "last_used": self.last_used,
             "signals": None if self.signals is None else asdict(self.signals),
             "signals_age": age,
+            "adapters": sorted(self.adapters),  # LoRA adapters the gateway loaded onto it
         }
 
 
