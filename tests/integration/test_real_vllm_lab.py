@@ -119,6 +119,7 @@ class RealLab:
     admin: str
     log: Path
     commit: str
+    adapter_commit: str
     halt: Callable[[], object] = lambda: None  # stops the gateway (its access log complete)
     clients: list[openai.OpenAI] = dataclasses.field(default_factory=list)
 
@@ -221,7 +222,16 @@ def applied(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real
                 lab, folder, port, admin_port, metrics_port, adapter_commit=adapter_commit
             )
             real = RealLab(
-                cluster, env, port, admin_port, metrics_port, "", "", folder / "gateway.log", commit
+                cluster,
+                env,
+                port,
+                admin_port,
+                metrics_port,
+                "",
+                "",
+                folder / "gateway.log",
+                commit,
+                adapter_commit,
             )
             started = time.monotonic()
             applied = real.llmgw("apply", "-f", str(cluster), "--yes")
@@ -396,9 +406,21 @@ def test_a_lora_adapter_is_its_own_model_loaded_on_first_request_and_metered_und
     in /v1/models with its model as parent; the gateway loads it on its first request, and
     its greedy answer differs from the model's own; its usage rows carry its name; a key
     limited to the model alone may not use it."""
-    for node, _ in units_of(lab, CHAT).values():
-        listed = lab.ssh(node, "ls /data/models/hf/lab--SmolLM2-135M-lora/*/").stdout.split()
+    folder = "/data/models/hf/lab--SmolLM2-135M-lora"
+    nodes = sorted({node for node, _ in units_of(lab, CHAT).values()})
+    for node in nodes:
+        listed = lab.ssh(node, f"ls {folder}/*/").stdout.split()
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(listed), (node, listed)
+    # gone from a node (as if added to the running model since): an apply with nothing to
+    # change brings it back, and replaces no replica
+    units = units_of(lab, CHAT)
+    assert lab.ssh(nodes[0], f"rm -rf {folder}").returncode == 0
+    again = real.llmgw("apply", "-f", str(real.cluster), "--yes")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (
+        lab.ssh(nodes[0], f"test -s {folder}/{real.adapter_commit}/adapter_model.safetensors").returncode == 0
+    )
+    assert units_of(lab, CHAT) == units
     client = real.client(real.new_key("lora"))  # a key of its own: its usage is this test's
     models = {m.id: m for m in client.models.list()}
     assert ADAPTER in models and (models[ADAPTER].model_extra or {}).get("parent") == CHAT
