@@ -37,7 +37,8 @@ Errors handled where they arise, which never reach the command line (so they are
     ├── Disconnected           closed before any byte of the answer; ``reused``: a pooled
     │                          keep-alive connection (one retry on a fresh one is safe)
     ├── ReadTimeout            no byte for ``read_timeout`` seconds
-    └── BrokenAnswer           closed in the middle of the answer, or the answer is not HTTP
+    ├── BrokenAnswer           closed in the middle of the answer, or the answer is not HTTP
+    └── AdapterNotLoaded       the engine refused to load a LoRA adapter the request names
     BadRequest                 a client's request body the gateway refuses (a 400)
     EngineStartError           the lab's simulated engine cannot start (its dying log line)
     RequestError               the lab's simulated engine answers a request with a 4xx
@@ -193,6 +194,10 @@ class ReadTimeout(UpstreamError):
 
 class BrokenAnswer(UpstreamError):
     """The connection closed in the middle of the answer, or the answer is not HTTP."""
+
+
+class AdapterNotLoaded(UpstreamError):
+    """The engine did not load the LoRA adapter a request names (its answer says why)."""
 
 
 class LimitError(ValueError):

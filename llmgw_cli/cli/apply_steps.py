@@ -28,6 +28,7 @@ from llmgw_cli.core.observe.journal import split_ref
 from llmgw_cli.core.planning.plan import Plan, facts_digest, make_plan, running_replicas
 from llmgw_cli.core.planning.steps import HostFacts
 from llmgw_cli.core.planning.whole_plan import has_work, remade, whole
+from llmgw_cli.core.serving.adapters import adapter_needs
 from llmgw_cli.core.weights.pins import moved, pinned_commits
 from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, SpecError, UsageError
 from llmgw_cli.progress import Board, Event, Events, Note
@@ -219,6 +220,18 @@ def _fetch_and_lock(
     fetched = session.run(_fetch(spec, session.conns, chosen))
     now, snapshot, held = _locked(spec, file, session, chosen, how)
     return now, snapshot, held, fetched if now is chosen else None
+
+
+def _adapters_of_running_replicas(spec: ClusterSpec, session: Session, chosen: Plan) -> None:
+    """A plan with nothing to change may still have adapters to bring: one added to a model
+    whose replicas run replaces none of them. Their files are checked on the replicas'
+    nodes and fetched where missing, as for a plan that starts replicas."""
+    if not adapter_needs(spec, chosen):
+        return
+    failed = session.run(_fetch(spec, session.conns, chosen))
+    if failed:
+        lines = "; ".join(f"{node}: {why}" for node, why in sorted(failed.items()))
+        raise ApplyFailed(f"adapters could not be brought onto their nodes: {lines}")
 
 
 def _lock_waiting(message: str) -> None:
@@ -458,6 +471,7 @@ def apply(
         if rotate_engine_key:  # it replaces every replica: the same rule as any replacement
             refuse_downtime(rotation_plan(spec, facts, cordoned), allow_downtime)
         if not has_work(chosen):
+            _adapters_of_running_replicas(spec, session, chosen)
             _unplaced_is_failure(chosen)
             return
         confirm("Apply these changes?", yes=yes, to="apply")

@@ -98,7 +98,9 @@ def _expiry(text: str) -> datetime | None:
 
 
 def _check_models(spec: "ClusterSpec", chosen: tuple[str, ...]) -> None:
-    unknown = [m for m in chosen if m not in {x.name for x in spec.models}]
+    # a model's name or one of its adapters' (a key may be given an adapter on its own)
+    known = {x.name for x in spec.models} | {a.name for x in spec.models for a in x.adapters}
+    unknown = [m for m in chosen if m not in known]
     if unknown:
         raise UsageError(f"--models: not in the catalog: {', '.join(unknown)}")
 

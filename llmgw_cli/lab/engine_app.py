@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ class EngineApp:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.succeeded = 0
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded at run time: name -> path
 
     def _log_access(self, req: Request, status: int) -> None:
         reason = {200: "OK", 401: "Unauthorized", 404: "Not Found", 503: "Service Unavailable"}.get(
@@ -95,6 +97,8 @@ class EngineApp:
             # vLLM's SageMaker entry point: outside /v1, so it needs no key (the real
             # engine checks --api-key only under /v1).
             routes["/invocations"] = ("POST", self._invocations)
+            if self.cfg.runtime_lora:  # vLLM mounts it only then
+                routes["/v1/load_lora_adapter"] = ("POST", self._load_lora_adapter)
         else:
             routes["/health_generate"] = ("GET", self._health)
             routes["/get_model_info"] = ("GET", self._model_info)
@@ -111,6 +115,21 @@ class EngineApp:
         """A chat answer for ``messages``, else a completion, as vLLM's ``/invocations``."""
         body = self._body(req)
         await (self._chat if "messages" in body else self._completions)(req, resp)
+
+    async def _load_lora_adapter(self, req: Request, resp: Response) -> None:
+        """vLLM 0.32's runtime load: a name taken already is its 400; a path that is no
+        folder, its 404 (the real engine reads adapter_config.json there)."""
+        body = self._body(req)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise RequestError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.adapters:
+            raise RequestError(400, f"The lora adapter '{name}' has already been loaded.")
+        if not os.path.isdir(path):
+            raise RequestError(404, f"No adapter found for {path}", "NotFoundError")
+        await asyncio.sleep(0.2)  # reading the adapter's files: concurrent loads overlap
+        self.adapters[name] = path
+        await resp.send(200, f"Success: LoRA adapter '{name}' added successfully.".encode(), "text/plain")
 
     async def _health(self, req: Request, resp: Response) -> None:
         await resp.send(200 if self.ready else 503)
@@ -163,7 +182,7 @@ class EngineApp:
         model = body.get("model")
         if model is None:
             return self.cfg.served_names[0]
-        if self.cfg.kind == "vllm" and model not in self.cfg.served_names:
+        if self.cfg.kind == "vllm" and model not in self.cfg.served_names and model not in self.adapters:
             raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")
         return str(model)
 

@@ -53,6 +53,9 @@ class EngineConfig:
     # (vLLM's --master-addr/--master-port, SGLang's --dist-init-addr).
     control_addr: str | None = None
     control_port: int | None = None
+    # vLLM's --enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: adapters may be
+    # loaded at run time (POST /v1/load_lora_adapter)
+    runtime_lora: bool = False
 
     @property
     def serves_api(self) -> bool:
@@ -143,6 +146,7 @@ def _vllm_parser() -> _Parser:
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=29501)
     p.add_argument("--headless", action="store_true")
+    p.add_argument("--enable-lora", action="store_true")
     return _accept_the_rest(p, _table("vllm", VLLM_VERSION))
 
 
@@ -224,6 +228,8 @@ def _parse_vllm(argv: list[str]) -> EngineConfig:
         enable_metrics=True,
         control_addr=ns.master_addr if ns.nnodes > 1 else None,
         control_port=ns.master_port if ns.nnodes > 1 else None,
+        runtime_lora=ns.enable_lora
+        and os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("true", "1"),
     )
 
 

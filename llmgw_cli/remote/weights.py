@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import os
 
-from llmgw_cli.core.clusterfile.spec import ClusterSpec
+from llmgw_cli.core.clusterfile.spec import Adapter, ClusterSpec
 from llmgw_cli.core.engine import engine_programs
 from llmgw_cli.core.planning.plan import Plan
+from llmgw_cli.core.serving.adapters import adapter_needs
 from llmgw_cli.core.weights.fetch import Peers, plan_fetch, plan_weights
 from llmgw_cli.core.weights.path_sources import checks_for
-from llmgw_cli.core.weights.snapshot import DEFAULT_ENDPOINT, Snapshot
+from llmgw_cli.core.weights.snapshot import DEFAULT_ENDPOINT, Selection, Snapshot
 from llmgw_cli.errors import NodeError
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import Connections
@@ -35,7 +36,8 @@ async def ensure_for_plan(
     program, or whose unit's sandbox hides it, fails too (``engine of M: ...``)."""
     need = plan_weights(spec, plan)
     checks = engine_programs.program_checks(plan)
-    if not (need.files or need.repos or need.paths or checks):
+    adapters = adapter_needs(spec, plan)
+    if not (need.files or need.repos or need.paths or checks or adapters):
         return {}
     token, endpoint = os.environ.get("HF_TOKEN"), os.environ.get("HF_ENDPOINT")
     fetcher = Fetcher(
@@ -56,6 +58,8 @@ async def ensure_for_plan(
             results += await fetcher.run(plan_fetch(spec, need.files, held, set(), Peers.fabric))
         if need.repos:
             results += await _bring_repositories(fetcher, spec, need.repos, token, endpoint)
+        if adapters:
+            results += await _bring_adapters(fetcher, spec, adapters, token, endpoint)
     finally:
         await fetcher.close()
     for r in results:
@@ -80,6 +84,31 @@ async def _bring_repositories(
         except HubError as exc:
             results += [fetcher.fail(name, n, "origin", str(exc), exc.kind) for n in nodes]
     found = {n: nodes for n, nodes in repos.items() if n in snapshots}
+    if found:
+        results += await bring_snapshots(fetcher, spec, found, snapshots, endpoint=hub, token=token)
+    return results
+
+
+async def _bring_adapters(
+    fetcher: Fetcher,
+    spec: ClusterSpec,
+    adapters: dict[str, tuple[Adapter, list[str]]],
+    token: str | None,
+    endpoint: str | None,
+) -> list[FetchResult]:
+    """The snapshots of repo id adapters (each at its commit, llmgw's default files) onto
+    the nodes of their models, as a repository model's are (``_bring_repositories``)."""
+    hub = endpoint or DEFAULT_ENDPOINT
+    snapshots: dict[str, Snapshot] = {}
+    results: list[FetchResult] = []
+    for name, (adapter, nodes) in adapters.items():
+        ref = adapter.repo_ref
+        assert ref is not None
+        try:
+            snapshots[name] = await asyncio.to_thread(resolve, ref, token, hub, Selection())
+        except HubError as exc:
+            results += [fetcher.fail(name, n, "origin", str(exc), exc.kind) for n in nodes]
+    found = {name: nodes for name, (_, nodes) in adapters.items() if name in snapshots}
     if found:
         results += await bring_snapshots(fetcher, spec, found, snapshots, endpoint=hub, token=token)
     return results

@@ -126,7 +126,14 @@ class Engine:
     """A simulated vLLM serving ``name`` on 127.0.0.1, requiring the engine key."""
 
     def __init__(
-        self, directory: Path, name: str, tokens_per_second: float = 0, key: str = ENGINE_KEY, port: int = 0
+        self,
+        directory: Path,
+        name: str,
+        tokens_per_second: float = 0,
+        key: str = ENGINE_KEY,
+        port: int = 0,
+        *,
+        lora: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -140,6 +147,9 @@ class Engine:
         argv = [sys.executable, "-m", "llmgw_cli.lab.engine_sim", "vllm", "serve", f"org/{name}"]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", name]
         argv += ["--api-key", key]
+        if lora:  # LoRA on, adapters loaded at run time (as llmgw's units start vLLM)
+            argv.append("--enable-lora")
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         wait_http(f"http://{self.address}/health", self.proc, self.log)

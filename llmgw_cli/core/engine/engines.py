@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from llmgw_cli.core.clusterfile.spec import (
+    Adapter,
     ClusterSpec,
     Engine,
     Model,
@@ -70,6 +71,9 @@ def unit_name(model: str, replica: int) -> str:
 
 # A model's keys that only the gateway reads: no unit depends on them.
 GATEWAY_ONLY = {"scaling", "drain_timeout", "routing", "aliases", "fallbacks"}
+# The adapters a model has are loaded by the gateway at run time: only whether it has any
+# (and the limits, ``lora_flags``) shapes a unit.
+ADAPTER_KEYS = {"adapters", "lora"}
 
 
 def spec_hash(spec: ClusterSpec, model: Model) -> str:
@@ -79,9 +83,11 @@ def spec_hash(spec: ClusterSpec, model: Model) -> str:
         # neither the replica counts, the drain bound, the gateway's routing nor the names
         # and fallbacks it answers with shape a unit: changing them replaces nothing (and a
         # spec written before those keys existed keeps its hash)
-        "model": model.model_dump(mode="json", exclude=GATEWAY_ONLY),
+        "model": model.model_dump(mode="json", exclude=GATEWAY_ONLY | ADAPTER_KEYS),
         "profile": spec.profiles[model.profile].model_dump(mode="json"),
     }
+    if model.adapters:  # LoRA on or off and its limits shape the unit; which adapters, not
+        payload["lora"] = model.lora.model_dump(mode="json")
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -156,7 +162,35 @@ def engine_args(
     else:
         argv += ["-m", path, "--host", host, "--port", str(port), "-a", model.name]
         argv.append("--metrics")  # /metrics: the gateway routes on its queue
-    return argv + _revision(profile, model) + list(profile.args) + list(model.args)
+    return (
+        argv + _revision(profile, model) + lora_flags(profile, model) + list(profile.args) + list(model.args)
+    )
+
+
+# --- adapters (LoRA) ------------------------------------------------------------------
+
+LORA_RUNTIME_VAR = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's /v1/load_lora_adapter is off without it
+
+
+def lora_flags(profile: Profile, model: Model) -> list[str]:
+    """vLLM's LoRA switches for a model with adapters: on, with the adapters' limits. The
+    adapters themselves are loaded by the gateway at run time, none at start."""
+    if not model.adapters or profile.engine is not Engine.vllm:
+        return []
+    limits = model.lora
+    return ["--enable-lora", "--max-loras", str(limits.max_loras), "--max-lora-rank", str(limits.max_rank)]
+
+
+def adapter_path(adapter: Adapter, node: Node) -> str:
+    """Where an adapter's folder is on a node, built from the node's first weights folder
+    (never from a request): a repo id's snapshot folder at its commit, a ``./x`` path in
+    that folder, an absolute path as the cluster file gives it."""
+    ref = adapter.repo_ref
+    if ref is not None:
+        return snapshot_folder(weights_folder(node), ref.repo, ref.revision)
+    if adapter.source.startswith("/"):
+        return adapter.source
+    return f"{weights_folder(node).rstrip('/')}/{adapter.source.removeprefix('./')}"
 
 
 def _revision(profile: Profile, model: Model) -> list[str]:
@@ -213,6 +247,8 @@ def environment(spec: ClusterSpec, model: Model, member: Member) -> dict[str, st
     if model.selection is not None:
         # the engine runs from the snapshot on disk: it must not reach the Hub on its own
         env["HF_HUB_OFFLINE"] = "1"
+    if lora_flags(profile, model):
+        env[LORA_RUNTIME_VAR] = "True"
     return {**env, **profile.env, **model.env}
 
 

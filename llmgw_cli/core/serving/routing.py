@@ -53,6 +53,9 @@ class RoutedReplica:
     last_used: float | None = None  # Unix time the last request to it ended; None: unknown
     signals: Signals | None = None  # its engine's own /metrics at the last good scrape
     signals_at: float | None = None  # monotonic time of that scrape
+    # LoRA adapters the gateway loaded onto it (``core/serving/adapters.py``); forgotten
+    # whenever its health changes: an engine that restarted holds none
+    adapters: set[str] = field(default_factory=set)
 
     def fresh_signals(self, now: float, stale_after: float) -> Signals | None:
         """The engine's signals if scraped within ``stale_after`` seconds, else None."""
@@ -73,6 +76,7 @@ class RoutedReplica:
             "last_used": self.last_used,
             "signals": None if self.signals is None else asdict(self.signals),
             "signals_age": age,
+            "adapters": sorted(self.adapters),  # LoRA adapters the gateway loaded onto it
         }
 
 
@@ -142,13 +146,18 @@ class Pool:
         thresholds: Thresholds,
         exclude: frozenset[str] = frozenset(),
         stale_after: float,
+        prefer: str | None = None,
     ) -> tuple[RoutedReplica, Reason] | None:
         """The ready replica (not in ``exclude``) for a request of routing key ``key`` and
-        why, or None when none is ready."""
+        why, or None when none is ready. ``prefer``: an adapter's name; the replicas that
+        have it loaded are chosen among, unless each of them is overloaded
+        (``loaded_first``): another replica then loads it too."""
         known = self.replicas.get(model)
         if not known:
             return None
         ready = [r for r in known.values() if r.health is Health.ready and r.address not in exclude]
+        if prefer is not None:
+            ready = loaded_first(ready, prefer, thresholds, now, stale_after)
         candidates = [Candidate(r.address, r.outstanding, r.fresh_signals(now, stale_after)) for r in ready]
         turn = self.turns.get(model, 0)
         choice = affinity.choose(policy, key, candidates, thresholds, turn)
@@ -186,6 +195,24 @@ class Pool:
         if new is not replica.health:
             replica.health = new
             replica.changed = now
+            replica.adapters.clear()
+
+
+def loaded_first(
+    ready: list[RoutedReplica], adapter: str, thresholds: Thresholds, now: float, stale_after: float
+) -> list[RoutedReplica]:
+    """The ready replicas that have ``adapter`` loaded, when one of them is not overloaded
+    (its engine's signals past the thresholds, or more requests in flight than the
+    bounded-load limit over all ready replicas); else all of them."""
+    loaded = [r for r in ready if adapter in r.adapters]
+    if not loaded or len(loaded) == len(ready):
+        return ready
+    bound = (1 + thresholds.epsilon) * sum(r.outstanding for r in ready) / len(ready) + 1
+    for r in loaded:
+        candidate = Candidate(r.address, r.outstanding, r.fresh_signals(now, stale_after))
+        if not affinity.overloaded(candidate, thresholds, bound):
+            return loaded
+    return ready
 
 
 def endpoints(

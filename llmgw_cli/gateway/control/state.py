@@ -43,6 +43,7 @@ from llmgw_cli.core.clusterfile.spec import ClusterSpec, GatewaySettings, Model
 from llmgw_cli.core.observe.parse.engine_env import engine_key
 from llmgw_cli.core.planning.drain import Routes, routes_text
 from llmgw_cli.core.serving import aliases
+from llmgw_cli.core.serving.adapters import adapter_table
 from llmgw_cli.core.serving.affinity import Policy, Thresholds
 from llmgw_cli.core.serving.key_labels import labelled_keys
 from llmgw_cli.core.serving.keys import ApiKey, hash_token
@@ -129,7 +130,7 @@ def routing_of(spec: ClusterSpec) -> dict[str, tuple[Policy, Thresholds]]:
 
 
 class Gateway:
-    def __init__(
+    def __init__(  # noqa: PLR0915 (the gateway's state, each part set once: no logic)
         self,
         spec: ClusterSpec,
         source: ReplicaSource,
@@ -161,6 +162,12 @@ class Gateway:
         self.routing: dict[str, tuple[Policy, Thresholds]] = routing_of(spec)
         # alias -> model, and each model's fallbacks in order (``core/serving/aliases.py``)
         self.aliases, self.fallbacks = aliases.tables(spec.models)
+        # adapter name -> its model (LoRA); (replica address, adapter) -> the load under
+        # way there, which the requests that wait for it share
+        self.adapters, self.adapter_loads = (
+            adapter_table(spec.models),
+            dict[tuple[str, str], asyncio.Future[str]](),
+        )
         self.source = source  # where discovery reads now: probe_source, or the publication
         self.probe_source = source  # this process's own source
         self.store = store
@@ -391,6 +398,7 @@ class Gateway:
         self.catalog = {m.name: m for m in spec.models}
         self.routing = routing_of(spec)
         self.aliases, self.fallbacks = aliases.tables(spec.models)
+        self.adapters = adapter_table(spec.models)
         self.every.update(job_intervals(spec.gateway, **self._given_intervals))  # the next round on
         self.every["signals"] = spec.gateway.signals_interval
         self._upstream_settings()

@@ -30,13 +30,14 @@ from aiohttp import web
 
 from llmgw_cli.core.clusterfile.spec import Model
 from llmgw_cli.core.planning.controller import Unavailable
+from llmgw_cli.core.serving.adapters import LOAD_PATH, load_body, loaded_by_answer, node_at
 from llmgw_cli.core.serving.affinity import BLOCK_CHARS, Policy, Thresholds, request_key, session_of
 from llmgw_cli.core.serving.aliases import usable
 from llmgw_cli.core.serving.keys import ApiKey, bearer
 from llmgw_cli.core.serving.limits import parallel_share
 from llmgw_cli.core.serving.ratelimit import Refused, Ticket
 from llmgw_cli.core.serving.routing import RoutedReplica
-from llmgw_cli.errors import BadRequest, ConnectFailed, Disconnected, UpstreamError
+from llmgw_cli.errors import AdapterNotLoaded, BadRequest, ConnectFailed, Disconnected, UpstreamError
 from llmgw_cli.gateway.control.state import Gateway, log
 from llmgw_cli.gateway.serving import limiting
 from llmgw_cli.gateway.serving.admission import Admit
@@ -61,6 +62,7 @@ class RequestRecord:
     api_key: ApiKey | None = None  # once it may use the model: its usage is metered
     model: str = "-"  # the model that serves (or failed last): metered and counted under it
     asked: str = "-"  # the name the client sent: the model's, or an alias of it
+    base: str = ""  # a LoRA adapter's model, whose replicas serve it; empty: ``model``'s own
     replica: str = "-"
     route: str = "-"  # why that replica (core/serving/affinity.py's Reason)
     status: int = 0
@@ -186,13 +188,15 @@ async def _forward(
     model = _resolve(gw, key, name)
     if isinstance(model, web.Response):
         return model
-    if model.name != name:  # the engine checks the name: it gets its model's
+    if name in gw.adapters:  # served by its model's replicas, under its own name
+        record.base = model.name
+    elif model.name != name:  # the engine checks the name: it gets its model's
         name = payload["model"] = model.name
         body = json.dumps(payload).encode()
     record.model = name
     record.api_key = key
     fallbacks = _fallbacks(gw, key, name)
-    policy, thresholds = gw.routing[name]
+    policy, thresholds = gw.routing[model.name]  # an adapter's: its model's replicas serve it
     route_key = _route_key(request, payload, body) if policy is Policy.prefix else None
     record.prompt_estimate = len(body) // BYTES_PER_TOKEN
     record.stream = payload.get("stream") is True and request.path in STREAMING_PATHS
@@ -206,14 +210,14 @@ async def _forward(
 
     if key.limits.metered and (limited := await _limited(request, gw, key, record)) is not None:
         return limited
-    if (full := await _enter(gw, name, key)) is not None:
+    if (full := await _enter(gw, model.name, key)) is not None:
         return full
     try:
         answer = await _route(
             request, gw, record, body, started, route=Route(route_key, policy, thresholds), last=not fallbacks
         )
     finally:
-        gw.admission.leave(name, key.name)
+        gw.admission.leave(model.name, key.name)
     if answer is None:
         return await _fall_back(
             request, gw, record, key=key, payload=payload, started=started, fallbacks=fallbacks
@@ -270,8 +274,15 @@ async def _enter(gw: Gateway, name: str, key: ApiKey) -> web.Response | None:
 
 
 def _resolve(gw: Gateway, key: ApiKey, name: str) -> Model | web.Response:
-    """The model ``name`` asks for (its own name, else an alias of it), or the refusal."""
+    """The model ``name`` asks for (its own name, else an alias of it; for an adapter, the
+    model that serves it), or the refusal. A key's model list names adapters themselves."""
     model = gw.catalog.get(name)
+    if model is None and (served := gw.adapters.get(name)) is not None:
+        if not key.allows(name):
+            return error(
+                403, f"This key may not use the model `{name}`.", "invalid_request_error", "model_not_allowed"
+            )
+        return gw.catalog[served.base]
     if model is None:
         aliased = gw.aliases.get(name)  # a name no model has: maybe an alias
         if aliased is None:
@@ -381,13 +392,14 @@ class Route(NamedTuple):
 def _choose(gw: Gateway, record: RequestRecord, route: Route, tried: set[str]) -> RoutedReplica | None:
     """The replica for the next attempt, its reason counted and kept for the log line."""
     found = gw.pool.choose(
-        record.model,
+        record.base or record.model,
         time.monotonic(),
         key=route.key,
         policy=route.policy,
         thresholds=route.thresholds,
         exclude=frozenset(tried) if tried else NONE_TRIED,
         stale_after=gw.signals_stale_after(),
+        prefer=record.model if record.base else None,
     )
     if found is None:
         return None
@@ -416,7 +428,7 @@ async def _route(
     replica = _choose(gw, record, route, tried)
     if replica is None:
         # None ready: the controller starts one if it may, and waits up to load_wait.
-        found = await gw.controller.ensure_ready(name, started + gw.spec.gateway.load_wait)
+        found = await gw.controller.ensure_ready(record.base or name, started + gw.spec.gateway.load_wait)
         if isinstance(found, Unavailable):
             if not last:
                 _passed_on(request, name, f"{found.code}: {found.message}")
@@ -435,9 +447,7 @@ async def _route(
         replica.requests += 1
         try:
             try:
-                upstream = await gw.upstreams.request(
-                    replica.address, request.path, body, timeout, fresh=stale_retried
-                )
+                upstream = await _send(gw, replica, record, request.path, body, timeout, fresh=stale_retried)
             except (ConnectFailed, Disconnected) as exc:
                 # Nothing reached the client and the engine did not answer: try again.
                 gw.metrics.retry(name)
@@ -455,7 +465,7 @@ async def _route(
                 if not last:
                     _passed_on(request, name, gw.redact(str(exc)))
                     return None
-                return _upstream_failed(request, gw, "The engine did not answer.", str(exc))
+                return _upstream_failed(request, gw, _unanswered(exc, name), str(exc))
             gw.pool.succeeded(replica)
             record.first_byte_ms = (time.monotonic() - started) * 1000
             try:
@@ -469,6 +479,71 @@ async def _route(
         _passed_on(request, name, gw.redact(last_error) or "no replica could be reached")
         return None
     return _upstream_failed(request, gw, f"No replica of `{name}` could be reached.", last_error)
+
+
+async def _send(  # noqa: PLR0917 (one attempt of _route: its parts, in order)
+    gw: Gateway,
+    replica: RoutedReplica,
+    record: RequestRecord,
+    path: str,
+    body: bytes,
+    timeout: float,
+    *,
+    fresh: bool,
+) -> Answer:
+    """One attempt's request to ``replica``; a LoRA adapter's is loaded there first
+    (``AdapterNotLoaded`` when the engine refuses it)."""
+    if record.base:
+        refused = await _load_adapter(gw, replica, record.model)
+        if refused:
+            raise AdapterNotLoaded(refused)
+    upstream = await gw.upstreams.request(replica.address, path, body, timeout, fresh=fresh)
+    if record.base and upstream.status == 404:  # the engine lost the adapter (it restarted)
+        replica.adapters.discard(record.model)
+    return upstream
+
+
+def _unanswered(exc: UpstreamError, name: str) -> str:
+    """What the client is told of an engine that failed its request."""
+    if isinstance(exc, AdapterNotLoaded):
+        return f"The engine could not load the adapter `{name}`."
+    return "The engine did not answer."
+
+
+async def _load_adapter(gw: Gateway, replica: RoutedReplica, adapter: str) -> str:
+    """Load ``adapter`` onto ``replica`` unless it has it: one load per replica and adapter,
+    which concurrent first requests share. Empty when loaded, else why not (the engine's
+    answer, for the log). ``ConnectFailed``, ``Disconnected`` and other ``UpstreamError``
+    pass to the caller, which treats them as its request's own."""
+    if adapter in replica.adapters:
+        return ""
+    key = (replica.address, adapter)
+    pending = gw.adapter_loads.get(key)
+    if pending is None:
+        pending = asyncio.ensure_future(_send_load(gw, replica, adapter))
+        gw.adapter_loads[key] = pending
+        pending.add_done_callback(lambda _: gw.adapter_loads.pop(key, None))
+    return await asyncio.shield(pending)
+
+
+async def _send_load(gw: Gateway, replica: RoutedReplica, adapter: str) -> str:
+    served = gw.adapters.get(adapter)
+    node = node_at(gw.spec, replica.address)
+    if served is None or node is None:
+        return f"no node of the cluster file serves {replica.address}"
+    # the path is the cluster file's, on the replica's node: never a request's
+    answer = await gw.upstreams.request(
+        replica.address, LOAD_PATH, load_body(served.adapter, node), gw.plain_timeout
+    )
+    try:
+        data = await answer.read()
+    finally:
+        answer.release()
+    if loaded_by_answer(answer.status, data):
+        replica.adapters.add(adapter)
+        log.info("loaded adapter %s onto %s", adapter, replica.address)
+        return ""
+    return f"{replica.address} answered {answer.status} to loading {adapter}: {data[:500].decode(errors='replace')}"
 
 
 def _passed_on(request: web.Request, name: str, why: str) -> None:

@@ -76,6 +76,23 @@ async def models(request: web.Request) -> web.Response:
     progress = {name: controller.progress(name) for name, phase in phases.items() if phase is Phase.starting}
     data: list[dict[str, object]] = []
     for m in gw.catalog.values():
+        # an adapter, as vLLM lists it: its model is its `parent` and `root` (a key may
+        # be given an adapter without its model)
+        data.extend(
+            {
+                "id": a.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "llmgw",
+                "parent": m.name,
+                "root": m.name,
+                "state": phases[m.name].value,
+                "mode": m.mode.value,
+                "progress": public_progress(progress.get(m.name, "")),
+            }
+            for a in m.adapters
+            if key.allows(a.name)
+        )
         if not key.allows(m.name):
             continue
         entry = {
