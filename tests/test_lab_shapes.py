@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from llmgw_cli.core.clusterfile.load import parse_cluster
+from llmgw_cli.core.observe.parse.kernel_log import parse_xids
+from llmgw_cli.core.observe.parse.nvidia_smi import HEALTH_FIELDS, parse_health
 from llmgw_cli.errors import LabUnavailable, UsageError
-from llmgw_cli.lab import cluster, fault, host, shapes, smi, weights
+from llmgw_cli.lab import cluster, fault, host, kmsg, shapes, smi, weights
 from llmgw_cli.lab.host import LabRecord, NodeRecord
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lab"
@@ -182,6 +184,9 @@ def test_weights_complete_and_partial() -> None:
         ("ib-port", ["mlx5_0:2", "down"], fault.Fault("ib-port", "down", "mlx5_0", 2)),
         ("gpu", ["3", "reset-required"], fault.Fault("gpu", "reset-required", "3")),
         ("gpu", ["0", "lost"], fault.Fault("gpu", "lost", "0")),
+        ("gpu", ["2", "ecc"], fault.Fault("gpu", "ecc", "2")),
+        ("gpu", ["2", "remap-pending"], fault.Fault("gpu", "remap-pending", "2")),
+        ("gpu", ["1", "xid", "79"], fault.Fault("gpu", "xid", "1", code=79)),
         ("node", ["unreachable"], fault.Fault("node", "unreachable")),
         ("ssh", ["stop"], fault.Fault("ssh", "stop")),
         ("hostkey", ["rotate"], fault.Fault("hostkey", "rotate")),
@@ -197,6 +202,11 @@ def test_parse_fault(kind: str, args: list[str], expected: fault.Fault) -> None:
     [
         ("gpu", ["x", "healthy"]),
         ("gpu", ["1", "broken"]),
+        ("gpu", ["1", "xid"]),
+        ("gpu", ["1", "xid", "seventy-nine"]),
+        ("gpu", ["1", "xid", "100000"]),
+        ("gpu", ["x", "xid", "79"]),
+        ("gpu", ["1", "xid", "79", "again"]),
         ("disk", ["full"]),
         ("ssh", ["1", "stop"]),
         ("clear", ["now"]),
@@ -253,6 +263,36 @@ def test_lost_gpu_has_no_row_and_fails_the_command(tmp_path: Path) -> None:
     listing, _, code = smi.run(["-L"], str(path))
     assert code == 15 and "GPU 1:" not in listing and "GPU 2: NVIDIA" in listing
     assert smi.run(["-q", "-i", "0"], str(path))[2] == 0  # asking only for a healthy GPU succeeds
+
+
+def test_memory_faults_show_in_the_fields_the_probe_asks(tmp_path: Path) -> None:
+    path = _doc(tmp_path)
+    doc = json.loads(path.read_text())
+    for index, state in ((1, "ecc"), (2, "remap-pending"), (3, "remap-failed")):
+        doc["gpus"][index]["state"] = state
+    path.write_text(json.dumps(doc))
+    fields = "--query-gpu=" + ",".join(HEALTH_FIELDS)
+    out, _, code = smi.run([fields, "--format=csv,noheader,nounits"], str(path))
+    assert code == 0
+    assert parse_health(out) == {
+        1: ["2 uncorrected ECC errors since boot"],
+        2: ["row remapping pending (reset needed)"],
+        3: ["row remapping failed (memory repair exhausted)"],
+    }
+    detail, _, _ = smi.run(["-q", "-i", "2"], str(path))
+    assert "        Pending                           : Yes" in detail  # Remapped Rows
+
+
+def test_an_injected_xid_line_reads_as_the_driver_writes_it() -> None:
+    line = kmsg.xid_line("00000000:CA:00.0", 79, 1234.5)
+    assert line == (
+        "[ 1234.500000] NVRM: Xid (PCI:0000:ca:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+    )
+    (report,) = parse_xids(f"@xid {line}")
+    assert (report.bus, report.code, report.seconds) == ("0000:ca:00", 79, 1234.5)
+    assert parse_xids(f"@xid {kmsg.xid_line('00000000:CA:00.0', 48, 5.0)}")[0].detail.endswith(
+        "ROBUST_CHANNEL_GPU_ECC_DBE"
+    )
 
 
 def test_reset_status_block_is_laid_out_like_the_capture(tmp_path: Path) -> None:

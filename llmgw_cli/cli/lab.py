@@ -254,8 +254,11 @@ def status(
 
 @app.command(
     "fault",
-    epilog="Faults: ib-port HCA[:PORT] init|down|active; gpu N reset-required|lost|healthy; "
-    "node unreachable|reachable; ssh stop|start; hostkey rotate|restore; clear (heal every fault).",
+    epilog="Faults: ib-port HCA[:PORT] init|down|active; "
+    "gpu N reset-required|lost|ecc|remap-pending|remap-failed|healthy (what nvidia-smi reports); "
+    "gpu N xid CODE (an NVIDIA XID report in the node's own kernel log, e.g. 79: fallen off the bus; "
+    "healthy removes the card's reports); node unreachable|reachable; ssh stop|start; "
+    "hostkey rotate|restore; clear (heal every fault).",
 )
 def fault_cmd(
     node: Annotated[str, typer.Argument(help="Node name, e.g. node02.")],

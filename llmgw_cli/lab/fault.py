@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw_cli.errors import LabError, UsageError
-from llmgw_cli.lab import nodefs
+from llmgw_cli.lab import kmsg, nodefs
 from llmgw_cli.lab.host import LabRecord, NodeRecord, sh
 from llmgw_cli.lab.shapes import (
     PortState,
@@ -27,17 +27,23 @@ from llmgw_cli.lab.shapes import (
 )
 
 USAGE = (
-    "faults: ib-port HCA[:PORT] init|down|active, gpu N reset-required|lost|healthy, "
+    "faults: ib-port HCA[:PORT] init|down|active, "
+    "gpu N reset-required|lost|ecc|remap-pending|remap-failed|healthy, "
+    "gpu N xid CODE (an XID report in the node's kernel log), "
     "node unreachable|reachable, ssh stop|start, hostkey rotate|restore, clear (all of them healed)"
 )
+GPU_STATES = ("reset-required", "lost", "ecc", "remap-pending", "remap-failed", "healthy")
 _CHOICES = {
     "ib-port": ("init", "down", "active"),
-    "gpu": ("reset-required", "lost", "healthy"),
+    "gpu": (*GPU_STATES, "xid"),
     "node": ("unreachable", "reachable"),
     "ssh": ("stop", "start"),
     "hostkey": ("rotate", "restore"),
     "clear": (),
 }
+
+
+MAX_XID = 9999
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class Fault:
     action: str
     target: str = ""  # the HCA (with ":port") or the GPU index
     port: int = 1
+    code: int = 0  # gpu ... xid CODE
 
 
 def parse_fault(kind: str, args: list[str]) -> Fault:
@@ -57,6 +64,10 @@ def parse_fault(kind: str, args: list[str]) -> Fault:
             raise UsageError(f"clear takes no arguments; {USAGE}")
         return Fault(kind, kind)
     takes_target = kind in ("ib-port", "gpu")
+    if kind == "gpu" and args[1:2] == ["xid"]:
+        if len(args) != 3 or not args[0].isdigit() or not args[2].isdigit() or int(args[2]) > MAX_XID:
+            raise UsageError(f"gpu: the form is `gpu N xid CODE` (CODE a number up to {MAX_XID}); {USAGE}")
+        return Fault(kind, "xid", args[0], code=int(args[2]))
     if len(args) != (2 if takes_target else 1):
         raise UsageError(f"wrong arguments for {kind!r}; {USAGE}")
     action = args[-1]
@@ -115,7 +126,7 @@ def inject(record: LabRecord, node: NodeRecord, fault: Fault) -> str:
             _atomic_write(port_dir / name, text)
         return f"{node.name}: {fault.target} port {fault.port} is {files['state'].strip().split(': ')[-1]}"
     if fault.kind == "gpu":
-        return _gpu(root, node, int(fault.target), fault.action)
+        return _gpu(root, node, int(fault.target), fault.action, fault.code)
     if fault.kind == "node":
         link = "down" if fault.action == "unreachable" else "up"
         sh("ip", "link", "set", f"lgwv{node.index}", link)
@@ -128,13 +139,19 @@ def inject(record: LabRecord, node: NodeRecord, fault: Fault) -> str:
     return _hostkey(root, node, fault.action)
 
 
-def _gpu(root: Path, node: NodeRecord, index: int, action: str) -> str:
+def _gpu(root: Path, node: NodeRecord, index: int, action: str, code: int = 0) -> str:
     path = root / "etc/lab/gpus.json"
     doc = json.loads(path.read_text())
     gpus = [g for g in doc["gpus"] if g["index"] == index]
     if not gpus:
         raise UsageError(f"{node.name} has no GPU {index} (it has {len(doc['gpus'])})")
+    if action == "xid":
+        line = kmsg.xid_line(gpus[0]["bus_id"], code, kmsg.uptime())
+        kmsg.append(root, line)
+        return f"{node.name}: GPU {index}: {line}"
     gpus[0]["state"] = action
+    if action == "healthy":  # as after a reset: its XID reports are gone from the log
+        kmsg.forget(root, gpus[0]["bus_id"])
     _atomic_write(path, json.dumps(doc, indent=1) + "\n")
     _atomic_write(root / "etc/lab/gpus.csv", nodefs.gpus_csv(doc))
     nodefs.write_smi_replay(root)
@@ -172,6 +189,7 @@ def _clear(record: LabRecord, root: Path, node: NodeRecord) -> str:
     _atomic_write(root / "etc/lab/gpus.json", gpu_state_json(shape, node.name))
     _atomic_write(root / "etc/lab/gpus.csv", nodefs.gpus_csv(gpu_state(shape, node.name)))
     nodefs.write_smi_replay(root)
+    kmsg.clear(root)
     for hca in shape.hcas:
         port_dir = root / "sys/class/infiniband" / hca.name / "ports/1"
         for name, text in port_files(hca, PortState.active, port_lid(node.index, hca)).items():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw_cli.core.observe.parse.nvidia_smi import HEALTH_FIELDS, QUERY_FIELDS
-from llmgw_cli.lab import shapes, smi, weights
+from llmgw_cli.lab import kmsg, shapes, smi, weights
 from llmgw_cli.lab.engine_args import SGLANG_VERSION, VLLM_VERSION
 from llmgw_cli.lab.host import NodeRecord
 
@@ -235,6 +235,9 @@ def prepare(state_dir: Path, node: NodeRecord, inputs: NodeInputs) -> tuple[str,
     _write(upper / SMI_PROGRAM.lstrip("/"), f"#!{inputs.python} -IS\n" + smi_source, 0o755)
     _write(upper / "usr/bin/nvidia-smi", smi_front(), 0o755)
     write_smi_replay(upper)
+    # the node's own kernel log (``lab/kmsg.py``): dmesg must never show the host's
+    _write(upper / kmsg.KMSG, "")
+    _write(upper / "usr/bin/dmesg", kmsg.DMESG, 0o755)
     _sysclass(d, shape, node.index)
     _write(d / "cpuinfo", shapes.cpuinfo(shape))
     _write(d / "meminfo", shapes.meminfo(shape))

@@ -8,7 +8,9 @@ bracketed string, an unknown field rejects the whole query. A GPU whose ``state`
 ``reset-required`` shows what a real one does: ``[GPU requires reset]`` cells,
 ``Reset Required : Yes``, ``System is not in ready state``. A ``lost`` GPU (fallen off
 the bus) has no row: ``Unable to determine the device handle for GPU <bus>: Unknown
-Error`` in its place, the other GPUs still answer, and the exit status is 15.
+Error`` in its place, the other GPUs still answer, and the exit status is 15. An ``ecc``
+GPU counts uncorrected ECC errors since boot; a ``remap-pending`` one has a row remap
+waiting for a reset, a ``remap-failed`` one a failed remap (``llmgw lab fault``).
 """
 
 from __future__ import annotations
@@ -62,12 +64,12 @@ _FIELDS: dict[str, tuple[str, Callable[[Doc, Gpu], str], bool]] = {
     "compute_cap": ("", lambda d, g: "9.0" if d["architecture"] == "Hopper" else "8.0", False),
     "mig.mode.current": ("", lambda d, g: "Disabled", False),
     "ecc.mode.current": ("", lambda d, g: "Enabled", False),
-    "ecc.errors.uncorrected.volatile.total": ("", lambda d, g: "0", True),
-    "ecc.errors.uncorrected.aggregate.total": ("", lambda d, g: "0", False),
+    "ecc.errors.uncorrected.volatile.total": ("", lambda d, g: str(_uncorrected(g)), True),
+    "ecc.errors.uncorrected.aggregate.total": ("", lambda d, g: str(_uncorrected(g)), False),
     "retired_pages.pending": ("", lambda d, g: "[N/A]", False),
-    "remapped_rows.pending": ("", lambda d, g: "No", False),
-    "remapped_rows.failure": ("", lambda d, g: "No", False),
-    "remapped_rows.uncorrectable": ("", lambda d, g: "0", False),
+    "remapped_rows.pending": ("", lambda d, g: _yes(g, "remap-pending"), False),
+    "remapped_rows.failure": ("", lambda d, g: _yes(g, "remap-failed"), False),
+    "remapped_rows.uncorrectable": ("", lambda d, g: str(_uncorrected(g)), False),
     "reset_status.reset_required": ("", lambda d, g: "Yes" if _broken(g) else "No", False),
     "reset_status.drain_and_reset_recommended": ("", lambda d, g: "No", False),
     "pcie.link.gen.current": ("", lambda d, g: "5" if d["architecture"] == "Hopper" else "4", True),
@@ -80,6 +82,15 @@ _FIELDS: dict[str, tuple[str, Callable[[Doc, Gpu], str], bool]] = {
 
 def _broken(gpu: Gpu) -> bool:
     return bool(gpu.get("state") == "reset-required")
+
+
+def _uncorrected(gpu: Gpu) -> int:
+    """Uncorrected ECC errors since boot: 2 on a GPU in state ``ecc``."""
+    return 2 if gpu.get("state") == "ecc" else 0
+
+
+def _yes(gpu: Gpu, state: str) -> str:
+    return "Yes" if gpu.get("state") == state else "No"
 
 
 def query(doc: Doc, fields: list[str], fmt: str, only: int | None = None) -> tuple[str, int]:
@@ -204,15 +215,15 @@ def details(doc: Doc, only: int | None = None, now: float | None = None) -> str:
         out += _section(4, "Utilization", util)
         out += "    ECC Errors\n"
         for period in ("Volatile", "Aggregate"):
-            out += _section(8, period, [("DRAM Correctable", 0), ("DRAM Uncorrectable", 0)])
+            out += _section(8, period, [("DRAM Correctable", 0), ("DRAM Uncorrectable", _uncorrected(g))])
         out += _section(
             4,
             "Remapped Rows",
             [
                 ("Correctable Error", 0),
-                ("Uncorrectable Error", 0),
-                ("Pending", "No"),
-                ("Remapping Failure Occurred", "No"),
+                ("Uncorrectable Error", _uncorrected(g)),
+                ("Pending", _yes(g, "remap-pending")),
+                ("Remapping Failure Occurred", _yes(g, "remap-failed")),
             ],
         )
         out += _section(

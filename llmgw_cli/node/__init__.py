@@ -21,6 +21,8 @@ Helper (``node-helper VERB ARGS...``, from ``$SSH_ORIGINAL_COMMAND`` or argv; ex
 0 when done, 2 with a line on stderr when refused; see ``helper.py`` for the checks):
 
 - ``probe``: the probe script's sections (text, ``core/observe/parse/probe.py`` reads them);
+- ``kernel-xids``: ``@source journal|dmesg|unreadable``, then NVIDIA's XID report lines of
+  this boot's kernel log, each behind ``@xid `` (read as root; the probe section ``xids``);
 - ``date``: seconds since the epoch;
 - ``show UNIT...``: ``systemctl show`` of ``SHOW_PROPERTIES`` (key=value lines);
 - ``journal UNIT SINCE LINES``: the unit's journal lines;

@@ -16,6 +16,9 @@ Verbs (unit names must be ``llmgw-<model>-<replica>.service``, except that ``sho
 ``journal`` also read the gateway's own unit):
 
 - ``probe``: run the probe script ``apply`` installed for this node;
+- ``kernel-xids``: NVIDIA's XID reports in this boot's kernel log (``XIDS_READ``): the
+  probe runs unprivileged and asks this verb for them, since the kernel log is root's
+  to read on most systems (``kernel.dmesg_restrict``, the journal's groups);
 - ``date``: seconds since the epoch;
 - ``show UNIT...``: a fixed set of ``systemctl show`` properties;
 - ``journal UNIT SINCE LINES``: the unit's last LINES journal lines since SINCE (epoch
@@ -84,6 +87,27 @@ from urllib.parse import urlsplit
 
 VERSION = 1  # the interface's (node/__init__.py): shipped in this text, so in its digest
 HELPER = "/usr/local/libexec/llmgw/node-helper"
+# A copy of ``core/observe/parse/kernel_log.py``'s: this file is shipped alone (a test
+# checks that the two are the same text).
+XID_LINES = 256  # the last XID reports read
+XID_LINE_BYTES = 512  # of each
+XIDS_READ = f"""\
+# NVIDIA's XID reports of this boot: from the journal's kernel messages when it has any,
+# else from the kernel's ring buffer; only their lines, the last {XID_LINES}, each cut at
+# {XID_LINE_BYTES} bytes and behind "@xid " (so none can start a line of its own).
+x='NVRM: Xid'
+if command -v journalctl >/dev/null 2>&1 && [ -n "$(journalctl -k -b -q -n 1 --no-pager 2>/dev/null)" ]; then
+  echo "@source journal"
+  journalctl -k -b -q --no-pager -o short-monotonic 2>/dev/null | grep -a -F "$x" | tail -n {XID_LINES} |
+    cut -b 1-{XID_LINE_BYTES} | tr -c '\\n[:print:]' '?' | sed 's/^/@xid /'
+elif command -v dmesg >/dev/null 2>&1 && dmesg >/dev/null 2>&1; then
+  echo "@source dmesg"
+  dmesg 2>/dev/null | grep -a -F "$x" | tail -n {XID_LINES} | cut -b 1-{XID_LINE_BYTES} |
+    tr -c '\\n[:print:]' '?' | sed 's/^/@xid /'
+else
+  echo "@source unreadable"
+fi
+"""
 PROBE = "/usr/local/libexec/llmgw/probe.sh"
 NODEFETCH = "/usr/local/libexec/llmgw/nodefetch.py"
 CONFIG = "/etc/llmgw/node-helper.json"
@@ -702,7 +726,7 @@ def parse_words(argv: list[str], original: str | None) -> list[str]:
 def check_words(words: list[str]) -> None:
     """Everything that can be checked without root: the verb and the shape of its arguments."""
     verb, args = words[0], words[1:]
-    if verb in ("probe", "date", "daemon-reload", "fetch"):
+    if verb in ("probe", "kernel-xids", "date", "daemon-reload", "fetch"):
         if args:
             raise Refused(f"{verb} takes no arguments")
     elif verb == "show":
@@ -764,6 +788,8 @@ def run_verb(words: list[str], config: dict[str, list[str]]) -> int:
     verb, args = words[0], words[1:]
     if verb == "probe":
         return subprocess.call(["sh", PROBE])
+    if verb == "kernel-xids":
+        return subprocess.call(["sh", "-c", XIDS_READ])
     if verb == "date":
         print(int(time.time()))
         return 0
@@ -829,7 +855,7 @@ def main(argv: list[str]) -> int:
     try:
         words = parse_words(argv, os.environ.get("SSH_ORIGINAL_COMMAND"))
         check_words(words)
-        if os.geteuid() != 0 and words[0] != "probe":
+        if os.geteuid() != 0 and words[0] != "probe":  # kernel-xids too: it reads root's log
             sys.stdout.flush()
             os.execv(SUDO, ["sudo", "-n", HELPER, *words])
         needs = ("write-unit", "fetch", "held", "exists")

@@ -103,6 +103,10 @@ def test_fleet_metrics_come_from_the_summary(tmp_path: Path) -> None:
     assert age_d is not None and age_d >= 600
     assert age_a is not None and 5 <= age_a < 60
     assert value("llmgw_node_gpus", node="a", state="faulty") == 1
+    assert value("llmgw_gpu_fault", node="a", gpu="3", cause="reset-required") == 1  # one per card and cause
+    assert [k for k in got if k[0] == "llmgw_gpu_fault"] == [
+        ("llmgw_gpu_fault", (("cause", "reset-required"), ("gpu", "3"), ("node", "a")))
+    ]
     assert value("llmgw_model_running_replicas", model="big") == 1
     assert value("llmgw_model_min_replicas", model="big") == 1
     assert value("llmgw_model_ready_replicas", model="big") == 0  # no replica discovered yet

@@ -18,6 +18,9 @@ this order; each leaves the lab as it found it, faults healed):
 - `keeper` again: healthy, then its node's engine program is replaced by one that exits
   and its engine is killed, so systemd restarts it over and over; the gateway stops it
   and answers again from a replica on the other node, and `llmgw status` shows it.
+- `keeper` again: its card reports XID 79 (GPU fallen off the bus) in the node's kernel
+  log while its engine runs on; the gateway replaces it on a healthy card within the
+  recovery margin, successor first, and `llmgw status` shows the card faulty and why.
 
 The measured figures are printed (`pytest -s` shows them; bench/controller.py measures
 the first two as medians).
@@ -527,4 +530,66 @@ def test_a_replica_that_starts_crash_looping_is_replaced_on_another_node(lab: La
         finally:
             lab.ssh(broken, f"mv -f {SAVED} {ENGINE}")
     finally:
+        client.close()
+
+
+# --- 6. a card of a serving replica reports a fatal XID --------------------------------------
+
+
+def card_index(lab: Lab, node: str, uuid: str) -> int:
+    done = lab.ssh(node, "nvidia-smi --query-gpu=index,uuid --format=csv,noheader")
+    assert done.returncode == 0, done.stderr
+    return next(int(i) for i, u in (line.split(", ") for line in done.stdout.splitlines()) if u == uuid)
+
+
+def unit_cards(lab: Lab, node: str, unit: str) -> list[str]:
+    done = lab.ssh(node, f"sed -n 's/^X-Llmgw-Gpus=//p' /etc/systemd/system/{shlex.quote(unit)}")
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(",")
+
+
+def test_a_replica_whose_card_reports_xid_79_is_replaced_on_healthy_cards(lab: Lab, gw: Gw) -> None:
+    """XID 79 lands in the node's kernel log while keeper's engine runs on (the lab's engine
+    does not notice, a real one might not at once): the gateway's probe reads it through
+    the node helper, takes the card out and starts a successor on a healthy card first;
+    `llmgw status` shows the card faulty with the XID's meaning."""
+    client = gw.client(timeout=LOAD_WAIT + 5)
+    mark = gw.log_size()
+    answered_within(client, "keeper", 60)
+    placed = where_running(lab, "keeper")
+    assert len(placed) == 1, placed
+    ((node, (unit,)),) = placed.items()
+    (card,) = unit_cards(lab, node, unit)
+    index = card_index(lab, node, card)
+    try:
+        lab.fault(node, "gpu", str(index), "xid", "79")
+        injected = time.monotonic()
+
+        def replaced() -> bool:
+            running = where_running(lab, "keeper")
+            units = [(n, u) for n, us in running.items() for u in us]
+            return bool(gw.ready("keeper")) and (node, unit) not in units and len(units) == 1
+
+        wait_until(
+            replaced,
+            timeout=LOAD_SECONDS + RECOVERY_MARGIN,
+            interval=0.5,
+            what=lambda: f"keeper to be replaced off GPU {index} of {node}:\n{gw.tail(mark)}",
+        )
+        seconds = time.monotonic() - injected
+        print(f"\nkeeper replaced off a card with XID 79 {seconds:.1f}s after the report")
+        ((now_on, (successor,)),) = where_running(lab, "keeper").items()
+        assert card not in unit_cards(lab, now_on, successor)
+        log = gw.log_text(mark)
+        assert "it holds a faulty card" in log and "XID 79: GPU has fallen off the bus" in log, gw.tail(mark)
+        answered_within(client, "keeper", 10)
+        done = run("status", "-f", str(gw.cluster), "--json")
+        row = next(n for n in json.loads(done.stdout)["nodes"] if n["name"] == node)
+        assert row["faulty"] == 1, row
+        assert row["faulty_reasons"] == [f"GPU {index}: XID 79: GPU has fallen off the bus"], row
+        (faulty,) = row["faulty_cards"]
+        assert (faulty["gpu"], faulty["causes"]) == (str(index), ["xid-79"]), faulty
+        assert "reboot" in faulty["action"], faulty
+    finally:
+        lab.fault(node, "gpu", str(index), "healthy")
         client.close()

@@ -307,9 +307,12 @@ def test_llama_server_serves_smollm2_when_built(lab: Lab) -> None:
 def test_fault_clear_heals_every_fault(lab: Lab) -> None:
     pristine = {
         cmd: lab.ssh("node02", cmd).stdout
-        for cmd in ("nvidia-smi -L", "cat /sys/class/infiniband/*/ports/1/*")
+        for cmd in ("nvidia-smi -L", "cat /sys/class/infiniband/*/ports/1/*", "dmesg")
     }
+    assert pristine["dmesg"] == ""  # the node's own kernel log, never the host's
     lab.fault("node02", "gpu", "1", "reset-required")
+    lab.fault("node02", "gpu", "2", "xid", "79")
+    assert "NVRM: Xid (PCI:0000:" in lab.ssh("node02", "dmesg").stdout
     lab.fault("node02", "gpu", "6", "lost")
     lab.fault("node02", "ib-port", "mlx5_3", "init")
     lab.fault("node02", "ib-port", "mlx5_0", "down")

@@ -46,6 +46,7 @@ def node_facts(
             pci_bus_id=None,
             health=GpuHealth.faulty if i in faulty else GpuHealth.healthy,
             reasons=("reset required",) if i in faulty else (),
+            causes=("reset-required",) if i in faulty else (),
         )
         for i in range(gpus)
     )

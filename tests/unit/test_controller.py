@@ -150,6 +150,19 @@ def test_an_unhealthy_replica_is_restarted_after_the_bound() -> None:
     assert decide([loading]) == []
 
 
+def test_a_replica_on_a_faulty_card_is_replaced_successor_first_even_while_it_answers() -> None:
+    why = "node01 GPU 3: XID 79: GPU has fallen off the bus"
+    bad = seen(units=UnitCondition.faulty_card, faults=(why,))  # its health check still passes
+    assert decide([bad]) == [Restart("always", 0, f"it holds a faulty card: {why}", "faulty-card")]
+    # it counts towards min until its successor serves: no second start beside the restart
+    assert not [d for d in decide([bad]) if isinstance(d, Start)]
+    # and it serves meanwhile: the model stays ready
+    assert (
+        phase(MODELS["always"], [bad], Attempts(), starting=False, now=T0, backoff_first=BACKOFF)
+        is Phase.ready
+    )
+
+
 def test_a_replica_never_ready_within_start_timeout_is_stopped() -> None:
     found = seen("lazy", health=Health.loading, ready_at=None, first_seen=T0 - 599)
     assert decide([found], models=("lazy",)) == []

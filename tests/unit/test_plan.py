@@ -6,18 +6,21 @@ import json
 
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
-from llmgw_cli.core.observe.facts import NodeFacts
+from llmgw_cli.core.observe.facts import GpuHealth, NodeFacts
 from llmgw_cli.core.observe.unit_state import UnitState
+from llmgw_cli.core.planning.controller import UnitCondition
 from llmgw_cli.core.planning.plan import (
     Action,
     Plan,
     Retired,
     conflicts,
     grow_plan,
+    held_faults,
     make_plan,
     running_replicas,
     stop_plan,
 )
+from llmgw_cli.core.planning.replicas import unit_condition
 from llmgw_cli.core.views.summary import summarize
 
 from .facts_factory import node_facts, with_units
@@ -355,6 +358,35 @@ def test_a_changed_replica_with_free_cards_beside_it_is_replaced_new_one_first()
     assert conflicts(facts, action) is None
     after = converges(s, plan, facts)
     assert [(r.replica, r.port) for r in running_replicas(after)] == [(1, 8102)]
+
+
+def test_a_replica_on_a_card_gone_faulty_is_replaced_on_healthy_cards_new_one_first() -> None:
+    s = rolling()
+    facts = settled(s, cluster(8, 8))
+    (old,) = running_replicas(facts)
+    assert old.gpus == {"a": ("GPU-a-0", "GPU-a-1")}
+    assert held_faults(old, facts) == () and unit_condition(old, facts, set()) is UnitCondition.up
+    bad = {
+        "health": GpuHealth.faulty,
+        "reasons": ("XID 79: GPU has fallen off the bus",),
+        "causes": ("xid-79",),
+    }
+    cards = tuple(g.model_copy(update=bad) if g.index == 1 else g for g in facts["a"].gpus)
+    facts["a"] = facts["a"].model_copy(update={"gpus": cards})
+    assert held_faults(old, facts) == ("a GPU 1: XID 79: GPU has fallen off the bus",)
+    assert unit_condition(old, facts, set(), served=True) is UnitCondition.faulty_card
+    plan = make_plan(s, facts)
+    (action,) = plan.changes
+    assert (action.op, action.surge, action.retire and action.retire.replica) == ("~", True, 0)
+    assert action.gpus == {"a": ("GPU-a-2", "GPU-a-3")}  # healthy cards beside it
+    assert action.reason.startswith("on a faulty card (a GPU 1: XID 79: GPU has fallen off the bus)")
+    converges(s, plan, facts)
+    # a card nvidia-smi no longer lists (fallen off the bus) is a faulty one too
+    gone = facts["a"].model_copy(update={"gpus": cards[1:], "lost_gpus": ("0000:18:00.0",)})
+    assert held_faults(old, {**facts, "a": gone}) == (
+        "a: card GPU-a-0 is gone from nvidia-smi's list (fallen off the bus)",
+        "a GPU 1: XID 79: GPU has fallen off the bus",
+    )
 
 
 def test_two_replicas_with_room_for_one_successor_roll_onto_each_others_cards() -> None:

@@ -243,6 +243,53 @@ def test_status_view_shows_unreachable_nodes_and_reasons() -> None:
     assert "8 x H100-80GB (1 faulty)" in text
 
 
+def test_a_fatal_xid_marks_its_card_and_a_program_fault_is_only_shown() -> None:
+    xids = (
+        "@@ xids\n@source dmesg\n"
+        "@xid [  812.5] NVRM: Xid (PCI:0000:64:00): 79, pid=1, name=python3, GPU has fallen off the bus.\n"
+        "@xid [  813.0] NVRM: Xid (PCI:0000:75:00): 31, pid=2, name=python3, MMU Fault: ENGINE GRAPHICS\n"
+        "@xid [  814.0] NVRM: Xid (PCI:0000:ee:00): 48, pid=3, a bus no card is at\n"
+    )
+    facts = parse_probe(SPEC.nodes[0], output(unit_active=True).replace("@@ topo", xids + "@@ topo"))
+    assert facts.kernel_log == "dmesg"
+    faulty = {g.index: (g.reasons, g.causes) for g in facts.gpus if g.health is GpuHealth.faulty}
+    assert faulty == {1: (("XID 79: GPU has fallen off the bus",), ("xid-79",))}
+    assert [(r.gpu, r.code) for r in facts.xids] == [(1, 79), (2, 31), (None, 48)]
+    (row, *_) = summarize(SPEC, {"a": facts}).nodes
+    assert (row.gpus, row.faulty, row.used) == (8, 1, 1)  # llama's second card is the faulty one
+    (card,) = row.faulty_cards
+    assert (card.gpu, card.causes) == ("1", ("xid-79",)) and "reboot" in card.action
+    assert row.faulty_reasons == ("GPU 1: XID 79: GPU has fallen off the bus",)
+    notes = [w for w in row.warnings if "XID" in w]
+    assert notes[0].startswith(
+        "GPU 2: XID 31: GPU memory page fault (usually the program); action: none for the card"
+    )
+    assert notes[1].startswith("PCI 0000:ee:00 (no card nvidia-smi lists): XID 48: double-bit ECC error")
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(status_view(summarize(SPEC, {"a": facts}), 0.1))
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "8 x H100-80GB (1 faulty)" in text and "GPU 1: XID 79: GPU has fallen off the bus" in text
+
+
+def test_a_card_off_the_bus_counts_as_faulty_and_fewer_cards_than_declared_says_what_to_do() -> None:
+    lost = "Unable to determine the device handle for GPU 0000:ca:00.0: Unknown Error"
+    rows = "\n".join(csv_rows().splitlines()[:7])
+    text = output().replace(csv_rows(), f"{rows}\n{lost}").replace("@rc 0", "@rc 15")
+    facts = parse_probe(SPEC.nodes[0], text)
+    assert facts.gpu_tool == "ok" and facts.lost_gpus == ("0000:ca:00.0",)
+    summary = summarize(SPEC, {"a": facts})
+    row = summary.nodes[0]
+    assert (row.gpus, row.faulty) == (8, 1)
+    assert row.faulty_reasons == ("GPU 0000:ca:00.0: nvidia-smi cannot open it: fallen off the bus",)
+    assert (
+        row.expected is not None
+        and "fallen off the bus (XID 79)" in row.expected
+        and "reboot" in row.expected
+    )
+    (h100,) = summary.classes
+    assert (h100.total, h100.faulty, h100.free) == (8, 1, 7)
+
+
 def test_optional_health_query_marks_cards_faulty() -> None:
     text = output().replace(
         "@@ topo",

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node, ScalingMode
 from llmgw_cli.core.doctor.facts import Collected, Finding, Limit, Severity
 from llmgw_cli.core.hosts.root_folders import ROOT_FOLDERS, ancestors, fix, problem
-from llmgw_cli.core.observe.facts import GpuHealth, IbPort, PortState, ReplicaUnit
+from llmgw_cli.core.observe.facts import IbPort, PortState, ReplicaUnit
+from llmgw_cli.core.observe.gpu_faults import faulty_cards, xid_notes
 from llmgw_cli.core.observe.hardware import gpu_class, same_class
 from llmgw_cli.core.observe.health import ReplicaState, describe
 from llmgw_cli.core.observe.parse.probe import engine_binaries
@@ -340,7 +341,9 @@ def check_ports(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
 
 def check_gpus(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
     """The driver must answer, and declared GPUs be there; faulty cards are left out by
-    placement, so they are a warning."""
+    placement (and the gateway replaces the replicas on them), so each is a warning that
+    says why and what to do (``core/observe/gpu_faults.py``, NVIDIA's XID catalog in
+    ``core/observe/xid.py``). XID reports that take no card out are info."""
     facts = c.facts
     findings = []
     if facts.gpu_tool != "ok" and node.gpus is not None:
@@ -362,8 +365,10 @@ def check_gpus(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
                     "gpu.count",
                     Severity.warning,
                     f"declared {node.gpus.count} x {node.gpus.gpu_class}, found {len(matching)}"
-                    + (f" (lost: {', '.join(facts.lost_gpus)})" if facts.lost_gpus else ""),
-                    "check `nvidia-smi` and the kernel log (Xid 79: fallen off the bus), or correct `gpus`",
+                    + (f" (lost: {', '.join(facts.lost_gpus)})" if facts.lost_gpus else "")
+                    + ": a card nvidia-smi does not list has fallen off the bus (XID 79) or is disabled",
+                    "drain the node and reboot it; reseat or replace (RMA) a card that falls off again "
+                    "(`lspci | grep -i nvidia` shows what the bus holds); or correct `gpus`",
                 )
             )
     findings += [
@@ -371,12 +376,25 @@ def check_gpus(spec: ClusterSpec, node: Node, c: Collected) -> list[Finding]:
             node,
             "gpu.faulty",
             Severity.warning,
-            f"GPU {g.index} is faulty ({'; '.join(g.reasons)}); placement leaves it out",
-            "drain the node and reset the GPU (`nvidia-smi -r -i N`), or reboot",
+            f"GPU {card.gpu} is faulty ({'; '.join(card.reasons)}): placement leaves it out and "
+            "the gateway replaces the replicas on it",
+            card.action,
         )
-        for g in facts.gpus
-        if g.health is GpuHealth.faulty
+        for card in faulty_cards(facts)
     ]
+    findings += [_finding(node, "gpu.xid", Severity.info, note, "") for note in xid_notes(facts)]
+    if facts.kernel_log == "unreadable" and node.gpus is not None:
+        findings.append(
+            _finding(
+                node,
+                "gpu.kernel-log",
+                Severity.warning,
+                "the probe cannot read the kernel log (neither `journalctl -k` nor `dmesg`): NVIDIA's "
+                "XID reports of a failing card are not seen",
+                "run `llmgw apply` (it installs the node helper that reads it as root), or let the "
+                "probe's account read the journal (group systemd-journal)",
+            )
+        )
     return findings
 
 

@@ -30,6 +30,21 @@ class Gpu(Fact):
     pci_bus_id: str | None
     health: GpuHealth
     reasons: tuple[str, ...] = ()
+    # why it is faulty, in words of a fixed set (``nvidia-smi``, ``reset-required``,
+    # ``remap-pending``, ``ecc``, ``xid-79``...): what a metric's label carries
+    causes: tuple[str, ...] = ()
+
+
+class XidReport(Fact):
+    """NVIDIA's XID reports of one code for one card in this boot's kernel log
+    (``core/observe/parse/kernel_log.py``; what the code means: ``core/observe/xid.py``)."""
+
+    bus: str  # PCI bus id, normalized: "0000:4e:00"
+    code: int
+    count: int
+    detail: str  # the last report's text after the code, printable and cut short
+    seconds: float | None  # when the last one came, seconds since boot; None: not read
+    gpu: int | None = None  # the card's index when nvidia-smi lists a card at ``bus``
 
 
 class Topology(Fact):
@@ -166,6 +181,10 @@ class NodeFacts(Fact):
     error_kind: str | None = None
     gpus: tuple[Gpu, ...] = ()
     lost_gpus: tuple[str, ...] = ()
+    # NVIDIA's XID reports in this boot's kernel log, and where they were read:
+    # "journal", "dmesg", "unreadable" (neither could be read), "" (not probed)
+    xids: tuple[XidReport, ...] = ()
+    kernel_log: str = ""
     gpu_tool: str = "missing"  # "ok" | "missing" | "failed: <reason>"
     topology: Topology | None = None
     ib_ports: tuple[IbPort, ...] = ()

@@ -19,6 +19,11 @@ start or stop under way:
   start succeeds;
 - a replica whose unit is down on a node that answers (inactive, removed) is stopped and
   replaced;
+- a replica holding a card the probe finds faulty (nvidia-smi's health fields, a fatal
+  XID in the kernel log, a card fallen off the bus: ``core/observe/gpu_faults.py``) is
+  replaced even when its engine still looks alive: a successor starts first on healthy
+  cards (placement never uses a faulty one) and the old replica is stopped once it is
+  ready; when nothing fits it is restarted in place, which again goes to healthy cards only;
 - a replica on a node that stopped answering is still counted for ``gateway.node_grace``
   (an SSH hiccup is not a lost node); after that a replacement starts elsewhere, and the
   old one is stopped if its node answers again;
@@ -80,6 +85,7 @@ class UnitCondition(StrEnum):
     crash_looping = "crash-looping"
     lost = "lost"  # a member's node does not answer the probe
     down = "down"  # a member's unit is inactive or missing on a node that answers
+    faulty_card = "faulty-card"  # a member's unit holds a card the probe finds faulty
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,8 @@ class Seen:
     # Being drained: its drain deadline on this gateway's wall clock (the shell converts
     # the markers' node clock); None when it is not.
     draining: float | None = None
+    # with ``units`` faulty-card: which of its cards are faulty and why, one line each
+    faults: tuple[str, ...] = ()
 
     @property
     def use(self) -> ReplicaUse:
@@ -248,6 +256,7 @@ class Restart:
     model: str
     replica: int
     reason: str
+    cause: str = "unhealthy"  # a word for the actions metric: unhealthy | faulty-card
 
 
 Decision = Start | Stop | Restart
@@ -293,19 +302,15 @@ def _judge(
             why = "replaced while its node did not answer"
             decisions.append(Stop(r.model, r.replica, why, StopCause.replaced))
             continue
-        if r.units in (UnitCondition.gave_up, UnitCondition.crash_looping):
-            if r.units is UnitCondition.gave_up:
-                why = f"systemd gave up on its unit on {_nodes(r)}"
-            else:
-                why = f"its engine is crash-looping on {_nodes(r)}"
-            decisions.append(Stop(r.model, r.replica, why, StopCause.gave_up))
-            crashed.append(r)
-            replacing.append(f"replica {r.replica}: {why}")
-            continue
-        if r.units is UnitCondition.down:
-            why = f"its unit is not running on {_nodes(r)}"
-            decisions.append(Stop(r.model, r.replica, why, StopCause.down))
-            replacing.append(f"replica {r.replica}: {why}")
+        broken = _broken(r)
+        if broken is not None:
+            decisions.append(broken)
+            if isinstance(broken, Restart):
+                counted.append(r)  # a faulty card's replica counts until its successor serves
+                continue
+            if broken.cause is StopCause.gave_up:
+                crashed.append(r)
+            replacing.append(f"replica {r.replica}: {broken.reason}")
             continue
         if r.ready_at is None and r.health is not Health.ready and now - r.first_seen >= timeout:
             why = f"not ready {timeout:g}s after it was first seen (the profile's start_timeout)"
@@ -321,6 +326,22 @@ def _judge(
             decisions.append(Restart(r.model, r.replica, why))
         counted.append(r)
     return decisions, counted, _elsewhere(model, crashed), replacing
+
+
+def _broken(r: Seen) -> Stop | Restart | None:
+    """What a replica whose units are not simply up calls for: a stop (systemd gave up,
+    its engine crash-loops, its unit is down) or, on a faulty card, a replacement
+    successor first; None when its units are up (or lost: judged by the caller)."""
+    if r.units is UnitCondition.faulty_card:
+        why = f"it holds a faulty card: {'; '.join(r.faults) or 'see llmgw doctor'}"
+        return Restart(r.model, r.replica, why, UnitCondition.faulty_card.value)
+    if r.units is UnitCondition.gave_up:
+        return Stop(r.model, r.replica, f"systemd gave up on its unit on {_nodes(r)}", StopCause.gave_up)
+    if r.units is UnitCondition.crash_looping:
+        return Stop(r.model, r.replica, f"its engine is crash-looping on {_nodes(r)}", StopCause.gave_up)
+    if r.units is UnitCondition.down:
+        return Stop(r.model, r.replica, f"its unit is not running on {_nodes(r)}", StopCause.down)
+    return None
 
 
 def _elsewhere(model: Model, crashed: Sequence[Seen]) -> Start:
@@ -407,7 +428,8 @@ def phase(
     and whether a start of it is under way."""
     if model.mode is ScalingMode.off:
         return Phase.off
-    live = [r for r in seen if r.units in (UnitCondition.up, UnitCondition.lost) and not r.replaced]
+    alive = (UnitCondition.up, UnitCondition.lost, UnitCondition.faulty_card)
+    live = [r for r in seen if r.units in alive and not r.replaced]
     ready = sum(r.health is Health.ready and r.draining is None for r in live)  # drained: not routed
     want = max(model.scaling.min if model.scaling else 0, 1)
     if ready >= want:

@@ -202,6 +202,25 @@ def running_replicas(facts: dict[str, NodeFacts]) -> list[Running]:
     return [_with_marker(facts, found[k]) for k in sorted(found)]
 
 
+def held_faults(r: Running, facts: dict[str, NodeFacts]) -> tuple[str, ...]:
+    """The faulty cards ``r``'s units hold, one line each (node, card, why): a card the
+    probe marks faulty, or one nvidia-smi no longer lists while it answers for the others
+    or names a card it cannot open (fallen off the bus). Nodes not read say nothing."""
+    found: list[str] = []
+    for node, uuids in r.gpus.items():
+        f = facts.get(node)
+        if f is None or not f.reachable:
+            continue
+        listed = {g.uuid: g for g in f.gpus}
+        for uuid in uuids:
+            g = listed.get(uuid)
+            if g is None and (f.gpus or f.lost_gpus):
+                found.append(f"{node}: card {uuid} is gone from nvidia-smi's list (fallen off the bus)")
+            elif g is not None and g.health is GpuHealth.faulty:
+                found.append(f"{node} GPU {g.index}: {'; '.join(g.reasons) or 'faulty'}")
+    return tuple(found)
+
+
 def _with_marker(facts: dict[str, NodeFacts], r: Running) -> Running:
     """``r`` with the earliest deadline of the drain markers its members' nodes hold."""
     deadlines = [facts[n].draining[r.unit] for n in r.members if n in facts and r.unit in facts[n].draining]
@@ -308,6 +327,7 @@ def _sort_running(
     running: list[Running],
     replace: frozenset[tuple[str, int]] = frozenset(),
     answers: Answers | None = None,
+    facts: dict[str, NodeFacts] | None = None,
 ) -> _Sorted:
     models = {m.name: m for m in spec.models}
     out = _Sorted()
@@ -328,6 +348,7 @@ def _sort_running(
             r.spec_hash != spec_hash(spec, model)
             or not r.health((answers or {}).get((r.model, r.replica))).alive
             or (r.model, r.replica) in replace
+            or held_faults(r, facts or {})
         ):
             out.replace[r.model].append(r)
         else:
@@ -552,7 +573,7 @@ def make_plan(
     ``answers``: the health checks' answers the caller has, (model, replica) -> ready.
     ``cordoned``: nodes that take no new replica (the ones there are left as they are)."""
     running = running_replicas(facts)
-    sorted_ = _sort_running(spec, running, replace, answers)
+    sorted_ = _sort_running(spec, running, replace, answers, facts)
     actions = sorted_.delete + _keep_actions(spec, sorted_.keep, answers or {})
     roll = _Rolling(spec, facts, running, sorted_, cordoned)
     actions += roll.actions
@@ -698,7 +719,7 @@ class _Rolling:
             self.placer.release(result)
             return None
         index = min(set(range(len(self.taken[model.name]) + 1)) - self.taken[model.name])
-        why = f"{_cause(self.spec, model, old)}; new replica first, then #{old.replica} drained and stopped"
+        why = f"{_cause(self.spec, model, old, self.facts)}; new replica first, then #{old.replica} drained and stopped"
         return self._action(model, old, result, index=index, port=port, reason=why, surge=True)
 
     def _in_place(self, model: Model, old: Running, others: int) -> Action | None:
@@ -713,7 +734,7 @@ class _Rolling:
             self.used[head] |= mine
             self.placer.release(result)
             return None
-        cause = _cause(self.spec, model, old)
+        cause = _cause(self.spec, model, old, self.facts)
         downtime = ""
         if not old.up:
             why = cause
@@ -778,10 +799,13 @@ def unpinned_warnings(spec: ClusterSpec) -> list[str]:
     ]
 
 
-def _cause(spec: ClusterSpec, model: Model, old: Running) -> str:
+def _cause(spec: ClusterSpec, model: Model, old: Running, facts: dict[str, NodeFacts]) -> str:
     if old.spec_hash != spec_hash(spec, model):
         return "spec changed"
-    return f"{old.describe()}; started again" if old.down else "replace requested"
+    if old.down:
+        return f"{old.describe()}; started again"
+    faults = held_faults(old, facts)
+    return f"on a faulty card ({'; '.join(faults)})" if faults else "replace requested"
 
 
 def _ports(port: int, members: tuple[str, ...]) -> set[int]:

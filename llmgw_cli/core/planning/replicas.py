@@ -8,7 +8,7 @@ from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.observe.facts import NodeFacts
 from llmgw_cli.core.observe.health import ReplicaState
 from llmgw_cli.core.planning.controller import Start, UnitCondition
-from llmgw_cli.core.planning.plan import Plan, Running, running_replicas
+from llmgw_cli.core.planning.plan import Plan, Running, held_faults, running_replicas
 from llmgw_cli.core.serving.routing import serving_address
 from llmgw_cli.core.weights.pins import needs_pin
 
@@ -47,16 +47,20 @@ def unit_condition(
 ) -> UnitCondition:
     """The replica's units as the last probe saw them. ``served``: this gateway saw it
     ready. An engine that served and then died is systemd's to restart (the unit's
-    StartLimitBurst bounds that): a crash loop is an engine that dies before it serves."""
+    StartLimitBurst bounds that): a crash loop is an engine that dies before it serves.
+    A replica whose units are up on a card the probe finds faulty is ``faulty_card``
+    (``held_faults``): its engine may still answer, but the card is out."""
     if any(n in unreachable or n not in facts for n in r.members):
         return UnitCondition.lost
     if any(n in r.units and r.units[n].active_state == "failed" for n in r.members):
         return UnitCondition.gave_up
     if served and _restarting(r):
-        return UnitCondition.up
-    if r.health() is ReplicaState.crash_looping:
+        up = UnitCondition.up
+    elif r.health() is ReplicaState.crash_looping:
         return UnitCondition.crash_looping
-    return UnitCondition.up if r.up else UnitCondition.down
+    else:
+        up = UnitCondition.up if r.up else UnitCondition.down
+    return UnitCondition.faulty_card if up is UnitCondition.up and held_faults(r, facts) else up
 
 
 def replica_at(spec: ClusterSpec, facts: dict[str, NodeFacts], model: str, address: str) -> Running | None:

@@ -6,7 +6,8 @@ The alerts:
 - ``LlmgwGatewayDown``: Prometheus cannot scrape the gateway;
 - ``LlmgwNodeNotReporting``: a node's last probe failed, or its last good probe is old;
 - ``LlmgwModelNotServing``: a model with ``scaling.min >= 1`` has no replica in rotation;
-- ``LlmgwGpuFaulty``: a card is kept out of placement by a fault;
+- ``LlmgwGpuFaulty``: a card is kept out of placement by a fault (one alert per card and
+  cause: nvidia-smi's health fields, a fatal XID in the kernel log, a card off the bus);
 - ``LlmgwReplicaIdle``: a replica holds GPUs nobody has asked for (its model's
   ``idle_timeout``, or 30 minutes without one).
 """
@@ -33,7 +34,7 @@ class Thresholds:
     probe_stale: float = 120.0  # a node's last good probe older than this (it probes every 15 s)
     node_for: float = 300.0
     model_for: float = 300.0
-    fault_for: float = 300.0
+    fault_for: float = 60.0  # a fatal fault does not heal itself: the operator acts
     idle_for: float = 900.0  # on top of the idle time that makes a replica idle
     scrape_interval: float = 15.0
 
@@ -137,11 +138,13 @@ def alert_rules(thresholds: Thresholds = Thresholds()) -> dict[str, object]:
         ),
         _alert(
             "LlmgwGpuFaulty",
-            'llmgw_node_gpus{state="faulty"} > 0',
+            "llmgw_gpu_fault == 1",
             t.fault_for,
             "warning",
-            summary="{{ $value }} GPU(s) on {{ $labels.node }} kept out of placement by a fault",
-            description="nvidia-smi reports a fault on {{ $labels.node }}; `llmgw status` lists the cards and reasons.",
+            summary="GPU {{ $labels.gpu }} on {{ $labels.node }} is out of placement: {{ $labels.cause }}",
+            description="The gateway's probe finds GPU {{ $labels.gpu }} on {{ $labels.node }} faulty "
+            "({{ $labels.cause }}) and replaces the replicas on it; `llmgw doctor` says what the fault "
+            "means and what to do (drain and reset the GPU, reboot the node, or replace the card).",
         ),
         _alert(
             "LlmgwReplicaIdle",

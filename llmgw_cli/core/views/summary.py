@@ -26,6 +26,7 @@ from pydantic import Field
 
 from llmgw_cli.core.clusterfile.spec import ClusterSpec, Node
 from llmgw_cli.core.observe.facts import Fact, GpuHealth, NodeFacts
+from llmgw_cli.core.observe.gpu_faults import FaultyCard, faulty_cards, xid_notes
 from llmgw_cli.core.observe.hardware import fabric_status, gpu_class
 from llmgw_cli.core.observe.health import ReplicaState, worst
 from llmgw_cli.core.observe.parse.units import replica_units
@@ -46,7 +47,7 @@ class NodeRow(Fact):
     gpu_class: str | None
     gpus: int
     used: int
-    faulty: int
+    faulty: int  # cards listed faulty, and cards nvidia-smi cannot open (fallen off the bus)
     faulty_reasons: tuple[str, ...]
     expected: str | None  # mismatch against the declared `gpus`, or None
     topology: str  # "NVLink (7 peers)", "PCIe only", "unknown"
@@ -60,6 +61,8 @@ class NodeRow(Fact):
     warnings: tuple[str, ...]
     # engine program -> the version the probe read there ("unknown" when it could not)
     engines: dict[str, str] = Field(default_factory=dict)
+    # each faulty card with its causes and what to do (``core/observe/gpu_faults.py``)
+    faulty_cards: tuple[FaultyCard, ...] = ()
 
     def engine_versions(self, programs: Mapping[str, str]) -> str:
         """``vllm 0.32.0, sglang 0.5.23``: each engine found, by its name in ``programs``
@@ -244,10 +247,16 @@ def _topology(peers: int | None) -> str:
     return f"NVLink ({peers} peers)" if peers else "PCIe only"
 
 
+MISSING_CARDS = (
+    "a card the driver does not list has fallen off the bus (XID 79) or is disabled; "
+    "drain the node and reboot it, reseat or replace the card if it recurs"
+)
+
+
 def _node_row(node: Node, facts: NodeFacts) -> NodeRow:
     fabric = fabric_status(node, facts)
     used_uuids = _used_uuids(facts)
-    faulty = [g for g in facts.gpus if g.health is GpuHealth.faulty]
+    cards = faulty_cards(facts)
     classes = sorted({gpu_class(g.name) for g in facts.gpus})
     expected = None
     if node.gpus and facts.reachable:
@@ -256,6 +265,8 @@ def _node_row(node: Node, facts: NodeFacts) -> NodeRow:
             node.gpus.gpu_class.upper()
         ]:
             expected = f"declared {node.gpus.count} x {node.gpus.gpu_class}, found {found}"
+            if len(facts.gpus) < node.gpus.count:
+                expected += f": {MISSING_CARDS}"
     warnings = []
     if facts.cpu and facts.cpu.flags_missing:
         warnings.append(f"CPU lacks {', '.join(facts.cpu.flags_missing)} (a VM on the kvm64 model?)")
@@ -266,8 +277,9 @@ def _node_row(node: Node, facts: NodeFacts) -> NodeRow:
         if e.missing_libraries
     ]
     warnings += [f"weights folder {w.path} is missing" for w in facts.weights if not w.present]
-    if facts.lost_gpus:
-        warnings.append(f"nvidia-smi cannot open GPU(s) {', '.join(facts.lost_gpus)}")
+    warnings += xid_notes(facts)
+    if facts.kernel_log == "unreadable":
+        warnings.append("the kernel log cannot be read: NVIDIA's XID reports are not seen (`llmgw doctor`)")
     if facts.reachable and facts.gpu_tool != "ok":
         warnings.append(f"nvidia-smi {facts.gpu_tool}")
     return NodeRow(
@@ -276,10 +288,11 @@ def _node_row(node: Node, facts: NodeFacts) -> NodeRow:
         reachable=facts.reachable,
         error=facts.error,
         gpu_class=classes[0] if len(classes) == 1 else ("/".join(classes) or None),
-        gpus=len(facts.gpus),
+        gpus=len(facts.gpus) + len(facts.lost_gpus),
         used=sum(1 for g in facts.gpus if g.uuid in used_uuids and g.health is GpuHealth.healthy),
-        faulty=len(faulty),
-        faulty_reasons=tuple(f"GPU {g.index}: {'; '.join(g.reasons)}" for g in faulty),
+        faulty=len(cards),
+        faulty_reasons=tuple(f"GPU {c.gpu}: {'; '.join(c.reasons)}" for c in cards),
+        faulty_cards=tuple(cards),
         expected=expected,
         topology=_topology(_nvlink_peers(facts)),
         nvlink_peers=_nvlink_peers(facts),
@@ -415,6 +428,10 @@ def summarize(
                 counts[2] += 1
             elif g.uuid in used:
                 counts[1] += 1
+        if node.gpus is not None and f.lost_gpus:  # cards off the bus: of the declared class
+            counts = classes[node.gpus.gpu_class]
+            counts[0] += len(f.lost_gpus)
+            counts[2] += len(f.lost_gpus)
     class_rows = tuple(
         ClassRow(gpu_class=c, total=t, used=u, faulty=x, free=t - u - x)
         for c, (t, u, x) in sorted(classes.items())

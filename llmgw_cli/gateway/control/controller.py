@@ -96,6 +96,7 @@ from llmgw_cli.core.planning.plan import (
     Running,
     conflicts,
     grow_plan,
+    held_faults,
     running_replicas,
     stop_plan,
     successor_first,
@@ -433,8 +434,8 @@ class Controller:
                     if not in_place:
                         continue  # its successor serves; it was stopped
                     reason = f"{d.reason}; restarted in place: {in_place}"
-                    if await self._stop(d.model, d.replica, reason, "unhealthy"):
-                        self._record(d.model, "restart", reason, "unhealthy")
+                    if await self._stop(d.model, d.replica, reason, d.cause):
+                        self._record(d.model, "restart", reason, d.cause)
                         then = then or Start(d.model, f"restart of replica {d.replica}: {reason}")
             finally:
                 mc.state = mc.state.stop_ended()
@@ -468,7 +469,7 @@ class Controller:
             "replace",
             f"replica {restart.replica} {restart.reason}: a successor starts first; "
             f"replica {restart.replica} is stopped once it is ready",
-            "unhealthy",
+            restart.cause,
         )
         mc.state = mc.state.start_began("probing the nodes to place a successor")
         mc.wake()
@@ -537,6 +538,7 @@ class Controller:
                     in_pool,
                     saved=self.saved,
                     now=now,
+                    faults=held_faults(r, facts),
                 )
             )
         for key, known in list(self.known.items()):

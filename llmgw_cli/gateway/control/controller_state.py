@@ -245,10 +245,12 @@ def seen_of(
     *,
     saved: dict[str, float],
     now: float,
+    faults: tuple[str, ...] = (),
 ) -> Seen:
     """The replica ``known`` as the controller sees it now (its units as the probe saw
-    them, its health as the pool has it, its last use here or as ``saved``); what changed
-    is noted in ``known`` (since when it is lost, ready, failing)."""
+    them, its health as the pool has it, its last use here or as ``saved``, the faulty
+    cards it holds); what changed is noted in ``known`` (since when it is lost, ready,
+    failing)."""
     routed = in_pool.get((known.model, known.address))
     health = routed.health if routed is not None else Health.unknown
     if units is UnitCondition.lost:
@@ -292,6 +294,7 @@ def seen_of(
         in_flight=routed.outstanding if routed is not None else 0,
         replaced=known.replaced,
         draining=known.draining,
+        faults=faults,
     )
 
 

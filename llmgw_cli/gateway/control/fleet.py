@@ -233,6 +233,20 @@ class FleetCollector(Collector):
             ),
         )
         yield _gauge(
+            "llmgw_gpu_fault",
+            "1 for each faulty card (out of placement) and each cause the probe found: nvidia-smi, "
+            "reset-required, drain-and-reset, remap-pending, remap-failed, ecc, xid-<code> (a fatal "
+            "XID in the kernel log), lost (nvidia-smi cannot open it). gpu is the card's index, or "
+            "its PCI bus id when it is lost.",
+            ["node", "gpu", "cause"],
+            (
+                ([n.name, card.gpu, cause], 1)
+                for n in reachable
+                for card in n.faulty_cards
+                for cause in (card.causes or ("unknown",))
+            ),
+        )
+        yield _gauge(
             "llmgw_gpu_nvlink_peers",
             "Most NVLink peers of any card of the node; 0 is PCIe only. Absent when the "
             "topology is unknown (see llmgw_node_topology_known).",

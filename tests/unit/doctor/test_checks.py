@@ -383,3 +383,52 @@ def test_a_running_replica_gives_no_finding() -> None:
     running = LOOPING_UNIT.replace("activating", "active").replace("auto-restart", "running")
     running = running.replace("NRestarts=7", "NRestarts=0").replace("Result=exit-code", "Result=success")
     assert check_replicas(s, s.node("gpu1"), collected(s, units=running, labels=LABELS)) == []
+
+
+# --- GPU faults: what each means and what to do -------------------------------------------
+
+TWO_GPUS = (
+    "0, GPU-aaaa, NVIDIA H100 80GB HBM3, 81559, 0, 00000000:18:00.0\n"
+    "1, GPU-bbbb, NVIDIA H100 80GB HBM3, 81559, 0, 00000000:2A:00.0\n@rc 0"
+)
+
+
+def test_a_fatal_xid_makes_its_card_faulty_with_nvidia_s_action_and_a_program_fault_is_info() -> None:
+    s = spec()
+    xids = (
+        "@source dmesg\n"
+        "@xid [ 812.1] NVRM: Xid (PCI:0000:18:00): 48, pid=4242, name=python3, An uncorrectable double bit error\n"
+        "@xid [ 900.2] NVRM: Xid (PCI:0000:2a:00): 13, pid=4243, name=python3, Graphics SM Warp Exception\n"
+        "@xid [ 901.0] NVRM: Xid (PCI:0000:2a:00): 13, pid=4243, name=python3, Graphics SM Warp Exception"
+    )
+    findings = check_gpus(s, s.node("gpu1"), collected(s, gpus=TWO_GPUS, xids=xids))
+    faulty, note = findings
+    assert (faulty.check, faulty.severity) == ("gpu.faulty", Severity.warning)
+    assert faulty.message.startswith("GPU 0 is faulty (XID 48: double-bit ECC error")
+    assert "reset the GPU" in faulty.fix and "RMA" in faulty.fix
+    assert (note.check, note.severity) == ("gpu.xid", Severity.info)
+    assert note.message.startswith("GPU 1: XID 13 x2: graphics engine exception")
+    assert "the program that used it must restart" in note.message
+
+
+def test_a_card_off_the_bus_is_named_by_its_bus_with_its_xid_and_the_reboot_to_do() -> None:
+    s = spec()
+    lost = "Unable to determine the device handle for GPU 0000:18:00.0: Unknown Error\n@rc 15"
+    xids = "@source journal\n@xid [ 5.0] n kernel: NVRM: Xid (PCI:0000:18:00): 79, pid=1, GPU has fallen off the bus."
+    findings = check_gpus(s, s.node("gpu1"), collected(s, gpus=lost, xids=xids))
+    assert checks(findings) == [("gpu.count", Severity.warning), ("gpu.faulty", Severity.warning)]
+    count, card = findings
+    assert "(lost: 0000:18:00.0)" in count.message and "fallen off the bus" in count.message
+    assert "reboot" in count.fix
+    assert card.message.startswith(
+        "GPU 0000:18:00.0 is faulty (nvidia-smi cannot open it: fallen off the bus; XID 79"
+    )
+    assert "reboot" in card.fix
+
+
+def test_a_kernel_log_the_probe_cannot_read_is_said_with_how_to_let_it() -> None:
+    s = spec()
+    [f] = check_gpus(s, s.node("gpu1"), collected(s, xids="@source unreadable"))
+    assert (f.check, f.severity) == ("gpu.kernel-log", Severity.warning)
+    assert "llmgw apply" in f.fix
+    assert check_gpus(s, s.node("gpu1"), collected(s, xids="@source dmesg")) == []

@@ -58,6 +58,7 @@ def parse_query_gpu(text: str, fields: tuple[str, ...] = QUERY_FIELDS) -> tuple[
                 pci_bus_id=None if bus.startswith("[") else bus,
                 health=GpuHealth.faulty if reasons else GpuHealth.healthy,
                 reasons=tuple(reasons),
+                causes=("nvidia-smi",) if reasons else (),
             )
         )
     return gpus, lost
@@ -71,11 +72,11 @@ HEALTH_FIELDS = (
     "remapped_rows.failure",
     "ecc.errors.uncorrected.volatile.total",
 )
-_HEALTH_REASONS = {
-    "reset_status.reset_required": "reset required",
-    "reset_status.drain_and_reset_recommended": "drain and reset recommended",
-    "remapped_rows.pending": "row remapping pending (reset needed)",
-    "remapped_rows.failure": "row remapping failed (memory repair exhausted)",
+_HEALTH_REASONS = {  # field -> (cause, reason)
+    "reset_status.reset_required": ("reset-required", "reset required"),
+    "reset_status.drain_and_reset_recommended": ("drain-and-reset", "drain and reset recommended"),
+    "remapped_rows.pending": ("remap-pending", "row remapping pending (reset needed)"),
+    "remapped_rows.failure": ("remap-failed", "row remapping failed (memory repair exhausted)"),
 }
 
 
@@ -83,16 +84,23 @@ def parse_health(text: str) -> dict[int, list[str]]:
     """Fault reasons per GPU index from the optional health query (a reset required or
     recommended, pending or failed row remaps, uncorrected ECC errors).
     Cells that read ``[N/A]``/``[Not Supported]`` say nothing either way."""
-    faults: dict[int, list[str]] = {}
+    return {index: [why for _, why in found] for index, found in health_faults(text).items()}
+
+
+def health_faults(text: str) -> dict[int, list[tuple[str, str]]]:
+    """``parse_health`` with each reason's cause, a word of a fixed set (``reset-required``,
+    ``drain-and-reset``, ``remap-pending``, ``remap-failed``, ``ecc``): what a metric's
+    label may carry."""
+    faults: dict[int, list[tuple[str, str]]] = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.split(",")]
         if len(cells) != len(HEALTH_FIELDS) or not cells[0].isdigit():
             continue
         row = dict(zip(HEALTH_FIELDS, cells, strict=True))
-        reasons = [why for field, why in _HEALTH_REASONS.items() if row[field].lower() == "yes"]
+        found = [pair for field, pair in _HEALTH_REASONS.items() if row[field].lower() == "yes"]
         ecc = row["ecc.errors.uncorrected.volatile.total"]
-        if ecc.isdigit() and int(ecc) > 0:
-            reasons.append(f"{ecc} uncorrected ECC errors since boot")
-        if reasons:
-            faults[int(cells[0])] = reasons
+        if ecc.isascii() and ecc.isdigit() and int(ecc) > 0:
+            found.append(("ecc", f"{ecc} uncorrected ECC errors since boot"))
+        if found:
+            faults[int(cells[0])] = found
     return faults

@@ -27,17 +27,24 @@ from typing import Any
 from llmgw_cli.core.clusterfile.spec import ClusterSpec, Engine, Node
 from llmgw_cli.core.engine.engine_flags import version_shaped
 from llmgw_cli.core.engine.templates import render, render_text
-from llmgw_cli.core.hosts.node_access import MANAGED_PATHS, managed_accounts
+from llmgw_cli.core.hosts.node_access import HELPER, MANAGED_PATHS, managed_accounts
 from llmgw_cli.core.observe.facts import Cpu, Gpu, GpuHealth, NodeAccess, NodeFacts, WeightsDir
 from llmgw_cli.core.observe.facts import Engine as EngineFact
 from llmgw_cli.core.observe.parse.cpuinfo import parse_cpuinfo
 from llmgw_cli.core.observe.parse.engine_env import KEY_PRESENT_SH
 from llmgw_cli.core.observe.parse.infiniband import parse_ib_ports
-from llmgw_cli.core.observe.parse.nvidia_smi import HEALTH_FIELDS, QUERY_FIELDS, parse_health, parse_query_gpu
+from llmgw_cli.core.observe.parse.kernel_log import XIDS_READ, bus_key, parse_xids
+from llmgw_cli.core.observe.parse.nvidia_smi import (
+    HEALTH_FIELDS,
+    QUERY_FIELDS,
+    health_faults,
+    parse_query_gpu,
+)
 from llmgw_cli.core.observe.parse.systemctl import parse_show, unit_state
 from llmgw_cli.core.observe.parse.topo import parse_topology
 from llmgw_cli.core.observe.parse.units import LABEL_PREFIX, UNIT_DIR, parse_labels
 from llmgw_cli.core.observe.parse.weights import judge, snapshots
+from llmgw_cli.core.observe.xid import xid
 from llmgw_cli.core.planning.drain import DRAIN_DIR, parse_markers
 from llmgw_cli.core.weights.snapshot import MANIFEST_SUFFIX
 
@@ -298,7 +305,7 @@ def _parse_gpus(text: str, _node: Node, _found: Mapping[str, Any]) -> Fields:
     lines = text.split("\n")
     if "@missing" in lines:
         tool = "missing"
-    elif "@rc 0" in lines or gpus:
+    elif "@rc 0" in lines or gpus or lost:  # it answered, though it cannot open every card
         tool = "ok"
     else:
         tool = "failed: " + (lines[0] if text else "no output")
@@ -313,16 +320,52 @@ command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu={",".join(HEALTH
 
 def _parse_gpuhealth(text: str, _node: Node, found: Mapping[str, Any]) -> Fields:
     """Marks the cards of the ``gpus`` section that report a fault."""
-    faults = parse_health(text)
+    faults = health_faults(text)
     gpus: tuple[Gpu, ...] = found.get("gpus", ())
-    return {
-        "gpus": tuple(
-            g.model_copy(update={"health": GpuHealth.faulty, "reasons": (*g.reasons, *faults[g.index])})
-            if g.index in faults
-            else g
-            for g in gpus
-        )
-    }
+    return {"gpus": tuple(_faulty(g, faults[g.index]) if g.index in faults else g for g in gpus)}
+
+
+def _faulty(gpu: Gpu, found: list[tuple[str, str]]) -> Gpu:
+    """``gpu`` marked faulty for ``found`` (cause, reason) pairs."""
+    return gpu.model_copy(
+        update={
+            "health": GpuHealth.faulty,
+            "reasons": (*gpu.reasons, *(why for _, why in found)),
+            "causes": tuple(dict.fromkeys((*gpu.causes, *(cause for cause, _ in found)))),
+        }
+    )
+
+
+XIDS_SH = f"""\
+# The kernel log is root's to read on most systems: unprivileged (the gateway's account),
+# the node helper reads it as root; its answer says "unreadable" where it cannot.
+h={HELPER}
+if [ "$(id -u)" != 0 ] && [ -x "$h" ]; then
+  "$h" kernel-xids 2>/dev/null || echo "@source unreadable"
+else
+{XIDS_READ.rstrip()}
+fi"""
+
+
+def _parse_xids(text: str, _node: Node, found: Mapping[str, Any]) -> Fields:
+    """The XID reports, each tied to the card at its bus id; a card with a fatal one
+    (``core/observe/xid.py``) is faulty. Reports for a bus nvidia-smi lists no card at
+    (one that fell off the bus) stay with ``gpu`` None."""
+    lines = text.split("\n")
+    source = next((ln[8:].strip() for ln in lines if ln.startswith("@source ")), "")
+    if source not in ("journal", "dmesg", "unreadable"):
+        source = ""
+    gpus: tuple[Gpu, ...] = found.get("gpus", ())
+    at = {key: g.index for g in gpus if g.pci_bus_id and (key := bus_key(g.pci_bus_id))}
+    reports = [r.model_copy(update={"gpu": at.get(r.bus)}) for r in parse_xids(text)]
+    fatal: dict[int, list[tuple[str, str]]] = {}
+    for r in reports:
+        meaning = xid(r.code)
+        if r.gpu is not None and meaning.fatal:
+            times = f" (x{r.count})" if r.count > 1 else ""
+            fatal.setdefault(r.gpu, []).append((f"xid-{r.code}", f"XID {r.code}: {meaning.meaning}{times}"))
+    marked = tuple(_faulty(g, fatal[g.index]) if g.index in fatal else g for g in gpus)
+    return {"gpus": marked, "xids": tuple(reports), "kernel_log": source}
 
 
 TOPO_SH = "command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi topo -m 2>&1"
@@ -579,6 +622,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("cpu", _shell(CPU_SH), _parse_cpu),
     Section("gpus", _shell(GPUS_SH), _parse_gpus),
     Section("gpuhealth", _shell(GPUHEALTH_SH), _parse_gpuhealth),
+    Section("xids", _shell(XIDS_SH), _parse_xids),
     Section("topo", _shell(TOPO_SH), _parse_topo),
     Section("ib", _shell(IB_SH), _parse_ib),
     Section("weights", _weights_script, _parse_weights),
@@ -589,8 +633,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("engine-key", _shell(ENGINE_KEY_SH), _parse_engine_key),
     Section("draining", _shell(DRAINING_SH), _parse_draining),
 )
-"""Every fact of the probe, in the order the script prints them (``gpuhealth`` reads the
-cards ``gpus`` found)."""
+"""Every fact of the probe, in the order the script prints them (``gpuhealth`` and ``xids``
+read the cards ``gpus`` found)."""
 
 
 def section(name: str) -> Section:
