@@ -412,6 +412,28 @@ def _no_replace(replace: list[str]) -> None:
         )
 
 
+def _refusals(
+    spec: ClusterSpec,
+    facts: dict[str, NodeFacts],
+    chosen: Plan,
+    cordoned: frozenset[str],
+    *,
+    rotate: bool,
+    allow_downtime: bool,
+) -> None:
+    """What apply refuses once the plan is shown: downtime unless allowed, and a key
+    rotation on a cluster that is not settled."""
+    refuse_downtime(chosen, allow_downtime)
+    if rotate and chosen.changes:
+        # the rotation restarts the replicas the probe found: one this apply starts would
+        # keep the old key
+        raise InputError(
+            "--rotate-engine-key rotates a settled cluster: run `llmgw apply` first, then rotate"
+        )
+    if rotate:  # it replaces every replica: the same rule as any replacement
+        refuse_downtime(rotation_plan(spec, facts, cordoned), allow_downtime)
+
+
 def apply(
     saved: Path | None,
     *,
@@ -461,15 +483,7 @@ def apply(
         host_steps.show(chosen, out)
         if dry_run:
             return
-        refuse_downtime(chosen, allow_downtime)
-        if rotate_engine_key and chosen.changes:
-            # the rotation restarts the replicas the probe found: one this apply starts would
-            # keep the old key
-            raise InputError(
-                "--rotate-engine-key rotates a settled cluster: run `llmgw apply` first, then rotate"
-            )
-        if rotate_engine_key:  # it replaces every replica: the same rule as any replacement
-            refuse_downtime(rotation_plan(spec, facts, cordoned), allow_downtime)
+        _refusals(spec, facts, chosen, cordoned, rotate=rotate_engine_key, allow_downtime=allow_downtime)
         if not has_work(chosen):
             _adapters_of_running_replicas(spec, session, chosen)
             _unplaced_is_failure(chosen)
