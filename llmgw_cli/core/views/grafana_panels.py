@@ -466,6 +466,14 @@ def _fleet() -> list[Panel]:
             [Query('max by (node) (llmgw_node_gpus{state="used"})', "{{node}}")],
             "Cards held by replicas on each reachable node.",
         ),
+        Panel(
+            "timeseries",
+            "Faulty cards",
+            [Query("max by (node, gpu, cause) (llmgw_gpu_fault)", "{{node}} GPU {{gpu}}: {{cause}}")],
+            "Each card out of placement and why: a fatal XID in the kernel log, uncorrected ECC "
+            "errors, a pending or failed row remap, a reset required, or lost from the bus. "
+            "`llmgw doctor` says what each means and what to do.",
+        ),
     ]
 
 
