@@ -31,7 +31,15 @@ from dataclasses import dataclass
 
 from llmgw_cli.core.clusterfile.spec import ClusterSpec, ScalingMode
 from llmgw_cli.core.observe.facts import NodeFacts
-from llmgw_cli.core.planning.plan import Action, Plan, Running, facts_digest, move_plan, running_replicas
+from llmgw_cli.core.planning.plan import (
+    Action,
+    Plan,
+    Running,
+    facts_digest,
+    move_plan,
+    running_replicas,
+    stop_action,
+)
 
 REASON_MOST = 200  # characters of a cordon's reason
 
@@ -141,19 +149,6 @@ class DrainPlan:
         }
 
 
-def _stop(r: Running, reason: str, downtime: str = "") -> Action:
-    return Action(
-        op="-",
-        model=r.model,
-        replica=r.replica,
-        nodes=r.members,
-        reason=reason,
-        remove=tuple((n, r.unit) for n in r.members),
-        port=r.port,
-        downtime=downtime,
-    )
-
-
 def drain_plan(
     spec: ClusterSpec, facts: dict[str, NodeFacts], node: str, cordoned: frozenset[str] = frozenset()
 ) -> DrainPlan:
@@ -167,11 +162,11 @@ def drain_plan(
     for r in on:
         model = models.get(r.model)
         if model is None:
-            stops.append(_stop(r, f"drain {node}: model removed from the cluster file"))
+            stops.append(stop_action(r, f"drain {node}: model removed from the cluster file"))
         elif model.mode is ScalingMode.off:
-            stops.append(_stop(r, f"drain {node}: model is switched off"))
+            stops.append(stop_action(r, f"drain {node}: model is switched off"))
         elif r.draining is not None:
-            stops.append(_stop(r, f"drain {node}: left draining by an interrupted apply"))
+            stops.append(stop_action(r, f"drain {node}: left draining by an interrupted apply"))
         else:
             moving.append(r)
     wanted = frozenset((r.model, r.replica) for r in moving)
@@ -196,9 +191,9 @@ def drain_plan(
         others = serving[r.model]
         if others or not r.up:
             serve = f"{others} other replica(s) serve" if others else "it does not serve"
-            stop = _stop(r, f"drain {node}: fits on no other node ({why}); stopped, {serve}")
+            stop = stop_action(r, f"drain {node}: fits on no other node ({why}); stopped, {serve}")
         else:
-            stop = _stop(
+            stop = stop_action(
                 r,
                 f"drain {node}: fits on no other node; stopped",
                 downtime=f"{r.model} would have no serving replica: replica {r.replica} fits on no other"

@@ -540,21 +540,24 @@ def conflicts(facts: dict[str, NodeFacts], action: Action) -> str | None:
     return None
 
 
+def stop_action(r: Running, reason: str, downtime: str = "") -> Action:
+    """The step that stops running replica ``r`` and removes its units on every member."""
+    return Action(
+        op="-",
+        model=r.model,
+        replica=r.replica,
+        nodes=r.members,
+        reason=reason,
+        remove=tuple((n, r.unit) for n in r.members),
+        port=r.port,
+        downtime=downtime,
+    )
+
+
 def stop_plan(facts: dict[str, NodeFacts], model: str, replica: int, reason: str) -> Plan:
     """Stop one replica and remove its units on every member (idle, evicted, scaled back)."""
     found = [r for r in running_replicas(facts) if (r.model, r.replica) == (model, replica)]
-    actions = tuple(
-        Action(
-            op="-",
-            model=r.model,
-            replica=r.replica,
-            nodes=r.members,
-            reason=reason,
-            remove=tuple((n, r.unit) for n in r.members),
-            port=r.port,
-        )
-        for r in found
-    )
+    actions = tuple(stop_action(r, reason) for r in found)
     return Plan(actions=actions, unplaced=(), warnings=(), facts_digest=facts_digest(facts))
 
 
