@@ -226,3 +226,29 @@ class RequestError(Exception):
         super().__init__(message)
         self.status = status
         self.kind = kind
+
+
+class LockTimeout(LlmgwError):
+    """The cluster lock stayed held for longer than apply would wait."""
+
+
+class HubError(Exception):
+    """The Hub could not say what to fetch. ``kind``: not-found, revision, gated, auth,
+    network, bad-answer, unsafe (a path refused), empty (no file kept by the selection)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Unpinned(ValueError):
+    """A fetched repository model whose revision was not resolved to a commit: its
+    snapshot folder is not known (``core/weights/pins.py``)."""
+
+
+class BadSource(ValueError):
+    """A repo source (``org/name[@revision]``) that is not one; the message says why."""
+
+
+class BadPath(ValueError):
+    """A repository file path that may not be written on a node; the message says why."""

@@ -30,10 +30,18 @@ from llmgw_cli.core.planning.steps import HostFacts
 from llmgw_cli.core.planning.whole_plan import has_work, remade, whole
 from llmgw_cli.core.serving.adapters import adapter_needs
 from llmgw_cli.core.weights.pins import moved, pinned_commits
-from llmgw_cli.errors import ApplyFailed, DowntimeRefused, InputError, NodeError, SpecError, UsageError
+from llmgw_cli.errors import (
+    ApplyFailed,
+    DowntimeRefused,
+    InputError,
+    LockTimeout,
+    NodeError,
+    SpecError,
+    UsageError,
+)
 from llmgw_cli.progress import Board, Event, Events, Note
 from llmgw_cli.remote.apply_host import ApplyHost
-from llmgw_cli.remote.cluster_lock import ApplyHold, LockTerms, LockTimeout, take_for_apply
+from llmgw_cli.remote.cluster_lock import ApplyHold, LockTerms, take_for_apply
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.engine_keys import (
     nodes_without_key,

@@ -23,9 +23,9 @@ from llmgw_cli.cli.session import Session
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
 from llmgw_cli.core.observe.facts import NodeFacts
 from llmgw_cli.core.planning.cordon import DrainPlan, cordoned_nodes, drain_plan
-from llmgw_cli.errors import ApplyFailed, DowntimeRefused, NodeError
+from llmgw_cli.errors import ApplyFailed, DowntimeRefused, LockTimeout, NodeError
 from llmgw_cli.progress import Events
-from llmgw_cli.remote.cluster_lock import LockTerms, LockTimeout
+from llmgw_cli.remote.cluster_lock import LockTerms
 from llmgw_cli.remote.execute import Outcome
 from llmgw_cli.remote.executor import one_plan
 from llmgw_cli.remote.rollout import apply_executor, carry_out

@@ -36,7 +36,8 @@ def pinned(
         return spec, {}
     from llmgw_cli.core.weights.pins import pin
     from llmgw_cli.core.weights.snapshot import DEFAULT_ENDPOINT
-    from llmgw_cli.remote.hub import HubError, resolve_models
+    from llmgw_cli.errors import HubError
+    from llmgw_cli.remote.hub import resolve_models
 
     endpoint = os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT
     try:

@@ -50,7 +50,7 @@ from llmgw_cli.core.planning.cluster_lock import (
     shown_holder,
     waiting_message,
 )
-from llmgw_cli.errors import LlmgwError, NodeError
+from llmgw_cli.errors import LlmgwError, LockTimeout, NodeError
 from llmgw_cli.progress import quiet
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.gateway_install import gateway_transport
@@ -162,10 +162,6 @@ def apply_holder() -> str:
     except (KeyError, OSError):
         user = str(os.getuid())
     return f"apply by {user}@{socket.gethostname()} (pid {os.getpid()})"
-
-
-class LockTimeout(LlmgwError):
-    """The cluster lock stayed held for longer than apply would wait."""
 
 
 @dataclass

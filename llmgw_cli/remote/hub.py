@@ -45,7 +45,6 @@ from llmgw_cli.core.weights.snapshot import (
     DEFAULT_ENDPOINT,
     MAX_FILES,
     SHA256,
-    BadPath,
     Digest,
     RepoRef,
     Selection,
@@ -55,18 +54,10 @@ from llmgw_cli.core.weights.snapshot import (
     check_repo_path,
     check_repo_paths,
 )
+from llmgw_cli.errors import BadPath, HubError
 
 TIMEOUT = 30.0
 LIBRARY = "llmgw"
-
-
-class HubError(Exception):
-    """The Hub could not say what to fetch. ``kind``: not-found, revision, gated, auth,
-    network, bad-answer, unsafe (a path refused), empty (no file kept by the selection)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 _known: dict[tuple[str, str, str, Selection], Snapshot] = {}

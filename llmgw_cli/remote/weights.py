@@ -16,11 +16,11 @@ from llmgw_cli.core.serving.adapters import adapter_needs
 from llmgw_cli.core.weights.fetch import Peers, plan_fetch, plan_weights
 from llmgw_cli.core.weights.path_sources import checks_for
 from llmgw_cli.core.weights.snapshot import DEFAULT_ENDPOINT, Selection, Snapshot
-from llmgw_cli.errors import NodeError
+from llmgw_cli.errors import HubError, NodeError
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import Fetcher, FetchResult, _progress_lines, held_on_nodes
-from llmgw_cli.remote.hub import HubError, resolve
+from llmgw_cli.remote.hub import resolve
 from llmgw_cli.remote.snapshot_fetch import bring_snapshots
 
 

@@ -25,9 +25,8 @@ from llmgw_cli.core.observe.facts import NodeFacts
 from llmgw_cli.core.planning.plan import Plan, grow_plan, make_plan
 from llmgw_cli.core.planning.steps import GatewayState, HostFacts
 from llmgw_cli.core.planning.whole_plan import whole
-from llmgw_cli.errors import ApplyFailed, InputError, NodeError
+from llmgw_cli.errors import ApplyFailed, InputError, LockTimeout, NodeError
 from llmgw_cli.remote import apply_host, rollout
-from llmgw_cli.remote.cluster_lock import LockTimeout
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.execute import Outcome
 from llmgw_cli.remote.gateway_install import GatewayPreviews

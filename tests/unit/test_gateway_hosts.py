@@ -29,8 +29,8 @@ from llmgw_cli.core.hosts.gateway_install import (
 from llmgw_cli.core.hosts.node_access import AUTHORIZED_KEYS, HELPER, authorized_keys_text, node_files
 from llmgw_cli.core.planning.drain import Routes, routes_text
 from llmgw_cli.core.views.monitoring import PROMETHEUS_FILE, monitoring_files, scrape_targets
-from llmgw_cli.errors import InputError, NodeError
-from llmgw_cli.remote.cluster_lock import LockTimeout, lock_order, take_for_apply
+from llmgw_cli.errors import InputError, LockTimeout, NodeError
+from llmgw_cli.remote.cluster_lock import lock_order, take_for_apply
 from llmgw_cli.remote.connect import Connections, GatewayAccess
 from llmgw_cli.remote.gateway_install import GatewayPreview, GatewayPreviews, gateway_transport, host_subject
 from llmgw_cli.remote.rollout import Gateways

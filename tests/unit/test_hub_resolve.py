@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from llmgw_cli.core.weights.snapshot import Digest, RepoRef, Selection, parse_repo_ref
-from llmgw_cli.remote.hub import HubError, resolve
+from llmgw_cli.errors import HubError
+from llmgw_cli.remote.hub import resolve
 from tests import hub_standin
 from tests.hub_standin import HubStandin, git_blob_sha1
 

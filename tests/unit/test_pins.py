@@ -12,11 +12,11 @@ import pytest
 from llmgw_cli.cli.apply_steps import _choose
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.clusterfile.spec import ClusterSpec
-from llmgw_cli.core.engine.engines import Member, Unpinned, engine_args, environment, model_path
+from llmgw_cli.core.engine.engines import Member, engine_args, environment, model_path
 from llmgw_cli.core.planning.plan import make_plan
 from llmgw_cli.core.weights.pins import parse_pins, pin, pins_file, pins_text, unpinned, with_pins_file
 from llmgw_cli.core.weights.snapshot import Selection
-from llmgw_cli.errors import InputError, SpecError
+from llmgw_cli.errors import InputError, SpecError, Unpinned
 
 C1, C2 = "a1" * 20, "2" * 40
 

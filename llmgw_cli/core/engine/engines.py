@@ -37,6 +37,7 @@ from llmgw_cli.core.engine.engine_access import (
 from llmgw_cli.core.engine.templates import render
 from llmgw_cli.core.hosts.paths import DEFAULT_WEIGHTS
 from llmgw_cli.core.weights.snapshot import snapshot_folder
+from llmgw_cli.errors import Unpinned
 
 __all__ = ["ENGINE_ENV_FILE", "ENGINE_KEY_VAR"]  # re-exported: where callers have always found them
 
@@ -90,11 +91,6 @@ def spec_hash(spec: ClusterSpec, model: Model) -> str:
         payload["lora"] = model.lora.model_dump(mode="json")
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-class Unpinned(ValueError):
-    """A fetched repository model whose revision was not resolved to a commit: its
-    snapshot folder is not known (``core/weights/pins.py``)."""
 
 
 def weights_folder(node: Node) -> str:

@@ -44,6 +44,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from llmgw_cli.errors import BadPath, BadSource
 from llmgw_cli.node.repo_path import SNAPSHOT_MAX_COMPONENT_BYTES, SNAPSHOT_MAX_PATH_CHARS, repo_path_problem
 
 DEFAULT_REVISION = "main"
@@ -65,14 +66,6 @@ _REPO = re.compile(rf"({_PART})/({_PART})")
 _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 COMMIT = re.compile(r"[0-9a-f]{40}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-class BadSource(ValueError):
-    """A repo source (``org/name[@revision]``) that is not one; the message says why."""
-
-
-class BadPath(ValueError):
-    """A repository file path that may not be written on a node; the message says why."""
 
 
 @dataclass(frozen=True)
