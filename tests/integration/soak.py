@@ -4,9 +4,10 @@ One always-on model, ``soak``, two replicas (each takes a whole node, so they si
 node01 and node02), the simulated vLLM at a slow token rate so that a stream lasts about
 2 s. The official ``openai`` client streams at a set concurrency for a set time (the
 load generator of tests/integration/load.py); every ``kill_every`` seconds one replica's
-engine is SIGKILLed (``systemctl kill -s KILL``, the two in turn; systemd restarts it
-after the unit's RestartSec), but only once the other replica is in the gateway's
-rotation again: with none ready every request would fail.
+engine is SIGKILLed (``systemctl kill -s KILL``, the two in turn, or the one that holds
+streams in their middle when asked to; systemd restarts it after the unit's RestartSec),
+but only once the other replica is in the gateway's rotation again: with none ready
+every request would fail.
 
 Each failure is attributed from the gateway's access log (``replica``, ``cut``,
 ``status``, ``attempts``) and the kill times: what the gateway promises is that no
@@ -174,9 +175,38 @@ class SoakResult:
         )
 
 
-def _mid_stream(load: Load) -> int:
-    """Streams in flight that are past their first token (a role chunk, then content)."""
-    return sum(1 for r in load.requests if not r.done and r.chunks >= 2)
+def _fresh(load: Load) -> int:
+    """Streams in flight that are not yet past their first token (a role chunk, then content)."""
+    return sum(1 for r in load.requests if not r.done and r.chunks < 2)
+
+
+def _mid_stream_on(gw: SoakGateway, load: Load) -> dict[str, int]:
+    """By replica, how many of its streams are surely past their first token: the gateway
+    says how many requests each replica holds, the client how many of its streams have
+    not begun; what a replica holds beyond all the streams not begun is in its middle.
+    The gateway is read first, so a stream that starts between the two reads is counted
+    as not begun and the figure errs low."""
+    held = {r["address"]: r["outstanding"] for r in admin_replicas(gw.admin_port, gw.admin, gw.model)}
+    fresh = _fresh(load)
+    return {address: n - fresh for address, n in held.items()}
+
+
+async def _pick_victim(gw: SoakGateway, load: Load, order: list[str], *, mid_stream: int) -> str:
+    """The replica to kill: the first of ``order`` that holds ``mid_stream`` streams in
+    their middle, waiting up to 30 s for one to (then the first of ``order``). A kill is
+    meant to land in the middle of streams; on a busy CPU an engine is slow to begin and
+    the gateway's routing keeps a prompt on one replica, so neither the time of a kill
+    nor its victim can be fixed in advance."""
+    if mid_stream <= 0:
+        return order[0]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = await asyncio.to_thread(_mid_stream_on, gw, load)
+        for address in order:
+            if found.get(address, 0) >= mid_stream:
+                return address
+        await asyncio.sleep(0.1)
+    return order[0]
 
 
 async def _kill_loop(
@@ -195,26 +225,19 @@ async def _kill_loop(
     next_at = time.monotonic() + every
     while next_at < until:
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-        victim = order[turn % 2]
-        other = order[(turn + 1) % 2]
         began = time.monotonic()
-        # Killing the last replica in rotation would fail every request: wait for the
-        # other one (killed last time) to be back.
+        # Killing the last replica in rotation would fail every request: wait for both
+        # to be in rotation (the one killed last time is back).
         await asyncio.to_thread(
             wait_until,
-            lambda other=other: other in gw.ready(),
+            lambda: gw.ready() == set(order),
             timeout=240,  # a real vLLM reloads its weights after its restart
             interval=0.2,
-            what=f"{other} back in rotation before {victim} is killed",
+            what="both replicas in rotation before the next kill",
         )
         waits.append(time.monotonic() - began)
-        # A kill is meant to land in the middle of streams: when the engines are slow to
-        # begin (a busy CPU, a queue in the engine), it waits, up to 20 s, until
-        # ``mid_stream`` streams are past their first token, so that whichever replica is
-        # the victim it holds some of them.
-        deadline = time.monotonic() + 20
-        while _mid_stream(load) < mid_stream and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        preferred = order[turn % 2 :] + order[: turn % 2]  # the two in turn, when both could be
+        victim = await _pick_victim(gw, load, preferred, mid_stream=mid_stream)
         node, unit = gw.units[victim]
         # reset-failed first: the soak kills more often than the unit's StartLimitBurst
         # allows in StartLimitIntervalSec, and systemd would give up on it. The node tells
@@ -266,8 +289,8 @@ def soak(
     mid_stream: int = 0,
 ) -> SoakResult:
     """Stream at ``concurrency`` for ``seconds``, killing a replica every ``kill_every``
-    seconds (once ``mid_stream`` streams are past their first token, if that comes within
-    20 s); then stop the gateway (its log is complete) and read its access log."""
+    seconds (one that holds ``mid_stream`` streams past their first token, if one does
+    within 30 s); then stop the gateway (its log is complete) and read its access log."""
     streams, kills, waits = asyncio.run(
         _soak(
             lab,
