@@ -62,11 +62,13 @@ def cpu_of(pids: list[int]) -> float:
     return total
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of ``pid`` in MiB (0 when it is gone)."""
+def rss_mib(pid: int, field: str = "Rss:") -> float:
+    """Resident memory of ``pid`` in MiB (0 when it is gone); ``field="Pss:"``: its
+    proportional share, each page shared with other processes (the libraries every worker
+    maps) counted as a share of it."""
     with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
     return 0.0
 
@@ -78,7 +80,12 @@ def print_rss(when: str, pids: dict[int, list[int]]) -> None:
             print(f"RSS {when}, workers=1: the serving process {rss_mib(ps[0]):.1f} MiB", flush=True)
             continue
         each = ", ".join(f"{rss_mib(p):.1f}" for p in ps[1:])
-        print(f"RSS {when}, workers={n}: supervisor {rss_mib(ps[0]):.1f} MiB; workers {each} MiB", flush=True)
+        pss = ", ".join(f"{rss_mib(p, 'Pss:'):.1f}" for p in ps)
+        print(
+            f"RSS {when}, workers={n}: supervisor {rss_mib(ps[0]):.1f} MiB; workers {each} MiB "
+            f"(PSS, supervisor first: {pss} MiB)",
+            flush=True,
+        )
 
 
 async def touch(port: int, key: str, count: int) -> None:
