@@ -19,6 +19,11 @@ The client and the upstream use CPU too: on 2 cores they take part of the second
 second worker would use, so 2x is out of reach there; the gateways' CPU time per request
 (summed over the supervisor and its workers, from ``/proc``) shows whether a worker costs
 more per request than one process does.
+
+Memory: the RSS of each process (the one process of ``--workers 1``; the supervisor and
+each worker of ``--workers 2``) is read from ``/proc`` once all are ready and idle, and
+again after the measured rounds. ``--rss-only`` starts both, prints the idle figures,
+sends 20 requests and 20 streams to each and prints them again, without the rounds.
 """
 
 from __future__ import annotations
@@ -55,6 +60,38 @@ def cpu_of(pids: list[int]) -> float:
         with contextlib.suppress(OSError):  # a worker that exited meanwhile
             total += one.cpu_seconds(pid)
     return total
+
+
+def rss_mib(pid: int, field: str = "Rss:") -> float:
+    """Resident memory of ``pid`` in MiB (0 when it is gone); ``field="Pss:"``: its
+    proportional share, each page shared with other processes (the libraries every worker
+    maps) counted as a share of it."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def print_rss(when: str, pids: dict[int, list[int]]) -> None:
+    """One line per configuration: the RSS of each of its processes."""
+    for n, ps in pids.items():
+        if n == 1:
+            print(f"RSS {when}, workers=1: the serving process {rss_mib(ps[0]):.1f} MiB", flush=True)
+            continue
+        each = ", ".join(f"{rss_mib(p):.1f}" for p in ps[1:])
+        pss = ", ".join(f"{rss_mib(p, 'Pss:'):.1f}" for p in ps)
+        print(
+            f"RSS {when}, workers={n}: supervisor {rss_mib(ps[0]):.1f} MiB; workers {each} MiB "
+            f"(PSS, supervisor first: {pss} MiB)",
+            flush=True,
+        )
+
+
+async def touch(port: int, key: str, count: int) -> None:
+    """``count`` requests and ``count`` streams on one connection: what serving loads is loaded."""
+    for stream in (False, True):
+        await one.latency(port, stream, key, count)
 
 
 def wait_ready(log: Path, workers: int, seconds: float = 120) -> None:
@@ -94,6 +131,9 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
     parser.add_argument(
         "--load-cpus", default="", help="CPUs for the client and the upstream; default: --cpus."
     )
+    parser.add_argument(
+        "--rss-only", action="store_true", help="Only the RSS of each process, idle and after a few requests."
+    )
     args = parser.parse_args()
 
     cpus = args.cpus or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
@@ -122,6 +162,13 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
             pids[n] = tree(procs[-1].pid)
             assert len(pids[n]) == (1 if n == 1 else n + 1), pids[n]
         time.sleep(2.0)  # the first health checks are done
+        print_rss("idle", pids)
+        if args.rss_only:
+            for g in configs.values():
+                asyncio.run(touch(g.port, g.key, 20))
+            time.sleep(1.0)
+            print_rss("after 20 requests and 20 streams each", pids)
+            return
         for r in range(args.rounds):
             order = [1, 2] if r % 2 == 0 else [2, 1]
             for stream in (False, True):
@@ -145,6 +192,7 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
                         f"us CPU/req, client+upstream {result['load_us']:.0f} us CPU/req",
                         flush=True,
                     )
+        print_rss("after the rounds", pids)
     finally:
         for p in reversed(procs):
             p.terminate()

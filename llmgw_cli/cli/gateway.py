@@ -139,7 +139,7 @@ def run(
     from llmgw_cli.core.planning.drain import routes_dir
     from llmgw_cli.gateway.control.sources import ProbeSource, PublishedSource, ReplicaSource, StaticSource
     from llmgw_cli.gateway.control.state import Gateway, read_engine_key, read_engine_keys
-    from llmgw_cli.gateway.control.workers import default_count, supervise
+    from llmgw_cli.gateway.control.workers import default_count
     from llmgw_cli.gateway.serving.accesslog import LIMIT, AccessLog
     from llmgw_cli.gateway.serving.server import redact_log, serve
     from llmgw_cli.gateway.store.sqlite import open_store
@@ -166,8 +166,12 @@ def run(
     spec = load()
     count = workers or spec.gateway.workers or default_count()
     if worker is None and count > 1:
-        # This process supervises; each worker runs this command line with --worker I.
-        raise typer.Exit(supervise([sys.executable, *sys.orig_argv[1:]], count, spec.gateway.state_dir))
+        # This process becomes the supervisor: a fresh interpreter without the CLI and the
+        # serving stack (gateway/supervisor.py); each worker runs this command line with
+        # --worker I.
+        from llmgw_cli.gateway.supervisor import become_supervisor
+
+        become_supervisor([sys.executable, *sys.orig_argv[1:]], count, spec.gateway.state_dir)
     # $LLMGW_ENGINE_KEY first: a systemd unit can pass the root-only engine.env with
     # EnvironmentFile= to a gateway that runs unprivileged and cannot read the file itself.
     keys_file = engine_keys_file

@@ -21,7 +21,6 @@ from typing import TypeVar
 from llmgw_cli.core.clusterfile.spec import Become, ClusterSpec, Node, SshSettings
 from llmgw_cli.core.hosts.node_access import GATEWAY_USER
 from llmgw_cli.remote.local import LocalTransport
-from llmgw_cli.remote.ssh import SshTarget, SshTransport
 from llmgw_cli.remote.transport import Transport
 
 
@@ -55,6 +54,10 @@ def transport_for(
         settings = settings.model_copy(update={"user": GATEWAY_USER, "become": Become.none})
         identity = access.identity_file
         known_hosts = access.known_hosts or known_hosts
+    # asyncssh and cryptography under it (about 15 MiB) load with the first SSH transport:
+    # a gateway that never reaches a node (fixed replicas, a follower) never loads them
+    from llmgw_cli.remote.ssh import SshTarget, SshTransport  # noqa: PLC0415
+
     return SshTransport(
         SshTarget(
             node=node.name,

@@ -37,8 +37,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from llmgw_cli.core.clusterfile.load import parse_cluster
 from llmgw_cli.core.clusterfile.spec import Become, ClusterSpec, Node
 from llmgw_cli.core.hosts.gateway_install import (
@@ -557,6 +555,10 @@ async def _wait(
     unit has stayed active for a few seconds. A unit that fails is reported with its journal."""
     watch = await UnitWatch.start(ShellOps(t), GATEWAY_UNIT)
     url = _health_url(spec, host)
+    # httpx (with click, rich and pygments it imports) only here: a gateway process that
+    # imports this module for its cluster lock never installs a gateway
+    import httpx  # noqa: PLC0415
+
     async with httpx.AsyncClient(timeout=2.0) as client:
 
         async def step() -> Outcome | None:

@@ -20,7 +20,6 @@ from llmgw_cli.errors import HubError, NodeError
 from llmgw_cli.progress import Report
 from llmgw_cli.remote.connect import Connections
 from llmgw_cli.remote.fetch import Fetcher, FetchResult, _progress_lines, held_on_nodes
-from llmgw_cli.remote.hub import resolve
 from llmgw_cli.remote.snapshot_fetch import bring_snapshots
 
 
@@ -73,6 +72,8 @@ async def _bring_repositories(
 ) -> list[FetchResult]:
     """The snapshots of the repository models in ``repos`` onto their nodes; a model whose
     files the Hub cannot list fails on each of its nodes, with the Hub's reason."""
+    from llmgw_cli.remote.hub import resolve  # noqa: PLC0415 (huggingface_hub: only to fetch)
+
     hub = endpoint or DEFAULT_ENDPOINT
     snapshots: dict[str, Snapshot] = {}
     results: list[FetchResult] = []
@@ -98,6 +99,8 @@ async def _bring_adapters(
 ) -> list[FetchResult]:
     """The snapshots of repo id adapters (each at its commit, llmgw's default files) onto
     the nodes of their models, as a repository model's are (``_bring_repositories``)."""
+    from llmgw_cli.remote.hub import resolve  # noqa: PLC0415 (huggingface_hub: only to fetch)
+
     hub = endpoint or DEFAULT_ENDPOINT
     snapshots: dict[str, Snapshot] = {}
     results: list[FetchResult] = []

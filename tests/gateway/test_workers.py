@@ -46,6 +46,13 @@ def worker_pids(log: Path) -> dict[int, int]:
     return {int(index): int(pid) for index, pid in STARTED.findall(log.read_text())}
 
 
+def native_serving_libraries(pid: int) -> set[str]:
+    """The serving stack's compiled modules mapped in process ``pid`` (pydantic's core,
+    aiohttp's parsers): present in every worker, absent from a lean supervisor."""
+    maps = Path(f"/proc/{pid}/maps").read_text().split()
+    return {path for path in maps if "/pydantic_core/" in path or "/aiohttp/" in path}
+
+
 def routes_pids(gw: Gateway) -> set[int]:
     return {int(p.stem) for p in (gw.dir / "state" / "routes").glob("*.json")}
 
@@ -112,6 +119,11 @@ def test_several_workers_answer_on_one_port_and_share_the_store(tmp_path: Path) 
     try:
         pids = worker_pids(gw.log)
         assert sorted(pids) == [0, 1, 2] and proc.pid not in pids.values()
+        # The supervisor replaced the CLI by its lean entry (gateway/supervisor.py): the
+        # same pid, without the serving stack that each worker loads.
+        assert "llmgw_cli.gateway.supervisor" in Path(f"/proc/{proc.pid}/cmdline").read_text()
+        assert native_serving_libraries(proc.pid) == set()
+        assert all(native_serving_libraries(pid) for pid in pids.values())
         # Each worker is a whole gateway: it writes its own routes file (apply reads them all).
         wait_until(lambda: routes_pids(gw) == set(pids.values()), timeout=30, what="a routes file per worker")
         assert ask(gw, key, 60) == [200] * 60

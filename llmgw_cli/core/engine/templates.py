@@ -10,11 +10,15 @@ from __future__ import annotations
 import shlex
 from functools import cache
 from pathlib import Path
-from typing import Any
-
-import jinja2
+from typing import TYPE_CHECKING, Any
 
 from llmgw_cli.errors import TemplateError
+
+if TYPE_CHECKING:
+    import jinja2
+
+# jinja2 (about 1 MiB and 40 modules) is imported when a template is first rendered: a
+# gateway worker that only routes requests renders none.
 
 _PACKAGE = Path(__file__).resolve().parent.parent.parent
 
@@ -26,6 +30,8 @@ def template_dirs() -> list[Path]:
 
 @cache
 def _environment() -> jinja2.Environment:
+    import jinja2  # noqa: PLC0415 (see above)
+
     dirs = template_dirs()
     if not dirs:
         raise TemplateError(f"no templates folder found next to {_PACKAGE}; reinstall llmgw")
@@ -43,6 +49,8 @@ def _environment() -> jinja2.Environment:
 
 def render(name: str, **context: Any) -> str:
     """Render template ``name`` with ``context``; a missing variable is an error, not blank."""
+    import jinja2  # noqa: PLC0415
+
     try:
         return _environment().get_template(name).render(**context)
     except jinja2.TemplateNotFound:
@@ -56,6 +64,8 @@ def render(name: str, **context: Any) -> str:
 def render_text(source: str, **context: Any) -> str:
     """Render the template text ``source`` (a snippet kept beside the code that reads its
     output) with ``context``, under the same rules as ``render``."""
+    import jinja2  # noqa: PLC0415
+
     try:
         return _compiled(source).render(**context)
     except jinja2.UndefinedError as exc:

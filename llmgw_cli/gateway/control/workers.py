@@ -4,7 +4,10 @@
 One Python process serves on one core. With N workers the process started (by hand or by
 systemd) is a small supervisor that serves nothing itself; it starts N workers, each the
 same command line with ``--worker I`` added: a whole gateway with its own event loop,
-keys, meter, controller and routes file (``<state_dir>/routes/<pid>.json``).
+keys, meter, controller and routes file (``<state_dir>/routes/<pid>.json``). The CLI
+execs the supervisor's lean entry (gateway/supervisor.py), which imports this module and
+the standard library alone: nothing here may import the serving stack (aiohttp,
+pydantic, prometheus_client...), or the supervisor would hold it for nothing.
 
 Listeners:
 
@@ -62,7 +65,6 @@ from pathlib import Path
 from types import FrameType
 
 from llmgw_cli.gateway.control import systemd
-from llmgw_cli.gateway.serving.metrics import MULTIPROC_VAR
 
 log = logging.getLogger("llmgw.gateway.workers")
 
@@ -73,6 +75,11 @@ STEADY = 60.0  # a worker that served this long before dying starts again after 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1
 METRICS_DIR_NAME = "metrics"  # in state_dir: a folder per supervisor, a file per worker in it
+# Set for the workers (gateway/serving/metrics.py reads it): prometheus_client then keeps
+# every counter and histogram in a file per process there (read when it is imported, so
+# only ever in a fresh worker process), and a scrape sums the files of every worker.
+# Defined here, not there: the supervisor imports neither prometheus_client nor metrics.py.
+MULTIPROC_VAR = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def default_count() -> int:

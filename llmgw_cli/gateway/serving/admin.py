@@ -14,9 +14,8 @@ import base64
 import time
 from collections.abc import Mapping, Sequence
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -30,6 +29,9 @@ from llmgw_cli.gateway.control.state import Gateway
 from llmgw_cli.gateway.serving.proxy import GATEWAY
 from llmgw_cli.gateway.serving.recent import MINUTES, PerMinute
 from llmgw_cli.gateway.store.usage import merged
+
+if TYPE_CHECKING:
+    import jinja2
 
 REFRESH = 10  # seconds between reloads of the dashboard
 CHALLENGE = {"WWW-Authenticate": 'Basic realm="llmgw admin", charset="UTF-8"'}
@@ -90,6 +92,9 @@ async def api_summary(request: web.Request) -> web.Response:
 
 @cache
 def _template() -> jinja2.Template:
+    # jinja2 with the first dashboard page: a worker that serves none never loads it
+    import jinja2  # noqa: PLC0415
+
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader([str(d) for d in template_dirs()]),
         undefined=jinja2.StrictUndefined,

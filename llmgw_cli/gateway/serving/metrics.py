@@ -39,6 +39,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from llmgw_cli.core.serving.key_labels import key_label
+from llmgw_cli.gateway.control.workers import MULTIPROC_VAR
 from llmgw_cli.gateway.serving.recent import RecentUse
 
 # Seconds. Non-streamed answers and whole streams: from milliseconds to minutes.
@@ -47,10 +48,6 @@ FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 # Model loads: a small GGUF in seconds, a 400B model over several nodes in tens of minutes.
 LOAD_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 MAX_CHILDREN = 10_000  # cached label sets; keys and models are bounded, this is a backstop
-# Set by the workers' supervisor (gateway/control/workers.py): prometheus_client then keeps every
-# counter and histogram in a file per process there (read when it is imported, so only
-# ever in a fresh worker process), and a scrape sums the files of every worker.
-MULTIPROC_VAR = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class Metrics:
