@@ -513,8 +513,9 @@ def main() -> None:
         "--profile",
         metavar="DIR",
         type=Path,
-        help="After the rounds, record the (first) llmgw gateway with py-spy during one more c=64 "
-        "run per mode: raw collapsed stacks into DIR, and a table of where its CPU time goes.",
+        help="After the rounds, record the (first) llmgw gateway and the raw proxy with py-spy during "
+        "one more c=64 run per mode each: raw collapsed stacks into DIR, and tables of where their "
+        "CPU time goes.",
     )
     parser.add_argument("--seconds", type=float, default=5.0, help="Duration of each throughput run.")
     parser.add_argument("--concurrency", type=int, default=64)
@@ -561,7 +562,9 @@ def main() -> None:
                     runs.setdefault((mode, t.name), []).append(measure(t, stream, args))
             print(f"round {r + 1} of {args.rounds} done; load average {os.getloadavg()}", file=sys.stderr)
         if args.profile:
-            profile(targets[1], args, runs)
+            for t in targets:  # the gateway, and the raw proxy for the protocol's own cost
+                if t.name == targets[1].name or t.name == "raw-httptools":
+                    profile(t, args, runs)
         rss = {t.name: rss_mib(t.pid) for t in targets if t.pid}
     finally:
         for p in reversed(procs):
@@ -596,10 +599,10 @@ def report(
     )
     print("|---|---|---|---|---|---|---|---|")
     for (mode, target), r in runs.items():
-        cpu = f"{median(r, 'cpu_us'):.0f}" if median(r, "cpu_us") else ""
+        cpu_text = f"{median(r, 'cpu_us'):.0f}" if median(r, "cpu_us") else ""
         print(
             f"| {mode} | {target} | {median(r, 'p50_ms'):.3f} | {median(r, 'p99_ms'):.3f} | "
-            f"{median(r, 'ttfb_p50_ms'):.3f} | {median(r, 'ttfb_p99_ms'):.3f} | {median(r, 'rps'):,.0f} | {cpu} |"
+            f"{median(r, 'ttfb_p50_ms'):.3f} | {median(r, 'ttfb_p99_ms'):.3f} | {median(r, 'rps'):,.0f} | {cpu_text} |"
         )
     if rounds > 1:
         print("\nc=64 rate in each round:\n")
@@ -634,9 +637,11 @@ def report(
                 per_round = " / ".join(
                     f"{a['rps'] / b['rps']:.2f}" for a, b in zip(mine, theirs, strict=True)
                 )
+                cpu = median(theirs, "cpu_us") / median(mine, "cpu_us") if median(mine, "cpu_us") else 0.0
                 print(
                     f"{mode}: {g.name} / {other}: {median(mine, 'rps') / median(theirs, 'rps'):.3f} "
-                    f"(ratio of the medians; per round {per_round})"
+                    f"(ratio of the medians; per round {per_round}); by CPU per request "
+                    f"({other}'s / {g.name}'s, steadier on a busy machine): {cpu:.3f}"
                 )
     if len(gateways) == 2:
         a, b = gateways
@@ -652,7 +657,7 @@ def report(
 def profile(
     target: Target, args: argparse.Namespace, runs: dict[tuple[str, str], list[dict[str, float]]]
 ) -> None:
-    """py-spy on the gateway during one more c=64 run per mode (its rate then is lower: py-spy
+    """py-spy on ``target`` during one more c=64 run per mode (its rate then is lower: py-spy
     stops the process for each sample). The µs per part are its share of the samples times
     the CPU time per request measured in the rounds, without py-spy."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -665,17 +670,16 @@ def profile(
     args.profile.mkdir(parents=True, exist_ok=True)
     for mode, stream in MODES.items():
         out = args.profile / f"{target.name}-{mode}.txt"
+        seconds = 2 * args.seconds  # twice a round's run: more samples
         record = [spy, "record", "--pid", str(target.pid), "--rate", "250", "--format", "raw"]
-        recorder = subprocess.Popen(
-            [*record, "--duration", str(round(args.seconds + 1)), "--output", str(out)],
-            stdout=subprocess.DEVNULL,
-        )
-        run_loop(throughput(target.port, stream, target.key, args.concurrency, args.seconds))
+        record += ["--duration", str(round(seconds + 1)), "--output", str(out)]  # +1: the warm-up
+        recorder = subprocess.Popen(record, stdout=subprocess.DEVNULL)
+        run_loop(throughput(target.port, stream, target.key, args.concurrency, seconds))
         recorder.wait(60)
         cpu_us = median(runs[mode, target.name], "cpu_us")
         print(
             f"\nWhere {target.name}'s CPU goes, {mode}, c={args.concurrency} ({out.name}, {cpu_us:.0f} us "
-            f"per request in the rounds):\n"
+            f"per request in the rounds; py-spy {' '.join(record[1:])}):\n"
         )
         print(profile_parts.table(profile_parts.parts(out.read_text()), cpu_us))
 

@@ -73,6 +73,7 @@ RULES: tuple[tuple[str, str, str | None], ...] = (
     ("stream relay (SSE usage, chunks)", "llmgw_cli/gateway/serving/sse.py", None),
     ("upstream client (own, httptools)", "llmgw_cli/gateway/serving/upstream.py", None),
     ("proxy's own code (RequestRecord, the path)", "llmgw_cli/gateway/serving/proxy.py", None),
+    ("the raw proxy's own code (bench/raw_proxy.py)", "raw_proxy.py", None),
     ("event loop", "asyncio/", None),
     ("event loop", "uvloop/", None),
     ("garbage collection", "<gc>", None),
@@ -122,7 +123,12 @@ def _match(frame: str) -> str | None:
 def _sends(file: str, line: int) -> bool:
     """Whether ``file``'s line ``line`` writes to a transport. py-spy names files relative to
     the import path: they are looked for in this checkout, site-packages and the stdlib."""
-    folders = [ROOT, *map(Path, site.getsitepackages()), Path(sysconfig.get_paths()["stdlib"])]
+    folders = [
+        ROOT,
+        ROOT / "bench",
+        *map(Path, site.getsitepackages()),
+        Path(sysconfig.get_paths()["stdlib"]),
+    ]
     for folder in folders:
         path = folder / file
         if path.is_file():
