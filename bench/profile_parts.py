@@ -31,6 +31,7 @@ from pathlib import Path
 # overlap: specific functions first.
 RULES: tuple[tuple[str, str, str | None], ...] = (
     ("request id (x-request-id)", "llmgw_cli/gateway/serving/openai_error.py", "request_id"),
+    ("request id (x-request-id)", "llmgw_cli/gateway/serving/openai_error.py", "add_request_id"),
     ("HTTP parsing (aiohttp's C parser)", "aiohttp/web_protocol.py", "data_received"),
     ("HTTP parsing (aiohttp's C parser)", "aiohttp/http_parser.py", None),
     ("aiohttp response writing (head, body, chunks)", "aiohttp/http_writer.py", None),
@@ -70,7 +71,7 @@ RULES: tuple[tuple[str, str, str | None], ...] = (
     ("metrics", "llmgw_cli/gateway/serving/metrics.py", None),
     ("metrics", "llmgw_cli/gateway/serving/recent.py", None),
     ("metrics", "prometheus_client/", None),
-    ("stream relay (SSE usage, chunks)", "llmgw_cli/gateway/serving/sse.py", None),
+    ("usage from the answer (sse.py)", "llmgw_cli/gateway/serving/sse.py", None),
     ("upstream client (own, httptools)", "llmgw_cli/gateway/serving/upstream.py", None),
     ("proxy's own code (RequestRecord, the path)", "llmgw_cli/gateway/serving/proxy.py", None),
     ("the raw proxy's own code (bench/raw_proxy.py)", "raw_proxy.py", None),
