@@ -551,6 +551,7 @@ def main() -> None:
         )
     ]
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}  # (mode, target): one per round
+    gateways: list[Gateway] = []
     try:
         wait_port(up_port)
         targets, gateways = start_targets(args, work, up_port, procs)
