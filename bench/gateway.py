@@ -606,9 +606,10 @@ def report(
             f"{median(r, 'ttfb_p50_ms'):.3f} | {median(r, 'ttfb_p99_ms'):.3f} | {median(r, 'rps'):,.0f} | {cpu_text} |"
         )
     if rounds > 1:
-        print("\nc=64 rate in each round:\n")
+        print("\nc=64 rate (and the proxy's CPU us per request) in each round:\n")
         for (mode, target), r in runs.items():
-            print(f"- {mode} {target}: " + " / ".join(f"{x['rps']:,.0f}" for x in r))
+            each = (f"{x['rps']:,.0f}" + (f" ({x['cpu_us']:.0f})" if x["cpu_us"] else "") for x in r)
+            print(f"- {mode} {target}: " + " / ".join(each))
 
     print("\nPer proxy (medians over the rounds; CPU: the proxy process's user+system time):\n")
     print(
