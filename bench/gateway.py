@@ -1,20 +1,39 @@
 #!/usr/bin/env python3
-"""Gateway overhead: one fast fake upstream reached directly and through `llmgw gateway run`.
+"""Gateway overhead: one fast fake upstream reached directly, through `llmgw gateway run`
+and through minimal proxies, side by side in the same run.
 
-    .venv/bin/python bench/gateway.py                     # defaults below
-    .venv/bin/python bench/gateway.py --seconds 10 --latency-requests 3000
+    .venv/bin/python bench/gateway.py                     # llmgw and direct, one round
+    .venv/bin/python bench/gateway.py --with-minimal --with-raw --rounds 5
+    .venv/bin/python bench/gateway.py --with-minimal --with-raw --rounds 5 --profile /tmp/prof
     .venv/bin/python bench/gateway.py --loops asyncio,uvloop   # both event loops side by side
 
-The gateway runs with everything on (key check, usage metering and batch writes, metrics,
-one JSON log line per request to a file) pinned to CPU 0 with ``taskset -c 0``; the fake
-upstream and this load client share CPU 1. The upstream and the client are raw asyncio
-protocols (no HTTP library) so that they cost little next to the gateway.
+The targets:
+- ``direct``: the fake upstream itself;
+- ``llmgw``: one worker, with everything on (key check, admission, routing, usage metering
+  and batch writes, metrics, one JSON log line per request to a file);
+- ``minimal-aiohttp`` (``--with-minimal``): key check, JSON body read, pass-through on
+  aiohttp: the stack's own ceiling;
+- ``raw-httptools`` (``--with-raw``, ``bench/raw_proxy.py``): the same on bare asyncio
+  protocols and httptools: what the protocol costs;
+- ``litellm`` (``--litellm BIN``): LiteLLM proxy, one worker.
 
-Measured per mode (non-streaming; a 50-chunk SSE stream, each chunk written separately):
-- concurrency 1: p50/p99 latency direct and through the gateway, and the difference;
-  for streams, time to the first byte (TTFB);
-- concurrency 64: requests/s for ``--seconds``, and the gateway's CPU time per request;
-- the gateway's RSS after the run.
+Every proxy is pinned to CPU 0 with ``taskset -c 0``; the fake upstream and this load client
+share CPU 1. The upstream and the client are raw asyncio protocols (no HTTP library) so
+that they cost little next to the proxies; they, and the minimal proxies, run on uvloop
+where it is installed, as llmgw does.
+
+Measured per target and mode (non-streaming; a 50-chunk SSE stream, each chunk written
+separately):
+- concurrency 1: p50/p99 latency, and for streams the time to the first byte (TTFB);
+- concurrency 64: requests (or streams) per second over ``--seconds``, and the proxy
+  process's CPU time (user + system, ``/proc/PID/stat``) per request;
+- the proxy's RSS after the runs.
+
+``--rounds N`` interleaves: each round measures every target once, in turn (and starts one
+target later than the round before), so that a machine that gets busier or quieter hits
+them all alike; the tables give medians over the rounds, and the ratios llmgw / each
+other proxy. ``--profile DIR`` then records llmgw with py-spy (``bench/profile_parts.py``
+sorts the samples into parts: HTTP parsing, aiohttp, JSON, auth, ...).
 
 ``--loops asyncio,uvloop`` runs one gateway per event loop (both pinned to the same CPU,
 measured one after the other in the same run) and prints the ratio of their c=64 rates.
@@ -33,14 +52,28 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+try:
+    import uvloop
+except ImportError:  # the bench then runs on asyncio's own loop
+    uvloop = None  # type: ignore[assignment]
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_KEY = "bench-engine-key"
 LLMGW = [sys.executable, "-m", "llmgw_cli"]
 CHUNKS = 50
+LOOP = "uvloop" if uvloop else "asyncio"  # of the upstream, the load client and the minimal proxies
+T = TypeVar("T")
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop where it is installed, as ``llmgw gateway run`` does by default."""
+    return uvloop.run(main) if uvloop else asyncio.run(main)
+
 
 # --- the fake upstream ----------------------------------------------------------------
 
@@ -137,7 +170,7 @@ def run_upstream(port: int) -> None:
         server = await asyncio.get_running_loop().create_server(Upstream, "127.0.0.1", port, backlog=1024)
         await server.serve_forever()
 
-    asyncio.run(main())
+    run_loop(main())
 
 
 # --- a minimal aiohttp proxy: the stack's own ceiling on this machine ------------------
@@ -178,7 +211,7 @@ def run_minimal(port: int, upstream: int) -> None:
         await web.TCPSite(runner, "127.0.0.1", port, backlog=2048).start()
         await asyncio.Event().wait()
 
-    asyncio.run(main())
+    run_loop(main())
 
 
 # --- the load client ------------------------------------------------------------------
@@ -383,7 +416,72 @@ def ms(values: list[float], q: float) -> float:
     )
 
 
-def main() -> None:  # noqa: PLR0915 (one linear script)
+MODES = {"plain": False, "stream50": True}
+PROXIES = ("llmgw", "minimal-aiohttp", "raw-httptools", "litellm")  # as the summary shows them
+
+
+@dataclass
+class Target:
+    """What the load client measures. ``pid``: the proxy's process, whose CPU time and RSS
+    are reported (None for ``direct``, the fake upstream itself)."""
+
+    name: str
+    port: int
+    key: str
+    pid: int | None = None
+
+
+def start_targets(
+    args: argparse.Namespace, work: Path, up_port: int, procs: list[subprocess.Popen[bytes]]
+) -> tuple[list[Target], list[Gateway]]:
+    """Every proxy asked for, each pinned to ``--gateway-cpu``, ready to serve."""
+    pin = ["taskset", "-c", args.gateway_cpu]
+    loops = args.loops.split(",")
+    gateways = [
+        Gateway(work, "llmgw" if loops == ["auto"] else f"llmgw-{loop}", loop, up_port) for loop in loops
+    ]
+    targets = [Target("direct", up_port, gateways[0].key)]
+    for g in gateways:
+        cmd = [*pin, *g.command(), "--workers", "1"]
+        if args.no_access_log:
+            cmd.append("--no-access-log")
+        procs.append(subprocess.Popen(cmd, stdout=g.log, stderr=subprocess.STDOUT))
+        wait_port(g.port)
+        targets.append(Target(g.name, g.port, g.key, procs[-1].pid))
+    children = []
+    if args.with_minimal:
+        children.append(("minimal-aiohttp", [sys.executable, __file__, "--minimal"]))
+    if args.with_raw:
+        children.append(("raw-httptools", [sys.executable, str(Path(__file__).with_name("raw_proxy.py"))]))
+    for name, command in children:
+        port = free_port()
+        procs.append(subprocess.Popen([*pin, *command, str(port), str(up_port)]))
+        wait_port(port)
+        targets.append(Target(name, port, gateways[0].key, procs[-1].pid))
+    if args.litellm:
+        port = start_litellm(args.litellm, args.gateway_cpu, work, up_port, procs)
+        targets.append(Target("litellm", port, LITELLM_KEY, procs[-1].pid))
+    return targets, gateways
+
+
+def measure(target: Target, stream: bool, args: argparse.Namespace) -> dict[str, float]:
+    """One target in one mode: latency at concurrency 1, then the rate at ``--concurrency``."""
+    count = min(args.latency_requests, 300) if target.name == "litellm" else args.latency_requests
+    totals, firsts = run_loop(latency(target.port, stream, target.key, count))
+    rps, cpu_us = run_loop(
+        throughput(target.port, stream, target.key, args.concurrency, args.seconds, pid=target.pid)
+    )
+    return {
+        "p50_ms": ms(totals, 50),
+        "p99_ms": ms(totals, 99),
+        "ttfb_p50_ms": ms(firsts, 50),
+        "ttfb_p99_ms": ms(firsts, 99),
+        "rps": rps,
+        "cpu_us": cpu_us,
+    }
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -395,9 +493,29 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
         help="Also measure a minimal aiohttp proxy (the stack's ceiling).",
     )
     parser.add_argument(
+        "--with-raw",
+        action="store_true",
+        help="Also measure a minimal proxy on httptools (bench/raw_proxy.py: the protocol's ceiling).",
+    )
+    parser.add_argument(
         "--litellm",
         metavar="BIN",
         help="Also measure LiteLLM proxy: the `litellm` executable of a venv with litellm[proxy].",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="Interleaved rounds: each measures every target once, in turn (each round starts "
+        "one target later); the summary gives medians over the rounds.",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        type=Path,
+        help="After the rounds, record the (first) llmgw gateway and the raw proxy with py-spy during "
+        "one more c=64 run per mode each: raw collapsed stacks into DIR, and tables of where their "
+        "CPU time goes.",
     )
     parser.add_argument("--seconds", type=float, default=5.0, help="Duration of each throughput run.")
     parser.add_argument("--concurrency", type=int, default=64)
@@ -420,71 +538,35 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
     if args.minimal:
         run_minimal(*args.minimal)
         return
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
 
     os.sched_setaffinity(0, {int(args.client_cpu)})
+    print(f"event loop of the bench's own processes: {LOOP}; load average {os.getloadavg()}")
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
     up_port = free_port()
-    loops = args.loops.split(",")
-    gateways = [
-        Gateway(work, "llmgw" if loops == ["auto"] else f"llmgw-{loop}", loop, up_port) for loop in loops
-    ]
-    keys = {g.name: g.key for g in gateways}
     procs = [
         subprocess.Popen(
             ["taskset", "-c", args.client_cpu, sys.executable, __file__, "--upstream", str(up_port)]
         )
     ]
-    pids: dict[str, int] = {}  # the gateways' processes, for their CPU time
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}  # (mode, target): one per round
+    gateways: list[Gateway] = []
     try:
         wait_port(up_port)
-        for g in gateways:
-            cmd = ["taskset", "-c", args.gateway_cpu, *g.command()]
-            if args.no_access_log:
-                cmd.append("--no-access-log")
-            procs.append(subprocess.Popen(cmd, stdout=g.log, stderr=subprocess.STDOUT))
-            pids[g.name] = procs[-1].pid
-            wait_port(g.port)
-        targets = [("direct", up_port), *((g.name, g.port) for g in gateways)]
-        if args.with_minimal:
-            min_port = free_port()
-            procs.append(
-                subprocess.Popen(
-                    [
-                        "taskset",
-                        "-c",
-                        args.gateway_cpu,
-                        sys.executable,
-                        __file__,
-                        "--minimal",
-                        str(min_port),
-                        str(up_port),
-                    ]
-                )
-            )
-            wait_port(min_port)
-            targets.append(("minimal-aiohttp", min_port))
-        if args.litellm:
-            targets.append(("litellm", start_litellm(args.litellm, args.gateway_cpu, work, up_port, procs)))
+        targets, gateways = start_targets(args, work, up_port, procs)
         time.sleep(1.0)  # first health check done
-        results: dict[str, dict[str, float]] = {}
-        for stream in (False, True):
-            mode = "stream50" if stream else "plain"
-            for target, port in targets:
-                token = LITELLM_KEY if target == "litellm" else keys.get(target, gateways[0].key)
-                count = min(args.latency_requests, 300) if target == "litellm" else args.latency_requests
-                totals, firsts = asyncio.run(latency(port, stream, token, count))
-                rps, cpu_us = asyncio.run(
-                    throughput(port, stream, token, args.concurrency, args.seconds, pid=pids.get(target))
-                )
-                results[f"{mode}/{target}"] = {
-                    "p50_ms": ms(totals, 50),
-                    "p99_ms": ms(totals, 99),
-                    "ttfb_p50_ms": ms(firsts, 50),
-                    "ttfb_p99_ms": ms(firsts, 99),
-                    "rps": rps,
-                    "cpu_us": cpu_us,
-                }
-        rss = {g.name: rss_mib(p.pid) for g, p in zip(gateways, procs[1:], strict=False)}
+        for r in range(args.rounds):
+            order = targets[r % len(targets) :] + targets[: r % len(targets)]
+            for mode, stream in MODES.items():
+                for t in order:
+                    runs.setdefault((mode, t.name), []).append(measure(t, stream, args))
+            print(f"round {r + 1} of {args.rounds} done; load average {os.getloadavg()}", file=sys.stderr)
+        if args.profile:
+            for t in targets:  # the gateway, and the raw proxy for the protocol's own cost
+                if t.name == targets[1].name or t.name == "raw-httptools":
+                    profile(t, args, runs)
+        rss = {t.name: rss_mib(t.pid) for t in targets if t.pid}
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -495,34 +577,113 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
     lines = {g.name: (g.dir / "gateway.log").read_bytes().count(b"\n") for g in gateways}
     shutil.rmtree(work)
     for g in gateways:
-        print(f"{g.name}: RSS after the runs {rss[g.name]:.1f} MiB; log lines: {lines[g.name]}")
+        print(f"{g.name}: log lines: {lines[g.name]}")
+    report(runs, targets, rss, gateways, args.rounds)
+
+
+def median(runs: list[dict[str, float]], field: str) -> float:
+    return statistics.median(r[field] for r in runs)
+
+
+def report(
+    runs: dict[tuple[str, str], list[dict[str, float]]],
+    targets: list[Target],
+    rss: dict[str, float],
+    gateways: list[Gateway],
+    rounds: int,
+) -> None:
+    """Markdown tables: every figure (medians over the rounds), then the summary per proxy."""
+    print(f"\nMedians over {rounds} round(s):\n")
     print(
         "| mode | target | c=1 p50 ms | c=1 p99 ms | c=1 TTFB p50 ms | c=1 TTFB p99 ms | c=64 req/s "
-        "| c=64 gateway CPU us/req |"
+        "| c=64 proxy CPU us/req |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        mode, target = name.split("/")
-        cpu = f"{r['cpu_us']:.0f}" if r["cpu_us"] else ""
+    for (mode, target), r in runs.items():
+        cpu_text = f"{median(r, 'cpu_us'):.0f}" if median(r, "cpu_us") else ""
         print(
-            f"| {mode} | {target} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['ttfb_p50_ms']:.3f} | "
-            f"{r['ttfb_p99_ms']:.3f} | {r['rps']:,.0f} | {cpu} |"
+            f"| {mode} | {target} | {median(r, 'p50_ms'):.3f} | {median(r, 'p99_ms'):.3f} | "
+            f"{median(r, 'ttfb_p50_ms'):.3f} | {median(r, 'ttfb_p99_ms'):.3f} | {median(r, 'rps'):,.0f} | {cpu_text} |"
         )
-    for mode in ("plain", "stream50"):
-        d = results[f"{mode}/direct"]
-        for g in gateways:
-            r = results[f"{mode}/{g.name}"]
-            print(
-                f"{mode} {g.name}: added p50 {r['p50_ms'] - d['p50_ms']:.3f} ms, "
-                f"added p99 {r['p99_ms'] - d['p99_ms']:.3f} ms, "
-                f"added TTFB p50 {r['ttfb_p50_ms'] - d['ttfb_p50_ms']:.3f} ms"
-            )
+    if rounds > 1:
+        print("\nc=64 rate (and the proxy's CPU us per request) in each round:\n")
+        for (mode, target), r in runs.items():
+            each = (f"{x['rps']:,.0f}" + (f" ({x['cpu_us']:.0f})" if x["cpu_us"] else "") for x in r)
+            print(f"- {mode} {target}: " + " / ".join(each))
+
+    print("\nPer proxy (medians over the rounds; CPU: the proxy process's user+system time):\n")
+    print(
+        "| target | req/s c=64 | streams/s c=64 | p50 c=1 ms | added p50 ms | stream TTFB p50 ms "
+        "| CPU-s / 1k req | CPU-s / 1k streams | RSS MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    direct = median(runs["plain", "direct"], "p50_ms")
+    for t in targets:
+        plain, stream = runs["plain", t.name], runs["stream50", t.name]
+        cpu_plain, cpu_stream = median(plain, "cpu_us") / 1000, median(stream, "cpu_us") / 1000
+        print(
+            f"| {t.name} | {median(plain, 'rps'):,.0f} | {median(stream, 'rps'):,.0f} | "
+            f"{median(plain, 'p50_ms'):.3f} | {median(plain, 'p50_ms') - direct:+.3f} | "
+            f"{median(stream, 'ttfb_p50_ms'):.3f} | "
+            + (f"{cpu_plain:.3f} | {cpu_stream:.3f} | {rss[t.name]:.1f} |" if t.pid else "| | |")
+        )
+
+    names = {t.name for t in targets}
+    print()
+    for g in gateways:
+        for other in PROXIES[1:]:
+            if other not in names:
+                continue
+            for mode in MODES:
+                mine, theirs = runs[mode, g.name], runs[mode, other]
+                per_round = " / ".join(
+                    f"{a['rps'] / b['rps']:.2f}" for a, b in zip(mine, theirs, strict=True)
+                )
+                cpu = median(theirs, "cpu_us") / median(mine, "cpu_us") if median(mine, "cpu_us") else 0.0
+                print(
+                    f"{mode}: {g.name} / {other}: {median(mine, 'rps') / median(theirs, 'rps'):.3f} "
+                    f"(ratio of the medians; per round {per_round}); by CPU per request "
+                    f"({other}'s / {g.name}'s, steadier on a busy machine): {cpu:.3f}"
+                )
     if len(gateways) == 2:
         a, b = gateways
-        for mode in ("plain", "stream50"):
-            ratio = results[f"{mode}/{b.name}"]["rps"] / results[f"{mode}/{a.name}"]["rps"]
-            cpu = results[f"{mode}/{b.name}"]["cpu_us"] / results[f"{mode}/{a.name}"]["cpu_us"]
-            print(f"{mode}: c=64 {b.name} / {a.name}: req/s {ratio:.3f}, CPU per request {cpu:.3f}")
+        for mode in MODES:
+            ratio = median(runs[mode, b.name], "rps") / median(runs[mode, a.name], "rps")
+            cpu_ratio = median(runs[mode, b.name], "cpu_us") / median(runs[mode, a.name], "cpu_us")
+            print(f"{mode}: c=64 {b.name} / {a.name}: req/s {ratio:.3f}, CPU per request {cpu_ratio:.3f}")
+
+
+# --- the profile ----------------------------------------------------------------------
+
+
+def profile(
+    target: Target, args: argparse.Namespace, runs: dict[tuple[str, str], list[dict[str, float]]]
+) -> None:
+    """py-spy on ``target`` during one more c=64 run per mode (its rate then is lower: py-spy
+    stops the process for each sample). The µs per part are its share of the samples times
+    the CPU time per request measured in the rounds, without py-spy."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        raise SystemExit("--profile needs py-spy: .venv/bin/pip install py-spy")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import profile_parts  # noqa: PLC0415 (bench/profile_parts.py, only with --profile)
+
+    assert target.pid is not None
+    args.profile.mkdir(parents=True, exist_ok=True)
+    for mode, stream in MODES.items():
+        out = args.profile / f"{target.name}-{mode}.txt"
+        seconds = 2 * args.seconds  # twice a round's run: more samples
+        record = [spy, "record", "--pid", str(target.pid), "--rate", "250", "--format", "raw"]
+        record += ["--duration", str(round(seconds + 1)), "--output", str(out)]  # +1: the warm-up
+        recorder = subprocess.Popen(record, stdout=subprocess.DEVNULL)
+        run_loop(throughput(target.port, stream, target.key, args.concurrency, seconds))
+        recorder.wait(60)
+        cpu_us = median(runs[mode, target.name], "cpu_us")
+        print(
+            f"\nWhere {target.name}'s CPU goes, {mode}, c={args.concurrency} ({out.name}, {cpu_us:.0f} us "
+            f"per request in the rounds; py-spy {' '.join(record[1:])}):\n"
+        )
+        print(profile_parts.table(profile_parts.parts(out.read_text()), cpu_us))
 
 
 class Gateway:

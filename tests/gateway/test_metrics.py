@@ -19,6 +19,7 @@ from llmgw_cli.core.serving.keys import ApiKey, hash_token
 from llmgw_cli.gateway.control.fleet import FleetCollector
 from llmgw_cli.gateway.control.sources import ProbeSource, StaticSource
 from llmgw_cli.gateway.control.state import Gateway
+from llmgw_cli.gateway.serving import metrics as metrics_module
 from llmgw_cli.gateway.serving.metrics import Metrics
 from llmgw_cli.gateway.serving.server import metrics_app
 from llmgw_cli.gateway.store.sqlite import SqliteStore
@@ -179,6 +180,38 @@ def test_request_metrics_by_model_status_and_key() -> None:
     assert got[("llmgw_request_seconds_count", (("model", "chat"),))] == 2
     assert got[("llmgw_time_to_first_token_seconds_count", (("model", "chat"),))] == 1
     assert metrics.recent.totals(time.monotonic()) == {("alice", "chat"): (2, 26)}
+
+
+def test_retries_and_route_decisions_count_through_kept_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The labelled children are kept per label set, and dropped when more than
+    ``MAX_CHILDREN`` were seen: the counts go on from where they were either way."""
+    monkeypatch.setattr(metrics_module, "MAX_CHILDREN", 1)
+    metrics = Metrics()
+    metrics.build()
+    for model in ("a", "b", "c", "a", "a"):
+        metrics.retry(model)
+        metrics.routed(model, "least_load", "least_load")
+    metrics.observe("a", 200, "k", prompt=1, completion=1, seconds=0.1)
+    metrics.observe("b", 200, "k", prompt=1, completion=1, seconds=0.1)
+    metrics.observe("a", 200, "k", prompt=1, completion=1, seconds=0.1)
+    body = metrics.render()
+    assert body is not None
+    got = samples(body.decode())
+    retries = {
+        dict(labels)["model"]: v
+        for (name, labels), v in got.items()
+        if name == "llmgw_upstream_retries_total"
+    }
+    assert retries == {"a": 3, "b": 1, "c": 1}
+    routes = {
+        dict(labels)["model"]: v for (name, labels), v in got.items() if name == "llmgw_route_decisions_total"
+    }
+    assert routes == {"a": 3, "b": 1, "c": 1}
+    requests = {
+        dict(labels)["model"]: v for (name, labels), v in got.items() if name == "llmgw_requests_total"
+    }
+    assert requests == {"a": 2, "b": 1}
+    assert len(metrics._retries) <= 2 and len(metrics._routes) <= 2  # bounded
 
 
 def test_metrics_endpoint_answers_503_until_the_registry_is_built(tmp_path: Path) -> None:

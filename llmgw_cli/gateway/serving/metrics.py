@@ -130,6 +130,7 @@ class Metrics:
         self.registry: CollectorRegistry | None = None
         self._children: dict[tuple[str, int, str], tuple[Any, ...]] = {}
         self._routes: dict[tuple[str, str, str], Any] = {}
+        self._retries: dict[str, Any] = {}
 
     # --- the request path ----------------------------------------------------------
 
@@ -186,7 +187,14 @@ class Metrics:
         child.inc()
 
     def retry(self, model: str) -> None:
-        self.retries.labels(model).inc()
+        """A request of ``model`` is tried again after a connection failure (its child kept,
+        as ``routed``'s: a flapping engine retries on every request)."""
+        child = self._retries.get(model)
+        if child is None:
+            if len(self._retries) > MAX_CHILDREN:
+                self._retries.clear()
+            child = self._retries[model] = self.retries.labels(model)
+        child.inc()
 
     # --- the model controller --------------------------------------------------
 
