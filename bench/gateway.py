@@ -413,6 +413,12 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
         help="Event loops of llmgw, comma-separated (auto, asyncio, uvloop): one gateway each, "
         "measured side by side in the same run; e.g. asyncio,uvloop.",
     )
+    parser.add_argument(
+        "--http-servers",
+        default="",
+        help="HTTP servers of llmgw's public listener, comma-separated (httptools, aiohttp: "
+        "gateway.http_server): one gateway each, measured side by side; e.g. httptools,aiohttp.",
+    )
     args = parser.parse_args()
     if args.upstream:
         run_upstream(args.upstream)
@@ -428,6 +434,11 @@ def main() -> None:  # noqa: PLR0915 (one linear script)
     gateways = [
         Gateway(work, "llmgw" if loops == ["auto"] else f"llmgw-{loop}", loop, up_port) for loop in loops
     ]
+    if args.http_servers:
+        gateways = [
+            Gateway(work, f"llmgw-{server}", loops[0], up_port, gateway={"http_server": server})
+            for server in args.http_servers.split(",")
+        ]
     keys = {g.name: g.key for g in gateways}
     procs = [
         subprocess.Popen(
