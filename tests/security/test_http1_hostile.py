@@ -11,11 +11,13 @@ are tested through `llmgw gateway run` (tests/gateway, test_gateway_hostile.py).
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 import re
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 
 import pytest
@@ -25,7 +27,7 @@ from hypothesis import strategies as st
 
 from llmgw_cli.gateway.serving import http1
 
-MAX_BODY = 1000
+MAX_BODY = 20_000
 HEADER_TIMEOUT = 1.0
 
 
@@ -171,10 +173,10 @@ def _clean(serving: Serving) -> None:
         (b"GET /echo HTTP/1.1\r\n" + b"X: a\r\n" * 500 + b"\r\n", 431),
         (b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\n\r\n", 431),
         # a body over the limit, declared or chunked
-        (b"POST /echo HTTP/1.1\r\nContent-Length: 5000\r\n\r\n" + b"a" * 5000, 413),
+        (b"POST /echo HTTP/1.1\r\nContent-Length: 50000\r\n\r\n" + b"a" * 50_000, 413),
         (
             b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
-            + (b"100\r\n" + b"a" * 256 + b"\r\n") * 8,
+            + (b"100\r\n" + b"a" * 256 + b"\r\n") * 100,
             413,
         ),
         # unknown paths and methods
@@ -270,6 +272,30 @@ def test_expect_100_continue_is_answered_before_the_body(serving: Serving) -> No
         while chunk := sock.recv(65536):
             answer += chunk
     assert _statuses(answer) == [200] and answer.endswith(b"|ok")
+
+
+@pytest.mark.parametrize(
+    ("coding", "body", "status"),
+    [
+        (b"gzip", gzip.compress(b"hello"), 200),
+        (b"deflate", zlib.compress(b"hello"), 200),
+        (b"deflate", zlib.compress(b"hello")[2:-4], 200),  # a raw deflate stream, as some clients send
+        (b"gzip", gzip.compress(b"\0" * 10_000_000), 413),  # 10 MB from 10 KB: a bomb
+        (b"gzip", b"not gzip at all", 400),
+        (b"gzip", gzip.compress(b"hello")[:-12], 400),  # cut short
+        (b"br", b"whatever", 415),
+        (b"zstd", b"whatever", 415),
+    ],
+)
+def test_compressed_bodies_are_read_within_the_limit(
+    serving: Serving, coding: bytes, body: bytes, status: int
+) -> None:
+    head = b"POST /echo HTTP/1.1\r\nContent-Encoding: %b\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+    answer, closed = _talk(serving.port, head % (coding, len(body)) + body)
+    assert _statuses(answer) == [status] and closed, answer[:300]
+    if status == 200:
+        assert answer.endswith(b"|hello")
+    _clean(serving)
 
 
 def test_a_head_request_gets_no_body(serving: Serving) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from email.utils import formatdate
@@ -64,6 +65,7 @@ _REASONS = {
     400: b"Bad Request",
     404: b"Not Found",
     405: b"Method Not Allowed",
+    415: b"Unsupported Media Type",
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
 }
@@ -104,7 +106,8 @@ class _Body:
         self._request = request
 
     def is_eof(self) -> bool:
-        return self._request.complete and not self._request.too_large
+        request = self._request
+        return request.complete and not request.too_large and not request.encoding
 
     def read_nowait(self) -> bytes:
         return self._request.body_bytes()
@@ -123,6 +126,7 @@ class Request:
         "app",
         "complete",
         "content_length",
+        "encoding",
         "expect_continue",
         "keep_alive",
         "method",
@@ -162,11 +166,15 @@ class Request:
         self.received = 0
         self.content_length: int | None = None
         self.expect_continue = False
+        self.encoding = b""  # the body's Content-Encoding: gzip or deflate (else refused)
         for name, value in raw_headers:
             if len(name) == 14 and name.lower() == b"content-length":
                 self.content_length = int(value)  # llhttp checked it: digits, given once
             elif len(name) == 6 and name.lower() == b"expect":
                 self.expect_continue = value.lower() == b"100-continue"
+            elif len(name) == 16 and name.lower() == b"content-encoding":
+                coding = value.strip().lower()
+                self.encoding = b"" if coding == b"identity" else coding
 
     @property
     def headers(self) -> CIMultiDictProxy[str]:
@@ -227,10 +235,11 @@ class Request:
             self._waiter = asyncio.get_running_loop().create_future()
             self._conn.resume_body()
             await self._waiter
+        limit = self._conn.server.max_body
         if self.too_large:
-            raise web.HTTPRequestEntityTooLarge(
-                max_size=self._conn.server.max_body, actual_size=self.received
-            )
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=self.received)
+        if self.encoding:
+            return _decoded(self.body_bytes(), limit, self.received)
         return self.body_bytes()
 
     async def open_stream(self, status: int, headers: dict[str, str]) -> Stream:
@@ -239,6 +248,27 @@ class Request:
         stream.start()
         await self._conn.drained()
         return stream
+
+
+CODINGS = (b"gzip", b"x-gzip", b"deflate")
+
+
+def _decoded(body: bytes, limit: int, received: int) -> bytes:
+    """A gzip or deflate body, decompressed to at most ``limit`` bytes: a body that would
+    grow past it (a compression bomb) is ``HTTPRequestEntityTooLarge`` once ``limit`` + 1
+    bytes are out, whatever its full size; one that does not decompress is a 400."""
+    for wbits in (47, -15):  # gzip or zlib (auto-detected); else a raw deflate stream
+        decompressor = zlib.decompressobj(wbits)
+        try:
+            out = decompressor.decompress(body, limit + 1)
+        except zlib.error:
+            continue
+        if len(out) > limit or decompressor.unconsumed_tail:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=received)
+        if not decompressor.eof:
+            break
+        return out
+    raise web.HTTPBadRequest(text="The request body does not decompress.")
 
 
 class Stream:
@@ -454,6 +484,9 @@ class Connection(asyncio.Protocol):
             parser.should_keep_alive(),
             self.server.app,
         )
+        if request.encoding and request.encoding not in CODINGS:
+            self._refuse(415)
+            return
         self.parsing = request
         if self.current is None:
             self._start(request)
@@ -502,6 +535,9 @@ class Connection(asyncio.Protocol):
         except asyncio.CancelledError:
             self.close()
             raise
+        except web.HTTPException as exc:  # a refusal raised by the server's own reading
+            reply = web.Response(status=exc.status, text=exc.text, headers={"Connection": "close"})
+            reply.force_close()
         except Exception:
             log.exception("Error handling request %s %s", request.method, request.path[:200])
             reply = web.Response(status=500, text="500: Internal Server Error")
