@@ -173,9 +173,8 @@ class GatewaySettings(Spec):
     http_server: Literal["httptools", "aiohttp"] = Field(
         "httptools",
         description="The HTTP server of the public listener: `httptools`, the gateway's own "
-        "lean HTTP/1.1 server (several times the requests per core), or `aiohttp`'s. Both "
-        "keep the same timeouts, limits and answers; the admin and metrics listeners are "
-        "always aiohttp's.",
+        "lean HTTP/1.1 server (less CPU per request), or `aiohttp`'s. Both keep the same "
+        "timeouts, limits and answers; the admin and metrics listeners are always aiohttp's.",
     )
     drain_timeout: Duration = Field(
         30.0,

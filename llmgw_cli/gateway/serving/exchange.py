@@ -12,7 +12,7 @@ import asyncio
 from typing import Any, Protocol, cast, overload
 
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from llmgw_cli.gateway.serving import http1
 
@@ -21,6 +21,16 @@ class Body(Protocol):
     def is_eof(self) -> bool: ...
 
     def read_nowait(self) -> bytes: ...
+
+
+class Headers(Protocol):
+    """A request's headers: case-insensitive names."""
+
+    @overload
+    def get(self, name: str, /) -> str | None: ...
+
+    @overload
+    def get(self, name: str, default: None, /) -> str | None: ...
 
 
 class App(Protocol):
@@ -40,7 +50,7 @@ class Incoming(Protocol):
     def path(self) -> str: ...
 
     @property
-    def headers(self) -> CIMultiDictProxy[str]: ...
+    def headers(self) -> Headers: ...
 
     @property
     def content_length(self) -> int | None: ...

@@ -48,7 +48,7 @@ from typing import Any, cast
 
 import httptools
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 log = logging.getLogger("llmgw.http")
 
@@ -113,6 +113,34 @@ class _Body:
         return self._request.body_bytes()
 
 
+class Headers:
+    """A request's headers, looked up case-insensitively in the parser's list (a request
+    has a few; the gateway reads one or two): the first of a name given twice."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._raw = raw
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        key = name.lower().encode("latin-1")
+        size = len(key)
+        for found, value in self._raw:
+            if len(found) == size and found.lower() == key:
+                return value.decode("latin-1")
+        return default
+
+    def getall(self, name: str) -> list[str]:
+        key = name.lower().encode("latin-1")
+        return [v.decode("latin-1") for n, v in self._raw if n.lower() == key]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
 class Request:
     """One request: method, path, headers (a case-insensitive lookup made on first use),
     body; and a mapping for what handlers keep on it (its id, its rate headers)."""
@@ -120,7 +148,6 @@ class Request:
     __slots__ = (
         "_chunks",
         "_conn",
-        "_headers",
         "_store",
         "_waiter",
         "app",
@@ -157,7 +184,6 @@ class Request:
         self.raw_headers = raw_headers
         self.keep_alive = keep_alive
         self.app = app
-        self._headers: CIMultiDictProxy[str] | None = None
         self._store: dict[Any, Any] = {}
         self._chunks: list[bytes] = []
         self._waiter: asyncio.Future[None] | None = None
@@ -177,12 +203,8 @@ class Request:
                 self.encoding = b"" if coding == b"identity" else coding
 
     @property
-    def headers(self) -> CIMultiDictProxy[str]:
-        if self._headers is None:
-            self._headers = CIMultiDictProxy(
-                CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in self.raw_headers)
-            )
-        return self._headers
+    def headers(self) -> Headers:
+        return Headers(self.raw_headers)
 
     @property
     def content(self) -> _Body:

@@ -5,10 +5,15 @@
   request needs an admin key (Bearer, or the password of HTTP Basic for a browser);
 - ``metrics_listen``: only ``/metrics`` and ``/health``, so monitoring never reaches admin.
 
+The public listener runs on the gateway's own HTTP/1.1 server (``http1.py``, the routes of
+``public_routes``), or with ``gateway.http_server: aiohttp`` on aiohttp's (``public_app``);
+the admin and metrics listeners on aiohttp's. ``exchange.py`` names what the public paths
+need of either server's requests and answers.
+
 Clients are bounded in time (``gateway.client_timeouts``): a connection that has not sent
 a whole request head ``header`` seconds after it opened or after its previous answer is
-closed (aiohttp's keep-alive timer: it is not restarted by bytes that trickle in, so it
-bounds a slow head and an idle connection alike); a body must arrive within ``body``; a
+closed (aiohttp's keep-alive timer, ``http1``'s head deadline: not restarted by bytes that
+trickle in, so it bounds a slow head and an idle connection alike); a body must arrive within ``body``; a
 client whose socket stays full for ``write`` (it stopped reading) is dropped by
 ``WriteWatch``, which cancels its handler: the model slot is freed and the engine's
 connection closed. ``gateway.tls`` puts TLS on the public listener.
