@@ -21,6 +21,7 @@ import zlib
 from collections.abc import Iterator
 
 import pytest
+import uvloop
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -73,10 +74,10 @@ class Records(logging.Handler):
 class Serving:
     """An ``http1.Server`` on loopback, in a thread with its own event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: str = "asyncio") -> None:
         self.records = Records()
         logging.getLogger("llmgw.http").addHandler(self.records)
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
         self.server = http1.Server(
             {("POST", "/echo"): _echo, ("GET", "/echo"): _echo, ("GET", "/stream"): _stream},
             {},
@@ -106,9 +107,10 @@ class Serving:
         logging.getLogger("llmgw.http").removeHandler(self.records)
 
 
-@pytest.fixture(scope="module")
-def serving() -> Iterator[Serving]:
-    found = Serving()
+@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
+def serving(request: pytest.FixtureRequest) -> Iterator[Serving]:
+    """The server on each event loop the gateway runs on."""
+    found = Serving(request.param)
     yield found
     found.stop()
 

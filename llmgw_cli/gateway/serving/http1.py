@@ -323,7 +323,7 @@ class Stream:
         if not data:
             return
         conn = self._conn
-        if conn.lost:
+        if conn.gone:
             raise ConnectionResetError("the client closed its connection")
         conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         if conn.writing_paused:
@@ -334,7 +334,7 @@ class Stream:
             return
         self.ended = True
         conn = self._conn
-        if conn.lost:
+        if conn.gone:
             raise ConnectionResetError("the client closed its connection")
         if self.chunked:
             conn.write((b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data)) if data else b"0\r\n\r\n")
@@ -563,7 +563,7 @@ class Connection(asyncio.Protocol):
         except Exception:
             log.exception("Error handling request %s %s", request.method, request.path[:200])
             reply = web.Response(status=500, text="500: Internal Server Error")
-        if self.lost:
+        if self.gone:  # the client left, or an answer cut short closed the connection
             return
         close = self.refused or not request.keep_alive or not request.complete or request.too_large
         if isinstance(reply, Stream):
@@ -645,9 +645,15 @@ class Connection(asyncio.Protocol):
         self._drain = self.loop.create_future()
         await self._drain
 
+    @property
+    def gone(self) -> bool:
+        """Lost or closing: nothing more is written (a cut stream must not end well)."""
+        return self.lost or self.transport is None or self.transport.is_closing()
+
     def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.lost:
-            self.transport.write(data)
+        transport = self.transport
+        if transport is not None and not self.lost and not transport.is_closing():
+            transport.write(data)
 
     def _refuse(self, status: int) -> None:
         """A request that cannot be parsed: no more reading, and its refusal. A request
