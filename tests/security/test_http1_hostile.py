@@ -11,6 +11,7 @@ are tested through `llmgw gateway run` (tests/gateway, test_gateway_hostile.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import logging
 import re
@@ -325,6 +326,32 @@ def test_a_client_that_leaves_cancels_its_handler() -> None:
             time.sleep(0.2)
         assert cancelled.wait(5)
         _works(found.port)
+        assert found.records.problems() == []
+    finally:
+        found.stop()
+
+
+def test_a_client_that_sends_requests_but_never_reads_holds_a_bounded_number_of_answers() -> None:
+    answered = 0
+
+    async def big(_request: http1.Request) -> web.Response:
+        nonlocal answered
+        answered += 1
+        return web.Response(body=b"x" * 65536)
+
+    found = Serving()
+    found.server.routes["GET", "/big"] = big
+    try:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", found.port))
+            sock.settimeout(2)
+            with contextlib.suppress(TimeoutError):
+                sock.sendall(b"GET /big HTTP/1.1\r\n\r\n" * 20_000)  # blocks once the server stops reading
+            time.sleep(0.5)
+            # Only what fits the socket buffers and the transport's (then writing pauses)
+            # is answered, plus the requests read ahead meanwhile; not 20,000 answers.
+            assert answered < 500, answered
         assert found.records.problems() == []
     finally:
         found.stop()

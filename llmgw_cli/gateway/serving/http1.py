@@ -445,6 +445,7 @@ class Connection(asyncio.Protocol):
         self.writing_paused = False
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
+        self._next()
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
@@ -510,7 +511,7 @@ class Connection(asyncio.Protocol):
             self._refuse(415)
             return
         self.parsing = request
-        if self.current is None:
+        if self.current is None and not self.waiting and not self.writing_paused:
             self._start(request)
         else:
             self.waiting.append(request)
@@ -626,11 +627,17 @@ class Connection(asyncio.Protocol):
             return
         self.idle_since = self.loop.time()
         if self.waiting:
+            self._next()
+        else:
+            self.head_deadline = self.loop.time() + self.server.header_timeout
+
+    def _next(self) -> None:
+        """Start the next request read ahead, unless the client is not reading its answers
+        (their bytes would pile up here): then once it reads again."""
+        if self.current is None and self.waiting and not self.writing_paused:
             self._start(self.waiting.popleft())
             if self.reading_paused and len(self.waiting) < PIPELINE // 2:
                 self._resume_reading()
-        else:
-            self.head_deadline = self.loop.time() + self.server.header_timeout
 
     def resume_body(self) -> None:
         """A handler waits for its body: read, even if pipelined requests wait."""
