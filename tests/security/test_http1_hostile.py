@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw_cli.gateway.serving import http1
+from tests.waiting import wait_until
 
 MAX_BODY = 20_000
 HEADER_TIMEOUT = 1.0
@@ -325,6 +326,31 @@ def test_a_client_that_leaves_cancels_its_handler() -> None:
             sock.sendall(b"GET /slow HTTP/1.1\r\n\r\n")
             time.sleep(0.2)
         assert cancelled.wait(5)
+        _works(found.port)
+        assert found.records.problems() == []
+    finally:
+        found.stop()
+
+
+def test_a_client_gone_before_its_stream_begins_ends_the_handler_without_a_traceback() -> None:
+    raised: list[type[BaseException]] = []
+
+    async def late(request: http1.Request) -> http1.Stream:
+        assert request.transport is not None
+        request.transport.abort()  # as if the client had gone a moment before the head
+        try:
+            return await request.open_stream(200, {"Content-Type": "text/event-stream"})
+        except BaseException as exc:
+            raised.append(type(exc))
+            raise
+
+    found = Serving()
+    found.server.routes["GET", "/late"] = late
+    try:
+        answer, closed = _talk(found.port, b"GET /late HTTP/1.1\r\n\r\n")
+        assert answer == b"" and closed
+        wait_until(lambda: raised, timeout=5, what="the handler to end")
+        assert raised[0] in {asyncio.CancelledError, ConnectionResetError}
         _works(found.port)
         assert found.records.problems() == []
     finally:

@@ -324,7 +324,7 @@ class Stream:
             return
         conn = self._conn
         if conn.gone:
-            raise ConnectionResetError("the client closed its connection")
+            await conn.left()
         conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         if conn.writing_paused:
             await conn.drained()
@@ -335,7 +335,7 @@ class Stream:
         self.ended = True
         conn = self._conn
         if conn.gone:
-            raise ConnectionResetError("the client closed its connection")
+            await conn.left()
         if self.chunked:
             conn.write((b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data)) if data else b"0\r\n\r\n")
         elif data:
@@ -561,7 +561,9 @@ class Connection(asyncio.Protocol):
         except web.HTTPException as exc:  # a refusal raised by the server's own reading
             reply = web.Response(status=exc.status, text=exc.text, headers={"Connection": "close"})
             reply.force_close()
-        except Exception:
+        except Exception as exc:
+            if isinstance(exc, ConnectionResetError) and self.gone:
+                return  # the client left while its answer was written
             log.exception("Error handling request %s %s", request.method, request.path[:200])
             reply = web.Response(status=500, text="500: Internal Server Error")
         if self.gone:  # the client left, or an answer cut short closed the connection
@@ -644,9 +646,16 @@ class Connection(asyncio.Protocol):
         if self.reading_paused:
             self._resume_reading()
 
+    async def left(self) -> None:
+        """The client is gone: the handler's cancellation (``connection_lost`` cancels it)
+        arrives here, as it would at its next wait; without one (the handler closed the
+        connection itself) a ``ConnectionResetError``."""
+        await asyncio.sleep(0)
+        raise ConnectionResetError("the client closed its connection")
+
     async def drained(self) -> None:
-        if self.lost:
-            raise ConnectionResetError("the client closed its connection")
+        if self.gone:
+            await self.left()
         if not self.writing_paused:
             return
         self._drain = self.loop.create_future()
