@@ -41,7 +41,7 @@ import logging
 import time
 import zlib
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any, cast
@@ -61,14 +61,6 @@ Handler = Callable[["Request"], Awaitable[object]]  # a web.Response or a Stream
 Prepare = Callable[["Request", "CIMultiDict[str]"], None]
 
 _NO_BODY_HEADERS = frozenset(("content-length", "transfer-encoding", "connection"))
-_REASONS = {
-    400: b"Bad Request",
-    404: b"Not Found",
-    405: b"Method Not Allowed",
-    415: b"Unsupported Media Type",
-    431: b"Request Header Fields Too Large",
-    500: b"Internal Server Error",
-}
 
 
 class _Date:
@@ -85,15 +77,13 @@ class _Date:
         return cls.value
 
 
-def _refusal(status: int, close: bool = True) -> bytes:
-    reason = _REASONS.get(status, b"Error")
+def _refusal(status: int) -> bytes:
+    """A plain-text refusal that closes its connection (``400: Bad Request``)."""
+    reason = _reason(status)
     body = b"%d: %b" % (status, reason)
-    return b"HTTP/1.1 %d %b\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n%b\r\n%b" % (
-        status,
-        reason,
-        len(body),
-        b"Connection: close\r\n" if close else b"",
-        body,
+    return (
+        b"HTTP/1.1 %d %b\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
+        b"Connection: close\r\n\r\n%b" % (status, reason, len(body), body)
     )
 
 
@@ -363,9 +353,10 @@ class Server:
         self.prepare = prepare
         self.connections: set[Connection] = set()
         self.leaving = False
-        self.allowed: dict[str, str] = {}
+        methods: dict[str, set[str]] = {}
         for method, path in routes:
-            self.allowed[path] = ", ".join(sorted({*self.allowed.get(path, "").split(", "), method} - {""}))
+            methods.setdefault(path, set()).add(method)
+        self.allowed = {path: ", ".join(sorted(m)) for path, m in methods.items()}  # a 405's Allow
 
     def __call__(self) -> Connection:
         return Connection(self)
@@ -722,8 +713,3 @@ def _reason(status: int) -> bytes:
 
 
 _KNOWN: dict[int, bytes] = {200: b"OK"}
-
-
-def connections(servers: list[Server]) -> Iterator[Connection]:
-    for server in servers:
-        yield from server.connections
