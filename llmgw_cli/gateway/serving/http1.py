@@ -698,7 +698,8 @@ class Connection(asyncio.Protocol):
 
     @property
     def busy(self) -> bool:
-        return self.current is not None
+        """A request is being answered or waits for its turn."""
+        return self.current is not None or bool(self.waiting)
 
 
 def _reason(status: int) -> bytes:
