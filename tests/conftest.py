@@ -8,11 +8,14 @@ with its reason, so a green CI means every test ran.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from huggingface_hub import constants
@@ -90,13 +93,33 @@ def postgres() -> Iterator[pg.Postgres]:
         server.stop()
 
 
+LAB_TURN = Path("/run/llmgw-lab-session.lock")
+
+
 @pytest.fixture(scope="session")
-def lab() -> Iterator[Lab]:
-    """The session's lab cluster (``tests/integration/conftest.py`` says what it holds),
-    shared by every module that asks for it: only one lab fits on a machine."""
+def lab_turn() -> Iterator[None]:
+    """This test session's turn at the machine's one lab, held until the session ends.
+
+    Only one lab fits on a machine, and a session begins by tearing down the lab it finds
+    (a crashed run's): a second test session run beside the first (a developer's while CI
+    runs) would tear down the lab under the first one's tests. It waits here instead,
+    with a line that says so."""
     reason = lab_unavailable()
     if reason:
         pytest.skip(reason)
+    with LAB_TURN.open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"\nwaiting for {LAB_TURN}: another test session holds the lab", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(scope="session")
+def lab(lab_turn: None) -> Iterator[Lab]:
+    """The session's lab cluster (``tests/integration/conftest.py`` says what it holds),
+    shared by every module that asks for it: only one lab fits on a machine."""
     llmgw("lab", "down", "--state", str(STATE), check=False)  # a stale lab from a crashed run
     visible_llmgw.build()  # before the nodes boot: their root is an overlay on this machine's
     llmgw("lab", "up", "--nodes", str(NODES), "--state", str(STATE))

@@ -22,7 +22,7 @@ from llmgw_cli.lab import shapes
 from .conftest import STATE, lab_unavailable, llmgw
 from .wheel import build_wheel, install_wheel
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("lab_turn")]  # this module boots its own labs
 SYSTEMD_TMP_NAMES = {".X11-unix", ".ICE-unix", ".font-unix", ".XIM-unix", ".Test-unix"}
 
 
