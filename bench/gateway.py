@@ -440,6 +440,11 @@ def start_targets(
     gateways = [
         Gateway(work, "llmgw" if loops == ["auto"] else f"llmgw-{loop}", loop, up_port) for loop in loops
     ]
+    if args.http_servers:  # one gateway per public HTTP server, on the first loop
+        gateways = [
+            Gateway(work, f"llmgw-{server}", loops[0], up_port, gateway={"http_server": server})
+            for server in args.http_servers.split(",")
+        ]
     targets = [Target("direct", up_port, gateways[0].key)]
     for g in gateways:
         cmd = [*pin, *g.command(), "--workers", "1"]
@@ -530,6 +535,12 @@ def main() -> None:
         default="auto",
         help="Event loops of llmgw, comma-separated (auto, asyncio, uvloop): one gateway each, "
         "measured side by side in the same run; e.g. asyncio,uvloop.",
+    )
+    parser.add_argument(
+        "--http-servers",
+        default="",
+        help="HTTP servers of llmgw's public listener, comma-separated (httptools, aiohttp: "
+        "gateway.http_server): one gateway each, measured side by side; e.g. httptools,aiohttp.",
     )
     args = parser.parse_args()
     if args.upstream:

@@ -7,11 +7,13 @@ engine's side of a connection, a raw socket server written here.
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import ssl
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -392,6 +394,26 @@ def test_deeply_nested_json_is_400(sim: Engine, tmp_path: Path) -> None:
             answer = _raw(gw.port, b"POST /v1/chat/completions HTTP/1.1\r\n" + head + body)
             assert _status(answer) == 400, (body[:40], answer[:300])
             assert _error(answer)["type"] == "invalid_request_error"
+        _no_traceback(gw)
+
+
+@pytest.mark.integration
+def test_compressed_bodies_are_read_and_a_compression_bomb_is_413(sim: Engine, tmp_path: Path) -> None:
+    with _serving(tmp_path, sim.address, max_request_size="64KiB") as (gw, key, _):
+        body = json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": 2}).encode()
+        bomb = b'{"model":"m","x":"' + b"a" * 50_000_000 + b'"}'  # 50 MB, about 50 KB gzipped
+        for coding, data, status in [
+            ("gzip", gzip.compress(body), 200),
+            ("deflate", zlib.compress(body), 200),
+            ("gzip", gzip.compress(bomb), 413),
+        ]:
+            head = (
+                b"Host: x\r\nAuthorization: Bearer %b\r\nContent-Encoding: %b\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n" % (key.encode(), coding.encode(), len(data))
+            )
+            answer = _raw(gw.port, b"POST /v1/chat/completions HTTP/1.1\r\n" + head + data)
+            assert _status(answer) == status, (coding, answer[:300])
+        assert _error(answer)["code"] == "request_too_large"
         _no_traceback(gw)
 
 

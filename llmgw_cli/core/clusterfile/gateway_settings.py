@@ -4,6 +4,8 @@ queues and controller settings (its ``description`` texts are the documentation,
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import ConfigDict, Field, model_validator
 
 from llmgw_cli.core.clusterfile.base import Spec
@@ -167,6 +169,12 @@ class GatewaySettings(Spec):
     )
     tls: GatewayTls | None = Field(
         None, description="TLS on the public listener. Unset: plain HTTP (put a TLS proxy in front)."
+    )
+    http_server: Literal["httptools", "aiohttp"] = Field(
+        "httptools",
+        description="The HTTP server of the public listener: `httptools`, the gateway's own "
+        "lean HTTP/1.1 server (less CPU per request), or `aiohttp`'s. Both keep the same "
+        "timeouts, limits and answers; the admin and metrics listeners are always aiohttp's.",
     )
     drain_timeout: Duration = Field(
         30.0,

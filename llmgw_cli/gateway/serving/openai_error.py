@@ -19,14 +19,15 @@ import secrets
 from aiohttp import web
 
 from llmgw_cli.errors import BadRequest
+from llmgw_cli.gateway.serving.exchange import Incoming
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = web.RequestKey("request_id", str)
 
 
-def request_id(request: web.Request) -> str:
+def request_id(request: Incoming) -> str:
     """This request's id, made on first use: ``req_`` and 24 hex digits."""
-    found = request.get(_REQUEST_ID)
+    found: str | None = request.get(_REQUEST_ID)
     if found is None:
         found = request[_REQUEST_ID] = "req_" + secrets.token_hex(12)
     return found

@@ -41,6 +41,7 @@ from llmgw_cli.errors import AdapterNotLoaded, BadRequest, ConnectFailed, Discon
 from llmgw_cli.gateway.control.state import Gateway, log
 from llmgw_cli.gateway.serving import limiting
 from llmgw_cli.gateway.serving.admission import Admit
+from llmgw_cli.gateway.serving.exchange import Incoming, Outgoing, open_stream
 from llmgw_cli.gateway.serving.openai_error import bad_request, error, request_id, withheld
 from llmgw_cli.gateway.serving.request_body import parse_body, with_include_usage
 from llmgw_cli.gateway.serving.sse import StreamRelay, body_usage
@@ -80,7 +81,7 @@ class RequestRecord:
     ticket: Ticket | None = None  # what the key's limits counted: settled once the usage is known
 
 
-async def forward(request: web.Request) -> web.StreamResponse:
+async def forward(request: Incoming) -> Outgoing:
     gw = request.app[GATEWAY]
     started = time.monotonic()
     record = RequestRecord()
@@ -148,9 +149,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
             )
 
 
-async def _forward(
-    request: web.Request, gw: Gateway, record: RequestRecord, started: float
-) -> web.StreamResponse:
+async def _forward(request: Incoming, gw: Gateway, record: RequestRecord, started: float) -> Outgoing:
     token = bearer(request.headers.get("Authorization"))
     # an unknown token: maybe a key made a moment ago, which this process has not read yet
     key = gw.authenticate(token) or await gw.authenticate_fresh(token)
@@ -225,9 +224,7 @@ async def _forward(
     return answer
 
 
-async def _limited(
-    request: web.Request, gw: Gateway, key: ApiKey, record: RequestRecord
-) -> web.Response | None:
+async def _limited(request: Incoming, gw: Gateway, key: ApiKey, record: RequestRecord) -> web.Response | None:
     """The key's rpm, tpm and budget (``limiting.py``): the 429 of a refusal, or None (the
     request is counted, its ticket kept to settle its tokens, its headers set)."""
     decided = await limiting.admit(gw, key, record.prompt_estimate)
@@ -303,7 +300,7 @@ def _fallbacks(gw: Gateway, key: ApiKey, name: str) -> tuple[str, ...]:
     return usable(chain, key.allows) if chain else ()
 
 
-def _route_key(request: web.Request, payload: dict[str, object], body: bytes) -> str | None:
+def _route_key(request: Incoming, payload: dict[str, object], body: bytes) -> str | None:
     """The prefix policy's key, from the body parsed once above, never again."""
     session = session_of(payload, request.headers.get("x-session-id"))
     # A body shorter than one block cannot hold a block of prompt (its JSON spends at
@@ -314,7 +311,7 @@ def _route_key(request: web.Request, payload: dict[str, object], body: bytes) ->
 
 
 async def _fall_back(
-    request: web.Request,
+    request: Incoming,
     gw: Gateway,
     record: RequestRecord,
     *,
@@ -322,7 +319,7 @@ async def _fall_back(
     payload: dict[str, object],
     started: float,
     fallbacks: tuple[str, ...],
-) -> web.StreamResponse:
+) -> Outgoing:
     """The request, for each fallback in turn until one answers: the last answers
     whatever happens (its refusal or failure is the client's answer). A fallback whose
     queue is full is skipped; the load wait counts from the request's start."""
@@ -362,7 +359,7 @@ def _refused(why: Unavailable, rid: str) -> web.Response:
     return error(why.status, message, "server_error", why.code, why.headers)
 
 
-def _upstream_failed(request: web.Request, gw: Gateway, reason: str, detail: str) -> web.Response:
+def _upstream_failed(request: Incoming, gw: Gateway, reason: str, detail: str) -> web.Response:
     """A 502: ``reason`` for the client, ``detail`` (an engine's address, what broke) for
     the log, under the request id the answer names."""
     rid = request_id(request)
@@ -410,7 +407,7 @@ def _choose(gw: Gateway, record: RequestRecord, route: Route, tried: set[str]) -
 
 
 async def _route(
-    request: web.Request,
+    request: Incoming,
     gw: Gateway,
     record: RequestRecord,
     body: bytes,
@@ -418,7 +415,7 @@ async def _route(
     *,
     route: Route,
     last: bool = True,
-) -> web.StreamResponse | None:
+) -> Outgoing | None:
     """The answer of ``record.model``'s replicas. Not the ``last`` model to try: None when
     it has none (``Unavailable``) or every attempt failed before a byte reached the
     client, for the next fallback."""
@@ -546,7 +543,7 @@ async def _send_load(gw: Gateway, replica: RoutedReplica, adapter: str) -> str:
     return f"{replica.address} answered {answer.status} to loading {adapter}: {data[:500].decode(errors='replace')}"
 
 
-def _passed_on(request: web.Request, name: str, why: str) -> None:
+def _passed_on(request: Incoming, name: str, why: str) -> None:
     """Log why ``name`` hands the request to its next fallback, under the answer's request id."""
     _log_detail(
         logging.INFO, request_id(request), f"`{name}` could not answer, trying its next fallback", why
@@ -554,8 +551,8 @@ def _passed_on(request: web.Request, name: str, why: str) -> None:
 
 
 async def _relay(
-    request: web.Request, gw: Gateway, upstream: Answer, record: RequestRecord, last: bool = True
-) -> web.StreamResponse | None:
+    request: Incoming, gw: Gateway, upstream: Answer, record: RequestRecord, last: bool = True
+) -> Outgoing | None:
     """The engine's answer, relayed. Not the ``last`` model to try: None for a 5xx (or a
     refused engine key), before a byte of it reaches the client."""
     if not last and (upstream.status >= 500 or upstream.status == 401):
@@ -575,11 +572,11 @@ async def _relay(
         if upstream.status == 200:
             record.prompt, record.completion = body_usage(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
-    out = web.StreamResponse(
-        status=upstream.status,
-        headers={"Content-Type": content_type, "Cache-Control": "no-cache", SERVED_BY: record.model},
+    out = await open_stream(
+        request,
+        upstream.status,
+        {"Content-Type": content_type, "Cache-Control": "no-cache", SERVED_BY: record.model},
     )
-    await out.prepare(request)
     relay = StreamRelay(hide_usage=record.hide_usage)
     try:
         while chunk := await upstream.next_chunk():

@@ -5,10 +5,15 @@
   request needs an admin key (Bearer, or the password of HTTP Basic for a browser);
 - ``metrics_listen``: only ``/metrics`` and ``/health``, so monitoring never reaches admin.
 
+The public listener runs on the gateway's own HTTP/1.1 server (``http1.py``, the routes of
+``public_routes``), or with ``gateway.http_server: aiohttp`` on aiohttp's (``public_app``);
+the admin and metrics listeners on aiohttp's. ``exchange.py`` names what the public paths
+need of either server's requests and answers.
+
 Clients are bounded in time (``gateway.client_timeouts``): a connection that has not sent
 a whole request head ``header`` seconds after it opened or after its previous answer is
-closed (aiohttp's keep-alive timer: it is not restarted by bytes that trickle in, so it
-bounds a slow head and an idle connection alike); a body must arrive within ``body``; a
+closed (aiohttp's keep-alive timer, ``http1``'s head deadline: not restarted by bytes that
+trickle in, so it bounds a slow head and an idle connection alike); a body must arrive within ``body``; a
 client whose socket stays full for ``write`` (it stopped reading) is dropped by
 ``WriteWatch``, which cancels its handler: the model slot is freed and the engine's
 connection closed. ``gateway.tls`` puts TLS on the public listener.
@@ -44,6 +49,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from multidict import CIMultiDict
 
 from llmgw_cli.core.clusterfile.spec import GatewayTls
 from llmgw_cli.core.planning.controller import Phase, public_progress
@@ -53,21 +59,22 @@ from llmgw_cli.errors import LlmgwError
 from llmgw_cli.gateway.control import systemd
 from llmgw_cli.gateway.control.fleet import FleetCollector
 from llmgw_cli.gateway.control.state import Gateway, log
-from llmgw_cli.gateway.serving import admin, limiting
-from llmgw_cli.gateway.serving.openai_error import add_request_id, error, request_id
+from llmgw_cli.gateway.serving import admin, http1, limiting
+from llmgw_cli.gateway.serving.exchange import Incoming
+from llmgw_cli.gateway.serving.openai_error import REQUEST_ID_HEADER, add_request_id, error, request_id
 from llmgw_cli.gateway.serving.proxy import GATEWAY, forward
 from llmgw_cli.gateway.store.sqlite import ModelState
 from llmgw_cli.gateway.store.usage import merged
 
 
-async def health(_request: web.Request) -> web.Response:
+async def health(_request: object) -> web.Response:
     return web.Response(status=200)
 
 
-async def models(request: web.Request) -> web.Response:
+async def models(request: Incoming) -> web.Response:
     """The models the key may use, each followed by an entry per alias of it (``alias_of``
     names the model)."""
-    gw = request.app[GATEWAY]
+    gw: Gateway = request.app[GATEWAY]
     key = gw.authenticate(bearer(request.headers.get("Authorization")))
     if key is None:
         return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
@@ -114,6 +121,12 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+async def _forward_aiohttp(request: web.Request) -> web.StreamResponse:
+    answer = await forward(request)
+    assert isinstance(answer, web.StreamResponse)  # on aiohttp's server, aiohttp's answers
+    return answer
+
+
 def public_app(gw: Gateway) -> web.Application:
     # client_max_size is a backstop; the handler answers an over-size body itself in the
     # OpenAI error format.
@@ -124,8 +137,37 @@ def public_app(gw: Gateway) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
-        app.router.add_post(path, forward)
+        app.router.add_post(path, _forward_aiohttp)
     return app
+
+
+def public_routes() -> dict[tuple[str, str], http1.Handler]:
+    """The public listener's routes on the lean server (``http1``)."""
+    routes: dict[tuple[str, str], http1.Handler] = {("GET", "/health"): health, ("GET", "/v1/models"): models}
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        routes["POST", path] = forward
+    return routes
+
+
+def _lean_prepare(request: http1.Request, headers: CIMultiDict[str]) -> None:
+    """What ``on_response_prepare`` adds on aiohttp: the request id, a limited key's
+    x-ratelimit-* headers."""
+    headers[REQUEST_ID_HEADER] = request_id(request)
+    rate = request.get(limiting.RATE_HEADERS)
+    if rate:
+        for name, value in rate.items():
+            headers.setdefault(name, value)
+
+
+def lean_server(gw: Gateway) -> http1.Server:
+    settings = gw.spec.gateway
+    return http1.Server(
+        public_routes(),
+        {GATEWAY: gw},
+        max_body=settings.max_request_size,
+        header_timeout=settings.client_timeouts.header,
+        prepare=_lean_prepare,
+    )
 
 
 @web.middleware
@@ -238,6 +280,14 @@ def redact_log(handler: logging.Handler, gw: Gateway) -> None:
         handler.addFilter(RedactLog(gw.known_secrets))
 
 
+def _all_connections(runners: list[web.AppRunner], lean: list[http1.Server]) -> list[Any]:
+    """Every client connection of every listener: aiohttp's and the lean server's."""
+    found: list[Any] = [c for r in runners if r.server is not None for c in r.server.connections]
+    for server in lean:
+        found.extend(server.connections)
+    return found
+
+
 class WriteWatch:
     """Drops clients that stopped reading. A connection whose transport has paused writing
     (its socket and the buffer above it are full) at every look for ``timeout`` seconds is
@@ -245,8 +295,11 @@ class WriteWatch:
     frees the model slot and closes the engine's connection. One task looks at every
     connection a few times per ``timeout``: nothing is added to the path of a write."""
 
-    def __init__(self, runners: list[web.AppRunner], timeout: float) -> None:
+    def __init__(
+        self, runners: list[web.AppRunner], timeout: float, lean: list[http1.Server] | None = None
+    ) -> None:
         self.runners = runners
+        self.lean = lean if lean is not None else []
         self.timeout = timeout
         self.stalled: dict[Any, float] = {}  # connection -> when it was first seen full
 
@@ -254,16 +307,14 @@ class WriteWatch:
         """Abort the connections full since ``timeout`` ago; how many were aborted."""
         seen: dict[Any, float] = {}
         dropped = 0
-        for runner in self.runners:
-            server = runner.server
-            for conn in server.connections if server is not None else ():
-                if not conn.writing_paused or conn.transport is None:
-                    continue
-                since = seen[conn] = self.stalled.get(conn, now)
-                if now - since >= self.timeout:
-                    log.info("dropping a client that has not read for %gs", self.timeout)
-                    conn.transport.abort()
-                    dropped += 1
+        for conn in _all_connections(self.runners, self.lean):
+            if not conn.writing_paused or conn.transport is None:
+                continue
+            since = seen[conn] = self.stalled.get(conn, now)
+            if now - since >= self.timeout:
+                log.info("dropping a client that has not read for %gs", self.timeout)
+                conn.transport.abort()
+                dropped += 1
         self.stalled = seen
         return dropped
 
@@ -359,7 +410,41 @@ class Connections:
             response.force_close()  # a stream that begins now closes its connection at its end
 
 
-async def _stop_accepting(runners: list[web.AppRunner], inherited: list[socket.socket]) -> None:
+async def _start_lean(
+    server: http1.Server,
+    listen: str,
+    sockets: list[socket.socket] | None,
+    context: ssl.SSLContext | None,
+    shared: bool = False,
+) -> list[asyncio.Server]:
+    """``_start_site`` for the lean server."""
+    loop = asyncio.get_running_loop()
+    try:
+        if sockets is None:
+            host, port = split_listen(listen)
+            return [
+                await loop.create_server(
+                    server, host, port, backlog=2048, ssl=context, reuse_port=shared or None
+                )
+            ]
+        return [await loop.create_server(server, sock=sock, backlog=2048, ssl=context) for sock in sockets]
+    except OSError as exc:
+        raise LlmgwError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
+
+
+class Listening:
+    """What serves: aiohttp's runners, the lean servers and their listening sockets."""
+
+    def __init__(self) -> None:
+        self.runners: list[web.AppRunner] = []
+        self.lean: list[http1.Server] = []
+        self.sites: list[asyncio.Server] = []
+
+    def connections(self) -> list[Any]:
+        return _all_connections(self.runners, self.lean)
+
+
+async def _stop_accepting(serving: Listening, inherited: list[socket.socket]) -> None:
     """Stop every listener. asyncio's own loop (before Python 3.12) attaches a connection it
     accepted a moment later, in a task of its own, and resets it when the listener was
     closed in between: with sockets another process accepts from too, that is a refused
@@ -371,13 +456,17 @@ async def _stop_accepting(runners: list[web.AppRunner], inherited: list[socket.s
             loop.remove_reader(sock.fileno())
     for _ in range(3):
         await asyncio.sleep(0)
-    for runner in runners:
+    for listening in serving.sites:
+        listening.close()
+    for lean in serving.lean:
+        lean.leaving = True  # answers not begun yet close their connection
+    for runner in serving.runners:
         for site in list(runner.sites):
             await site.stop()
 
 
 async def _lame_duck(
-    runners: list[web.AppRunner], conns: Connections, bound: float, inherited: list[socket.socket]
+    serving: Listening, conns: Connections, bound: float, inherited: list[socket.socket]
 ) -> None:
     """Stop accepting (another gateway process may accept from the same sockets now); then,
     until every connection is closed or ``bound`` seconds have passed, answer what arrives
@@ -385,37 +474,51 @@ async def _lame_duck(
     idle for ``IDLE_CLOSE``. What is still open after ``bound`` is closed: its requests are
     cut."""
     conns.leaving = True
-    await _stop_accepting(runners, inherited)
+    await _stop_accepting(serving, inherited)
     loop = asyncio.get_running_loop()
     start = loop.time()
+
+    def busy(conn: Any) -> bool:
+        return conn.busy if isinstance(conn, http1.Connection) else bool(conns.busy.get(conn))
+
+    def idle_since(conn: Any, now: float) -> float:
+        if isinstance(conn, http1.Connection):
+            return max(conn.idle_since, start)
+        return conns.last.setdefault(conn, now)
+
     while True:
         now = loop.time()
-        open_conns = [c for r in runners if r.server is not None for c in r.server.connections]
+        open_conns = serving.connections()
         if not open_conns:
             return
         if now - start >= bound:
             break
         for conn in open_conns:
-            if not conns.busy.get(conn) and now - conns.last.setdefault(conn, now) >= IDLE_CLOSE:
+            if not busy(conn) and now - idle_since(conn, now) >= IDLE_CLOSE:
                 # Idle: nothing of it is in flight. ``close()`` only asks a connection to
                 # end after its requests, and an idle one waiting for its next request
                 # stays open (aiohttp 3.14): the drain would wait out its bound.
                 conn.force_close()
         await asyncio.sleep(0.1)
-    busy = sum(1 for c in open_conns if conns.busy.get(c))
-    if busy:
-        log.warning("drain bound (%ss) reached with %d requests in flight: cut", bound, busy)
+    cut = sum(1 for c in open_conns if busy(c))
+    if cut:
+        log.warning("drain bound (%ss) reached with %d requests in flight: cut", bound, cut)
     for conn in open_conns:
         conn.force_close()  # its handler is cancelled: the engine's request with it
 
 
-def _listeners(gw: Gateway, worker: int | None) -> list[tuple[web.Application, str, ssl.SSLContext | None]]:
+def _listeners(
+    gw: Gateway, worker: int | None
+) -> list[tuple[web.Application | http1.Server, str, ssl.SSLContext | None]]:
     """The apps this process serves, each with its listener's name and TLS context: all
     three for one process or worker 0 of several; the public one only for other workers
     (the admin and metrics pages describe the process that answers: one, always the same)."""
     settings = gw.spec.gateway
     public_tls = tls_context(settings.tls) if settings.tls is not None else None
-    listeners = [(public_app(gw), "listen", public_tls)]
+    public = lean_server(gw) if settings.http_server == "httptools" else public_app(gw)
+    listeners: list[tuple[web.Application | http1.Server, str, ssl.SSLContext | None]] = [
+        (public, "listen", public_tls)
+    ]
     if not worker:
         listeners.append((admin_app(gw), "admin_listen", None))
         if settings.metrics_listen:
@@ -423,10 +526,61 @@ def _listeners(gw: Gateway, worker: int | None) -> list[tuple[web.Application, s
     return listeners
 
 
+def _listening(listen: str, context: ssl.SSLContext | None, inherited: bool) -> None:
+    log.info(
+        "listening on %s%s%s",
+        listen,
+        " (TLS)" if context is not None else "",
+        f" (from {systemd.SOCKET_UNIT})" if inherited else "",
+    )
+
+
 def _inherited(addresses: dict[str, str]) -> dict[str, list[socket.socket]] | None:
     """The sockets systemd passed, by listener; None when it passed none."""
     inherited = systemd.inherited_sockets()
     return systemd.assign(inherited, addresses) if inherited else None
+
+
+async def _start_listeners(  # noqa: PLR0917 (serve's parts, passed once)
+    gw: Gateway,
+    listeners: list[tuple[web.Application | http1.Server, str, ssl.SSLContext | None]],
+    serving: Listening,
+    conns: Connections,
+    where: tuple[dict[str, str], dict[str, list[socket.socket]] | None, int | None],
+    watches: list[asyncio.Task[None]],
+) -> None:
+    """Start each listener: on its inherited sockets, else bound to its address."""
+    settings = gw.spec.gateway
+    clients = settings.client_timeouts
+    addresses, passed, worker = where
+    for app, name, context in listeners:
+        listen = addresses[name]
+        shared = worker is not None and name == "listen"
+        inherited = passed[name] if passed is not None else None
+        if isinstance(app, http1.Server):
+            serving.lean.append(app)
+            serving.sites.extend(await _start_lean(app, listen, inherited, context, shared))
+            watches.append(asyncio.create_task(app.watch_heads(), name="gateway-head-watch"))
+            _listening(listen, context, passed is not None)
+            log.info("the public listener runs on the gateway's own HTTP/1.1 server (httptools)")
+            continue
+        # handler_cancellation: a client that disconnects cancels its handler, which
+        # closes the upstream connection, so the engine stops generating.
+        # keepalive_timeout: aiohttp closes a connection that has not sent a whole
+        # request head this long after it opened or its last answer ended.
+        app.middlewares.append(conns.middleware)
+        app.on_response_prepare.append(conns.on_prepare)
+        runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            shutdown_timeout=settings.drain_timeout,
+            access_log=None,
+            keepalive_timeout=clients.header,
+        )
+        await runner.setup()
+        serving.runners.append(runner)
+        await _start_site(runner, listen, inherited, context, shared)
+        _listening(listen, context, passed is not None)
 
 
 async def serve(gw: Gateway, ready: asyncio.Event | None = None, worker: int | None = None) -> None:
@@ -448,37 +602,18 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None, worker: int | N
     # answers 503 (the listeners below open after this today; the 503 keeps it so if
     # they ever open first).
     gw.metrics.build(FleetCollector(gw))
-    listeners = _listeners(gw, worker)
-    runners: list[web.AppRunner] = []
+    serving = Listening()
     conns = Connections()
-    clients = settings.client_timeouts
-    watch = asyncio.create_task(WriteWatch(runners, clients.write).run(), name="gateway-write-watch")
+    watches = [
+        asyncio.create_task(
+            WriteWatch(serving.runners, settings.client_timeouts.write, serving.lean).run(),
+            name="gateway-write-watch",
+        )
+    ]
     try:
-        for app, name, context in listeners:
-            # handler_cancellation: a client that disconnects cancels its handler, which
-            # closes the upstream connection, so the engine stops generating.
-            # keepalive_timeout: aiohttp closes a connection that has not sent a whole
-            # request head this long after it opened or its last answer ended.
-            app.middlewares.append(conns.middleware)
-            app.on_response_prepare.append(conns.on_prepare)
-            runner = web.AppRunner(
-                app,
-                handler_cancellation=True,
-                shutdown_timeout=settings.drain_timeout,
-                access_log=None,
-                keepalive_timeout=clients.header,
-            )
-            await runner.setup()
-            runners.append(runner)
-            listen = addresses[name]
-            shared = worker is not None and name == "listen"
-            await _start_site(runner, listen, passed[name] if passed is not None else None, context, shared)
-            log.info(
-                "listening on %s%s%s",
-                listen,
-                " (TLS)" if context is not None else "",
-                f" (from {systemd.SOCKET_UNIT})" if passed is not None else "",
-            )
+        await _start_listeners(
+            gw, _listeners(gw, worker), serving, conns, (addresses, passed, worker), watches
+        )
         loop = asyncio.get_running_loop()
         log.info("event loop: %s", type(loop).__module__.partition(".")[0])  # asyncio or uvloop
         stop = asyncio.Event()
@@ -500,11 +635,12 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None, worker: int | N
         log.info("stopping: draining requests in flight for up to %ss", settings.drain_timeout)
         started = time.monotonic()
         await _lame_duck(
-            runners, conns, settings.drain_timeout, [x for v in (passed or {}).values() for x in v]
+            serving, conns, settings.drain_timeout, [x for v in (passed or {}).values() for x in v]
         )
     finally:
-        watch.cancel()
+        for watch in watches:
+            watch.cancel()
         # Each listener stops accepting, then waits for its handlers (up to drain_timeout).
-        await asyncio.gather(*(r.cleanup() for r in runners))
+        await asyncio.gather(*(r.cleanup() for r in serving.runners), *(s.close() for s in serving.lean))
         await gw.stop()
     log.info("stopped after draining %.1fs", time.monotonic() - started)
