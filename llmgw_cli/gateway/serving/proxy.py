@@ -86,20 +86,28 @@ async def forward(request: web.Request) -> web.StreamResponse:
     record = RequestRecord()
     try:
         response = await _forward(request, gw, record, started)
+        if not response.prepared:  # a stream's head went out already
+            if record.model != "-":
+                response.headers[SERVED_BY] = record.model
+            # Written here rather than by aiohttp once the handler returned: a client gone
+            # by now is seen (a 499), and the line below says what the client got.
+            await response.prepare(request)
+            await response.write_eof()
         record.status = record.status or response.status
-        if record.model != "-" and not response.prepared:  # a stream's head said it already
-            response.headers[SERVED_BY] = record.model
         return response
     except asyncio.CancelledError:
-        # The client went away; the upstream request is closed with us. A client that read
-        # to `data: [DONE]` and hung up without waiting for the end of the body (the openai
-        # client does) got the whole answer: that is a 200, not a 499.
-        record.status = 200 if record.done else 499
-        if record.attempts and not (record.prompt or record.completion):
-            # Gone before the engine said what it used: its prompt was read all the same.
-            record.prompt = record.prompt_estimate
-            record.usage_estimated = True
+        # The client went away (aiohttp cancels the handler); the upstream request is
+        # closed with us. A client that read to `data: [DONE]` and hung up without waiting
+        # for the end of the body (the openai client does) got the whole answer: that is a
+        # 200, not a 499.
+        _client_gone(record)
         raise
+    except ConnectionResetError:
+        # The client went away and the handler learnt it first, writing to its closing
+        # connection (aiohttp cancels the handler only at its next turn of the loop): the
+        # same 499. (The engines' errors are UpstreamError: this is always the client's.)
+        _client_gone(record)
+        return web.Response(status=499)  # aiohttp finds the connection closed: nothing is sent
     finally:
         seconds = time.monotonic() - started
         if record.ticket is not None and record.api_key is not None:
@@ -146,6 +154,15 @@ async def forward(request: web.Request) -> web.StreamResponse:
                     "ms": round(seconds * 1000, 3),
                 }
             )
+
+
+def _client_gone(record: RequestRecord) -> None:
+    """The status and usage of a request whose client went away."""
+    record.status = 200 if record.done else 499
+    if record.attempts and not (record.prompt or record.completion):
+        # Gone before the engine said what it used: its prompt was read all the same.
+        record.prompt = record.prompt_estimate
+        record.usage_estimated = True
 
 
 async def _forward(
@@ -579,17 +596,22 @@ async def _relay(
         status=upstream.status,
         headers={"Content-Type": content_type, "Cache-Control": "no-cache", SERVED_BY: record.model},
     )
-    await out.prepare(request)
     relay = StreamRelay(hide_usage=record.hide_usage)
+    sending = b""  # the bytes of the write under way: lost if the client is gone
+    gone: bytes | None = None  # the write that found the client gone
     try:
+        await out.prepare(request)  # the head goes out now
         while chunk := await upstream.next_chunk():
             if record.first_chunk is None:  # time to first token, for the metrics
                 record.first_chunk = time.monotonic()
-            sent = relay.feed(chunk)
+            sending = relay.feed(chunk)
             if upstream.complete:  # the last read: one write with the body's end
-                await out.write_eof(sent + relay.rest())
-            elif sent:
-                await out.write(sent)
+                sending += relay.rest()
+                await out.write_eof(sending)
+            elif sending:
+                await out.write(sending)
+        sending = relay.rest()
+        await out.write_eof(sending)  # nothing more when the last read ended the body
     except UpstreamError:
         # Bytes already reached the client: the stream can only be cut (the log line says
         # so). An engine that closes its connection right after the last event (llama-server
@@ -603,16 +625,19 @@ async def _relay(
             request.transport.close()
         return out
     except ConnectionResetError:
-        # The client left: the caller's release closes the upstream connection, which
-        # stops the generation. One that had read to `data: [DONE]` got a whole answer.
-        _metered(relay, record)
-        record.status = 200 if record.done else 499
-        return out
+        # The client left, at the head or at a write (its connection closing before aiohttp
+        # cancelled the handler): the caller's release closes the upstream connection,
+        # which stops the generation.
+        gone = sending
     finally:
         # Whatever ended the stream (its end, a cut, the client leaving, cancellation), the
         # tokens the engine made are metered.
         _metered(relay, record)
-    await out.write_eof(relay.rest())  # nothing more when the last read ended the body
+    if gone is not None:
+        # One that had read to `data: [DONE]` got a whole answer; not when `[DONE]` was in
+        # the write that found it gone (the stream's end, unless that write was empty).
+        record.done = record.done and not gone.strip()
+        record.status = 200 if record.done else 499
     return out
 
 
