@@ -133,26 +133,27 @@ async def forward(request: web.Request) -> web.StreamResponse:
             first_token=None if first_chunk is None else first_chunk - started,
         )
         if gw.access_log is not None:
+            # the values of accesslog.FIELDS, in order: encoded (and rounded) by its writer
             gw.access_log.write(
-                {
-                    "ts": round(time.time(), 3),
-                    "request_id": request_id(request),  # as the answer's x-request-id says
-                    "path": request.path,
-                    "key": record.key,
-                    "model": record.model,
-                    "asked": record.asked,
-                    "replica": record.replica,
-                    "route": record.route,
-                    "status": record.status,
-                    "stream": record.stream,
-                    "prompt_tokens": record.prompt,
-                    "completion_tokens": record.completion,
-                    "usage_estimated": record.usage_estimated,
-                    "attempts": record.attempts,
-                    "first_byte_ms": round(record.first_byte_ms, 3),
-                    "cut": record.cut,
-                    "ms": round(seconds * 1000, 3),
-                }
+                (
+                    time.time(),
+                    request_id(request),  # as the answer's x-request-id says
+                    request.path,
+                    record.key,
+                    record.model,
+                    record.asked,
+                    record.replica,
+                    record.route,
+                    record.status,
+                    record.stream,
+                    record.prompt,
+                    record.completion,
+                    record.usage_estimated,
+                    record.attempts,
+                    record.first_byte_ms,
+                    record.cut,
+                    seconds * 1000,
+                )
             )
 
 
