@@ -7,7 +7,7 @@ import io
 import json
 import select
 
-from llmgw_cli.gateway.serving.accesslog import FIELDS, AccessLog
+from llmgw_cli.gateway.serving.accesslog import FIELDS, AccessLog, encode
 from tests.waiting import wait_until
 
 
@@ -22,6 +22,9 @@ class Broken(io.RawIOBase):
 def _line(n: int, asked: str = "m") -> tuple[object, ...]:
     values: dict[str, object] = dict.fromkeys(FIELDS, "-")
     values.update(ts=1700000000.123456, status=200, first_byte_ms=1.23456, ms=n + 0.0004, asked=asked)
+    values.update(
+        stream=False, usage_estimated=False, cut=False, prompt_tokens=5, completion_tokens=3, attempts=1
+    )
     return tuple(values[f] for f in FIELDS)
 
 
@@ -52,6 +55,16 @@ def test_a_line_is_encoded_by_the_writer_from_the_values_in_order() -> None:
     assert list(record) == list(FIELDS)
     assert (record["asked"], record["status"]) == (hostile, 200)
     assert (record["ts"], record["first_byte_ms"], record["ms"]) == (1700000000.123, 1.235, 7.0)
+
+
+def test_a_tuple_is_written_as_json_writes_the_dict_of_its_fields() -> None:
+    for asked in ("m", 'x"\n\\', "mod\u00e8le", "\ud800", "\x00\x1f\x7f", "</script>"):
+        for flag in (True, False):
+            values = dict(zip(FIELDS, _line(3, asked=asked), strict=True))
+            values.update(stream=flag, usage_estimated=not flag, cut=flag)
+            expected = {**values, **{f: round(values[f], 3) for f in ("ts", "first_byte_ms", "ms")}}  # type: ignore[call-overload]
+            line = tuple(values.values())
+            assert encode(line) == json.dumps(expected, separators=(",", ":")).encode() + b"\n"
 
 
 def test_lines_a_failed_write_lost_are_counted() -> None:

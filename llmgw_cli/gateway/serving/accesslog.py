@@ -34,7 +34,8 @@ LIMIT = 64 * 1024
 CAPACITY = 16384  # queued lines (about 6 MiB at most); 80,000 requests/s at INTERVAL
 INTERVAL = 0.2
 
-# The values of a line, in order: the request's path passes a tuple of them.
+# The values of a line, in order: the request's path passes a tuple of them (``encode``
+# writes them in this order).
 FIELDS = (
     "ts",
     "request_id",
@@ -54,20 +55,28 @@ FIELDS = (
     "cut",
     "ms",
 )
-ROUNDED = tuple(FIELDS.index(f) for f in ("ts", "first_byte_ms", "ms"))  # to 3 decimals
-
+_string = json.encoder.encode_basestring_ascii  # as json.dumps writes a str (C, escaped)
+_bool = ("false", "true")
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def encode(record: tuple[Any, ...] | dict[str, Any]) -> bytes:
-    """One line: a tuple of ``FIELDS`` values (times rounded here, off the request's path),
-    or a dict as it is."""
-    if isinstance(record, tuple):
-        values = list(record)
-        for i in ROUNDED:
-            values[i] = round(values[i], 3)
-        record = dict(zip(FIELDS, values, strict=True))
-    return _encode(record).encode() + b"\n"
+    """One line: a tuple of ``FIELDS`` values, or a dict as it is. A tuple is written as
+    ``json.dumps`` would write the dict of its fields (times rounded to 3 decimals), in a
+    quarter of the time: its strings (names a client sent among them) escaped by json's
+    own encoder, its numbers and flags formatted as JSON has them."""
+    if not isinstance(record, tuple):
+        return _encode(record).encode() + b"\n"
+    ts, rid, path, key, model, asked, replica, route, status, stream, prompt, completion = record[:12]
+    estimated, attempts, first_byte_ms, cut, ms = record[12:]
+    return (
+        f'{{"ts":{round(ts, 3)!r},"request_id":{_string(rid)},"path":{_string(path)},'
+        f'"key":{_string(key)},"model":{_string(model)},"asked":{_string(asked)},'
+        f'"replica":{_string(replica)},"route":{_string(route)},"status":{status:d},'
+        f'"stream":{_bool[stream]},"prompt_tokens":{prompt:d},"completion_tokens":{completion:d},'
+        f'"usage_estimated":{_bool[estimated]},"attempts":{attempts:d},'
+        f'"first_byte_ms":{round(first_byte_ms, 3)!r},"cut":{_bool[cut]},"ms":{round(ms, 3)!r}}}\n'
+    ).encode()
 
 
 class AccessLog:
