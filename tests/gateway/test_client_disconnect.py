@@ -224,7 +224,7 @@ def _together(gw: Gateway, engine_sends: bytes, conn: socket.socket, client: soc
 def test_a_client_gone_while_its_body_arrives(setup: Setup) -> None:
     watch = Watch(setup, "-")
     client = _request(setup.gw, setup.key, _body(stream=False), length=1000)
-    time.sleep(0.3)  # the gateway waits for the rest of the body
+    time.sleep(1)  # the gateway waits for the rest of the body (nothing outside shows it)
     client.close()
     watch.assert_499(model="-")
 
@@ -257,7 +257,7 @@ def test_a_client_gone_while_waiting_for_admission(setup: Setup) -> None:
 def test_a_client_gone_while_its_model_starts(setup: Setup) -> None:
     watch = Watch(setup, "cold")
     client = _request(setup.gw, setup.key, _body("cold", stream=False))
-    time.sleep(0.5)  # waiting for a ready replica (load_wait)
+    time.sleep(1)  # waiting for a ready replica (load_wait; nothing outside shows it)
     client.close()
     watch.assert_499()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import select
 
 from llmgw_cli.gateway.serving.accesslog import FIELDS, AccessLog, encode
@@ -103,3 +104,22 @@ def test_a_filling_queue_wakes_the_writer_before_its_interval() -> None:
         )
     finally:
         log.close()
+
+
+def test_a_workers_pieces_go_to_the_descriptor_in_one_write_each() -> None:
+    """Not through the stream's buffer, where another log line could join a piece."""
+    read_end, write_end = os.pipe()
+    stream = os.fdopen(write_end, "wb")
+    log = AccessLog(stream, select.PIPE_BUF)
+    try:
+        stream.write(b"not flushed: stays in the buffer\n")
+        for n in range(100):
+            log.write(_line(n))
+        log.flush()
+        got = b""
+        while got.count(b"\n") < 100:
+            got += os.read(read_end, 65536)
+        assert [json.loads(x)["ms"] for x in got.splitlines()] == [float(n) for n in range(100)]
+    finally:
+        stream.close()
+        os.close(read_end)

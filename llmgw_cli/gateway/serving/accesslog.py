@@ -15,7 +15,10 @@ queued; ``close`` (at the gateway's stop) writes everything still queued.
 
 Several workers write to the same stderr: one write of more than ``PIPE_BUF`` bytes may
 be interleaved with another process's, which would cut lines. A worker's log
-(``chunk=select.PIPE_BUF``) writes whole lines in pieces of at most that size.
+(``chunk=select.PIPE_BUF``) writes whole lines in pieces of at most that size, each in one
+system call on the stream's file descriptor: not through the stream's buffer, where the
+process's other log lines (written by the event loop's thread meanwhile) could join a
+piece into one longer write.
 
 Contract: ``write`` runs on the event loop and never blocks; ``flush`` (the writer's, or
 the caller's when no writer runs, as in tests) encodes and writes what is queued, one
@@ -25,6 +28,7 @@ flush at a time; ``start`` and ``close`` start and stop the writer.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -97,6 +101,10 @@ class AccessLog:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
+        try:  # written to directly (see the module's docstring); a file object in tests
+            self._fd: int | None = stream.fileno()
+        except (OSError, ValueError, AttributeError):
+            self._fd = None
 
     def write(self, record: tuple[Any, ...] | dict[str, Any]) -> None:
         """Queue one line (a tuple of ``FIELDS`` values, or a dict); drop it when the queue
@@ -158,17 +166,23 @@ class AccessLog:
 
     def _write(self, lines: list[bytes]) -> None:
         if self.chunk >= LIMIT:
-            self.stream.write(b"".join(lines))
-            self.stream.flush()
+            self._put(b"".join(lines))
             return
         piece: list[bytes] = []
         size = 0
         for line in lines:
             if piece and size + len(line) > self.chunk:
-                self.stream.write(b"".join(piece))
-                self.stream.flush()  # one write system call per piece
+                self._put(b"".join(piece))  # one write system call per piece
                 piece, size = [], 0
             piece.append(line)
             size += len(line)
-        self.stream.write(b"".join(piece))
-        self.stream.flush()
+        self._put(b"".join(piece))
+
+    def _put(self, data: bytes) -> None:
+        if self._fd is None:
+            self.stream.write(data)
+            self.stream.flush()
+            return
+        view = memoryview(data)
+        while view:  # a pipe takes a piece of at most PIPE_BUF whole, in one write
+            view = view[os.write(self._fd, view) :]
