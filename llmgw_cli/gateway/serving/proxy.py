@@ -89,10 +89,14 @@ async def forward(request: web.Request) -> web.StreamResponse:
         if not response.prepared:  # a stream's head went out already
             if record.model != "-":
                 response.headers[SERVED_BY] = record.model
-            # Written here rather than by aiohttp once the handler returned: a client gone
-            # by now is seen (a 499), and the line below says what the client got.
-            await response.prepare(request)
-            await response.write_eof()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                # The client went away as its answer came: aiohttp, which writes the
+                # answer once the handler returns (no turn of the loop between), finds
+                # its connection closing and sends nothing. (Written here instead, the
+                # answer would reach the client before it is counted and logged.)
+                _client_gone(record)
+                return response
         record.status = record.status or response.status
         return response
     except asyncio.CancelledError:
