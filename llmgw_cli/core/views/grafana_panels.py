@@ -207,6 +207,7 @@ def _latency() -> list[Panel]:
                 Query(f"sum by (model) (llmgw_queued{{{M}}})", "{{model}} queued"),
             ],
             "Requests holding a slot of the model, and requests waiting for one.",
+            w=8,
         ),
         Panel(
             "timeseries",
@@ -214,6 +215,16 @@ def _latency() -> list[Panel]:
             [Query(f"sum by (model) (rate(llmgw_upstream_retries_total{{{M}}}[{RATE}]))", "{{model}}")],
             "Requests retried on another replica after a connection failure.",
             unit="reqps",
+            w=8,
+        ),
+        Panel(
+            "timeseries",
+            "Access log lines dropped/s",
+            [Query(f"sum by (instance) (rate(llmgw_access_log_dropped_total[{RATE}]))", "{{instance}}")],
+            "Access log lines a gateway dropped: requests came faster than it could write its "
+            "log (or stderr did not drain). Serving goes on; those requests have no log line.",
+            unit="short",
+            w=8,
         ),
     ]
 

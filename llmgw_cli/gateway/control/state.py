@@ -183,7 +183,6 @@ class Gateway:
         self.every = {
             **job_intervals(spec.gateway, **self._given_intervals),
             "keys": keys_every,
-            "log": 0.2,
             "reconcile": 1.0,
             "signals": spec.gateway.signals_interval,
             "labels": KEY_LABELS_EVERY,
@@ -240,6 +239,8 @@ class Gateway:
         self.controller.changed = self._routing_changed
         self.controller.secrets = self.known_secrets
         self.access_log = access_log
+        if access_log is not None:  # lines it had to drop (serving went faster than its writes)
+            access_log.on_drop = self.metrics.log_dropped
         self._upstream_settings()
 
     def known_secrets(self) -> tuple[str, ...]:
@@ -286,13 +287,14 @@ class Gateway:
         await self.discover()
         await self.check_health()
         self.controller.observe()
+        if self.access_log is not None:  # its writer thread, until ``stop`` writes the rest
+            self.access_log.start()
         jobs: list[tuple[str, Callable[[], object]]] = [
             ("discover", self.discover),
             ("health", self.check_health),
             ("flush", self.flush),
             # the API keys: the coordinator reloads them when their version changed
             ("keys", self.load_engine_keys),
-            ("log", self.flush_log),
             # each process reads the engines' /metrics for its own pool's routing
             ("signals", self.poll_signals),
             # which keys the metrics name, when there are more than gateway.metrics_keys
@@ -342,7 +344,8 @@ class Gateway:
             await self.flush()
         except Exception:
             log.exception("could not write the last usage totals")
-        self.flush_log()
+        if self.access_log is not None:
+            self.access_log.close()  # every line still queued
         self.upstreams.close()
         if self.health_session is not None:
             await self.health_session.close()
@@ -593,6 +596,7 @@ class Gateway:
             return None
 
     def flush_log(self) -> None:
+        """Write the access lines queued so far (the writer thread does every 0.2 s)."""
         if self.access_log is not None:
             self.access_log.flush()
 

@@ -123,6 +123,12 @@ class Metrics:
             ["model", "policy", "reason"],
             registry=None,
         )
+        self.access_log_dropped = Counter(
+            "llmgw_access_log_dropped",
+            "Access log lines dropped: its queue was full (requests came faster than its "
+            "writer could write them, or stderr did not drain) or the write failed.",
+            registry=None,
+        )
         self.recent = RecentUse()
         # the keys named in the ``key`` label, the rest are "other" (None: every key);
         # set by the gateway from its keys and their usage (core/serving/key_labels.py)
@@ -186,6 +192,11 @@ class Metrics:
             child = self._routes[(model, policy, reason)] = self.route_decisions.labels(model, policy, reason)
         child.inc()
 
+    def log_dropped(self, lines: int) -> None:
+        """The access log dropped ``lines`` (called from its writer thread: prometheus_client
+        counters take a lock)."""
+        self.access_log_dropped.inc(lines)
+
     def retry(self, model: str) -> None:
         """A request of ``model`` is tried again after a connection failure (its child kept,
         as ``routed``'s: a flapping engine retries on every request)."""
@@ -229,6 +240,7 @@ class Metrics:
             self.first_token,
             self.tokens,
             self.retries,
+            self.access_log_dropped,
             self.route_decisions,
             self.loads,
             self.load_seconds,

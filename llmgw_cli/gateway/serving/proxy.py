@@ -87,20 +87,32 @@ async def forward(request: Incoming) -> Outgoing:
     record = RequestRecord()
     try:
         response = await _forward(request, gw, record, started)
+        if not response.prepared:  # a stream's head went out already
+            if record.model != "-":
+                response.headers[SERVED_BY] = record.model
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                # The client went away as its answer came: aiohttp, which writes the
+                # answer once the handler returns (no turn of the loop between), finds
+                # its connection closing and sends nothing. (Written here instead, the
+                # answer would reach the client before it is counted and logged.)
+                _client_gone(record)
+                return response
         record.status = record.status or response.status
-        if record.model != "-" and not response.prepared:  # a stream's head said it already
-            response.headers[SERVED_BY] = record.model
         return response
     except asyncio.CancelledError:
-        # The client went away; the upstream request is closed with us. A client that read
-        # to `data: [DONE]` and hung up without waiting for the end of the body (the openai
-        # client does) got the whole answer: that is a 200, not a 499.
-        record.status = 200 if record.done else 499
-        if record.attempts and not (record.prompt or record.completion):
-            # Gone before the engine said what it used: its prompt was read all the same.
-            record.prompt = record.prompt_estimate
-            record.usage_estimated = True
+        # The client went away (aiohttp cancels the handler); the upstream request is
+        # closed with us. A client that read to `data: [DONE]` and hung up without waiting
+        # for the end of the body (the openai client does) got the whole answer: that is a
+        # 200, not a 499.
+        _client_gone(record)
         raise
+    except ConnectionResetError:
+        # The client went away and the handler learnt it first, writing to its closing
+        # connection (aiohttp cancels the handler only at its next turn of the loop): the
+        # same 499. (The engines' errors are UpstreamError: this is always the client's.)
+        _client_gone(record)
+        return web.Response(status=499)  # aiohttp finds the connection closed: nothing is sent
     finally:
         seconds = time.monotonic() - started
         if record.ticket is not None and record.api_key is not None:
@@ -126,27 +138,37 @@ async def forward(request: Incoming) -> Outgoing:
             first_token=None if first_chunk is None else first_chunk - started,
         )
         if gw.access_log is not None:
+            # the values of accesslog.FIELDS, in order: encoded (and rounded) by its writer
             gw.access_log.write(
-                {
-                    "ts": round(time.time(), 3),
-                    "request_id": request_id(request),  # as the answer's x-request-id says
-                    "path": request.path,
-                    "key": record.key,
-                    "model": record.model,
-                    "asked": record.asked,
-                    "replica": record.replica,
-                    "route": record.route,
-                    "status": record.status,
-                    "stream": record.stream,
-                    "prompt_tokens": record.prompt,
-                    "completion_tokens": record.completion,
-                    "usage_estimated": record.usage_estimated,
-                    "attempts": record.attempts,
-                    "first_byte_ms": round(record.first_byte_ms, 3),
-                    "cut": record.cut,
-                    "ms": round(seconds * 1000, 3),
-                }
+                (
+                    time.time(),
+                    request_id(request),  # as the answer's x-request-id says
+                    request.path,
+                    record.key,
+                    record.model,
+                    record.asked,
+                    record.replica,
+                    record.route,
+                    record.status,
+                    record.stream,
+                    record.prompt,
+                    record.completion,
+                    record.usage_estimated,
+                    record.attempts,
+                    record.first_byte_ms,
+                    record.cut,
+                    seconds * 1000,
+                )
             )
+
+
+def _client_gone(record: RequestRecord) -> None:
+    """The status and usage of a request whose client went away."""
+    record.status = 200 if record.done else 499
+    if record.attempts and not (record.prompt or record.completion):
+        # Gone before the engine said what it used: its prompt was read all the same.
+        record.prompt = record.prompt_estimate
+        record.usage_estimated = True
 
 
 async def _forward(request: Incoming, gw: Gateway, record: RequestRecord, started: float) -> Outgoing:
@@ -572,21 +594,28 @@ async def _relay(
         if upstream.status == 200:
             record.prompt, record.completion = body_usage(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
+    # The head goes out now. A client gone already is a ConnectionResetError here, which
+    # ``forward`` records as a 499 (the caller's release closes the upstream connection).
     out = await open_stream(
         request,
         upstream.status,
         {"Content-Type": content_type, "Cache-Control": "no-cache", SERVED_BY: record.model},
     )
     relay = StreamRelay(hide_usage=record.hide_usage)
+    sending = b""  # the bytes of the write under way: lost if the client is gone
+    gone: bytes | None = None  # the write that found the client gone
     try:
         while chunk := await upstream.next_chunk():
             if record.first_chunk is None:  # time to first token, for the metrics
                 record.first_chunk = time.monotonic()
-            sent = relay.feed(chunk)
+            sending = relay.feed(chunk)
             if upstream.complete:  # the last read: one write with the body's end
-                await out.write_eof(sent + relay.rest())
-            elif sent:
-                await out.write(sent)
+                sending += relay.rest()
+                await out.write_eof(sending)
+            elif sending:
+                await out.write(sending)
+        sending = relay.rest()
+        await out.write_eof(sending)  # nothing more when the last read ended the body
     except UpstreamError:
         # Bytes already reached the client: the stream can only be cut (the log line says
         # so). An engine that closes its connection right after the last event (llama-server
@@ -600,16 +629,19 @@ async def _relay(
             request.transport.close()
         return out
     except ConnectionResetError:
-        # The client left: the caller's release closes the upstream connection, which
-        # stops the generation. One that had read to `data: [DONE]` got a whole answer.
-        _metered(relay, record)
-        record.status = 200 if record.done else 499
-        return out
+        # The client left at a write (its connection closing before aiohttp cancelled the
+        # handler): the caller's release closes the upstream connection,
+        # which stops the generation.
+        gone = sending
     finally:
         # Whatever ended the stream (its end, a cut, the client leaving, cancellation), the
         # tokens the engine made are metered.
         _metered(relay, record)
-    await out.write_eof(relay.rest())  # nothing more when the last read ended the body
+    if gone is not None:
+        # One that had read to `data: [DONE]` got a whole answer; not when `[DONE]` was in
+        # the write that found it gone (the stream's end, unless that write was empty).
+        record.done = record.done and not gone.strip()
+        record.status = 200 if record.done else 499
     return out
 
 
