@@ -614,6 +614,7 @@ async def _relay(
                 await out.write_eof(sending)
             elif sending:
                 await out.write(sending)
+            sending = b""  # written
         sending = relay.rest()
         await out.write_eof(sending)  # nothing more when the last read ended the body
     except UpstreamError:
@@ -633,14 +634,20 @@ async def _relay(
         # handler): the caller's release closes the upstream connection,
         # which stops the generation.
         gone = sending
+    except asyncio.CancelledError:
+        # The client left and the server cancelled the handler, maybe in the middle of a
+        # write (the lean server delivers it there): what was being written did not go out.
+        gone = sending
+        raise
     finally:
         # Whatever ended the stream (its end, a cut, the client leaving, cancellation), the
         # tokens the engine made are metered.
         _metered(relay, record)
+        if gone is not None:
+            # One that had read to `data: [DONE]` got a whole answer; not when `[DONE]` was
+            # in the write that found it gone (the stream's end, unless that write was empty).
+            record.done = record.done and not gone.strip()
     if gone is not None:
-        # One that had read to `data: [DONE]` got a whole answer; not when `[DONE]` was in
-        # the write that found it gone (the stream's end, unless that write was empty).
-        record.done = record.done and not gone.strip()
         record.status = 200 if record.done else 499
     return out
 
