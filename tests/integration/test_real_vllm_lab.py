@@ -586,14 +586,18 @@ def test_a_saturated_affine_vllm_yields_to_the_other_and_gets_its_prefix_back_on
     x the mean in flight, plus one, and goes to the other (``overloaded``). Once the long
     ones end, the prompt goes back to its own replica (``affinity``)."""
     key = real.new_key("saturate")
-    system = " ".join(f"Clause {i}: every reply names a colour and a number." for i in range(40))
+    # 12 clauses: about 650 characters, past the routing's 256-byte block (a prefix key),
+    # and about 170 tokens. With 40 (560 tokens) the prefill alone took 13 s on an idle
+    # AVX2-only CPU, and the overloaded request's, on the other replica while the three
+    # long generations held both cores, took longer than its client's 120 s.
+    system = " ".join(f"Clause {i}: every reply names a colour and a number." for i in range(12))
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
     url = f"http://127.0.0.1:{real.port}/v1/chat/completions"
     headers = {"Authorization": f"Bearer {key}"}
 
     def ask() -> None:
         body = {"model": CHAT, "messages": messages, "max_tokens": 2, "temperature": 0}
-        answer = httpx.post(url, json=body, headers=headers, timeout=120)
+        answer = httpx.post(url, json=body, headers=headers, timeout=300)
         assert answer.status_code == 200, answer.text
 
     def lines() -> list[dict[str, object]]:
