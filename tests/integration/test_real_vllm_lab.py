@@ -556,28 +556,6 @@ def test_a_shared_system_prompt_goes_to_one_vllm_and_is_served_from_its_prefix_c
     assert after[other] == before[other]
 
 
-def _every_replica_answered_once(real: RealLab) -> None:
-    """Short requests (under one block: no prefix key, so the least busy replica, in turn)
-    until every chat replica answered one. A vLLM's first request is slow (13 s on an idle
-    CPU with AVX2 only): one made first while the machine's cores run three long
-    generations on another replica took longer than its client's 120 s."""
-    key = real.new_key("warm")
-    url = f"http://127.0.0.1:{real.port}/v1/chat/completions"
-    wanted = {r["address"] for r in admin_replicas(real.admin_port, real.admin, CHAT)}
-
-    def served() -> list[str]:
-        return [str(x["replica"]) for x in access_log(real.log, CHAT) if x["key"] == "warm"]
-
-    for i in range(2 * len(wanted)):
-        body = {"model": CHAT, "messages": [{"role": "user", "content": f"Hi {i}."}], "max_tokens": 1}
-        answer = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
-        assert answer.status_code == 200, answer.text
-        found = wait_until(served, until=lambda found, i=i: len(found) == i + 1, timeout=10, what="its line")
-        if set(found) == wanted:
-            return
-    raise AssertionError(f"not every replica answered: {served()} of {sorted(wanted)}")
-
-
 def test_a_saturated_affine_vllm_yields_to_the_other_and_gets_its_prefix_back_once_free(
     real: RealLab,
 ) -> None:
@@ -603,7 +581,6 @@ def test_a_saturated_affine_vllm_yields_to_the_other_and_gets_its_prefix_back_on
     def lines() -> list[dict[str, object]]:
         return [x for x in access_log(real.log, CHAT) if x["key"] == "saturate"]
 
-    _every_replica_answered_once(real)
     ask()
     (first,) = wait_until(lines, until=lambda found: len(found) == 1, timeout=10, what="the first line")
     assert first["route"] == "affinity", first
