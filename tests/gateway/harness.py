@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import os
 import signal
 import socket
@@ -240,6 +241,10 @@ class Gateway:
         for client in self.clients:
             client.close()
         self.clients.clear()
+
+    def access_lines(self) -> list[dict[str, object]]:
+        """The access log's lines written so far (one JSON object a line, on stderr)."""
+        return [json.loads(x) for x in self.log.read_text(errors="replace").splitlines() if x.startswith("{")]
 
     def admin(self, path: str, key: str) -> httpx.Response:
         return httpx.get(

@@ -398,14 +398,25 @@ def test_deeply_nested_json_is_400(sim: Engine, tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_compressed_bodies_are_read_and_a_compression_bomb_is_413(sim: Engine, tmp_path: Path) -> None:
-    with _serving(tmp_path, sim.address, max_request_size="64KiB") as (gw, key, _):
+@pytest.mark.parametrize("server", ["httptools", "aiohttp"])
+def test_compressed_bodies_are_read_a_bomb_is_413_and_a_broken_one_400(
+    sim: Engine, tmp_path: Path, server: str
+) -> None:
+    with _serving(tmp_path, sim.address, max_request_size="64KiB", http_server=server) as (gw, key, _):
         body = json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": 2}).encode()
         bomb = b'{"model":"m","x":"' + b"a" * 50_000_000 + b'"}'  # 50 MB, about 50 KB gzipped
-        for coding, data, status in [
-            ("gzip", gzip.compress(body), 200),
-            ("deflate", zlib.compress(body), 200),
-            ("gzip", gzip.compress(bomb), 413),
+        for coding, data, status, code in [
+            ("gzip", gzip.compress(body), 200, None),
+            ("deflate", zlib.compress(body), 200, None),
+            ("gzip", gzip.compress(bomb), 413, "request_too_large"),
+            ("gzip", b"not gzip at all", 400, "invalid_body"),
+            # cut short: aiohttp's server passes on what did decompress, which is not JSON
+            (
+                "gzip",
+                gzip.compress(body)[:-12],
+                400,
+                "invalid_body" if server == "httptools" else "invalid_json",
+            ),
         ]:
             head = (
                 b"Host: x\r\nAuthorization: Bearer %b\r\nContent-Encoding: %b\r\nContent-Length: %d\r\n"
@@ -413,7 +424,15 @@ def test_compressed_bodies_are_read_and_a_compression_bomb_is_413(sim: Engine, t
             )
             answer = _raw(gw.port, b"POST /v1/chat/completions HTTP/1.1\r\n" + head + data)
             assert _status(answer) == status, (coding, answer[:300])
-        assert _error(answer)["code"] == "request_too_large"
+            if code:
+                assert _error(answer)["code"] == code, answer[:300]
+        logged = wait_until(
+            lambda: [x["status"] for x in gw.access_lines() if x["path"] == "/v1/chat/completions"],
+            until=lambda found: len(found) == 5,
+            timeout=10,
+            what="five access log lines",
+        )
+        assert logged == [200, 200, 413, 400, 400]
         _no_traceback(gw)
 
 

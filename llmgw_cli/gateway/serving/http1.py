@@ -50,6 +50,8 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict
 
+from llmgw_cli.errors import BadRequest
+
 log = logging.getLogger("llmgw.http")
 
 MAX_HEAD = 64 * 1024  # bytes of request line and headers
@@ -268,7 +270,8 @@ CODINGS = (b"gzip", b"x-gzip", b"deflate")
 def _decoded(body: bytes, limit: int, received: int) -> bytes:
     """A gzip or deflate body, decompressed to at most ``limit`` bytes: a body that would
     grow past it (a compression bomb) is ``HTTPRequestEntityTooLarge`` once ``limit`` + 1
-    bytes are out, whatever its full size; one that does not decompress is a 400."""
+    bytes are out, whatever its full size; one that does not decompress is ``BadRequest``
+    (the handler's 400)."""
     for wbits in (47, -15):  # gzip or zlib (auto-detected); else a raw deflate stream
         decompressor = zlib.decompressobj(wbits)
         try:
@@ -280,7 +283,7 @@ def _decoded(body: bytes, limit: int, received: int) -> bytes:
         if not decompressor.eof:
             break
         return out
-    raise web.HTTPBadRequest(text="The request body does not decompress.")
+    raise BadRequest("The request body does not decompress.", "invalid_body")
 
 
 class Stream:

@@ -171,13 +171,10 @@ def _client_gone(record: RequestRecord) -> None:
         record.usage_estimated = True
 
 
-async def _forward(request: Incoming, gw: Gateway, record: RequestRecord, started: float) -> Outgoing:
-    token = bearer(request.headers.get("Authorization"))
-    # an unknown token: maybe a key made a moment ago, which this process has not read yet
-    key = gw.authenticate(token) or await gw.authenticate_fresh(token)
-    if key is None:
-        return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
-    record.key = key.name
+async def _body(request: Incoming, gw: Gateway) -> bytes | Outgoing:
+    """The request's body, or the error that answers it: over ``max_request_size`` (before
+    or after decompression), a compressed body that does not decompress, or one that did
+    not arrive within the body timeout."""
     limit = gw.spec.gateway.max_request_size
     if (request.content_length or 0) > limit:
         return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
@@ -185,13 +182,17 @@ async def _forward(request: Incoming, gw: Gateway, record: RequestRecord, starte
     settings = gw.spec.gateway
     try:
         if request.content_length is not None and content.is_eof():
-            body = content.read_nowait()  # the usual case: the whole body came with the head
-        else:
-            # A client that trickles its body holds a socket: it gets a bounded time.
-            async with asyncio.timeout(settings.client_timeouts.body):
-                body = await request.read()
+            return content.read_nowait()  # the usual case: the whole body came with the head
+        # A client that trickles its body holds a socket: it gets a bounded time.
+        async with asyncio.timeout(settings.client_timeouts.body):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
+    except (BadRequest, web.RequestPayloadError):  # the lean server's, aiohttp's
+        message = "The request body does not decode (its Content-Encoding or chunked framing is broken)."
+        broken = error(400, message, "invalid_request_error", "invalid_body")
+        broken.force_close()  # what follows on the connection cannot be trusted (nor read: aiohttp)
+        return broken
     except TimeoutError:
         late = error(
             408,
@@ -201,6 +202,18 @@ async def _forward(request: Incoming, gw: Gateway, record: RequestRecord, starte
         )
         late.force_close()
         return late
+
+
+async def _forward(request: Incoming, gw: Gateway, record: RequestRecord, started: float) -> Outgoing:
+    token = bearer(request.headers.get("Authorization"))
+    # an unknown token: maybe a key made a moment ago, which this process has not read yet
+    key = gw.authenticate(token) or await gw.authenticate_fresh(token)
+    if key is None:
+        return error(401, "Missing or invalid API key.", "invalid_request_error", "invalid_api_key")
+    record.key = key.name
+    body = await _body(request, gw)
+    if not isinstance(body, bytes):
+        return body
     try:
         payload, body = parse_body(body)
     except BadRequest as exc:

@@ -124,6 +124,11 @@ async def models(request: Incoming) -> web.Response:
 async def _forward_aiohttp(request: web.Request) -> web.StreamResponse:
     answer = await forward(request)
     assert isinstance(answer, web.StreamResponse)  # on aiohttp's server, aiohttp's answers
+    if request.content.exception() is not None:
+        # A body that did not decode (the answer closes the connection): aiohttp would read
+        # the rest after the answer (its lingering close), meet the same error again and
+        # log it as unhandled. Marked read to the end, it is not read again.
+        request.content.feed_eof()
     return answer
 
 
