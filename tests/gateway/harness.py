@@ -12,6 +12,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -65,6 +66,27 @@ EVENT_STREAM = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-
 def chunk(data: bytes) -> bytes:
     """``data`` as one chunk of a chunked body."""
     return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def trickle_until_closed(port: int, data: bytes, pause: float, give_up: float) -> float | None:
+    """Send ``data`` to ``port`` on loopback a byte at a time, ``pause`` seconds apart
+    (reading meanwhile); the seconds until the server closed the connection, or None if it
+    was still open after ``give_up`` seconds or at the end of ``data``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        started = time.monotonic()
+        for byte in data:
+            try:
+                sock.sendall(bytes([byte]))
+                sock.settimeout(pause)
+                if sock.recv(1024) == b"":
+                    return time.monotonic() - started
+            except TimeoutError:
+                pass
+            except (ConnectionResetError, BrokenPipeError):
+                return time.monotonic() - started
+            if time.monotonic() - started > give_up:
+                break
+    return None
 
 
 def read_head(conn: socket.socket) -> bytes:

@@ -37,6 +37,7 @@ from tests.gateway.harness import (
     read_head,
     self_signed_cert,
     start_gateway,
+    trickle_until_closed,
 )
 from tests.waiting import wait_until
 
@@ -125,23 +126,8 @@ def _serving(tmp_path: Path, address: str, **settings: object) -> Iterator[tuple
 def test_slow_header_client_is_dropped(sim: Engine, tmp_path: Path) -> None:
     with _serving(tmp_path, sim.address) as (gw, _, _):
         request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
-            started = time.monotonic()
-            closed = None
-            for byte in request:  # one byte a second, never the end of the head
-                try:
-                    sock.sendall(bytes([byte]))
-                    sock.settimeout(1)
-                    if sock.recv(1024) == b"":
-                        closed = time.monotonic() - started
-                        break
-                except TimeoutError:
-                    continue
-                except (ConnectionResetError, BrokenPipeError):
-                    closed = time.monotonic() - started
-                    break
-                if time.monotonic() - started > 8:
-                    break
+        # one byte a second, never the end of the head
+        closed = trickle_until_closed(gw.port, request, pause=1, give_up=8)
         assert closed is not None, "a client sending one byte a second was still connected after 8s"
         assert closed < 4, f"dropped after {closed:.1f}s, header timeout 2s"
 

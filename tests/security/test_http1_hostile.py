@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw_cli.gateway.serving import http1
+from tests.gateway.harness import trickle_until_closed
 from tests.waiting import wait_until
 
 MAX_BODY = 20_000
@@ -206,21 +207,8 @@ def test_undecodable_credentials_reach_the_handler_as_text(serving: Serving) -> 
 
 
 def test_a_head_that_trickles_in_is_dropped_at_the_header_timeout(serving: Serving) -> None:
-    with socket.create_connection(("127.0.0.1", serving.port), timeout=5) as sock:
-        started = time.monotonic()
-        closed = None
-        for byte in b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Long: aaaaaaaaaaaaaaaaaaaaaaaa":
-            try:
-                sock.sendall(bytes([byte]))
-                sock.settimeout(0.2)
-                if sock.recv(1024) == b"":
-                    closed = time.monotonic() - started
-                    break
-            except TimeoutError:
-                continue
-            except (ConnectionResetError, BrokenPipeError):
-                closed = time.monotonic() - started
-                break
+    head = b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Long: aaaaaaaaaaaaaaaaaaaaaaaa"
+    closed = trickle_until_closed(serving.port, head, pause=0.2, give_up=HEADER_TIMEOUT + 2)
     assert closed is not None and closed < HEADER_TIMEOUT + 1, closed
     _clean(serving)
 
