@@ -6,8 +6,8 @@
 line per distinct stack, ``frame;frame;...;frame COUNT``, the outermost frame first, each
 frame ``function (file:line)``) and prints this table for them.
 
-Samples of a thread that only waits for work (the executor's idle threads, which py-spy
-does not always see as idle) are left out. Each other sample goes to one part: the innermost frame that a rule below names decides. Time in
+Samples of a thread that only waits for work (the executor's idle threads, the access
+log's writer between flushes, which py-spy does not always see as idle) are left out. Each other sample goes to one part: the innermost frame that a rule below names decides. Time in
 C code (the HTTP parser, ``json.loads``, SHA-256, socket writes, uvloop) goes to the
 Python function that called it, since py-spy records Python frames only (no ``--native``):
 ``transport.write`` in the aiohttp server's writer is "aiohttp response writing", the
@@ -74,6 +74,8 @@ RULES: tuple[tuple[str, str, str | None], ...] = (
     ("usage from the answer (sse.py)", "llmgw_cli/gateway/serving/sse.py", None),
     ("upstream client (own, httptools)", "llmgw_cli/gateway/serving/upstream.py", None),
     ("proxy's own code (RequestRecord, the path)", "llmgw_cli/gateway/serving/proxy.py", None),
+    ("lean HTTP server (http1.py: parsing callbacks, requests, answers)", "llmgw_cli/gateway/serving/http1.py", None),
+    ("lean HTTP server (http1.py: parsing callbacks, requests, answers)", "llmgw_cli/gateway/serving/exchange.py", None),
     ("the raw proxy's own code (bench/raw_proxy.py)", "raw_proxy.py", None),
     ("event loop", "asyncio/", None),
     ("event loop", "uvloop/", None),
@@ -90,7 +92,9 @@ SEND = "socket writes (send system call)"
 SEND_CALLS = ("transport.write(", "transport.writelines(", "transport.write ")
 ROOT = Path(__file__).resolve().parent.parent
 IDLE = "idle"  # a thread blocked waiting for work: not counted (py-spy may still sample it)
-IDLE_LEAVES = (("_worker", "concurrent/futures/thread.py"),)  # function, file
+# function, file: the executor's idle workers, and any thread blocked on a condition (the
+# access log's writer between its flushes)
+IDLE_LEAVES = (("_worker", "concurrent/futures/thread.py"), ("Condition.wait", "threading.py"))
 FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^():]*):(?P<line>\d+)\)$")
 
 

@@ -55,3 +55,19 @@ def test_idle_executor_threads_are_left_out_and_counts_add_up() -> None:
     table = pp.table(counts, cpu_us=100.0)
     assert "| metering (usage) | 70.0 % | 70.0 |" in table
     assert "| total (10 samples) | 100 % | 100 |" in table
+
+
+def test_the_access_log_writer_waiting_between_flushes_is_idle() -> None:
+    """py-spy samples the writer thread blocked in its wait: counted, it made the access log
+    look like a quarter of every request."""
+    thread = "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982)"
+    waiting = f"{thread};AccessLog._run (llmgw_cli/gateway/serving/accesslog.py:138);Event.wait (threading.py:629);Condition.wait (threading.py:331)"
+    writing = f"{thread};AccessLog._run (llmgw_cli/gateway/serving/accesslog.py:140);AccessLog.flush (llmgw_cli/gateway/serving/accesslog.py:151)"
+    assert pp.parts(f"{waiting} 600\n{writing} 4\n{TOP} 6\n") == {"access log": 4, "event loop": 6}
+
+
+def test_the_lean_server_s_own_code_is_its_part() -> None:
+    received = f"{TOP};Connection.data_received (llmgw_cli/gateway/serving/http1.py:453)"
+    assert pp.part_of(received) == "lean HTTP server (http1.py: parsing callbacks, requests, answers)"
+    answered = f"{TOP};Connection.write (llmgw_cli/gateway/serving/http1.py:1)"
+    assert pp.part_of(answered) == pp.part_of(received)  # line 1 is no transport.write
