@@ -56,6 +56,9 @@ def start_vllm(work: Path, port: int) -> subprocess.Popen[bytes]:
         **os.environ,
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": "1",
+        # unpinned, one thread: vLLM's default binds every instance to core 0 (docs/lab-engines.md)
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
         "VLLM_API_KEY": ENGINE_KEY,
         "VLLM_CACHE_ROOT": str(work / "vllm-cache"),
         "TMPDIR": str(work),
