@@ -50,8 +50,6 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict
 
-from llmgw_cli.errors import BadRequest
-
 log = logging.getLogger("llmgw.http")
 
 MAX_HEAD = 64 * 1024  # bytes of request line and headers
@@ -270,8 +268,8 @@ CODINGS = (b"gzip", b"x-gzip", b"deflate")
 def _decoded(body: bytes, limit: int, received: int) -> bytes:
     """A gzip or deflate body, decompressed to at most ``limit`` bytes: a body that would
     grow past it (a compression bomb) is ``HTTPRequestEntityTooLarge`` once ``limit`` + 1
-    bytes are out, whatever its full size; one that does not decompress is ``BadRequest``
-    (the handler's 400)."""
+    bytes are out, whatever its full size; one that does not decompress is ``HTTPBadRequest``
+    (a plain 400 unless the handler answers it itself, as the gateway's does)."""
     for wbits in (47, -15):  # gzip or zlib (auto-detected); else a raw deflate stream
         decompressor = zlib.decompressobj(wbits)
         try:
@@ -283,7 +281,7 @@ def _decoded(body: bytes, limit: int, received: int) -> bytes:
         if not decompressor.eof:
             break
         return out
-    raise BadRequest("The request body does not decompress.", "invalid_body")
+    raise web.HTTPBadRequest(text="The request body does not decompress.")
 
 
 class Stream:

@@ -188,7 +188,7 @@ async def _body(request: Incoming, gw: Gateway) -> bytes | Outgoing:
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error(413, f"Request body over {limit} bytes.", "invalid_request_error", "request_too_large")
-    except (BadRequest, web.RequestPayloadError):  # the lean server's, aiohttp's
+    except (web.HTTPBadRequest, web.RequestPayloadError):  # the own server's, aiohttp's
         message = "The request body does not decode (its Content-Encoding or chunked framing is broken)."
         broken = error(400, message, "invalid_request_error", "invalid_body")
         broken.force_close()  # what follows on the connection cannot be trusted (nor read: aiohttp)
