@@ -285,12 +285,20 @@ def redact_log(handler: logging.Handler, gw: Gateway) -> None:
         handler.addFilter(RedactLog(gw.known_secrets))
 
 
-def _all_connections(runners: list[web.AppRunner], lean: list[http1.Server]) -> list[Any]:
-    """Every client connection of every listener: aiohttp's and the lean server's."""
-    found: list[Any] = [c for r in runners if r.server is not None for c in r.server.connections]
-    for server in lean:
-        found.extend(server.connections)
-    return found
+class Listening:
+    """What serves: aiohttp's runners, the lean servers and their listening sockets."""
+
+    def __init__(self) -> None:
+        self.runners: list[web.AppRunner] = []
+        self.lean: list[http1.Server] = []
+        self.sites: list[asyncio.Server] = []
+
+    def connections(self) -> list[Any]:
+        """Every client connection of every listener: aiohttp's and the lean server's."""
+        found: list[Any] = [c for r in self.runners if r.server is not None for c in r.server.connections]
+        for server in self.lean:
+            found.extend(server.connections)
+        return found
 
 
 class WriteWatch:
@@ -300,11 +308,8 @@ class WriteWatch:
     frees the model slot and closes the engine's connection. One task looks at every
     connection a few times per ``timeout``: nothing is added to the path of a write."""
 
-    def __init__(
-        self, runners: list[web.AppRunner], timeout: float, lean: list[http1.Server] | None = None
-    ) -> None:
-        self.runners = runners
-        self.lean = lean if lean is not None else []
+    def __init__(self, serving: Listening, timeout: float) -> None:
+        self.serving = serving
         self.timeout = timeout
         self.stalled: dict[Any, float] = {}  # connection -> when it was first seen full
 
@@ -312,7 +317,7 @@ class WriteWatch:
         """Abort the connections full since ``timeout`` ago; how many were aborted."""
         seen: dict[Any, float] = {}
         dropped = 0
-        for conn in _all_connections(self.runners, self.lean):
+        for conn in self.serving.connections():
             if not conn.writing_paused or conn.transport is None:
                 continue
             since = seen[conn] = self.stalled.get(conn, now)
@@ -435,18 +440,6 @@ async def _start_lean(
         return [await loop.create_server(server, sock=sock, backlog=2048, ssl=context) for sock in sockets]
     except OSError as exc:
         raise LlmgwError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
-
-
-class Listening:
-    """What serves: aiohttp's runners, the lean servers and their listening sockets."""
-
-    def __init__(self) -> None:
-        self.runners: list[web.AppRunner] = []
-        self.lean: list[http1.Server] = []
-        self.sites: list[asyncio.Server] = []
-
-    def connections(self) -> list[Any]:
-        return _all_connections(self.runners, self.lean)
 
 
 async def _stop_accepting(serving: Listening, inherited: list[socket.socket]) -> None:
@@ -611,7 +604,7 @@ async def serve(gw: Gateway, ready: asyncio.Event | None = None, worker: int | N
     conns = Connections()
     watches = [
         asyncio.create_task(
-            WriteWatch(serving.runners, settings.client_timeouts.write, serving.lean).run(),
+            WriteWatch(serving, settings.client_timeouts.write).run(),
             name="gateway-write-watch",
         )
     ]
