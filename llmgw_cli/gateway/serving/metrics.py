@@ -50,6 +50,17 @@ LOAD_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 MAX_CHILDREN = 10_000  # cached label sets; keys and models are bounded, this is a backstop
 
 
+def _kept(cache: dict[tuple[str, ...], Any], metric: Any, labels: tuple[str, ...]) -> Any:
+    """``metric``'s child for ``labels``, kept in ``cache`` (``labels()`` costs more than an
+    increment); the cache starts again past ``MAX_CHILDREN`` label sets."""
+    child = cache.get(labels)
+    if child is None:
+        if len(cache) > MAX_CHILDREN:
+            cache.clear()
+        child = cache[labels] = metric.labels(*labels)
+    return child
+
+
 class Metrics:
     def __init__(self) -> None:
         self.requests = Counter(
@@ -135,8 +146,8 @@ class Metrics:
         self.labelled: frozenset[str] | None = None
         self.registry: CollectorRegistry | None = None
         self._children: dict[tuple[str, int, str], tuple[Any, ...]] = {}
-        self._routes: dict[tuple[str, str, str], Any] = {}
-        self._retries: dict[str, Any] = {}
+        self._routes: dict[tuple[str, ...], Any] = {}
+        self._retries: dict[tuple[str, ...], Any] = {}
 
     # --- the request path ----------------------------------------------------------
 
@@ -185,12 +196,7 @@ class Metrics:
     def routed(self, model: str, policy: str, reason: str) -> None:
         """A replica was chosen for a request of ``model``; all three labels are bounded.
         The labelled child is kept: ``labels()`` costs more than the increment."""
-        child = self._routes.get((model, policy, reason))
-        if child is None:
-            if len(self._routes) > MAX_CHILDREN:
-                self._routes.clear()
-            child = self._routes[(model, policy, reason)] = self.route_decisions.labels(model, policy, reason)
-        child.inc()
+        _kept(self._routes, self.route_decisions, (model, policy, reason)).inc()
 
     def log_dropped(self, lines: int) -> None:
         """The access log dropped ``lines`` (called from its writer thread: prometheus_client
@@ -200,12 +206,7 @@ class Metrics:
     def retry(self, model: str) -> None:
         """A request of ``model`` is tried again after a connection failure (its child kept,
         as ``routed``'s: a flapping engine retries on every request)."""
-        child = self._retries.get(model)
-        if child is None:
-            if len(self._retries) > MAX_CHILDREN:
-                self._retries.clear()
-            child = self._retries[model] = self.retries.labels(model)
-        child.inc()
+        _kept(self._retries, self.retries, (model,)).inc()
 
     # --- the model controller --------------------------------------------------
 
