@@ -74,8 +74,16 @@ RULES: tuple[tuple[str, str, str | None], ...] = (
     ("usage from the answer (sse.py)", "llmgw_cli/gateway/serving/sse.py", None),
     ("upstream client (own, httptools)", "llmgw_cli/gateway/serving/upstream.py", None),
     ("proxy's own code (RequestRecord, the path)", "llmgw_cli/gateway/serving/proxy.py", None),
-    ("lean HTTP server (http1.py: parsing callbacks, requests, answers)", "llmgw_cli/gateway/serving/http1.py", None),
-    ("lean HTTP server (http1.py: parsing callbacks, requests, answers)", "llmgw_cli/gateway/serving/exchange.py", None),
+    (
+        "lean HTTP server (http1.py: parsing callbacks, requests, answers)",
+        "llmgw_cli/gateway/serving/http1.py",
+        None,
+    ),
+    (
+        "lean HTTP server (http1.py: parsing callbacks, requests, answers)",
+        "llmgw_cli/gateway/serving/exchange.py",
+        None,
+    ),
     ("the raw proxy's own code (bench/raw_proxy.py)", "raw_proxy.py", None),
     ("event loop", "asyncio/", None),
     ("event loop", "uvloop/", None),
