@@ -14,11 +14,12 @@ import os
 import pwd
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.ports import free_port
 
 ROLE = "llmgw"
 DATABASE = "llmgw"
@@ -43,12 +44,6 @@ def unavailable() -> str | None:
         except KeyError:
             return "no postgres user to run PostgreSQL as (Debian package postgresql)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

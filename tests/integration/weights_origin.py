@@ -26,7 +26,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
 from tests.waiting import connects, wait_until
 
 TOKEN = "test-token-d0d0"
@@ -90,12 +90,6 @@ http {{
   }}
 }}
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -175,7 +169,7 @@ def start_origin(root: Path, host: str = "127.0.0.1", hub_port: int | None = Non
          "-addext", f"subjectAltName=IP:{host},DNS:localhost", "-keyout", str(root / "key.pem"), "-out", str(root / "cert.pem")],
         check=True, capture_output=True,
     )  # fmt: skip
-    port, http_port, other_port = _free_port(), _free_port(), _free_port()
+    port, http_port, other_port = free_port(), free_port(), free_port()
     hub = ""
     if hub_port is not None:
         to = f"proxy_pass http://127.0.0.1:{hub_port}; proxy_buffering off;"

@@ -12,7 +12,6 @@ import hashlib
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from llmgw_cli.node import fetch_disk, fetch_http
 from llmgw_cli.remote.fetch import node_script
 from llmgw_cli.remote.hub import resolve
 from tests.hub_standin import HubStandin
+from tests.ports import free_port
 from tests.unit.test_snapshot_fetch import files_under, manifest, snapshot_dir
 from tests.waiting import wait_until
 
@@ -177,14 +177,6 @@ def copy_job(snap: Snapshot, weights: Path, port: int, *, peer: bool = True) -> 
 
 def cdn_gets(hub: HubStandin) -> list[str]:
     return [r.path for r in hub.requests if r.server == "cdn" and r.method == "GET"]
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound, then let go)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 # --- serve-snapshot -------------------------------------------------------------------------
