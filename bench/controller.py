@@ -26,7 +26,6 @@ import argparse
 import json
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,10 @@ from typing import Any
 
 import httpx
 import yaml
+
+# the repository, for the tests' port picker (a port is never handed out twice)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.ports import free_port
 
 STATE = Path("/var/lib/llmgw-bench-lab")
 NODES = ("node01", "node02")
@@ -58,13 +61,6 @@ def llmgw(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 def must(done: subprocess.CompletedProcess[str]) -> str:
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def ssh(node: str, command: str) -> str | None:

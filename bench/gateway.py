@@ -57,6 +57,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+# the repository, for the tests' port picker (a port is never handed out twice)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.ports import free_port
+
 try:
     import uvloop
 except ImportError:  # the bench then runs on asyncio's own loop
@@ -353,12 +357,6 @@ def cpu_seconds(pid: int) -> float:
 
 
 # --- orchestration --------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_port(port: int, seconds: float = 30) -> None:
