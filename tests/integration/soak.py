@@ -20,6 +20,8 @@ bench/soak.py.
 from __future__ import annotations
 
 import asyncio
+import shlex
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +31,8 @@ from typing import Any
 
 import yaml
 
-from tests.gateway.harness import free_port, start_gateway, stop
+from tests.gateway.harness import start_gateway, stop
+from tests.ports import free_port
 from tests.waiting import wait_until
 
 from .conftest import Lab
@@ -120,6 +123,60 @@ class Kill:
     done: float  # wall time on the node once `systemctl kill` returned
     address: str
     unit: str
+    sought: float = 0.0  # seconds spent looking for a victim that held streams in their middle
+    chosen: float = 0.0  # wall time of the victim's choice, here
+
+    @property
+    def lag(self) -> float:
+        """Seconds from the choice of the victim to the kill's return on its node."""
+        return self.done - self.chosen
+
+
+class ArmedKill:
+    """``systemctl kill -s KILL`` of one replica's unit, made ready before it is wanted: an
+    SSH session to the unit's node waits for a line on its standard input, then kills.
+
+    A kill is aimed at streams in their middle. An SSH connection opened only once the
+    victim was chosen took seconds on a machine whose cores the engines kept busy: the
+    streams it was chosen for could end meanwhile and new ones begin on it, and the kill
+    then cut only streams that had not had a token yet. Once armed, a kill lands in the
+    time of a write to a pipe and one ``systemctl`` on the node."""
+
+    def __init__(self, node: str, unit: str, proc: asyncio.subprocess.Process) -> None:
+        self.node, self.unit, self.proc = node, unit, proc
+
+    @classmethod
+    async def arm(cls, lab: Lab, node: str, unit: str) -> ArmedKill:
+        # reset-failed first: the soak kills more often than the unit's StartLimitBurst
+        # allows in StartLimitIntervalSec, and systemd would give up on it. The node tells
+        # when the kill ran (`date`, before and after).
+        u = shlex.quote(unit)
+        script = (
+            f"systemctl reset-failed {u}; echo armed; read -r go || exit 0; "
+            f"date +%s.%N; systemctl kill -s KILL {u}; date +%s.%N"
+        )
+        proc = await asyncio.create_subprocess_exec(
+            "ssh", "-F", str(lab.ssh_config), node, script,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
+        if line.strip() != b"armed":
+            _, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+            raise AssertionError(f"the kill of {unit} on {node} could not be armed: {err.decode()[-500:]}")
+        return cls(node, unit, proc)
+
+    async def fire(self) -> tuple[float, float]:
+        """Kill now: the node's wall times before and after ``systemctl kill``."""
+        out, err = await asyncio.wait_for(self.proc.communicate(b"go\n"), timeout=60)
+        assert self.proc.returncode == 0, err.decode()[-500:]
+        at, landed = (float(x) for x in out.split())
+        return at, landed
+
+    async def disarm(self) -> None:
+        """Let the session end without killing: its standard input ends (``communicate``
+        closes it only when given something to write)."""
+        await asyncio.wait_for(self.proc.communicate(b""), timeout=60)
 
 
 @dataclass
@@ -171,42 +228,60 @@ class SoakResult:
             f"retried {len(self.retried)}, failed before the first byte {len(self.before_first_byte)} "
             f"(logged {len(self.logged_failures)}), streams cut {len(self.cut)} "
             f"({on_killed} on the replica killed while they ran), broken at the client {len(self.broken)}, "
-            f"longest wait for the other replica before a kill {max(self.waits, default=0):.1f}s"
+            f"longest wait for the other replica before a kill {max(self.waits, default=0):.1f}s, "
+            f"longest look for a victim {max((k.sought for k in self.kills), default=0):.1f}s, "
+            f"longest from its choice to its kill {max((k.lag for k in self.kills), default=0):.2f}s"
         )
 
 
-def _fresh(load: Load) -> int:
-    """Streams in flight that are not yet past their first token (a role chunk, then content)."""
-    return sum(1 for r in load.requests if not r.done and r.chunks < 2)
+def surely_in_middle(held: dict[str, int], chunks: list[int], late: int) -> dict[str, int]:
+    """By replica, how many of its streams are surely in their middle: past their first
+    token (a role chunk, then content) and at most ``late`` chunks in (one further in could
+    end before the kill lands). The gateway says how many streams each replica ``held``;
+    the client how many ``chunks`` each of its running streams got, not where it runs. So
+    a replica holds at least its streams less every stream not in its middle, and at least
+    the streams in their middle less what the other replicas hold."""
+    middle = sum(1 for n in chunks if 2 <= n <= late)
+    others = len(chunks) - middle
+    total = sum(held.values())
+    return {address: max(0, n - others, middle - (total - n)) for address, n in held.items()}
 
 
-def _mid_stream_on(gw: SoakGateway, load: Load) -> dict[str, int]:
-    """By replica, how many of its streams are surely past their first token: the gateway
-    says how many requests each replica holds, the client how many of its streams have
-    not begun; what a replica holds beyond all the streams not begun is in its middle.
-    The gateway is read first, so a stream that starts between the two reads is counted
-    as not begun and the figure errs low."""
+def _in_middle_on(gw: SoakGateway, load: Load, late: int) -> dict[str, int]:
+    """``surely_in_middle`` now. The gateway is read first, so a stream that starts
+    between the two reads is counted as not begun and the figures err low."""
     held = {r["address"]: r["outstanding"] for r in admin_replicas(gw.admin_port, gw.admin, gw.model)}
-    fresh = _fresh(load)
-    return {address: n - fresh for address, n in held.items()}
+    return surely_in_middle(held, [r.chunks for r in list(load.requests) if not r.done], late)
 
 
-async def _pick_victim(gw: SoakGateway, load: Load, order: list[str], *, mid_stream: int) -> str:
+async def _pick_victim(
+    gw: SoakGateway, load: Load, order: list[str], *, mid_stream: int, late: int, until: float
+) -> str | None:
     """The replica to kill: the first of ``order`` that holds ``mid_stream`` streams in
-    their middle, waiting up to 30 s for one to (then the first of ``order``). A kill is
-    meant to land in the middle of streams; on a busy CPU an engine is slow to begin and
-    the gateway's routing keeps a prompt on one replica, so neither the time of a kill
-    nor its victim can be fixed in advance."""
+    their middle, looked for until ``until`` (the load's end; then None: no kill). A kill
+    is meant to land in the middle of streams; on a busy CPU an engine is slow to begin
+    and the gateway's routing keeps a prompt on one replica, so neither the time of a
+    kill nor its victim can be fixed in advance. ``mid_stream`` 0: the first of ``order``."""
     if mid_stream <= 0:
         return order[0]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = await asyncio.to_thread(_mid_stream_on, gw, load)
+    while time.monotonic() < until:
+        found = await asyncio.to_thread(_in_middle_on, gw, load, late)
         for address in order:
             if found.get(address, 0) >= mid_stream:
                 return address
         await asyncio.sleep(0.1)
-    return order[0]
+    return None
+
+
+async def _arm(lab: Lab, gw: SoakGateway, order: list[str]) -> dict[str, ArmedKill]:
+    """A kill armed for each replica (those armed are let go if one cannot be)."""
+    made = await asyncio.gather(*(ArmedKill.arm(lab, *gw.units[a]) for a in order), return_exceptions=True)
+    armed = {a: kill for a, kill in zip(order, made, strict=True) if isinstance(kill, ArmedKill)}
+    failed = [x for x in made if isinstance(x, BaseException)]
+    if failed:
+        await asyncio.gather(*(kill.disarm() for kill in armed.values()))
+        raise failed[0]
+    return armed
 
 
 async def _kill_loop(
@@ -219,6 +294,7 @@ async def _kill_loop(
     kills: list[Kill],
     waits: list[float],
     mid_stream: int,
+    late: int,
 ) -> None:
     order = sorted(gw.units)
     turn = 0
@@ -236,21 +312,18 @@ async def _kill_loop(
             what="both replicas in rotation before the next kill",
         )
         waits.append(time.monotonic() - began)
+        armed = await _arm(lab, gw, order)
         preferred = order[turn % 2 :] + order[: turn % 2]  # the two in turn, when both could be
-        victim = await _pick_victim(gw, load, preferred, mid_stream=mid_stream)
-        node, unit = gw.units[victim]
-        # reset-failed first: the soak kills more often than the unit's StartLimitBurst
-        # allows in StartLimitIntervalSec, and systemd would give up on it. The node tells
-        # when the kill ran: an SSH round trip on a busy machine takes seconds, and streams
-        # that started on the victim meanwhile were still on it when it died.
-        done = await asyncio.to_thread(
-            lab.ssh,
-            node,
-            f"systemctl reset-failed {unit}; date +%s.%N; systemctl kill -s KILL {unit}; date +%s.%N",
-        )
-        assert done.returncode == 0, done.stderr
-        at, landed = (float(x) for x in done.stdout.split())
-        kills.append(Kill(at, landed, victim, unit))
+        looked = time.monotonic()
+        try:
+            victim = await _pick_victim(gw, load, preferred, mid_stream=mid_stream, late=late, until=until)
+            if victim is None:  # the load ended first: a kill now would cut nothing
+                return
+            sought, chosen = time.monotonic() - looked, time.time()
+            at, landed = await armed.pop(victim).fire()
+        finally:
+            await asyncio.gather(*(kill.disarm() for kill in armed.values()))
+        kills.append(Kill(at, landed, victim, gw.units[victim][1], sought, chosen))
         turn += 1
         next_at = max(next_at + every, time.monotonic() + 1)
 
@@ -271,8 +344,12 @@ async def _soak(
     until = time.monotonic() + seconds
     kills: list[Kill] = []
     waits: list[float] = []
+    # a stream more than two thirds through could end before the kill lands
+    late = sys.maxsize if max_tokens is None else max_tokens * 2 // 3
     await asyncio.gather(
-        _kill_loop(lab, gw, load, until, every=kill_every, kills=kills, waits=waits, mid_stream=mid_stream),
+        _kill_loop(
+            lab, gw, load, until, every=kill_every, kills=kills, waits=waits, mid_stream=mid_stream, late=late
+        ),
         load.run(until),
     )
     return load.requests, kills, waits
@@ -289,8 +366,10 @@ def soak(
     mid_stream: int = 0,
 ) -> SoakResult:
     """Stream at ``concurrency`` for ``seconds``, killing a replica every ``kill_every``
-    seconds (one that holds ``mid_stream`` streams past their first token, if one does
-    within 30 s); then stop the gateway (its log is complete) and read its access log."""
+    seconds (with ``mid_stream``, the first replica seen holding that many streams in
+    their middle: past their first token, not two thirds through ``max_tokens``; none
+    seen before the load ends, no kill); then stop the gateway (its log is complete) and
+    read its access log."""
     streams, kills, waits = asyncio.run(
         _soak(
             lab,

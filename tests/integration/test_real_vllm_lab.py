@@ -644,15 +644,16 @@ def test_streams_survive_a_real_vllm_killed_under_them(lab: Lab, real: RealLab) 
         real.cluster, real.port, key, real.admin, real.admin_port, real.log, units, real.halt, CHAT
     )
     # 48 tokens a stream: 3 s at 15 tokens/s on a CPU with AMX, 15 s on one with AVX2
-    # only. Each kill waits for a replica that holds 2 streams past their first token and
-    # kills that one: the routing keeps one prompt on one replica, so the other may hold
-    # only streams that have just begun
+    # only. Each kill waits for a replica that holds 2 streams in their middle (past their
+    # first token, not two thirds through) and kills that one, with an SSH session to its
+    # node opened beforehand: the routing keeps one prompt on one replica, so the other may
+    # hold only streams that have just begun
     result = soak(lab, gw, concurrency=6, seconds=70, kill_every=30, max_tokens=48, mid_stream=2)
     result = dataclasses.replace(
         result, log=[x for x in result.log if x["key"] == "soak"]
     )  # not the tests' before
     print(result.totals())
-    assert result.kills, result.totals()
+    assert result.kills, f"no replica held 2 streams in their middle while the load ran: {result.totals()}"
     assert len(result.log) == len(result.streams), result.totals()
     assert not result.before_first_byte, [s.error for s in result.before_first_byte][:5]
     assert not result.logged_failures, result.logged_failures[:5]
