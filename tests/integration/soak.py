@@ -142,8 +142,8 @@ class ArmedKill:
     then cut only streams that had not had a token yet. Once armed, a kill lands in the
     time of a write to a pipe and one ``systemctl`` on the node."""
 
-    def __init__(self, node: str, unit: str, proc: asyncio.subprocess.Process) -> None:
-        self.node, self.unit, self.proc = node, unit, proc
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
 
     @classmethod
     async def arm(cls, lab: Lab, node: str, unit: str) -> ArmedKill:
@@ -162,9 +162,9 @@ class ArmedKill:
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), timeout=60)
         if line.strip() != b"armed":
-            _, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+            _, err = await asyncio.wait_for(proc.communicate(b""), timeout=60)  # see disarm
             raise AssertionError(f"the kill of {unit} on {node} could not be armed: {err.decode()[-500:]}")
-        return cls(node, unit, proc)
+        return cls(proc)
 
     async def fire(self) -> tuple[float, float]:
         """Kill now: the node's wall times before and after ``systemctl kill``."""
